@@ -1,0 +1,77 @@
+"""What a step carries between the scheduler, the runner and the attention backend."""
+from dataclasses import dataclass
+
+import torch
+
+from inferlab.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The scheduler's decision for one step: these sequences, this many new tokens each.
+
+    A sequence samples a token this step when its scheduled tokens reach the end of what it
+    holds; a prefill chunk that stops short computes K/V only.
+    """
+    seqs: list[Sequence]
+    num_scheduled_tokens: list[int]
+
+    def __len__(self):
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def samples(self) -> list[bool]:
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly its last token: the shape CUDA graphs capture."""
+        return all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                   for s, n in zip(self.seqs, self.num_scheduled_tokens))
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return 0 if self.is_decode else self.total_tokens
+
+
+@dataclass(slots=True)
+class AttentionInputs:
+    """Device tensors describing a batch's layout in the paged cache, built once per step by the
+    runner; each backend turns them into its own metadata. Tokens of a batch are laid out sequence
+    after sequence (varlen)."""
+    query_start_loc: torch.Tensor  # int32 [B+1]: where each sequence's new tokens start
+    seq_lens: torch.Tensor  # int32 [B]: context length after this step (cached + new)
+    context_lens: torch.Tensor  # int32 [B]: tokens already in the cache before this step
+    block_tables: torch.Tensor  # int32 [B, max_blocks]: cache block ids, padded with 0 (never read past seq_lens)
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot (block * block_size + offset) of each new token
+    max_query_len: int
+    max_seq_len: int
+    is_decode: bool
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling settings of the rows that sample this step, on the logits' device.
+
+    Noise for row i is a function of (seeds[i], steps[i]) only, so a seeded request draws the same
+    tokens whatever else shares its batch, and a preempted one resumes the same stream.
+    """
+    temperatures: torch.Tensor  # float32 [N]; 0 = greedy
+    top_k: torch.Tensor  # int64 [N]; vocab size when disabled
+    top_p: torch.Tensor  # float32 [N]
+    min_p: torch.Tensor  # float32 [N]
+    seeds: torch.Tensor  # int64 [N]
+    steps: torch.Tensor  # int64 [N]: index of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool

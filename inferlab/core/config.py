@@ -1,0 +1,59 @@
+"""Engine settings: nano-vllm's, plus the device, the dtype and the plugin choices."""
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything that shapes an engine. Plugin fields hold registered names; `*_options` hold the
+    keyword arguments passed to the chosen plugin's factory (Hydra config nodes land there)."""
+    model_path: str | None = None  # None: the embedded tiny model
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1  # -1: sized from free device memory
+    enable_prefix_caching: bool = True
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # "auto": the checkpoint's on GPU, float32 on CPU
+    seed: int = 0  # draws the seeds of requests that bring none
+    cpu_kv_cache_gib: float = 1.0  # KV budget on CPU when num_kvcache_blocks is -1
+    scheduler: str = "fcfs"
+    kv_cache: str = "paged"
+    attention: str = "auto"  # "auto": the device's best available backend
+    model: str = "auto"  # "auto": the plugin serving the checkpoint's `architectures`
+    sampler: str = "default"
+    scheduler_options: dict = field(default_factory=dict)
+    kv_cache_options: dict = field(default_factory=dict)
+    attention_options: dict = field(default_factory=dict)
+    model_options: dict = field(default_factory=dict)
+    sampler_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "kvcache_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.num_kvcache_blocks, int) and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):
+            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or >= 1, got {self.num_kvcache_blocks!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, model_path: str | None, kwargs: dict) -> "EngineConfig":
+        """Builds a config from LLM(...) keyword arguments; an unknown one is an error, not ignored."""
+        names = {f.name for f in fields(cls)} - {"model_path"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {unknown}; allowed: {sorted(names)}")
+        return cls(model_path=model_path, **kwargs)
+
+
+DTYPES = {"auto", "float32", "float16", "bfloat16"}

@@ -1,0 +1,227 @@
+"""The engine loop: requests in, scheduler -> runner -> scheduler each step, outputs in order."""
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from tqdm.auto import tqdm
+
+from inferlab.core.config import EngineConfig
+from inferlab.core.model_runner import ModelRunner
+from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.sequence import Sequence
+
+log = logging.getLogger("inferlab")
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life, for users and benchmark results."""
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    """LLM(model_path, **settings): nano-vllm's settings, plus device, dtype and plugin names
+    (scheduler, kv_cache, attention, model, sampler). Without a path, the embedded tiny model."""
+
+    def __init__(self, model_path: str | None = None, /, *, registry: PluginRegistry | None = None, **kwargs):
+        config = EngineConfig.from_kwargs(model_path, kwargs)
+        self.registry = registry or get_registry()
+        for kind in KINDS:  # fail on a misspelled plugin before loading anything heavy
+            name = getattr(config, kind)
+            if name != "auto":
+                self.registry.get(kind, name)
+        if model_path is None:
+            from inferlab.tiny_model import default_model_path
+            model_path = default_model_path()
+        self.model_path = model_path = os.fspath(model_path)
+        hf_config, self.tokenizer = load_checkpoint_files(model_path)
+        self.config = config
+        self.hf_config = hf_config
+        config.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
+        self.runner = ModelRunner(config, hf_config, model_path, self.registry)
+        self.kv_cache = self.registry.create("kv_cache", config.kv_cache, config, self.runner.num_kv_blocks,
+                                             **config.kv_cache_options)
+        self.scheduler = self.registry.create("scheduler", config.scheduler, config, self.kv_cache,
+                                              **config.scheduler_options)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.seed_rng = random.Random(config.seed)
+        self.requests: dict[int, Sequence] = {}
+        self.stats = EngineStats()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenizes and validates one request without touching engine state."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:10]} are outside the vocabulary: ids must be in [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
+        bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+        needed = -(-min(len(token_ids) + params.max_tokens, max_len) // bs)
+        if needed > num_blocks:
+            raise ValueError(
+                f"the request needs up to {needed} KV blocks of {bs} tokens ({len(token_ids)} prompt + "
+                f"{params.max_tokens} max_tokens) but the whole cache has {num_blocks}: it could never be served; "
+                f"lower max_tokens or the prompt to at most {num_blocks * bs} tokens in all, or give the cache more memory")
+        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
+        return Sequence(token_ids, params, self.eos_token_id, max_len, seed)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queues one request; returns its id for abort() and for matching outputs."""
+        return self._add(self.make_sequence(prompt, params or SamplingParams()))
+
+    def _add(self, seq: Sequence) -> int:
+        self.requests[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """Stops a request and frees everything it holds; True if it was still pending."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[Sequence], int, int]:
+        """One scheduling + forward + postprocess round. Returns the requests that finished and
+        the prefill and decode tokens it computed."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.is_finished():
+                return [], 0, 0
+            raise RuntimeError("the scheduler has pending requests but scheduled nothing: the KV cache "
+                               "cannot hold any of them (this is a scheduler bug or a cache too small)")
+        decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
+                            if n == 1 and s.num_computed_tokens == s.num_tokens - 1)
+        prefill_tokens = batch.total_tokens - decode_tokens
+        start = perf_counter()
+        sampled = self.runner.execute(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        for seq, token in zip(batch.seqs, sampled):
+            if token is not None and seq.params.stop and not seq.is_finished and self._hits_stop_string(seq):
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        elapsed = perf_counter() - start
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_prefill_tokens += prefill_tokens
+        stats.num_decode_tokens += decode_tokens
+        if prefill_tokens:
+            stats.prefill_seconds += elapsed
+        else:
+            stats.decode_seconds += elapsed
+        for seq in finished:
+            self.requests.pop(seq.seq_id, None)
+        return finished, prefill_tokens, decode_tokens
+
+    def _hits_stop_string(self, seq: Sequence) -> bool:
+        # A stop string of m characters spans at most m tokens; look a few more back for safety.
+        longest = max(len(s) for s in seq.params.stop)
+        tail = self.tokenizer.decode(seq.completion_token_ids[-(longest + 4):])
+        return any(s in tail for s in seq.params.stop)
+
+    def output(self, seq: Sequence) -> dict:
+        text = self.tokenizer.decode(seq.completion_token_ids)
+        if seq.params.stop:
+            cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+            if cuts:
+                text = text[:min(cuts)]
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[dict]:
+        """Generates for every prompt; returns [{"text", "token_ids", "finish_reason"}] in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                                 "give one for all or one per prompt")
+        else:
+            sampling_params = [sampling_params] * len(prompts)
+        # Validate everything before queueing anything, so a bad prompt leaves the engine as it was.
+        seqs = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            try:
+                seqs.append(self.make_sequence(prompt, params))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        for seq in seqs:
+            self._add(seq)
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        try:
+            while any(not s.is_finished for s in seqs):
+                start = perf_counter()
+                finished, prefill_tokens, decode_tokens = self.step()
+                elapsed = perf_counter() - start
+                if prefill_tokens:
+                    prefill_rate = prefill_tokens / elapsed
+                else:
+                    decode_rate = decode_tokens / elapsed
+                bar.set_postfix({"Prefill": f"{int(prefill_rate)}tok/s", "Decode": f"{int(decode_rate)}tok/s"})
+                bar.update(sum(1 for s in finished if s in seqs))
+        except BaseException:
+            for seq in seqs:  # leave the engine usable: drop what this call queued
+                if not seq.is_finished:
+                    self.abort(seq.seq_id)
+            raise
+        finally:
+            bar.close()
+        return [self.output(seq) for seq in seqs]
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Releases the engine's resources (worker processes under tensor parallelism)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load_checkpoint_files(path: str):
+    """The HF config and tokenizer of a model directory, with errors that name what is missing."""
+    from transformers import AutoConfig, AutoTokenizer
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"model directory {path!r} has no config.json ({config_file!r})")
+    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no usable tokenizer in {path!r}: {e}") from e
+    return hf_config, tokenizer

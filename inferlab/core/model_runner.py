@@ -1,0 +1,224 @@
+"""Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
+tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
+import logging
+
+import numpy as np
+import torch
+
+from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch
+from inferlab.core.config import EngineConfig
+from inferlab.core.parallel import SINGLE, TPGroup
+from inferlab.core.plugins import PluginError, PluginRegistry
+
+log = logging.getLogger("inferlab")
+
+# attention=auto tries these in order and takes the first that builds and validates
+AUTO_ATTENTION = {"cuda": ("flash_attn", "triton", "torch"), "cpu": ("torch",)}
+MASK64 = (1 << 64) - 1
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available; use device='cpu'")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry,
+                 tp_group: TPGroup = SINGLE):
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and tp_group.size > 1:
+            self.device = torch.device("cuda", tp_group.rank)
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        self.block_size = config.kvcache_block_size
+        self.vocab_size = hf_config.vocab_size
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.backend = self._make_backend(registry, head_dim)
+        model_name = config.model if config.model != "auto" else self._model_for(registry, hf_config)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = registry.create("model", model_name, hf_config, backend=self.backend, tp_group=tp_group,
+                                             dtype=self.dtype, device=self.device, **config.model_options)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(model_path)
+        self.model.eval()
+        self.sampler = registry.create("sampler", config.sampler, config, **config.sampler_options)
+        self.num_kv_blocks = self._num_kv_blocks()
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+
+    def _make_backend(self, registry: PluginRegistry, head_dim: int):
+        names = AUTO_ATTENTION[self.device.type] if self.config.attention == "auto" else (self.config.attention,)
+        reasons = []
+        for name in names:
+            if self.config.attention == "auto" and name not in registry.entries["attention"]:
+                reasons.append(f"{name}: not installed")
+                continue
+            try:
+                backend = registry.create("attention", name, self.config, **self.config.attention_options)
+            except ImportError as e:
+                reasons.append(f"{name}: {e}")
+                if self.config.attention != "auto":
+                    raise PluginError(f"attention backend {name!r} cannot be used: {e}") from e
+                continue
+            problems = backend.validate(self.device, self.dtype, self.block_size, head_dim)
+            if not problems:
+                if reasons:
+                    log.warning("attention=auto chose %r; skipped: %s", name, "; ".join(reasons))
+                return backend
+            reasons.append(f"{name}: {'; '.join(problems)}")
+        raise ValueError(f"no attention backend can serve device={self.device.type}, dtype={self.dtype}, "
+                         f"block size={self.block_size}, head_dim={head_dim}: " + " | ".join(reasons))
+
+    @staticmethod
+    def _model_for(registry: PluginRegistry, hf_config) -> str:
+        architectures = list(getattr(hf_config, "architectures", None) or [])
+        for name in registry.names("model"):
+            served = getattr(registry.entries["model"][name].factory, "architectures", ())
+            if any(a in served for a in architectures):
+                return name
+        available = {n: list(getattr(registry.entries["model"][n].factory, "architectures", ())) for n in registry.names("model")}
+        raise PluginError(f"no model plugin serves architectures {architectures}; available: {available}")
+
+    def _kv_block_bytes(self) -> int:
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kvcache_blocks > 0:
+            return self.config.num_kvcache_blocks
+        block_bytes = self._kv_block_bytes()
+        if self.device.type == "cpu":
+            enough = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+            return max(1, min(enough, int(self.config.cpu_kv_cache_gib * 2**30) // block_bytes))
+        return self._num_kv_blocks_from_gpu_memory(block_bytes)
+
+    def _num_kv_blocks_from_gpu_memory(self, block_bytes: int) -> int:
+        """As nano-vllm: run the largest batch once, then give the KV cache what is left of
+        gpu_memory_utilization after the weights and that step's peak activations."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        warmup_cache = self._warmup()
+        warmup_bytes = warmup_cache.numel() * warmup_cache.element_size()
+        del warmup_cache
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak_activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"] - warmup_bytes
+        available = total * self.config.gpu_memory_utilization - (total - free) - peak_activations
+        num_blocks = int(available) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                             f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
+        return num_blocks
+
+    def _warmup(self) -> torch.Tensor:
+        """One prefill of max_num_batched_tokens tokens (sequences of max_model_len) on a scratch cache."""
+        from inferlab.core.sampling_params import SamplingParams
+        from inferlab.core.sequence import Sequence
+        max_len = self.config.max_model_len
+        num_tokens = max(self.config.max_num_batched_tokens, max_len)
+        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        lengths = lengths[:self.config.max_num_seqs]
+        num_blocks = sum(-(-n // self.block_size) for n in lengths)
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
+        cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
+        seqs, next_block = [], 0
+        for n in lengths:
+            seq = Sequence([0] * n, SamplingParams(temperature=0))
+            used = -(-n // self.block_size)
+            seq.block_table = list(range(next_block, next_block + used))
+            next_block += used
+            seqs.append(seq)
+        self._run(ScheduledBatch(seqs, lengths), list(cache.unbind(0)))
+        torch.cuda.synchronize(self.device)
+        return cache
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Runs one step; returns each sequence's sampled token, None where it does not sample."""
+        return self._run(batch, self.kv_caches)
+
+    def _run(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[int | None]:
+        input_ids, positions, inputs, sample_rows = self.prepare(batch)
+        metadata = self.backend.build_metadata(inputs)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, kv_caches, metadata)
+            if not sample_rows:
+                return [None] * len(batch)
+            query_end = inputs.query_start_loc[1:].long() - 1
+            rows = torch.as_tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[query_end[rows]])
+            tokens = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in sample_rows])).tolist()
+        out: list[int | None] = [None] * len(batch)
+        for row, token in zip(sample_rows, tokens):
+            out[row] = token
+        return out
+
+    def prepare(self, batch: ScheduledBatch):
+        """Host-side batch layout, vectorized with numpy, then one copy per tensor to the device."""
+        seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+        bs = self.block_size
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        ends = starts + counts
+        input_ids = np.fromiter((t for s, a, b in zip(seqs, starts, ends) for t in s.token_ids[a:b]),
+                                dtype=np.int64, count=int(counts.sum()))
+        query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        seq_index = np.repeat(np.arange(len(seqs)), counts)
+        positions = np.arange(query_start[-1]) - query_start[seq_index] + starts[seq_index]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            block_tables[row, :len(seq.block_table)] = seq.block_table
+        slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
+        sample_rows = [i for i, (s, e) in enumerate(zip(seqs, ends)) if e == s.num_tokens]
+        to = lambda a, dtype: torch.from_numpy(a).to(self.device, dtype, non_blocking=True)  # noqa: E731
+        inputs = AttentionInputs(
+            query_start_loc=to(query_start, torch.int32), seq_lens=to(ends, torch.int32),
+            context_lens=to(starts, torch.int32), block_tables=to(block_tables, torch.int32),
+            slot_mapping=to(slot_mapping, torch.int64), max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()), is_decode=batch.is_decode, block_size=bs)
+        return to(input_ids, torch.int64), to(positions, torch.int64), inputs, sample_rows
+
+    def sampling_tensors(self, seqs) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        temperatures = [p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        # fold 64-bit seeds to 32 bits: the sampler's hash mixes 32-bit words
+        seeds = [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs]
+        device = self.device
+        return SamplingTensors(
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            steps=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+            all_greedy=all(t == 0 for t in temperatures),
+            any_top_k=any(k < self.vocab_size for k in top_k),
+            any_top_p=any(p < 1 for p in top_p),
+            any_min_p=any(p > 0 for p in min_p),
+        )

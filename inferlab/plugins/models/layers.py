@@ -1,0 +1,203 @@
+"""Tensor-parallel building blocks for decoder models: each linear layer holds this rank's shard
+and knows how to cut it from a checkpoint tensor. A checkpoint tensor arrives as a safetensors
+slice (or a tensor), so a rank reads only its shard from disk."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferlab.core.parallel import TPGroup
+
+
+def source_shape(src) -> tuple[int, ...]:
+    return tuple(src.get_shape()) if hasattr(src, "get_shape") else tuple(src.shape)
+
+
+def read(src, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+    """src[..., start:start+length, ...] along dim (everything when dim is None), as a tensor."""
+    if dim is None:
+        return src[:]
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return src[index]
+
+
+def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str):
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"tensor {name!r}: checkpoint shard has shape {tuple(value.shape)}, "
+                         f"the model expects {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = tp.split(out_features, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, param: nn.Parameter, src, name: str, shard_id=None):
+        copy_checked(param, read(src, 0, self.tp.rank * self.out_per_rank, self.out_per_rank), name)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one (gate and up): shard_id picks the part."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup, bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), tp, bias)
+
+    def load(self, param, src, name, shard_id=None):
+        size = self.out_sizes[shard_id] // self.tp.size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
+        expected = (self.out_sizes[shard_id],) + tuple(param.shape[1:])
+        if source_shape(src) != expected:
+            raise ValueError(f"tensor {name!r}: checkpoint has shape {source_shape(src)}, the model expects {expected}")
+        param.data.narrow(0, offset, size).copy_(read(src, 0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul. Query heads are split across ranks; KV heads too, or,
+    when there are fewer KV heads than ranks, each rank keeps a replica of the one its queries use."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup, bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = tp.split(num_heads, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.split(num_kv_heads, "KV heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp.size}) must be a multiple of the KV heads ({num_kv_heads})")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        self.total_num_kv_heads = num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.out_per_rank = out
+        self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load(self, param, src, name, shard_id=None):
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, start, total_heads = 0, q_size, self.tp.rank * q_size, self.num_heads * self.tp.size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start, total_heads = kv_size, self.kv_head_start * d, self.total_num_kv_heads
+        expected = (total_heads * d,) + tuple(param.shape[1:])
+        if source_shape(src) != expected:
+            raise ValueError(f"tensor {name!r}: checkpoint has shape {source_shape(src)}, the model expects {expected}")
+        param.data.narrow(0, offset, size).copy_(read(src, 0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = tp.split(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x):
+        # The bias is added once, after the reduction, not once per rank.
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load(self, param, src, name, shard_id=None):
+        if param is self.bias:
+            return copy_checked(param, read(src), name)
+        copy_checked(param, read(src, 1, self.tp.rank * self.in_per_rank, self.in_per_rank), name)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks (vocab padded to a multiple of the TP size); each rank
+    looks up the ids it holds and the all-reduce fills in the rest."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.row_start = tp.rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden), requires_grad=False)
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.row_start
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        y = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight) * mine.unsqueeze(-1)
+        return self.tp.all_reduce(y)
+
+    def load(self, param, src, name, shard_id=None):
+        full = source_shape(src)
+        if full[1:] != tuple(param.shape[1:]) or full[0] != self.vocab_size:
+            raise ValueError(f"tensor {name!r}: checkpoint has shape {full}, the model expects "
+                             f"{(self.vocab_size,) + tuple(param.shape[1:])}")
+        rows = max(0, min(self.rows_per_rank, self.vocab_size - self.row_start))
+        param.data.zero_()
+        if rows:
+            param.data[:rows].copy_(read(src, 0, self.row_start, rows))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection over a vocab-sharded weight; logits are gathered to the full vocab."""
+
+    def forward(self, hidden):
+        logits = F.linear(hidden, self.weight)
+        return self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32; with `residual` it first adds it and returns the new residual too."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x, residual=None):
+        dtype = x.dtype
+        x = x.float()
+        if residual is not None:
+            x = x + residual.float()
+            residual = x.to(dtype)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x.to(dtype) * self.weight
+        return x if residual is None else (x, residual)
+
+    def load(self, param, src, name, shard_id=None):
+        copy_checked(param, read(src), name)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half / NeoX layout) with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions, q, k):
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

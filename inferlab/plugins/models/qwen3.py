@@ -1,0 +1,188 @@
+"""Qwen3ForCausalLM, written for tensor parallelism (column/row-parallel linears, vocab-parallel
+embedding and LM head). Attention goes through the selected backend over the paged cache."""
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from inferlab.core.hookspecs import hookimpl
+from inferlab.core.parallel import SINGLE, TPGroup
+from inferlab.plugins.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                            QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                            VocabParallelEmbedding, silu_and_mul)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files or tensors do not match what the model needs."""
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config, backend, tp: TPGroup):
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.backend = backend
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, tp, bias=getattr(config, "attention_bias", False))
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
+                                        bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = rotary(positions, q, k)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config, backend, tp: TPGroup):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, backend, tp)
+        self.mlp = Qwen3MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, rotary, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+# checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
+PACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Qwen3ForCausalLM(nn.Module):
+    architectures = ("Qwen3ForCausalLM",)
+
+    def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None, **options):
+        super().__init__()
+        if options:
+            raise TypeError(f"qwen3 takes no options, got {sorted(options)}")
+        scaling = getattr(hf_config, "rope_scaling", None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ValueError(f"rope_scaling {scaling!r} is not supported by the qwen3 plugin; supported: none/default")
+        self.config = hf_config
+        self.tp = tp_group
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group) for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_group)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        attn = self.layers[0].self_attn
+        self.rotary = RotaryEmbedding(attn.head_dim, hf_config.max_position_embeddings, _rope_theta(hf_config))
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        attn = self.layers[0].self_attn
+        return len(self.layers), attn.num_kv_heads, attn.head_dim
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, self.rotary, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden_states):
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, path: str) -> None:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weight files in {path!r}")
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):  # a sharded checkpoint must have every shard it lists
+            with open(index) as f:
+                listed = set(json.load(f)["weight_map"].values())
+            absent = sorted(name for name in listed if not os.path.exists(os.path.join(path, name)))
+            if absent:
+                raise FileNotFoundError(f"weight files listed in {index!r} are missing: {absent}")
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded, unexpected = set(), []
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for ckpt_name in f.keys():
+                    target, shard_id = _map_name(ckpt_name)
+                    if target == "lm_head.weight" and self.tie_word_embeddings:
+                        continue  # the embedding serves as the head
+                    if target not in params:
+                        unexpected.append(ckpt_name)
+                        continue
+                    module = self.get_submodule(target.rsplit(".", 1)[0])
+                    module.load(params[target], f.get_slice(ckpt_name), ckpt_name, shard_id)
+                    loaded.add(target if shard_id is None else (target, shard_id))
+        if unexpected:
+            raise CheckpointError(f"checkpoint {path!r} has tensors the model does not know: {sorted(unexpected)[:20]}")
+        missing = []
+        for name, module in self.named_modules():
+            for suffix, param in module.named_parameters(recurse=False):
+                full = f"{name}.{suffix}"
+                if full == "lm_head.weight" and self.tie_word_embeddings:
+                    continue
+                shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}.get(name.rsplit(".", 1)[-1])
+                needed = [(full, s) for s in shards] if shards and suffix == "weight" else [full]
+                missing += [_checkpoint_name(n) for n in needed if n not in loaded]
+        if missing:
+            raise CheckpointError(f"checkpoint {path!r} lacks tensors the model needs: {missing[:20]}")
+
+
+def _rope_theta(config) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def _map_name(ckpt_name: str) -> tuple[str, Any]:
+    name = ckpt_name.removeprefix("model.")
+    for fragment, (ours, shard_id) in PACKED.items():
+        if f".{fragment}." in name:
+            return name.replace(fragment, ours), shard_id
+    return name, None
+
+
+def _checkpoint_name(loaded_key) -> str:
+    if isinstance(loaded_key, tuple):
+        name, shard_id = loaded_key
+        theirs = {v: k for k, v in PACKED.items()}
+        fused = "qkv_proj" if "qkv_proj" in name else "gate_up_proj"
+        name = name.replace(fused, theirs[(fused, shard_id)])
+    else:
+        name = loaded_key
+    return name if name.startswith("lm_head") else f"model.{name}"
+
+
+@hookimpl
+def register_models(register):
+    register("qwen3", Qwen3ForCausalLM)

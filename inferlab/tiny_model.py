@@ -1,0 +1,84 @@
+"""The embedded default model: a tiny random-weight Qwen3 checkpoint with a byte-level BPE
+tokenizer trained here on a built-in text, so that the engine runs with no download. Tests use
+make_checkpoint to build checkpoints of other shapes with the same tokenizer."""
+import json
+import os
+import shutil
+import tempfile
+
+CACHE_DIR = os.environ.get("INFERLAB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "inferlab"))
+VERSION = 1  # bump when the recipe changes, so stale caches are not reused
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A paged cache keeps keys and values in blocks.
+Once upon a time, a small engine learned to schedule requests first come, first served.
+Prefix caching lets two prompts that start alike share the blocks of their common start.
+Numbers: zero one two three four five six seven eight nine ten eleven twelve 0 1 2 3 4 5 6 7 8 9.
+Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex.
+Readability counts. Errors should never pass silently. In the face of ambiguity, refuse to guess.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? Paris.
+def main(): print("hello") # code, too: for i in range(10): total += i * i
+Large language models predict the next token from the tokens before it, one step at a time.
+"""
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+DEFAULT_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+def build_tokenizer(path: str) -> int:
+    """Trains the byte-level BPE tokenizer deterministically and saves it in path; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    return len(fast)
+
+
+def make_checkpoint(path: str, seed: int = 0, max_shard_size: str | None = None, **shape) -> str:
+    """Writes a random-weight Qwen3ForCausalLM (HF format, safetensors) plus the tokenizer to path."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    os.makedirs(path, exist_ok=True)
+    vocab_size = build_tokenizer(path)
+    settings = {**DEFAULT_SHAPE, **shape}
+    config = Qwen3Config(vocab_size=vocab_size, max_position_embeddings=4096, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, **settings)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # HF's init is tiny; wider weights give varied, tie-free logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.5 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.02)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def default_model_path() -> str:
+    """The embedded model's directory, created on first use (atomically, so concurrent first
+    runs cannot see half a checkpoint)."""
+    path = os.path.join(CACHE_DIR, f"tiny-qwen3-v{VERSION}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    scratch = tempfile.mkdtemp(dir=CACHE_DIR, prefix=".tiny-qwen3-")
+    try:
+        make_checkpoint(scratch)
+        with open(os.path.join(scratch, "inferlab.json"), "w") as f:
+            json.dump({"recipe": VERSION, "shape": DEFAULT_SHAPE}, f)
+        try:
+            os.rename(scratch, path)
+        except OSError:  # another process won the race; use its copy
+            pass
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
