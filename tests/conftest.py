@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints (built once per session per shape) and the
+Hugging Face reference for greedy decoding."""
+import os
+
+import pytest
+import torch
+
+from inferlab.tiny_model import make_checkpoint
+
+# Shapes that differ in what the engine must get right: GQA ratio, head_dim vs hidden/heads, tying.
+SHAPES = {
+    "gqa2-tied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "gqa4-untied": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                        tie_word_embeddings=False, num_hidden_layers=3),
+    "mha-wide-head": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                          tie_word_embeddings=False, intermediate_size=96),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name_or_shape_dict, **extra) -> path of a tiny checkpoint, cached per session."""
+    made = {}
+    root = tmp_path_factory.mktemp("checkpoints")
+
+    def build(shape="gqa2-tied", **extra):
+        settings = {**(SHAPES[shape] if isinstance(shape, str) else shape), **extra}
+        key = tuple(sorted(settings.items()))
+        if key not in made:
+            made[key] = make_checkpoint(os.path.join(root, f"ck{len(made)}"), **settings)
+        return made[key]
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' Qwen3ForCausalLM picks greedily."""
+    from transformers import AutoModelForCausalLM
+    models = {}
+
+    def run(path, prompt_ids, num_tokens):
+        if path not in models:
+            models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                ids = torch.cat([ids, models[path](ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+        return ids[0, len(prompt_ids):].tolist()
+    return run
