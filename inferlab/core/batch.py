@@ -52,6 +52,7 @@ class AttentionInputs:
     max_seq_len: int
     is_decode: bool
     block_size: int
+    has_placeholders: bool = False  # some input ids stand for the previous step's samples
 
     @property
     def num_seqs(self) -> int:

@@ -64,6 +64,7 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
@@ -150,30 +151,33 @@ class ModelRunner:
             seq.block_table = list(range(next_block, next_block + used))
             next_block += used
             seqs.append(seq)
-        self._run(ScheduledBatch(seqs, lengths), list(cache.unbind(0)))
+        self.launch(ScheduledBatch(seqs, lengths), list(cache.unbind(0))).tokens()
         torch.cuda.synchronize(self.device)
         return cache
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Runs one step; returns each sequence's sampled token, None where it does not sample."""
-        return self._run(batch, self.kv_caches)
+        return self.launch(batch).tokens()
 
-    def _run(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[int | None]:
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None) -> "StepHandle":
+        """Queues one step's work on the device and returns without waiting for it. Input tokens
+        may be placeholders for the previous launch's samples (see StepHandle.placeholders)."""
         input_ids, positions, inputs, sample_rows = self.prepare(batch)
+        if inputs.has_placeholders:
+            if self.last_sampled is None:
+                raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
+            input_ids = torch.where(input_ids < 0, self.last_sampled[(-input_ids - 1).clamp(min=0)], input_ids)
         metadata = self.backend.build_metadata(inputs)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, kv_caches, metadata)
-            if not sample_rows:
-                return [None] * len(batch)
-            query_end = inputs.query_start_loc[1:].long() - 1
-            rows = torch.as_tensor(sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[query_end[rows]])
-            tokens = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in sample_rows])).tolist()
-        out: list[int | None] = [None] * len(batch)
-        for row, token in zip(sample_rows, tokens):
-            out[row] = token
-        return out
+        hidden = self.model(input_ids, positions, kv_caches if kv_caches is not None else self.kv_caches, metadata)
+        if not sample_rows:
+            return StepHandle(len(batch), sample_rows, None)
+        query_end = inputs.query_start_loc[1:].long() - 1
+        rows = torch.as_tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[query_end[rows]])
+        sampled = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in sample_rows]))
+        self.last_sampled = sampled
+        return StepHandle(len(batch), sample_rows, sampled)
 
     def prepare(self, batch: ScheduledBatch):
         """Host-side batch layout, vectorized with numpy, then one copy per tensor to the device."""
@@ -198,7 +202,8 @@ class ModelRunner:
             query_start_loc=to(query_start, torch.int32), seq_lens=to(ends, torch.int32),
             context_lens=to(starts, torch.int32), block_tables=to(block_tables, torch.int32),
             slot_mapping=to(slot_mapping, torch.int64), max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()), is_decode=batch.is_decode, block_size=bs)
+            max_seq_len=int(ends.max()), is_decode=batch.is_decode, block_size=bs,
+            has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
         return to(input_ids, torch.int64), to(positions, torch.int64), inputs, sample_rows
 
     def sampling_tensors(self, seqs) -> SamplingTensors:
@@ -222,3 +227,39 @@ class ModelRunner:
             any_top_p=any(p < 1 for p in top_p),
             any_min_p=any(p > 0 for p in min_p),
         )
+
+
+class StepHandle:
+    """A launched step. tokens() waits for its samples; placeholders() names them before they
+    exist, so the engine can schedule the next step while this one runs on the device."""
+
+    def __init__(self, num_seqs: int, sample_rows: list[int], sampled: torch.Tensor | None):
+        self.num_seqs = num_seqs
+        self.sample_rows = sample_rows
+        self.sampled = sampled
+        self.host = None
+        if sampled is not None and sampled.is_cuda:
+            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self.host.copy_(sampled, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def placeholders(self) -> list[int | None]:
+        """-(k + 1) for the k-th sampling row: the runner swaps these ids for the samples on device."""
+        out: list[int | None] = [None] * self.num_seqs
+        for k, row in enumerate(self.sample_rows):
+            out[row] = -(k + 1)
+        return out
+
+    def tokens(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_seqs
+        if self.sampled is None:
+            return out
+        if self.host is not None:
+            self.ready.synchronize()
+            values = self.host.tolist()
+        else:
+            values = self.sampled.tolist()
+        for row, token in zip(self.sample_rows, values):
+            out[row] = token
+        return out
