@@ -197,7 +197,7 @@ class ModelRunner:
             block_tables[row, :len(seq.block_table)] = seq.block_table
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         sample_rows = [i for i, (s, e) in enumerate(zip(seqs, ends)) if e == s.num_tokens]
-        to = lambda a, dtype: torch.from_numpy(a).to(self.device, dtype, non_blocking=True)  # noqa: E731
+        to = self._to_device
         inputs = AttentionInputs(
             query_start_loc=to(query_start, torch.int32), seq_lens=to(ends, torch.int32),
             context_lens=to(starts, torch.int32), block_tables=to(block_tables, torch.int32),
@@ -206,28 +206,27 @@ class ModelRunner:
             has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
         return to(input_ids, torch.int64), to(positions, torch.int64), inputs, sample_rows
 
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.from_numpy(array).to(dtype)
+        if self.device.type == "cuda":
+            # From pinned memory the copy is truly asynchronous: the CPU can prepare the next step
+            # while the GPU still runs this one (the caching host allocator keeps it alive until then).
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
     def sampling_tensors(self, seqs) -> SamplingTensors:
         params = [s.params for s in seqs]
-        temperatures = [p.temperature for p in params]
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
+        floats = np.array([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                          dtype=np.float32)
         # fold 64-bit seeds to 32 bits: the sampler's hash mixes 32-bit words
-        seeds = [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs]
-        device = self.device
+        ints = np.array([[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                         [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs],
+                         [s.num_tokens for s in seqs]], dtype=np.int64)
+        float_t, int_t = self._to_device(floats, torch.float32), self._to_device(ints, torch.int64)
         return SamplingTensors(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            steps=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
-            all_greedy=all(t == 0 for t in temperatures),
-            any_top_k=any(k < self.vocab_size for k in top_k),
-            any_top_p=any(p < 1 for p in top_p),
-            any_min_p=any(p > 0 for p in min_p),
-        )
-
+            temperatures=float_t[0], top_p=float_t[1], min_p=float_t[2], top_k=int_t[0], seeds=int_t[1], steps=int_t[2],
+            all_greedy=not floats[0].any(), any_top_k=bool((ints[0] < self.vocab_size).any()),
+            any_top_p=bool((floats[1] < 1).any()), any_min_p=bool((floats[2] > 0).any()))
 
 class StepHandle:
     """A launched step. tokens() waits for its samples; placeholders() names them before they
