@@ -95,3 +95,12 @@ def test_block_size_256_and_sharded_checkpoint(tmp_path, hf_greedy):
     prompts = prompts_of([3, 300])
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert out["token_ids"] == hf_greedy(path, prompt, 10)
+
+
+def test_torch_compile_path_matches_hf(checkpoint, hf_greedy):
+    """The fused (torch.compile) norms, rotary and SiLU, on by default on CUDA, compute the same."""
+    path = checkpoint("gqa2-tied")
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, model_options={"torch_compile": True})
+    prompts = prompts_of([9, 20])
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert out["token_ids"] == hf_greedy(path, prompt, 10)
