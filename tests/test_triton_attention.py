@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.batch import AttentionInputs  # noqa: E402
+from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
 from inferlab.plugins.attention.torch_sdpa import TorchAttention  # noqa: E402
 from inferlab.plugins.attention.triton_attention import TritonAttention  # noqa: E402
@@ -205,3 +206,41 @@ def test_greedy_generate_with_triton_equals_torch(checkpoint):
         second = llm.generate([prompt + " and values in blocks."], params, use_tqdm=False)
         results[attention] = [o["token_ids"] for o in first + second]
     assert results["triton"] == results["torch"]
+
+
+class EagerReplayGraphs(DecodeGraphs):
+    """DecodeGraphs whose 'graphs' rerun the forward eagerly over the static buffers: exercises
+    the copy-in, padding and replay plumbing where CUDA graphs cannot run."""
+
+    def _capture(self, model, backend, kv_caches):
+        self.replayed = []
+        for batch in self.batch_sizes:
+            self.graphs[batch] = EagerGraph(self, model, backend, kv_caches, batch)
+
+
+class EagerGraph:
+    def __init__(self, graphs, model, backend, kv_caches, batch):
+        self.graphs, self.model, self.backend, self.kv_caches, self.batch = graphs, model, backend, kv_caches, batch
+
+    def replay(self):
+        g, batch = self.graphs, self.batch
+        g.replayed.append(batch)
+        metadata = self.backend.build_metadata(g._inputs(batch))
+        g.hidden[:batch] = self.model(g.input_ids[:batch], g.positions[:batch], self.kv_caches, metadata)
+
+
+def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
+    path = checkpoint("gqa2-tied")
+    prompts = ["Hello, world! How are", "Numbers: zero one two three", "Readability counts."]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 7)]
+    settings = dict(attention="triton", device=str(DEVICE), dtype="float32", kvcache_block_size=16,
+                    max_model_len=128, max_num_seqs=6, num_kvcache_blocks=32, enforce_eager=True)
+    eager = [o["token_ids"] for o in LLM(path, **settings).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, **settings)
+    runner = llm.runner
+    runner.decode_graphs = graphs = EagerReplayGraphs(
+        runner.model, runner.backend, runner.kv_caches, 6, 128, 16, llm.hf_config.hidden_size, runner.dtype, runner.device)
+    assert graphs.batch_sizes == [1, 2, 4, 6]
+    replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert replayed == eager
+    assert 4 in graphs.replayed and 2 in graphs.replayed and 1 in graphs.replayed  # 3 sequences padded to 4
