@@ -20,6 +20,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
 MIN_DOT_ROWS = 16
 
+# Integer arguments that change from step to step are not specialized on (== 1, divisible by 16):
+# otherwise each new combination would compile a kernel variant in the middle of a run.
+PREFILL_RUNTIME_INTS = ["block_tables_stride"]
+DECODE_RUNTIME_INTS = ["split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
+                       "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
+REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
@@ -56,7 +63,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     scale_log2,
@@ -112,7 +119,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr,
                          scale_log2, split_len,
@@ -173,17 +180,17 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
         tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
 def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
                           out_stride_token, out_stride_head,
                           partial_stride_seq, partial_stride_head, partial_stride_split,
-                          lse_stride_seq, lse_stride_head,
-                          NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          lse_stride_seq, lse_stride_head, num_splits,
+                          SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
     lse = tl.load(partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + splits,
                   mask=split_mask, other=float("-inf"))
@@ -278,8 +285,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
             out, partial_out, partial_lse,
             out.stride(0), out.stride(1),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            partial_lse.stride(0), partial_lse.stride(1), num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4)
     return out
 
