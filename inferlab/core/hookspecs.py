@@ -47,3 +47,13 @@ def register_models(register):
 @hookspec
 def register_samplers(register):
     """Samplers. factory(config: EngineConfig, **options) -> Sampler."""
+
+
+@hookspec
+def register_config_nodes(register):
+    """The plugin's parameters, for Hydra. Call register(kind, name, node) for each plugin that
+    takes options: kind is one of scheduler, kv_cache, attention, model, sampler; name the name the
+    plugin was registered under; node a dataclass type whose fields (with defaults) are the
+    keyword options its factory accepts. `inferlab <kind>=<name> <kind>.<field>=value` then works,
+    typed and checked, and the values reach the factory as `<kind>_options`. A plugin without a
+    node is still selectable on the command line; it then takes no options there."""
