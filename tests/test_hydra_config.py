@@ -56,6 +56,15 @@ def test_every_job_composes(job):
     assert compose([f"job={job.value}"]).job.name == job
 
 
+def test_experiment_preset_sets_the_job_and_its_settings():
+    cfg = compose(["experiment=prefix_ablation", "scheduler=lpm", "engine.max_num_seqs=2"])
+    assert cfg.job.name == JobName.bench
+    assert (cfg.bench.shared_prefix_len, cfg.bench.num_prefixes, cfg.bench.num_seqs) == (128, 8, 32)
+    _, settings = engine_arguments(cfg)
+    assert settings["num_kvcache_blocks"] == 64 and settings["kvcache_block_size"] == 16
+    assert settings["max_num_seqs"] == 2 and settings["scheduler"] == "lpm"  # command-line overrides still win
+
+
 def test_overrides_reach_engine_and_plugin_options():
     cfg = compose(["scheduler=lpm", "scheduler.max_sort_waiting=7", "engine.max_num_seqs=3", "engine.device=cpu",
                    "model.path=/models/qwen3", "bench.num_seqs=5", "engine.enable_prefix_caching=false"])

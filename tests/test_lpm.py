@@ -4,7 +4,7 @@ import pytest
 
 from inferlab import LLM
 from inferlab.bench import bench_workload, measure
-from inferlab.conf import BenchConfig
+from inferlab.conf import compose, engine_arguments
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
 from inferlab.core.sampling_params import SamplingParams
@@ -109,16 +109,17 @@ def test_rejects_a_bad_option():
         make(max_sort_waiting=-1)
 
 
-def test_fewer_prefill_tokens_than_fcfs_on_shared_prefixes(checkpoint):
-    """32 requests over 8 shared 128-token prefixes, a cache that holds about two of them: FCFS
-    admits prefixes in random order and recomputes evicted ones; lpm serves cached ones first."""
-    bench = BenchConfig(num_seqs=32, min_len=8, max_len=32, min_output_len=2, max_output_len=8,
-                        shared_prefix_len=128, num_prefixes=8)
+def test_fewer_prefill_tokens_than_fcfs_in_the_prefix_ablation(checkpoint):
+    """The experiment=prefix_ablation preset: 32 requests over 8 shared 128-token prefixes, a
+    cache that holds about two. FCFS admits prefixes in random order and recomputes evicted ones;
+    lpm serves the cached ones first."""
     figures = {}
     for scheduler in ("fcfs", "lpm"):
-        llm = LLM(checkpoint("gqa2-tied"), scheduler=scheduler, kvcache_block_size=16, num_kvcache_blocks=64,
-                  max_num_seqs=4, max_num_batched_tokens=512, device="cpu")
-        prompts, params = bench_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
+        cfg = compose(["experiment=prefix_ablation", f"scheduler={scheduler}", f"model.path={checkpoint('gqa2-tied')}",
+                       "engine.device=cpu"])
+        model_path, settings = engine_arguments(cfg)
+        llm = LLM(model_path, **settings)
+        prompts, params = bench_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)
         figures[scheduler] = measure(llm, prompts, params, warmup=False)
     fcfs, lpm = figures["fcfs"], figures["lpm"]
     assert fcfs["num_output_tokens"] == lpm["num_output_tokens"] == sum(p.max_tokens for p in params)
