@@ -11,6 +11,9 @@ name is what users select (`LLM(..., scheduler="name")`, `inferlab scheduler=nam
 is called when that plugin is selected, with the arguments listed under each hook plus the user's
 options for it as keyword arguments, and must return an object satisfying the kind's Protocol in
 `inferlab.core.protocols`; one that does not is rejected, naming what it lacks.
+
+The last hook, `register_config_nodes`, describes the options a plugin's factory takes, so that
+Hydra (`inferlab <kind>=<name> <kind>.<option>=...`) can type and check them.
 """
 import pluggy
 
