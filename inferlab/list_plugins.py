@@ -49,7 +49,10 @@ def listing(registry: PluginRegistry) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferlab-plugins", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
-    print(listing(get_registry()))
+    registry = get_registry()
+    from inferlab.conf import store_configs
+    store_configs(registry)  # also checks that each config node is one Hydra can use
+    print(listing(registry))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The Hydra config, through the compose API: every option of every group composes into engine
 settings the engine accepts, plugin parameters land in `<kind>_options`, and wrong keys, types
 and choices fail with Hydra's messages."""
-import copy
 from dataclasses import dataclass, fields
 
 import pytest
@@ -23,9 +22,9 @@ OPTIONS = [(kind, name) for kind in KINDS
 def config_store():
     """Restores Hydra's ConfigStore after a test that stores nodes of a hand-made registry."""
     store = ConfigStore.instance()
-    saved = copy.deepcopy(store.repo)
+    saved = {kind: dict(store.repo.get(kind, {})) for kind in KINDS}
     yield store
-    store.repo = saved
+    store.repo.update(saved)
 
 
 def test_defaults_are_the_engine_defaults():

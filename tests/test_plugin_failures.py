@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from hydra.core.config_store import ConfigStore
+
 from inferlab import LLM, SamplingParams
+from inferlab.conf import compose, engine_arguments
 from inferlab.core import plugins
 from inferlab.core.hookspecs import hookimpl
-from inferlab.core.plugins import PluginError, PluginRegistry
+from inferlab.core.plugins import KINDS, PluginError, PluginRegistry
 from inferlab.list_plugins import listing
 from inferlab.list_plugins import main as list_plugins_main
 from inferlab.plugins.schedulers.fcfs import FCFSScheduler
@@ -155,3 +158,29 @@ def test_bad_config_nodes_are_listed():
     ]
     assert ("scheduler", "deep") not in registry.config_nodes
     assert "deep" in registry.names("scheduler")  # still selectable, without options
+
+
+def test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing():
+    @dataclass
+    class SetOptions:
+        ids: set = None  # OmegaConf has no set type
+
+    class WithSet(FCFSScheduler):
+        def __init__(self, config, kv_cache, ids=None):
+            super().__init__(config, kv_cache)
+
+    registry = PluginRegistry()
+    registry.register(plugin("set_plugin", register_schedulers=lambda register: register("withset", WithSet),
+                             register_config_nodes=lambda register: register("scheduler", "withset", SetOptions)),
+                      distribution="set-dist 2.0")
+    store = ConfigStore.instance()
+    saved = {kind: dict(store.repo.get(kind, {})) for kind in KINDS}  # the options of a hand-made registry
+    try:
+        cfg = compose(["scheduler=withset"], registry=registry)  # still selectable, without options
+        assert engine_arguments(cfg)[1]["scheduler_options"] == {}
+        assert compose(["scheduler=lpm"], registry=registry).scheduler.name == "lpm"
+    finally:
+        store.repo.update(saved)
+    assert ("  FAILED    plugin 'set_plugin' (set-dist 2.0): config node "
+            "test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing.<locals>.SetOptions for scheduler "
+            "'withset' is not a valid Hydra structured config: Unexpected type annotation: set") in listing(registry).splitlines()

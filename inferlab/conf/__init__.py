@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from inferlab.core.config import EngineConfig
-from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.core.plugins import KINDS, PluginFailure, PluginRegistry, get_registry
 
 # Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
 AUTO_CHOICE_KINDS = ("attention", "model")
@@ -125,7 +125,28 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
     for kind in KINDS:
         names = registry.names(kind) + (["auto"] if kind in AUTO_CHOICE_KINDS else [])
         for name in names:
-            store.store(group=kind, name=name, node=plugin_node_class(kind, name, registry.config_nodes.get((kind, name))))
+            store.store(group=kind, name=name, node=checked_node_class(registry, kind, name))
+
+
+def checked_node_class(registry: PluginRegistry, kind: str, name: str) -> type:
+    """The option's node class; one OmegaConf cannot type (a field of a type it does not support)
+    is reported as the plugin's failure and replaced by a node without options, so that one bad
+    plugin does not break the command line."""
+    options = registry.config_nodes.get((kind, name))
+    node = plugin_node_class(kind, name, options)
+    if options is None:
+        return node
+    try:
+        OmegaConf.structured(node)
+    except Exception as e:
+        entry = registry.entries[kind].get(name)
+        failure = PluginFailure(entry.plugin if entry else name, entry.distribution if entry else "",
+                                f"config node {options.__qualname__} for {kind} {name!r} is not a valid Hydra "
+                                f"structured config: {str(e).splitlines()[0]}")
+        registry.failures.append(failure)
+        del registry.config_nodes[kind, name]  # nor list options that cannot be set
+        return plugin_node_class(kind, name)
+    return node
 
 
 def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -> DictConfig:
