@@ -199,7 +199,7 @@ class ModelRunner:
         if not sample_rows:
             return StepHandle(len(batch), sample_rows, None)
         logits = self.model.compute_logits(hidden[logits_indices])
-        sampled = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in sample_rows]))
+        sampled = self.sampler(logits, self.sampling_tensors([batch.seqs[i] for i in sample_rows]))
         self.last_sampled = sampled
         return StepHandle(len(batch), sample_rows, sampled)
 
