@@ -22,11 +22,14 @@ import time
 from collections import deque
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+SHAPES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 ALL_COMBOS = ["flash_attn:graphs", "flash_attn:eager", "triton:graphs", "triton:eager", "torch:graphs", "torch:eager"]
 
 
-def build_checkpoint(path: str, num_layers: int) -> str:
+def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str:
     """config.json, random bf16 safetensors with Qwen3-0.6B's shapes (tied embeddings) and the tiny
     tokenizer (its vocabulary is smaller than the model's; the bench feeds token ids, all < 10000).
     Weights are drawn on the GPU when there is one (seconds, where the CPU takes a minute)."""
@@ -34,7 +37,7 @@ def build_checkpoint(path: str, num_layers: int) -> str:
     from safetensors.torch import save_file
 
     from inferlab.tiny_model import build_tokenizer
-    shape = {**QWEN3_0_6B, "num_hidden_layers": num_layers}
+    shape = {**base, "num_hidden_layers": num_layers}
     marker = os.path.join(path, "bench-shape.json")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -43,7 +46,7 @@ def build_checkpoint(path: str, num_layers: int) -> str:
     os.makedirs(path, exist_ok=True)
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
         "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
         "bos_token_id": 0, "eos_token_id": 0, "use_cache": True, "rope_scaling": None,
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers,
@@ -61,6 +64,8 @@ def build_checkpoint(path: str, num_layers: int) -> str:
 
     ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     tensors = {"model.embed_tokens.weight": weight(shape["vocab_size"], hidden), "model.norm.weight": ones(hidden)}
+    if not shape["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = weight(shape["vocab_size"], hidden)
     for i in range(num_layers):
         p = f"model.layers.{i}."
         tensors.update({
@@ -239,7 +244,8 @@ def main(argv=None):
                              "triton:eager:sync (default: the six attention x graphs pairs, overlap and compile on)")
     parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "inferlab-bench-qwen3-0.6b-random"))
-    parser.add_argument("--num-layers", type=int, default=QWEN3_0_6B["num_hidden_layers"],
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="Qwen3 model shapes to bench")
+    parser.add_argument("--num-layers", type=int, default=None,
                         help="fewer layers for a quick smoke run")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -256,9 +262,13 @@ def main(argv=None):
     parser.add_argument("--compile", default="compile", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per combination; the median is reported")
     args = parser.parse_args(argv)
+    base = SHAPES[args.shape]
+    args.num_layers = args.num_layers or base["num_hidden_layers"]
+    if args.shape != "0.6b" and args.model_dir == parser.get_default("model_dir"):
+        args.model_dir = args.model_dir.replace("0.6b", args.shape)
 
     if args.build_only:
-        build_checkpoint(args.model_dir, args.num_layers)
+        build_checkpoint(args.model_dir, args.num_layers, base)
         return
     if args.worker:
         try:
@@ -279,7 +289,7 @@ def main(argv=None):
     start = time.perf_counter()
     # in a child, so that this process never holds a CUDA context while the combinations run
     subprocess.run([sys.executable, os.path.abspath(__file__), "--build-only", "--model-dir", args.model_dir,
-                    "--num-layers", str(args.num_layers)], check=True)
+                    "--num-layers", str(args.num_layers), "--shape", args.shape], check=True)
     print(f"checkpoint ready in {args.model_dir} ({time.perf_counter() - start:.1f} s)", flush=True)
     records = []
     for combo in args.combos:
@@ -287,7 +297,7 @@ def main(argv=None):
         print_table(records)  # so far, in case a later combination takes the machine down
     report = {
         "commit": args.commit or git_commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "model": {**QWEN3_0_6B, "num_hidden_layers": args.num_layers, "dtype": "bfloat16", "weights": "random"},
+        "model": {**base, "num_hidden_layers": args.num_layers, "dtype": "bfloat16", "weights": "random"},
         "workload": {"num_seqs": args.num_seqs, "prompt_len": [100, args.max_input_len],
                      "output_len": [100, args.max_output_len], "temperature": 0.6, "ignore_eos": True,
                      "max_model_len": 4096, "seed": 0},

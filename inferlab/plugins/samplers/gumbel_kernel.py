@@ -7,9 +7,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, out_ptr,
-                          vocab_size, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, best_ptr, index_ptr,
+                          vocab_size, chunk_size, num_chunks, BLOCK: tl.constexpr):
+    """One program per (row, chunk of the vocabulary): the chunk's best score and its index."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
@@ -19,9 +21,11 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps
     base = seed * 0x9E3779B1 + step * 0x85EBCA77
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab_size, BLOCK):
+    chunk_start = chunk * chunk_size
+    chunk_end = tl.minimum(chunk_start + chunk_size, vocab_size)
+    for start in range(chunk_start, chunk_end, BLOCK):
         index = start + tl.arange(0, BLOCK)
-        valid = index < vocab_size
+        valid = index < chunk_end
         logit = tl.load(logits_ptr + row * stride + index, mask=valid, other=float("-inf")).to(tl.float32)
         x = base + index.to(tl.uint32) * 0xC2B2AE3D
         x = x ^ (x >> 16)
@@ -39,13 +43,23 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps
     top = tl.max(best, axis=0)
     # lowest index among the maxima, as torch.argmax picks
     winner = tl.min(tl.where(best == top, best_index, vocab_size), axis=0)
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    tl.store(best_ptr + row * num_chunks + chunk, top)
+    tl.store(index_ptr + row * num_chunks + chunk, winner)
+
+
+BLOCK = 1024
+CHUNKS = 32  # per row: enough programs to fill the GPU even for a handful of rows
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """argmax(logits / T + Gumbel(seed, step)) per row; plain argmax where T == 0."""
     rows, vocab_size = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    chunk_size = -(-vocab_size // CHUNKS // BLOCK) * BLOCK
+    num_chunks = -(-vocab_size // chunk_size)
+    best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     if rows:
-        _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, steps, out, vocab_size, BLOCK=2048)
-    return out
+        _gumbel_argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), temperatures, seeds, steps, best, index,
+                                                  vocab_size, chunk_size, num_chunks, BLOCK=BLOCK)
+    # chunks are in vocabulary order, so argmax's first maximum is the lowest index among ties
+    return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
