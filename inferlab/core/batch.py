@@ -1,6 +1,7 @@
 """What a step carries between the scheduler, the runner and the attention backend."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferlab.core.sequence import Sequence
@@ -36,6 +37,23 @@ class ScheduledBatch:
     @property
     def num_prefill_tokens(self) -> int:
         return 0 if self.is_decode else self.total_tokens
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs as host (numpy) arrays, in the dtypes they take on the device: everything a
+    tensor-parallel rank needs for the forward pass, small enough to send to the workers each step."""
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [B+1]
+    seq_lens: np.ndarray  # int32 [B]
+    context_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, max_blocks]
+    slot_mapping: np.ndarray  # int64 [T]
+    sample_rows: list[int]  # the sequences whose last scheduled token is sampled
+    max_query_len: int
+    max_seq_len: int
+    is_decode: bool
 
 
 @dataclass(slots=True)

@@ -4,8 +4,9 @@ import logging
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch
+from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
@@ -60,6 +61,10 @@ class ModelRunner:
         self.model.eval()
         self.sampler = registry.create("sampler", config.sampler, config, **config.sampler_options)
         self.num_kv_blocks = self._num_kv_blocks()
+        if tp_group.size > 1:  # every rank must hold the same blocks: the smallest budget wins
+            counts = torch.tensor([self.num_kv_blocks], device=self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_group.group)
+            self.num_kv_blocks = int(counts.item())
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
@@ -159,24 +164,33 @@ class ModelRunner:
         """Runs one step; returns each sequence's sampled token, None where it does not sample."""
         return self._run(batch, self.kv_caches)
 
-    def _run(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor]) -> list[int | None]:
-        input_ids, positions, inputs, sample_rows = self.prepare(batch)
-        metadata = self.backend.build_metadata(inputs)
+    def _run(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor], step: StepInputs | None = None) -> list[int | None]:
+        step = step if step is not None else self.prepare_inputs(batch)
+        logits = self.forward_logits(step, kv_caches)
+        if logits is None:
+            return [None] * len(batch)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, kv_caches, metadata)
-            if not sample_rows:
-                return [None] * len(batch)
-            query_end = inputs.query_start_loc[1:].long() - 1
-            rows = torch.as_tensor(sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[query_end[rows]])
-            tokens = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in sample_rows])).tolist()
+            tokens = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in step.sample_rows])).tolist()
         out: list[int | None] = [None] * len(batch)
-        for row, token in zip(sample_rows, tokens):
+        for row, token in zip(step.sample_rows, tokens):
             out[row] = token
         return out
 
-    def prepare(self, batch: ScheduledBatch):
-        """Host-side batch layout, vectorized with numpy, then one copy per tensor to the device."""
+    @torch.inference_mode()
+    def forward_logits(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        """The forward pass of one step and the logits of its sampling rows (None when none samples).
+        Every tensor-parallel rank runs it on the same step; rank 0 alone samples."""
+        input_ids, positions, inputs = self.upload(step)
+        metadata = self.backend.build_metadata(inputs)
+        hidden = self.model(input_ids, positions, kv_caches, metadata)
+        if not step.sample_rows:
+            return None
+        query_end = inputs.query_start_loc[1:].long() - 1
+        rows = torch.as_tensor(step.sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[query_end[rows]])
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """Host-side batch layout, vectorized with numpy."""
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         bs = self.block_size
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -193,13 +207,21 @@ class ModelRunner:
             block_tables[row, :len(seq.block_table)] = seq.block_table
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         sample_rows = [i for i, (s, e) in enumerate(zip(seqs, ends)) if e == s.num_tokens]
-        to = lambda a, dtype: torch.from_numpy(a).to(self.device, dtype, non_blocking=True)  # noqa: E731
+        int32 = np.int32
+        return StepInputs(
+            input_ids=input_ids, positions=positions, query_start_loc=query_start.astype(int32),
+            seq_lens=ends.astype(int32), context_lens=starts.astype(int32), block_tables=block_tables.astype(int32),
+            slot_mapping=slot_mapping, sample_rows=sample_rows, max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()), is_decode=batch.is_decode)
+
+    def upload(self, step: StepInputs):
+        """One copy per tensor to the device: input ids, positions and the attention inputs."""
+        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
         inputs = AttentionInputs(
-            query_start_loc=to(query_start, torch.int32), seq_lens=to(ends, torch.int32),
-            context_lens=to(starts, torch.int32), block_tables=to(block_tables, torch.int32),
-            slot_mapping=to(slot_mapping, torch.int64), max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()), is_decode=batch.is_decode, block_size=bs)
-        return to(input_ids, torch.int64), to(positions, torch.int64), inputs, sample_rows
+            query_start_loc=to(step.query_start_loc), seq_lens=to(step.seq_lens), context_lens=to(step.context_lens),
+            block_tables=to(step.block_tables), slot_mapping=to(step.slot_mapping), max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len, is_decode=step.is_decode, block_size=self.block_size)
+        return to(step.input_ids), to(step.positions), inputs
 
     def sampling_tensors(self, seqs) -> SamplingTensors:
         params = [s.params for s in seqs]
