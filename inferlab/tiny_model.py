@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 CACHE_DIR = os.environ.get("INFERLAB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "inferlab"))
-VERSION = 1  # bump when the recipe changes, so stale caches are not reused
+VERSION = 2  # bump when the recipe changes, so stale caches are not reused
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A paged cache keeps keys and values in blocks.
@@ -23,7 +23,7 @@ Large language models predict the next token from the tokens before it, one step
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 DEFAULT_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
 
 
 def build_tokenizer(path: str) -> int:

@@ -81,8 +81,10 @@ def tied(checkpoint):
 
 @pytest.fixture(scope="module")
 def untied(checkpoint):
-    """4 query heads and 1 KV head per rank, 3 layers, untied head; chunked prefill (24 tokens a step)."""
-    llm = LLM(checkpoint("gqa4-untied"), tensor_parallel_size=2, max_num_batched_tokens=24, **SETTINGS)
+    """4 query heads and 1 KV head per rank, 3 layers, untied head; chunked prefill (24 tokens a
+    step) and overlap scheduling (the workers swap rank 0's samples in for placeholders)."""
+    llm = LLM(checkpoint("gqa4-untied"), tensor_parallel_size=2, max_num_batched_tokens=24,
+              overlap_scheduling=True, **SETTINGS)
     yield llm
     llm.close()
 
@@ -102,12 +104,14 @@ def test_greedy_equals_one_rank_and_hf(engine, request, hf_greedy):
     assert llm.kv_cache.num_hit_tokens > hits_before
 
 
-def test_seeded_sampling_equals_one_rank(tied):
+@pytest.mark.parametrize("engine", ["tied", "untied"])
+def test_seeded_sampling_equals_one_rank(engine, request):
+    llm = request.getfixturevalue(engine)
     params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=8, seed=seed, ignore_eos=True)
               for seed in (1, 2, 3)]
     prompts = prompts_of([4, 9, 20], start=11)
-    one_rank = LLM(tied.model_path, **SETTINGS)
-    assert tied.generate(prompts, params, use_tqdm=False) == one_rank.generate(prompts, params, use_tqdm=False)
+    one_rank = LLM(llm.model_path, **SETTINGS)
+    assert llm.generate(prompts, params, use_tqdm=False) == one_rank.generate(prompts, params, use_tqdm=False)
 
 
 def test_two_engines_at_once(tied, untied, hf_greedy):

@@ -54,6 +54,7 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     is_decode: bool
+    has_placeholders: bool  # some input ids stand for the previous step's samples
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class AttentionInputs:
     max_seq_len: int
     is_decode: bool
     block_size: int
+    has_placeholders: bool = False  # some input ids stand for the previous step's samples
 
     @property
     def num_seqs(self) -> int:

@@ -16,6 +16,7 @@ class EngineConfig:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free device memory
     enable_prefix_caching: bool = True
+    overlap_scheduling: bool | None = None  # None: on for CUDA, where the CPU can run ahead of the GPU
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": the checkpoint's on GPU, float32 on CPU
     seed: int = 0  # draws the seeds of requests that bring none

@@ -63,6 +63,9 @@ class LLMEngine:
         self.seed_rng = random.Random(config.seed)
         self.requests: dict[int, Sequence] = {}
         self.stats = EngineStats()
+        overlap = config.overlap_scheduling
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
+        self.pending = None  # (batch, StepHandle) launched but not yet resolved, under overlap
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -113,29 +116,41 @@ class LLMEngine:
         return True
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.pending is None
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> tuple[list[Sequence], int, int]:
-        """One scheduling + forward + postprocess round. Returns the requests that finished and
-        the prefill and decode tokens it computed."""
+        """One round: schedule, launch the forward pass, postprocess. Returns the requests that
+        finished (with every token resolved) and the prefill and decode tokens launched.
+
+        With overlap scheduling the step's samples stay on the device as placeholders: the next
+        step is scheduled and launched before they are read, and they are filled in (and stop
+        conditions checked) right after that launch, so the CPU works while the GPU computes."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if not batch.seqs and self.pending is None:
             if self.scheduler.is_finished():
                 return [], 0, 0
             raise RuntimeError("the scheduler has pending requests but scheduled nothing: the KV cache "
                                "cannot hold any of them (this is a scheduler bug or a cache too small)")
+        start = perf_counter()
         decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
                             if n == 1 and s.num_computed_tokens == s.num_tokens - 1)
         prefill_tokens = batch.total_tokens - decode_tokens
-        start = perf_counter()
-        sampled = self.runner.execute(batch)
-        finished = self.scheduler.postprocess(batch, sampled)
-        for seq, token in zip(batch.seqs, sampled):
-            if token is not None and seq.params.stop and not seq.is_finished and self._hits_stop_string(seq):
-                self.scheduler.finish(seq, "stop")
-                finished.append(seq)
+        handle = self.runner.launch(batch) if batch.seqs else None
+        finished = []
+        if self.pending is not None:  # the previous step's tokens, while this one runs
+            finished = self._resolve(*self.pending)
+            self.pending = None
+        if handle is not None:
+            if self.overlap:
+                # Reported when resolved, so that callers never see a placeholder.
+                self.scheduler.postprocess(batch, handle.placeholders())
+                self.pending = (batch, handle)
+            else:
+                tokens = handle.tokens()
+                finished += self.scheduler.postprocess(batch, tokens)
+                finished += self._check_stop_strings(batch, tokens)
         elapsed = perf_counter() - start
         stats = self.stats
         stats.num_steps += 1
@@ -148,6 +163,31 @@ class LLMEngine:
         for seq in finished:
             self.requests.pop(seq.seq_id, None)
         return finished, prefill_tokens, decode_tokens
+
+    def _resolve(self, batch, handle) -> list[Sequence]:
+        """Fills in a launched step's placeholders and applies the stop conditions they trigger."""
+        finished = []
+        tokens = handle.tokens()
+        for seq, token in zip(batch.seqs, tokens):
+            if token is None or not seq.token_ids or seq.token_ids[-1] >= 0:
+                continue  # no sample, or the sequence ended before its placeholder was appended
+            seq.token_ids[-1] = token
+            if seq.hits_stop_token(token):
+                if seq.finish_reason == "length":
+                    seq.finish_reason = "stop"  # the token decides, as without overlap
+                else:
+                    self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                finished.append(seq)
+        return finished + self._check_stop_strings(batch, tokens)
+
+    def _check_stop_strings(self, batch, tokens) -> list[Sequence]:
+        finished = []
+        for seq, token in zip(batch.seqs, tokens):
+            if token is not None and seq.params.stop and not seq.is_finished and self._hits_stop_string(seq):
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
+        return finished
 
     def _hits_stop_string(self, seq: Sequence) -> bool:
         # A stop string of m characters spans at most m tokens; look a few more back for safety.
@@ -188,7 +228,7 @@ class LLMEngine:
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         try:
-            while any(not s.is_finished for s in seqs):
+            while any(not s.is_finished or s.token_ids[-1] < 0 for s in seqs):
                 start = perf_counter()
                 finished, prefill_tokens, decode_tokens = self.step()
                 elapsed = perf_counter() - start

@@ -40,6 +40,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry,
                  tp_group: TPGroup = SINGLE):
         self.config = config
+        self.tp = tp_group
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and tp_group.size > 1:
             self.device = torch.device("cuda", tp_group.rank)
@@ -69,6 +70,7 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
@@ -155,32 +157,44 @@ class ModelRunner:
             seq.block_table = list(range(next_block, next_block + used))
             next_block += used
             seqs.append(seq)
-        self._run(ScheduledBatch(seqs, lengths), list(cache.unbind(0)))
+        self.launch(ScheduledBatch(seqs, lengths), list(cache.unbind(0))).tokens()
         torch.cuda.synchronize(self.device)
         return cache
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Runs one step; returns each sequence's sampled token, None where it does not sample."""
-        return self._run(batch, self.kv_caches)
-
-    def _run(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor], step: StepInputs | None = None) -> list[int | None]:
-        step = step if step is not None else self.prepare_inputs(batch)
-        logits = self.forward_logits(step, kv_caches)
-        if logits is None:
-            return [None] * len(batch)
-        with torch.inference_mode():
-            tokens = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in step.sample_rows])).tolist()
-        out: list[int | None] = [None] * len(batch)
-        for row, token in zip(step.sample_rows, tokens):
-            out[row] = token
-        return out
+        return self.launch(batch).tokens()
 
     @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None,
+               step: StepInputs | None = None) -> "StepHandle":
+        """Queues one step's work on the device and returns without waiting for it. Input tokens
+        may be placeholders for the previous launch's samples (see StepHandle.placeholders).
+        `step`: the batch's prepared inputs, when the caller built them already."""
+        step = step if step is not None else self.prepare_inputs(batch)
+        logits = self.forward_logits(step, kv_caches if kv_caches is not None else self.kv_caches)
+        if logits is None:
+            return StepHandle(len(batch), step.sample_rows, None)
+        sampled = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in step.sample_rows]))
+        self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
+        return StepHandle(len(batch), step.sample_rows, sampled)
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """A worker rank's part of a step that rank 0 launches: the forward pass, then rank 0's
+        samples, which the next step's placeholders stand for."""
+        if self.forward_logits(step, self.kv_caches) is not None:
+            sampled = torch.empty(len(step.sample_rows), dtype=torch.int64, device=self.device)
+            self.last_sampled = self.tp.broadcast(sampled)
+
     def forward_logits(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         """The forward pass of one step and the logits of its sampling rows (None when none samples).
-        Every tensor-parallel rank runs it on the same step; rank 0 alone samples."""
+        Every tensor-parallel rank runs it on the same step."""
         input_ids, positions, inputs = self.upload(step)
+        if inputs.has_placeholders:
+            if self.last_sampled is None:
+                raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
+            input_ids = torch.where(input_ids < 0, self.last_sampled[(-input_ids - 1).clamp(min=0)], input_ids)
         metadata = self.backend.build_metadata(inputs)
         hidden = self.model(input_ids, positions, kv_caches, metadata)
         if not step.sample_rows:
@@ -212,35 +226,73 @@ class ModelRunner:
             input_ids=input_ids, positions=positions, query_start_loc=query_start.astype(int32),
             seq_lens=ends.astype(int32), context_lens=starts.astype(int32), block_tables=block_tables.astype(int32),
             slot_mapping=slot_mapping, sample_rows=sample_rows, max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()), is_decode=batch.is_decode)
+            max_seq_len=int(ends.max()), is_decode=batch.is_decode,
+            has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
 
     def upload(self, step: StepInputs):
         """One copy per tensor to the device: input ids, positions and the attention inputs."""
-        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        to = self._to_device
         inputs = AttentionInputs(
-            query_start_loc=to(step.query_start_loc), seq_lens=to(step.seq_lens), context_lens=to(step.context_lens),
-            block_tables=to(step.block_tables), slot_mapping=to(step.slot_mapping), max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len, is_decode=step.is_decode, block_size=self.block_size)
-        return to(step.input_ids), to(step.positions), inputs
+            query_start_loc=to(step.query_start_loc, torch.int32), seq_lens=to(step.seq_lens, torch.int32),
+            context_lens=to(step.context_lens, torch.int32), block_tables=to(step.block_tables, torch.int32),
+            slot_mapping=to(step.slot_mapping, torch.int64), max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len, is_decode=step.is_decode, block_size=self.block_size,
+            has_placeholders=step.has_placeholders)
+        return to(step.input_ids, torch.int64), to(step.positions, torch.int64), inputs
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.from_numpy(array).to(dtype)
+        if self.device.type == "cuda":
+            # From pinned memory the copy is truly asynchronous: the CPU can prepare the next step
+            # while the GPU still runs this one (the caching host allocator keeps it alive until then).
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
     def sampling_tensors(self, seqs) -> SamplingTensors:
         params = [s.params for s in seqs]
-        temperatures = [p.temperature for p in params]
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
+        floats = np.array([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                          dtype=np.float32)
         # fold 64-bit seeds to 32 bits: the sampler's hash mixes 32-bit words
-        seeds = [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs]
-        device = self.device
+        ints = np.array([[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                         [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs],
+                         [s.num_tokens for s in seqs]], dtype=np.int64)
+        float_t, int_t = self._to_device(floats, torch.float32), self._to_device(ints, torch.int64)
         return SamplingTensors(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            steps=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
-            all_greedy=all(t == 0 for t in temperatures),
-            any_top_k=any(k < self.vocab_size for k in top_k),
-            any_top_p=any(p < 1 for p in top_p),
-            any_min_p=any(p > 0 for p in min_p),
-        )
+            temperatures=float_t[0], top_p=float_t[1], min_p=float_t[2], top_k=int_t[0], seeds=int_t[1], steps=int_t[2],
+            all_greedy=not floats[0].any(), any_top_k=bool((ints[0] < self.vocab_size).any()),
+            any_top_p=bool((floats[1] < 1).any()), any_min_p=bool((floats[2] > 0).any()))
+
+class StepHandle:
+    """A launched step. tokens() waits for its samples; placeholders() names them before they
+    exist, so the engine can schedule the next step while this one runs on the device."""
+
+    def __init__(self, num_seqs: int, sample_rows: list[int], sampled: torch.Tensor | None):
+        self.num_seqs = num_seqs
+        self.sample_rows = sample_rows
+        self.sampled = sampled
+        self.host = None
+        if sampled is not None and sampled.is_cuda:
+            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self.host.copy_(sampled, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def placeholders(self) -> list[int | None]:
+        """-(k + 1) for the k-th sampling row: the runner swaps these ids for the samples on device."""
+        out: list[int | None] = [None] * self.num_seqs
+        for k, row in enumerate(self.sample_rows):
+            out[row] = -(k + 1)
+        return out
+
+    def tokens(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_seqs
+        if self.sampled is None:
+            return out
+        if self.host is not None:
+            self.ready.synchronize()
+            values = self.host.tolist()
+        else:
+            values = self.sampled.tolist()
+        for row, token in zip(self.sample_rows, values):
+            out[row] = token
+        return out

@@ -50,7 +50,10 @@ class Scheduler(Protocol):
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Advances the batch after the forward pass: sampled[i] is the new token of batch.seqs[i]
-        or None for a prefill chunk that does not sample. Returns the sequences that finished."""
+        or None for a prefill chunk that does not sample. Under overlap scheduling a token may be a
+        negative placeholder, filled in by the engine before the next postprocess (only length can
+        end a sequence on a placeholder). Skips sequences finished meanwhile. Returns the sequences
+        that finished."""
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a running or waiting sequence now (a stop string matched, or an abort) and frees it."""

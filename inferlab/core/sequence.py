@@ -71,12 +71,14 @@ class Sequence:
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
 
+    def hits_stop_token(self, token: int) -> bool:
+        return (token == self.eos_token_id and not self.params.ignore_eos) or token in self.params.stop_token_ids
+
     def check_stop(self) -> str | None:
-        """The finish reason the last appended token causes, if any (stop strings are the engine's)."""
+        """The finish reason the last appended token causes, if any (stop strings are the engine's).
+        A placeholder (negative, not sampled yet) can only end the sequence by length."""
         token = self.token_ids[-1]
-        if not self.params.ignore_eos and token == self.eos_token_id:
-            return "stop"
-        if token in self.params.stop_token_ids:
+        if token >= 0 and self.hits_stop_token(token):
             return "stop"
         if self.num_completion_tokens >= self.params.max_tokens:
             return "length"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from inferlab.core.batch import ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
-from inferlab.core.model_runner import ModelRunner, resolve_device
+from inferlab.core.model_runner import ModelRunner, StepHandle, resolve_device
 from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginEntry, PluginFailure, PluginRegistry
 
@@ -180,6 +180,11 @@ class Workers:
         return TensorParallelError("tensor-parallel " + "; ".join(failures.values()).rstrip()
                                    + "\n(the engine's workers are shut down)")
 
+    def check_alive(self) -> None:
+        dead = wait([p.sentinel for p in self.processes], timeout=0)
+        if dead:
+            raise TensorParallelError(f"{len(dead)} tensor-parallel worker(s) died")
+
     def start_watchdog(self, group) -> None:
         """On CUDA: aborts the NCCL communicator as soon as a worker dies (see watch_for_deaths)."""
         stop_reader, stop_writer = mp.Pipe(duplex=False)
@@ -251,6 +256,7 @@ class TensorParallelRunner(ModelRunner):
         # port 0: the OS picks a free one, so engines started side by side never collide
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         self.closed_because: str | None = None
+        self.starting = True
         self.workers = Workers(config, hf_config, model_path, registry, backend, self.store.port)
         try:
             self.workers.receive("started")
@@ -259,6 +265,7 @@ class TensorParallelRunner(ModelRunner):
             self.workers.receive("ready")
         except BaseException as e:
             self._fail(e, "its start-up failed")
+        self.starting = False
         if backend == "nccl":
             self.workers.start_watchdog(self.group)
         log.info("tensor parallelism: %d ranks over %s, workers %s", size, backend, self.workers.pids)
@@ -288,18 +295,21 @@ class TensorParallelRunner(ModelRunner):
             raise box["error"]
         return box["group"]
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None,
+               step: StepInputs | None = None) -> "TensorParallelStep":
+        """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched."""
+        if self.starting:  # the warm-up inside ModelRunner.__init__, which every rank runs for itself
+            return super().launch(batch, kv_caches, step)
         if self.closed_because:
             raise TensorParallelError(f"this tensor-parallel engine is shut down: {self.closed_because}")
         try:
-            step = self.prepare_inputs(batch)
+            step = step if step is not None else self.prepare_inputs(batch)
             self.workers.send(step)
-            tokens = self._run(batch, self.kv_caches, step)
+            handle = super().launch(batch, kv_caches, step)
             self.workers.receive("ack")
         except BaseException as e:
             self._fail(e, f"a step raised {type(e).__name__}")
-        return tokens
+        return TensorParallelStep(handle, self)
 
     def _fail(self, error: BaseException, why: str):
         """Shuts the workers down and raises what explains `error` best (see Workers.fail)."""
@@ -326,6 +336,25 @@ def check_heads_divide(hf_config, size: int) -> None:
     if kv_heads and kv_heads % size and size % kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and the model's {kv_heads} KV heads must divide one another "
                          f"(with fewer KV heads than ranks, each rank keeps a replica of one)")
+
+
+class TensorParallelStep:
+    """A step launched on every rank. tokens() also makes sure every worker outlived it: on CUDA a
+    dead worker's collectives are aborted rather than failed, so its death shows only here."""
+
+    def __init__(self, handle: StepHandle, runner: TensorParallelRunner):
+        self.handle, self.runner = handle, runner
+
+    def placeholders(self) -> list[int | None]:
+        return self.handle.placeholders()
+
+    def tokens(self) -> list[int | None]:
+        try:
+            tokens = self.handle.tokens()
+            self.runner.workers.check_alive()
+        except BaseException as e:
+            self.runner._fail(e, f"reading a step's samples raised {type(e).__name__}")
+        return tokens
 
 
 def shippable_plugins(registry: PluginRegistry) -> tuple[list[PluginEntry], list[PluginFailure]]:
@@ -379,7 +408,7 @@ def worker_main(rank: int, size: int, backend: str, store_port: int, conn: Conne
         runner = ModelRunner(config, hf_config, model_path, worker_registry(entries, failures), TPGroup(rank, size, group))
         conn.send_bytes(pickle.dumps(("ready", runner.num_kv_blocks)))
         while (payload := conn.recv_bytes()) != STOP:
-            runner.forward_logits(pickle.loads(payload), runner.kv_caches)
+            runner.follow(pickle.loads(payload))
             conn.send_bytes(STOP)
     except EOFError:
         pass  # rank 0 closed its end: nothing left to do

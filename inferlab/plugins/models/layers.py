@@ -1,6 +1,8 @@
 """Tensor-parallel building blocks for decoder models: each linear layer holds this rank's shard
 and knows how to cut it from a checkpoint tensor. A checkpoint tensor arrives as a safetensors
 slice (or a tensor), so a rank reads only its shard from disk."""
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -157,23 +159,44 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm in float32; with `residual` it first adds it and returns the new residual too."""
+@functools.cache
+def compiled(fn):
+    """fn under torch.compile: its chain of elementwise ops becomes one fused kernel. Built on first
+    use, so CPU runs never load the compiler; one code object for every layer, so no recompiles."""
+    return torch.compile(fn, dynamic=True)
 
-    def __init__(self, size: int, eps: float):
+
+def rms_norm(x, weight, eps: float):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(dtype) * weight
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual add fused into the norm."""
+    dtype = x.dtype
+    x = x.float() + residual.float()
+    residual = x.to(dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(dtype) * weight, residual
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32; with `residual` it first adds it and returns the new residual too.
+    fused=True runs it through torch.compile (for CUDA)."""
+
+    def __init__(self, size: int, eps: float, fused: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.norm = compiled(rms_norm) if fused else rms_norm
+        self.add_norm = compiled(add_rms_norm) if fused else add_rms_norm
 
     def forward(self, x, residual=None):
-        dtype = x.dtype
-        x = x.float()
-        if residual is not None:
-            x = x + residual.float()
-            residual = x.to(dtype)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = x.to(dtype) * self.weight
-        return x if residual is None else (x, residual)
+        if residual is None:
+            return self.norm(x, self.weight, self.eps)
+        return self.add_norm(x, residual, self.weight, self.eps)
 
     def load(self, param, src, name, shard_id=None):
         copy_checked(param, read(src), name)
@@ -182,15 +205,20 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half / NeoX layout) with a precomputed cos/sin table."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float, fused: bool = False):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.apply_rotary = compiled(apply_rotary) if fused else apply_rotary
 
     def forward(self, positions, q, k):
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.apply_rotary(self.cos_sin, positions, q, k)
+
+
+def apply_rotary(cos_sin, positions, q, k):
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x, cos, sin):

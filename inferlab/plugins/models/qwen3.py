@@ -13,7 +13,7 @@ from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.plugins.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                             QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                            VocabParallelEmbedding, silu_and_mul)
+                                            VocabParallelEmbedding, compiled, silu_and_mul)
 
 
 class CheckpointError(ValueError):
@@ -21,7 +21,7 @@ class CheckpointError(ValueError):
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.backend = backend
@@ -30,8 +30,8 @@ class Qwen3Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
                                         bias=getattr(config, "attention_bias", False))
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused)
         self.scale = head_dim ** -0.5
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
@@ -46,22 +46,23 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config, tp: TPGroup):
+    def __init__(self, config, tp: TPGroup, fused: bool):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
+        self.act = compiled(silu_and_mul) if fused else silu_and_mul
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, backend, tp)
-        self.mlp = Qwen3MLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen3Attention(config, backend, tp, fused)
+        self.mlp = Qwen3MLP(config, tp, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         if residual is None:
@@ -84,24 +85,28 @@ PACKED = {
 class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
-    def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None, **options):
+    def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
+                 torch_compile: bool | None = None):
+        """torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
+        None means on CUDA only."""
         super().__init__()
-        if options:
-            raise TypeError(f"qwen3 takes no options, got {sorted(options)}")
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        fused = on_cuda if torch_compile is None else bool(torch_compile)
         scaling = getattr(hf_config, "rope_scaling", None)
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"rope_scaling {scaling!r} is not supported by the qwen3 plugin; supported: none/default")
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group) for _ in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused)
+                                    for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         attn = self.layers[0].self_attn
-        self.rotary = RotaryEmbedding(attn.head_dim, hf_config.max_position_embeddings, _rope_theta(hf_config))
+        self.rotary = RotaryEmbedding(attn.head_dim, hf_config.max_position_embeddings, _rope_theta(hf_config), fused)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         attn = self.layers[0].self_attn

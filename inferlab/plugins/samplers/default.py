@@ -48,14 +48,28 @@ class DefaultSampler:
             raise TypeError(f"the default sampler takes no options, got {sorted(options)}")
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
         if params.all_greedy:
-            return greedy
-        temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
-        scaled = filter_logits(logits.float() / temperatures[:, None], params)
-        gumbel = -torch.log(-torch.log(counter_uniform(params.seeds, params.steps, logits.shape[-1])))
-        sampled = (scaled + gumbel).argmax(dim=-1)
-        return torch.where(params.temperatures > 0, sampled, greedy)
+            return logits.argmax(dim=-1)
+        sampling = params.temperatures > 0
+        temperatures = params.temperatures
+        if params.any_top_k or params.any_top_p or params.any_min_p:
+            inverse = 1.0 / torch.where(sampling, temperatures, 1.0)
+            logits = filter_logits(logits.float() * inverse[:, None], params)
+            temperatures = sampling.float()  # already scaled; 0 keeps greedy rows greedy
+        if logits.is_cuda:
+            from inferlab.plugins.samplers.gumbel_kernel import gumbel_argmax
+            return gumbel_argmax(logits, temperatures, params.seeds, params.steps)
+        return gumbel_argmax_reference(logits, temperatures, params.seeds, params.steps)
+
+
+def gumbel_argmax_reference(logits, temperatures, seeds, steps) -> torch.Tensor:
+    """argmax(logits / T + Gumbel(seed, step)) per row, plain argmax where T == 0 (the fused CUDA
+    kernel computes the same)."""
+    sampling = temperatures > 0
+    inverse = 1.0 / torch.where(sampling, temperatures, 1.0)
+    gumbel = -torch.log(-torch.log(counter_uniform(seeds, steps, logits.shape[-1])))
+    sampled = (logits.float() * inverse[:, None] + gumbel).argmax(dim=-1)
+    return torch.where(sampling, sampled, logits.argmax(dim=-1))
 
 
 @hookimpl

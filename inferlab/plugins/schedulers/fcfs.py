@@ -78,6 +78,8 @@ class FCFSScheduler:
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         finished = []
         for seq, num_tokens, token in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
+            if seq.is_finished:  # ended (stop string, abort) while its step was in flight
+                continue
             seq.num_computed_tokens += num_tokens
             self.kv.commit(seq)
             if token is None:

@@ -1,0 +1,162 @@
+"""Every bad input gets an exception that says what was wrong and what is allowed, and the same
+engine keeps serving the next request."""
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from inferlab import LLM, SamplingParams
+from inferlab.core.plugins import PluginError
+
+OK = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return llm.generate([[5, 6, 7]], OK, use_tqdm=False)
+
+
+def still_works(llm, reference):
+    assert llm.generate([[5, 6, 7]], OK, use_tqdm=False) == reference
+    assert llm.is_finished() and llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "prompt is empty"),
+    ([], "prompt is empty"),
+    ([1] * 65, "65 tokens, more than max_model_len=64"),
+    ([5, 10**6], r"outside the vocabulary: ids must be in \[0, "),
+    ([5, -1], "outside the vocabulary"),
+    ([[1, 2]], "string or a list of token ids"),
+])
+def test_bad_prompts(llm, reference, prompt, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.generate([[1, 2, 3], prompt], OK, use_tqdm=False)
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.add_request(prompt, OK)
+    still_works(llm, reference)
+
+
+def test_request_that_can_never_fit_the_cache(llm, reference):
+    # 8 blocks of 16 tokens = 128 slots, but max_model_len caps at 64: use a smaller cache to hit it
+    small = llm.kv_cache.num_blocks * llm.kv_cache.block_size
+    assert small >= 64  # so with this engine every valid request fits
+    tiny = LLM(llm.model_path, kvcache_block_size=16, num_kvcache_blocks=2, max_model_len=64)
+    with pytest.raises(ValueError, match=r"needs up to 3 KV blocks .* whole cache has 2: it could never be served"):
+        tiny.generate([[1] * 30], SamplingParams(max_tokens=10), use_tqdm=False)
+    assert tiny.generate([[1] * 10], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]["token_ids"]
+    still_works(llm, reference)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(temperature=-0.1), "temperature must be a number >= 0"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=0), "top_k must be -1"),
+    (dict(top_k=-2), "top_k must be -1"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
+    (dict(stop=[""]), "stop must be non-empty strings"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_mismatched_sampling_params_list(llm, reference):
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate([[1], [2], [3]], [OK, OK], use_tqdm=False)
+    still_works(llm, reference)
+
+
+@pytest.mark.parametrize("kind", ["scheduler", "kv_cache", "attention", "model", "sampler"])
+def test_unknown_plugin_lists_available(checkpoint, kind):
+    with pytest.raises(PluginError, match=rf"unknown {kind} 'nope'; available: \[.+\]"):
+        LLM(checkpoint("gqa2-tied"), **{kind: "nope"})
+
+
+def test_unknown_setting():
+    with pytest.raises(TypeError, match=r"unknown engine setting\(s\) \['max_num_seq'\]; allowed:"):
+        LLM(max_num_seq=3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+    (dict(kvcache_block_size=24), "block size must be a power of two >= 16, got 24"),
+    (dict(dtype="float8"), "dtype must be one of"),
+])
+def test_bad_settings(checkpoint, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LLM(checkpoint("gqa2-tied"), **kwargs)
+
+
+def test_missing_model_directory(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=f"model directory '{missing}' does not exist"):
+        LLM(str(missing))
+
+
+def copy_checkpoint(checkpoint, tmp_path, name="copy"):
+    target = tmp_path / name
+    shutil.copytree(checkpoint("gqa2-tied"), target)
+    return target
+
+
+def test_missing_config(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint, tmp_path)
+    os.remove(path / "config.json")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(path))
+
+
+def test_missing_weights(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint, tmp_path)
+    for f in path.glob("*.safetensors"):
+        os.remove(f)
+    with pytest.raises(FileNotFoundError, match=rf"no \*.safetensors weight files in '{path}'"):
+        LLM(str(path))
+
+
+def test_missing_shard_of_sharded_checkpoint(tmp_path):
+    from inferlab.tiny_model import make_checkpoint
+    path = make_checkpoint(str(tmp_path / "sharded"), max_shard_size="40KB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        victim = sorted(set(json.load(f)["weight_map"].values()))[-1]
+    os.remove(os.path.join(path, victim))
+    with pytest.raises(FileNotFoundError, match=f"weight files listed in .* are missing: \\['{victim}'\\]"):
+        LLM(path)
+
+
+def test_tensors_that_do_not_match(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint, tmp_path)
+    weights_file = next(path.glob("*.safetensors"))
+    original = load_file(weights_file)
+
+    def broken(**changes):
+        weights = dict(original)
+        for name, value in changes.items():
+            if value is None:
+                del weights[name]
+            else:
+                weights[name] = value
+        save_file(weights, weights_file, metadata={"format": "pt"})
+        return str(path)
+
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    with pytest.raises(ValueError, match=rf"{o_proj}.*shape \(64, 8\), the model expects \(64, 64\)"):
+        LLM(broken(**{o_proj: original[o_proj][:, :8].contiguous()}))
+    with pytest.raises(ValueError, match=r"tensors the model does not know: \['model.extra.weight'\]"):
+        LLM(broken(**{"model.extra.weight": original["model.norm.weight"].clone()}))
+    with pytest.raises(ValueError, match=r"lacks tensors the model needs: \['model.layers.1.mlp.up_proj.weight'\]"):
+        LLM(broken(**{"model.layers.1.mlp.up_proj.weight": None}))
+    with pytest.raises(ValueError, match=r"lacks tensors the model needs: \['model.layers.0.self_attn.k_proj.weight'\]"):
+        LLM(broken(**{"model.layers.0.self_attn.k_proj.weight": None}))

@@ -1,0 +1,52 @@
+"""The workload floor: bytes and FLOPs counted from the model's shapes, over measured rates."""
+import random
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from inferlab.floor import DeviceRates, device_rates, model_cost, workload_floor
+
+QWEN3_06B = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+
+
+
+def test_qwen3_06b_cost():
+    cost = model_cost(QWEN3_06B, torch.bfloat16)
+    assert cost.weight_bytes == 2 * 595_984_384  # 0.6B parameters, embedding tied
+    assert cost.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+
+
+def test_floor_of_the_bench_workload_on_h200_rates():
+    random.seed(0)
+    prompts = []
+    for _ in range(256):
+        prompts.append(len([random.randint(0, 10000) for _ in range(random.randint(100, 1024))]))
+    outputs = [random.randint(100, 1024) for _ in range(256)]
+    assert sum(outputs) == 133_966
+    floor = workload_floor(prompts, outputs, model_cost(QWEN3_06B, torch.bfloat16), DeviceRates("h200", 4.3e12, 790e12))
+    # DESIGN.md: about 3.7 s, about 36,000 output tokens/s
+    assert floor["floor_seconds"] == pytest.approx(3.7, abs=0.1)
+    assert floor["floor_output_tokens_per_s"] == pytest.approx(36_000, rel=0.03)
+    assert floor["floor_decode_seconds"] > 10 * floor["floor_prefill_seconds"]
+
+
+def test_floor_scales_with_bandwidth():
+    cost = model_cost(QWEN3_06B, torch.bfloat16)
+    slow = workload_floor([100] * 8, [50] * 8, cost, DeviceRates("x", 1e12, 1e15))
+    fast = workload_floor([100] * 8, [50] * 8, cost, DeviceRates("x", 2e12, 1e15))
+    assert slow["floor_decode_seconds"] == pytest.approx(2 * fast["floor_decode_seconds"])
+
+
+def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
+    import inferlab.floor as floor
+    monkeypatch.setattr(floor, "CACHE_DIR", str(tmp_path))
+    calls = []
+    real = floor.measure_rates
+    monkeypatch.setattr(floor, "measure_rates", lambda *a: calls.append(1) or real(*a))
+    first = device_rates(torch.device("cpu"))
+    second = device_rates(torch.device("cpu"))
+    assert first == second and len(calls) == 1
+    assert first.bandwidth > 1e8 and first.matmul_rate > 1e8

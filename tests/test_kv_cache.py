@@ -1,0 +1,139 @@
+"""The paged block manager's books: reference counts, the free queue, prefix reuse and eviction."""
+from inferlab.core.config import EngineConfig
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.sequence import Sequence
+from inferlab.plugins.kv_cache.paged import PagedKVCache
+
+BS = 16
+
+
+def make(num_blocks=8, prefix_caching=True):
+    return PagedKVCache(EngineConfig(kvcache_block_size=BS, enable_prefix_caching=prefix_caching), num_blocks)
+
+
+def seq_of(tokens):
+    return Sequence(list(tokens), SamplingParams())
+
+
+def compute_all(kv, seq):
+    """What a step does to a fully scheduled prompt: compute it, then commit its full blocks."""
+    assert kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.commit(seq)
+
+
+def check_books(kv, live):
+    counts = [0] * kv.num_blocks
+    for seq in live:
+        for block in seq.block_table:
+            counts[block] += 1
+    assert kv.ref_counts == counts
+    free = set(kv.free_queue)
+    assert free == {b for b in range(kv.num_blocks) if counts[b] == 0}
+
+
+def test_allocate_and_free_exact_blocks():
+    kv = make()
+    seq = seq_of(range(40))
+    assert kv.num_cached_prefix_tokens(seq) == 0
+    assert kv.allocate(seq, 40)
+    assert len(seq.block_table) == 3 and kv.num_free_blocks == 5
+    check_books(kv, [seq])
+    kv.free(seq)
+    assert seq.block_table == [] and kv.num_free_blocks == 8
+    check_books(kv, [])
+
+
+def test_allocate_refuses_without_side_effects():
+    kv = make(num_blocks=2)
+    seq = seq_of(range(40))
+    assert not kv.allocate(seq, 40)
+    assert seq.block_table == [] and kv.num_free_blocks == 2
+
+
+def test_shared_prefix_is_reused_and_ref_counted():
+    kv = make()
+    a = seq_of(list(range(32)) + [7])
+    compute_all(kv, a)
+    b = seq_of(list(range(32)) + [8, 9])
+    assert kv.num_cached_prefix_tokens(b) == 32
+    assert kv.allocate(b, 2)
+    assert b.num_computed_tokens == b.num_cached_tokens == 32
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert kv.ref_counts[a.block_table[0]] == 2
+    check_books(kv, [a, b])
+    kv.free(a)
+    assert kv.ref_counts[b.block_table[0]] == 1
+    check_books(kv, [b])
+
+
+def test_prefix_hashes_chain_over_the_whole_prefix():
+    kv = make()
+    compute_all(kv, seq_of(list(range(16)) + list(range(100, 117))))
+    # same second block, different first block: no hit at all
+    other = seq_of(list(range(1, 17)) + list(range(100, 117)))
+    assert kv.num_cached_prefix_tokens(other) == 0
+
+
+def test_freed_blocks_stay_cached_until_evicted():
+    kv = make(num_blocks=4)
+    a = seq_of(range(33))
+    compute_all(kv, a)
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    again = seq_of(range(33))
+    assert kv.num_cached_prefix_tokens(again) == 32
+    assert kv.allocate(again, 1)
+    assert again.num_computed_tokens == 32
+    check_books(kv, [again])
+    kv.free(again)
+    # a different prompt needing every block evicts the cached ones
+    big = seq_of(range(500, 564))
+    assert kv.allocate(big, 64)
+    assert kv.num_cached_prefix_tokens(seq_of(range(33))) == 0
+    check_books(kv, [big])
+
+
+def test_uncached_blocks_are_reused_before_cached_ones():
+    kv = make(num_blocks=4)
+    cached = seq_of(range(17))
+    compute_all(kv, cached)  # block 0 full and hashed, block 1 partial
+    kv.free(cached)
+    newcomer = seq_of(range(900, 910))
+    assert kv.allocate(newcomer, 10)
+    assert kv.num_cached_prefix_tokens(seq_of(range(17))) == 16  # the hashed block survived
+
+
+def test_fully_cached_prompt_leaves_last_token_to_compute():
+    kv = make()
+    compute_all(kv, seq_of(range(48)))
+    exact = seq_of(range(48))  # three full blocks, all cached
+    assert kv.num_cached_prefix_tokens(exact) == 32
+    assert kv.allocate(exact, 16)
+    assert exact.num_computed_tokens == 32 and len(exact.block_table) == 3
+
+
+def test_prefix_caching_off():
+    kv = make(prefix_caching=False)
+    compute_all(kv, seq_of(range(40)))
+    assert kv.num_cached_prefix_tokens(seq_of(range(40))) == 0
+
+
+def test_decode_growth_allocates_one_block_at_a_boundary():
+    kv = make()
+    seq = seq_of(range(16))
+    compute_all(kv, seq)
+    assert len(seq.block_table) == 1
+    seq.append_token(1)  # the 17th token needs a second block when it is computed
+    assert kv.allocate(seq, 1)
+    assert len(seq.block_table) == 2
+    check_books(kv, [seq])
+
+
+def test_collision_is_confirmed_against_tokens(monkeypatch):
+    import inferlab.plugins.kv_cache.paged as paged
+    monkeypatch.setattr(paged, "chain_hash", lambda parent, tokens: 42)  # every block collides
+    kv = make()
+    compute_all(kv, seq_of(range(17)))
+    assert kv.num_cached_prefix_tokens(seq_of(range(100, 117))) == 0
+    assert kv.num_cached_prefix_tokens(seq_of(range(17))) == 16

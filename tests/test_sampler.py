@@ -1,0 +1,134 @@
+"""The default sampler's filters, its per-request reproducibility, and stop handling end to end."""
+import pytest
+import torch
+
+from inferlab import LLM, SamplingParams
+from inferlab.core.batch import SamplingTensors
+from inferlab.plugins.samplers.default import DefaultSampler, counter_uniform, filter_logits
+
+
+def tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, steps=None, vocab=8):
+    top_k = top_k if top_k is not None else vocab
+    as_list = lambda v: v if isinstance(v, list) else [v] * n  # noqa: E731
+    t, k, p, m = as_list(temperature), as_list(top_k), as_list(top_p), as_list(min_p)
+    return SamplingTensors(
+        temperatures=torch.tensor(t, dtype=torch.float32), top_k=torch.tensor(k), top_p=torch.tensor(p),
+        min_p=torch.tensor(m), seeds=torch.tensor(seeds if seeds is not None else list(range(n))),
+        steps=torch.tensor(steps if steps is not None else [0] * n),
+        all_greedy=all(x == 0 for x in t), any_top_k=any(x < vocab for x in k), any_top_p=any(x < 1 for x in p),
+        any_min_p=any(x > 0 for x in m))
+
+
+PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+LOGITS = PROBS.log()
+
+
+def kept(**kw):
+    return torch.isfinite(filter_logits(LOGITS.clone(), tensors(1, vocab=4, **kw)))[0].nonzero().flatten().tolist()
+
+
+def test_top_k_mask():
+    assert kept(top_k=1) == [1]
+    assert kept(top_k=2) == [1, 3]
+    assert kept(top_k=3) == [1, 2, 3]
+
+
+def test_top_p_mask_keeps_smallest_set_reaching_p():
+    assert kept(top_p=0.5) == [1]
+    assert kept(top_p=0.7) == [1, 3]
+    assert kept(top_p=0.8) == [1, 3]
+    assert kept(top_p=0.81) == [1, 2, 3]
+    assert kept(top_p=1e-6) == [1]  # the top token always stays
+
+
+def test_top_k_then_top_p():
+    assert kept(top_k=2, top_p=0.99) == [1, 3]
+
+
+def test_min_p_mask():
+    assert kept(min_p=0.2) == [1, 2, 3]  # threshold 0.1
+    assert kept(min_p=0.5) == [1, 3]  # threshold 0.25
+    assert kept(min_p=1.0) == [1]
+
+
+def test_greedy_rows_take_argmax_and_mix_with_sampled_rows():
+    logits = torch.randn(6, 50)
+    out = DefaultSampler()(logits, tensors(6, temperature=[0, 1, 0, 1, 0, 1], vocab=50))
+    assert out[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+
+
+def test_top_k_1_is_greedy_at_any_temperature():
+    logits = torch.randn(5, 100)
+    out = DefaultSampler()(logits, tensors(5, temperature=2.0, top_k=1, vocab=100))
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_samples_follow_the_distribution():
+    """Many independent draws (different steps) land in proportion to softmax(logits / T)."""
+    n = 20000
+    logits = LOGITS.expand(n, 4) * 2  # T=2 below undoes the scaling
+    out = DefaultSampler()(logits, tensors(n, temperature=2.0, seeds=[7] * n, steps=list(range(n)), vocab=4))
+    freq = torch.bincount(out, minlength=4).float() / n
+    assert torch.allclose(freq, PROBS[0], atol=0.015), freq
+
+
+def test_noise_depends_only_on_seed_and_step():
+    u = counter_uniform(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5]), 1000)
+    assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
+    alone = counter_uniform(torch.tensor([1]), torch.tensor([5]), 1000)
+    assert torch.equal(alone[0], u[0])
+
+
+def test_seeded_request_reproducible_whatever_the_batch(checkpoint):
+    llm = LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=64)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], seeded, use_tqdm=False)[0]
+    others = SamplingParams(temperature=0.8, max_tokens=5, top_p=0.9, ignore_eos=True)
+    crowded = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [others, seeded, others], use_tqdm=False)[1]
+    assert alone["token_ids"] == crowded["token_ids"]
+    different = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True),
+                             use_tqdm=False)[0]
+    assert different["token_ids"] != alone["token_ids"]
+
+
+def test_engine_seed_makes_unseeded_runs_reproducible(checkpoint):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = [LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=64, seed=3)
+            .generate([[5, 6, 7], [8, 9]], params, use_tqdm=False) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.fixture(scope="module")
+def greedy_llm(checkpoint):
+    return LLM(checkpoint("gqa4-untied"), kvcache_block_size=16, num_kvcache_blocks=64)
+
+
+def test_stop_string_cuts_text_before_it(greedy_llm):
+    prompt = "Hello, world! How are"
+    full = greedy_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    text = full["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), "the test needs a visible stop string"
+    cut = greedy_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "never-there"]),
+                              use_tqdm=False)[0]
+    assert cut["text"] == text[:text.find(stop)]
+    assert cut["finish_reason"] == "stop"
+    assert len(cut["token_ids"]) < len(full["token_ids"])
+    assert full["token_ids"][:len(cut["token_ids"])] == cut["token_ids"]
+
+
+def test_stop_token_ids_end_generation(greedy_llm):
+    full = greedy_llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    stop_at = full["token_ids"][3]
+    first = full["token_ids"].index(stop_at)
+    out = greedy_llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                          stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert out["token_ids"] == full["token_ids"][:first + 1] and out["finish_reason"] == "stop"
+
+
+def test_temperature_zero_is_greedy_and_allowed(greedy_llm):
+    assert SamplingParams(temperature=0).greedy
+    a = greedy_llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, seed=1), use_tqdm=False)[0]
+    b = greedy_llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, seed=2), use_tqdm=False)[0]
+    assert a == b and a["token_ids"]
