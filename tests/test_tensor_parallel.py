@@ -125,12 +125,15 @@ def test_two_engines_at_once(tied, untied, hf_greedy):
 
 
 def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
-    """1 KV head over 2 ranks: each rank keeps a replica. Leaving the `with` block stops the workers."""
+    """1 KV head over 2 ranks: each rank keeps a replica. The KV cache is sized from the CPU budget
+    on each rank (same count everywhere). Leaving the `with` block stops the workers."""
     path = checkpoint(KV1)
     prompts = prompts_of([3, 18, 40], start=7)
-    with LLM(path, tensor_parallel_size=2, **SETTINGS) as llm:
+    sized = {**SETTINGS, "num_kvcache_blocks": -1, "max_num_seqs": 4, "max_model_len": 256}
+    with LLM(path, tensor_parallel_size=2, **sized) as llm:
         pids = llm.runner.workers.pids
         assert llm.runner.model.kv_cache_spec()[1] == 1
+        assert llm.kv_cache.num_blocks == llm.runner.num_kv_blocks == 4 * 256 // 16
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(alive(pid) for pid in pids)
     assert not any(alive(pid) for pid in pids)
@@ -315,14 +318,13 @@ def test_error_every_rank_hits_is_raised_as_is(checkpoint, tmp_path):
 
 
 SCRIPT = """
-import os, sys, time
+import sys
 from inferlab import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     print(llm.runner.workers.pids[0], len(out[0]["token_ids"]), flush=True)
-    if sys.argv[2] == "hang":
-        time.sleep(60)  # until killed
+    sys.stdin.readline()  # then exit without close(), unless killed first
 """
 
 
@@ -332,15 +334,17 @@ def test_workers_end_with_their_process(ending, checkpoint, tmp_path):
     atexit) still takes them along, as each worker watches its parent."""
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    mode = "hang" if ending == "killed" else "exit"
     shm_before = shm_entries()
-    process = subprocess.Popen([sys.executable, str(script), checkpoint("gqa2-tied"), mode],
-                               stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, str(script), checkpoint("gqa2-tied")],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         worker_pid, num_tokens = map(int, process.stdout.readline().split())
         assert num_tokens == 3 and alive(worker_pid)
         if ending == "killed":
             process.kill()
+        else:
+            process.stdin.write("exit\n")
+            process.stdin.flush()
         assert process.wait(timeout=30) == (-signal.SIGKILL if ending == "killed" else 0)
         deadline = time.monotonic() + 10
         while alive(worker_pid) and time.monotonic() < deadline:

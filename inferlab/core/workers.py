@@ -1,11 +1,12 @@
 """Tensor parallelism over processes. Rank 0, the engine's own process, runs a TensorParallelRunner;
 ranks 1..N-1 are spawned worker processes, each with its own ModelRunner. Every step rank 0 sends
 the step's host inputs (StepInputs) to each worker over a pipe, all ranks run the forward pass
-(their collectives meet in torch.distributed: nccl on CUDA, gloo on CPU), rank 0 samples and then
-waits for every worker's acknowledgement while watching that each one is alive. A worker that dies
-or raises becomes, within seconds, a TensorParallelError naming the rank and why, and every worker
-is shut down. No shared memory is used, and the rendezvous port is picked free by the OS, so any
-number of engines can run at once."""
+(their collectives meet in torch.distributed: nccl on CUDA, gloo on CPU), rank 0 samples and
+broadcasts its samples (the next step's placeholder tokens stand for them), then waits for every
+worker's acknowledgement while watching that each one is alive. A worker that dies or raises
+becomes, within seconds, a TensorParallelError naming the rank and why, and every worker is shut
+down. No shared memory is used, and the rendezvous port is picked free by the OS, so any number
+of engines can run at once in one process."""
 import datetime
 import logging
 import multiprocessing as mp
@@ -36,6 +37,7 @@ FAILURE_GRACE_S = 3.0  # after a failure, how long rank 0 waits for the other ra
 FAILURE_SETTLE_S = 0.3  # once one rank has failed, how long to wait for the reports it triggers
 SHUTDOWN_GRACE_S = 5.0  # how long workers get to exit on request before they are terminated
 WORKER_KINDS = ("model", "attention", "sampler")  # the plugins a worker's ModelRunner builds
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 STOP = b""  # rank 0 -> worker: exit; worker -> rank 0: the step is done
 
 
@@ -53,7 +55,15 @@ def make_group(backend: str, store: dist.Store, rank: int, size: int) -> dist.Ba
         options._timeout = TIMEOUT
         options.global_ranks_in_group = list(range(size))
         options.group_name = name
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        # On a failed collective torch's default takes the whole process down, and rank 0 is the
+        # user's program: only abort the communicator (unless the user chose otherwise).
+        chosen = os.environ.get(NCCL_ERROR_HANDLING)
+        os.environ[NCCL_ERROR_HANDLING] = chosen or "2"  # 2: CleanUpOnly, read when the group is built
+        try:
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+        finally:
+            if chosen is None:
+                del os.environ[NCCL_ERROR_HANDLING]
     options = dist.ProcessGroupGloo._Options()
     options._timeout = TIMEOUT
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # all ranks share this host
@@ -89,9 +99,11 @@ class Workers:
         self.processes: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.watch_stops: list[Connection] = []  # wakes the NCCL watchdog when closing
+        self.groups: list = []  # rank 0's process group, released after the workers stop
         self.failures: dict[int, str] = {}  # rank -> what happened to it, once known
         self.raised: dict[int, str] = {}  # rank -> "Type: message" of the exception it reported
-        self._finalizer = weakref.finalize(self, shutdown_workers, self.processes, self.conns, self.watch_stops)
+        self._finalizer = weakref.finalize(self, shutdown_workers, self.processes, self.conns, self.watch_stops,
+                                           self.groups)
         try:
             for rank in range(1, size):
                 ours, theirs = context.Pipe(duplex=True)
@@ -201,7 +213,7 @@ class Workers:
 
 
 def shutdown_workers(processes: list[mp.Process], conns: list[Connection], watch_stops: list[Connection],
-                     grace: float = SHUTDOWN_GRACE_S) -> None:
+                     groups: list, grace: float = SHUTDOWN_GRACE_S) -> None:
     for stop in watch_stops:  # the deaths that follow are expected
         stop.close()
     for conn in conns:
@@ -222,6 +234,11 @@ def shutdown_workers(processes: list[mp.Process], conns: list[Connection], watch
             process.join()
     for conn in conns:
         conn.close()
+    for group in groups:  # its peers are gone: abort rather than finalize (which would wait for them)
+        try:
+            group.abort()
+        except RuntimeError as e:
+            log.warning("releasing the tensor-parallel group failed: %s", e)
 
 
 def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
@@ -239,7 +256,8 @@ def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's ModelRunner, which also drives ranks 1..N-1 in worker processes. The engine uses it
-    like a ModelRunner; close() (or the engine's) stops the workers."""
+    like a ModelRunner; close() (or the engine's) stops the workers. After a failure or close() it
+    refuses to run steps: its ranks may be out of step."""
 
     def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry):
         size = config.tensor_parallel_size
@@ -261,8 +279,11 @@ class TensorParallelRunner(ModelRunner):
         try:
             self.workers.receive("started")
             self.group = self._join_group(backend, size)
+            self.workers.groups.append(self.group)
             super().__init__(config, hf_config, model_path, registry, TPGroup(0, size, self.group))
-            self.workers.receive("ready")
+            counts = self.workers.receive("ready")
+            if any(count != self.num_kv_blocks for count in counts):  # the ranks agreed on a minimum
+                raise RuntimeError(f"the ranks hold different numbers of KV blocks: {[self.num_kv_blocks, *counts]}")
         except BaseException as e:
             self._fail(e, "its start-up failed")
         self.starting = False
