@@ -137,3 +137,15 @@ def test_collision_is_confirmed_against_tokens(monkeypatch):
     compute_all(kv, seq_of(range(17)))
     assert kv.num_cached_prefix_tokens(seq_of(range(100, 117))) == 0
     assert kv.num_cached_prefix_tokens(seq_of(range(17))) == 16
+
+
+def test_reset_prefix_cache_keeps_referenced_blocks():
+    kv = make()
+    held, dropped = seq_of(range(33)), seq_of(range(200, 233))
+    compute_all(kv, held)
+    compute_all(kv, dropped)
+    kv.free(dropped)
+    kv.reset_prefix_cache()
+    assert kv.num_cached_prefix_tokens(seq_of(range(200, 233))) == 0
+    assert kv.num_cached_prefix_tokens(seq_of(range(33))) == 32
+    check_books(kv, [held])

@@ -51,6 +51,7 @@ class StepInputs:
     block_tables: np.ndarray  # int32 [B, max_blocks]
     slot_mapping: np.ndarray  # int64 [T]
     sample_rows: list[int]  # the sequences whose last scheduled token is sampled
+    logits_indices: np.ndarray  # int64 [S]: where each sampling sequence's last new token sits in T
     max_query_len: int
     max_seq_len: int
     is_decode: bool

@@ -118,6 +118,12 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.pending is None
 
+    def reset_prefix_cache(self) -> None:
+        """Drops the prefix cache's unreferenced blocks, where the KV manager supports it."""
+        reset = getattr(self.kv_cache, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> tuple[list[Sequence], int, int]:

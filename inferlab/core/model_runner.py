@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
+from inferlab.core.cuda_graphs import DecodeGraphs
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.model.load_weights(model_path)
         self.model.eval()
         self.sampler = registry.create("sampler", config.sampler, config, **config.sampler_options)
+        self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.num_kv_blocks = self._num_kv_blocks()
         if tp_group.size > 1:  # every rank must hold the same blocks: the smallest budget wins
             counts = torch.tensor([self.num_kv_blocks], device=self.device)
@@ -73,6 +75,16 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        self.decode_graphs = self._capture_decode_graphs(hf_config)
+
+    def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if not self.backend.supports_cuda_graphs:
+            log.info("attention backend %r does not support CUDA graphs: decode runs eagerly", self.backend.name)
+            return None
+        return DecodeGraphs(self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
+                            self.config.max_model_len, self.block_size, hf_config.hidden_size, self.dtype, self.device)
 
     def _make_backend(self, registry: PluginRegistry, head_dim: int):
         names = AUTO_ATTENTION[self.device.type] if self.config.attention == "auto" else (self.config.attention,)
@@ -128,11 +140,18 @@ class ModelRunner:
         warmup_cache = self._warmup()
         warmup_bytes = warmup_cache.numel() * warmup_cache.element_size()
         del warmup_cache
+        # hand the warm-up's blocks back to the driver, or `used` would count the activations twice
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"] - warmup_bytes
-        available = total * self.config.gpu_memory_utilization - (total - free) - peak_activations
+        used = total - free  # weights, CUDA context, other processes
+        available = total * self.config.gpu_memory_utilization - used - peak_activations
         num_blocks = int(available) // block_bytes
+        log.info("GPU memory: %.2f GiB total, %.2f GiB used after warm-up, %.2f GiB peak activations; "
+                 "%.2f GiB at gpu_memory_utilization=%.2f leaves %d KV blocks of %.1f MiB",
+                 total / 2**30, used / 2**30, peak_activations / 2**30, total * self.config.gpu_memory_utilization / 2**30,
+                 self.config.gpu_memory_utilization, max(num_blocks, 0), block_bytes / 2**20)
         if num_blocks < 1:
             raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
                              f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
@@ -172,7 +191,7 @@ class ModelRunner:
         may be placeholders for the previous launch's samples (see StepHandle.placeholders).
         `step`: the batch's prepared inputs, when the caller built them already."""
         step = step if step is not None else self.prepare_inputs(batch)
-        logits = self.forward_logits(step, kv_caches if kv_caches is not None else self.kv_caches)
+        logits = self.forward_logits(step, kv_caches)
         if logits is None:
             return StepHandle(len(batch), step.sample_rows, None)
         sampled = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in step.sample_rows]))
@@ -183,25 +202,27 @@ class ModelRunner:
     def follow(self, step: StepInputs) -> None:
         """A worker rank's part of a step that rank 0 launches: the forward pass, then rank 0's
         samples, which the next step's placeholders stand for."""
-        if self.forward_logits(step, self.kv_caches) is not None:
+        if self.forward_logits(step) is not None:
             sampled = torch.empty(len(step.sample_rows), dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast(sampled)
 
-    def forward_logits(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    def forward_logits(self, step: StepInputs, kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The forward pass of one step and the logits of its sampling rows (None when none samples).
         Every tensor-parallel rank runs it on the same step."""
-        input_ids, positions, inputs = self.upload(step)
+        input_ids, positions, inputs, logits_indices = self.upload(step)
         if inputs.has_placeholders:
             if self.last_sampled is None:
                 raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
             input_ids = torch.where(input_ids < 0, self.last_sampled[(-input_ids - 1).clamp(min=0)], input_ids)
-        metadata = self.backend.build_metadata(inputs)
-        hidden = self.model(input_ids, positions, kv_caches, metadata)
+        kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        hidden = None
+        if self.decode_graphs is not None and inputs.is_decode and kv_caches is self.kv_caches:
+            hidden = self.decode_graphs.run(input_ids, positions, inputs)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, kv_caches, self.backend.build_metadata(inputs))
         if not step.sample_rows:
             return None
-        query_end = inputs.query_start_loc[1:].long() - 1
-        rows = torch.as_tensor(step.sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[query_end[rows]])
+        return self.model.compute_logits(hidden[logits_indices])
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side batch layout, vectorized with numpy."""
@@ -221,16 +242,17 @@ class ModelRunner:
             block_tables[row, :len(seq.block_table)] = seq.block_table
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         sample_rows = [i for i, (s, e) in enumerate(zip(seqs, ends)) if e == s.num_tokens]
+        logits_indices = query_start[1:][sample_rows] - 1  # each sampling sequence's last new token
         int32 = np.int32
         return StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start.astype(int32),
             seq_lens=ends.astype(int32), context_lens=starts.astype(int32), block_tables=block_tables.astype(int32),
-            slot_mapping=slot_mapping, sample_rows=sample_rows, max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()), is_decode=batch.is_decode,
+            slot_mapping=slot_mapping, sample_rows=sample_rows, logits_indices=logits_indices,
+            max_query_len=int(counts.max()), max_seq_len=int(ends.max()), is_decode=batch.is_decode,
             has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
 
     def upload(self, step: StepInputs):
-        """One copy per tensor to the device: input ids, positions and the attention inputs."""
+        """One copy per array to the device: input ids, positions, attention inputs, logits rows."""
         to = self._to_device
         inputs = AttentionInputs(
             query_start_loc=to(step.query_start_loc, torch.int32), seq_lens=to(step.seq_lens, torch.int32),
@@ -238,7 +260,8 @@ class ModelRunner:
             slot_mapping=to(step.slot_mapping, torch.int64), max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len, is_decode=step.is_decode, block_size=self.block_size,
             has_placeholders=step.has_placeholders)
-        return to(step.input_ids, torch.int64), to(step.positions, torch.int64), inputs
+        return (to(step.input_ids, torch.int64), to(step.positions, torch.int64), inputs,
+                to(step.logits_indices, torch.int64))
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         host = torch.from_numpy(array).to(dtype)

@@ -68,9 +68,16 @@ class Scheduler(Protocol):
 @runtime_checkable
 class AttentionBackend(Protocol):
     """Paged attention: declares its KV layout and constraints, builds per-batch metadata and
-    computes attention for prefill (cached prefix, chunks) and decode. On CUDA, forward must be
-    capturable in a CUDA graph given metadata built into static buffers."""
+    computes attention for prefill (cached prefix, chunks) and decode.
+
+    supports_cuda_graphs: when True, the runner captures decode steps in CUDA graphs. It then calls
+    build_metadata and forward inside the capture, with AttentionInputs whose tensors are static
+    buffers sized for the graph's batch (padding rows: seq_lens 0, slot_mapping -1, which must
+    store nothing and attend to nothing) and max_seq_len the longest a sequence may grow; both must
+    then do device work only (no host sync, no shapes read from tensor values). When False,
+    decode runs eagerly."""
     name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool]
 
     @classmethod
     def validate(cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:

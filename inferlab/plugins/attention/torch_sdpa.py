@@ -20,6 +20,7 @@ class TorchAttentionMetadata:
 class TorchAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)."""
     name = "torch"
+    supports_cuda_graphs = False  # build_metadata reads token counts back to the host
 
     def __init__(self, config=None, **options):
         if options:

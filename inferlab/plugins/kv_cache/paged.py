@@ -122,6 +122,12 @@ class PagedKVCache:
                 self.cached.setdefault(hashes[i], block)
         self.num_committed[seq.seq_id] = num_full
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block that nobody references (for benchmarks that repeat prompts)."""
+        for block in self.free_queue:
+            self.block_hash[block] = self.block_tokens[block] = None
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: a prompt's last blocks are the least likely to be shared again.
         for block in reversed(seq.block_table):

@@ -1,0 +1,92 @@
+"""CUDA graphs for decode steps, as nano-vllm captures them: one graph per batch size in a ladder
+(1, 2, 4, 8, 16, 32, ... up to the largest decode batch), all reading static input buffers. A
+decode batch is copied into the buffers, padded to the next captured size (padding rows store
+nothing and attend to nothing) and replayed, which removes the per-kernel launch cost that
+dominates small decode steps."""
+import bisect
+import logging
+from time import perf_counter
+
+import torch
+
+from inferlab.core.batch import AttentionInputs
+
+log = logging.getLogger("inferlab")
+
+MAX_GRAPH_BATCH = 512
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including max_batch."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """Captured decode graphs over static buffers; run() replays the one that fits a batch."""
+
+    def __init__(self, model, backend, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
+                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.batch_sizes = graph_batch_sizes(min(max_num_seqs, MAX_GRAPH_BATCH))
+        max_batch = self.batch_sizes[-1]
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+            self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+            self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+            self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
+            self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+            self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        start = perf_counter()
+        self._capture(model, backend, kv_caches)
+        log.info("captured CUDA graphs for decode batches of %s sequences in %.1f s",
+                 self.batch_sizes, perf_counter() - start)
+
+    def _inputs(self, batch: int) -> AttentionInputs:
+        """The static buffers' first `batch` rows, as the backend sees them in every replay."""
+        return AttentionInputs(
+            query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
+            context_lens=self.context_lens[:batch], block_tables=self.block_tables[:batch],
+            slot_mapping=self.slot_mapping[:batch], max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size, is_decode=True, block_size=self.block_size)
+
+    @torch.inference_mode()
+    def _capture(self, model, backend, kv_caches):
+        pool = None
+        for batch in reversed(self.batch_sizes):  # largest first, so the smaller ones fit in its pool
+            inputs = self._inputs(batch)
+            args = (self.input_ids[:batch], self.positions[:batch], kv_caches)
+            # a plain run first: compiles Triton kernels and settles allocations outside the capture
+            self.hidden[:batch] = model(*args, backend.build_metadata(inputs))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.hidden[:batch] = model(*args, backend.build_metadata(inputs))
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode batch, or None when no graph fits it."""
+        num_seqs = inputs.num_seqs
+        width = inputs.block_tables.shape[1]
+        if num_seqs > self.batch_sizes[-1] or width > self.max_blocks:
+            return None
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.seq_lens[:num_seqs].copy_(inputs.seq_lens)
+        self.context_lens[:num_seqs].copy_(inputs.context_lens)
+        self.slot_mapping[:num_seqs].copy_(inputs.slot_mapping)
+        self.block_tables[:num_seqs, :width].copy_(inputs.block_tables)
+        if batch > num_seqs:  # padding rows: no keys, nothing stored
+            self.seq_lens[num_seqs:batch].zero_()
+            self.context_lens[num_seqs:batch].zero_()
+            self.slot_mapping[num_seqs:batch].fill_(-1)
+        self.graphs[batch].replay()
+        return self.hidden[:num_seqs]

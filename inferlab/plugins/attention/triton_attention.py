@@ -1,0 +1,118 @@
+"""Attention with inferlab's own Triton kernels over the paged cache: a store kernel, a causal varlen
+prefill that reads the cached prefix through the block tables, and a split-context (flash-decoding)
+decode that serves all query heads of a KV head at once. Needs no flash-attn; on CPU it runs under
+TRITON_INTERPRET=1 (slowly: for tests)."""
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from inferlab.core.batch import AttentionInputs
+from inferlab.core.hookspecs import hookimpl
+
+KERNELS = "inferlab.plugins.attention.triton_kernels"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def import_kernels(backend: str):
+    """The Triton kernel module, imported on first use (Triton fixes interpreter mode at import)."""
+    try:
+        return importlib.import_module(KERNELS)
+    except ImportError as e:
+        raise ImportError(f"the {backend} attention backend needs Triton, which does not import: {e}; "
+                          "install it with pip install 'inferlab[triton]'") from e
+
+
+def kernel_mode_problems(kernels, device: torch.device) -> list[str]:
+    """Why the kernels, as imported, cannot run on device (compiled vs interpreted)."""
+    if device.type == "cpu" and not kernels.INTERPRETED:
+        return ["on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before inferlab's Triton kernels are first imported"]
+    if device.type == "cuda" and kernels.INTERPRETED:
+        return ["TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
+                "interpreter; unset it to run them on CUDA"]
+    if device.type not in ("cpu", "cuda"):
+        return [f"runs on cuda (or cpu in Triton's interpreter), got device {device.type!r}"]
+    return []
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    inputs: AttentionInputs
+    # Decode plan and scratch, made by the first layer's forward and reused by the others.
+    num_splits: int = 0
+    split_len: int = 0
+    partial_out: torch.Tensor | None = None  # float32 [B, H, splits, D]
+    partial_lse: torch.Tensor | None = None  # float32 [B, H, splits]
+
+
+class TritonAttention:
+    """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
+    torch backend's. Options: prefill tile sizes block_m/block_n, the decode tile decode_block_n,
+    and min_split_len, the fewest keys one decode split takes."""
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, config=None, *, block_m: int | None = None, block_n: int | None = None,
+                 decode_block_n: int | None = None, min_split_len: int | None = None):
+        self.kernels = import_kernels(self.name)
+        # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
+        small = self.kernels.INTERPRETED
+        self.block_m = block_m or (16 if small else 64)
+        self.block_n = block_n or (16 if small else 64)
+        self.decode_block_n = decode_block_n or (16 if small else 64)
+        self.min_split_len = min_split_len or (16 if small else 256)
+        for option in ("block_m", "block_n", "decode_block_n", "min_split_len"):
+            value = getattr(self, option)
+            if not self.kernels.is_power_of_two(value, 16):
+                raise ValueError(f"triton attention option {option} must be a power of two >= 16, got {value!r}")
+
+    @classmethod
+    def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
+        try:
+            kernels = import_kernels(cls.name)
+        except ImportError as e:
+            return [str(e)]
+        reasons = kernel_mode_problems(kernels, device)
+        if dtype not in DTYPES:
+            reasons.append(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+        if not kernels.is_power_of_two(block_size, 16):
+            reasons.append(f"block size must be a power of two >= 16, got {block_size}")
+        if not kernels.is_power_of_two(head_dim, 16) or head_dim > 256:
+            reasons.append(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+        return reasons
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+        # Nothing to compute on the device: the kernels read the runner's tensors directly, which
+        # is what lets a CUDA graph replay them from static buffers.
+        return TritonAttentionMetadata(inputs)
+
+    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale):
+        inputs = metadata.inputs
+        kernels = self.kernels
+        kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty_like(q)
+        if not inputs.is_decode:
+            return kernels.paged_prefill(q, kv_cache, out, inputs.query_start_loc, inputs.seq_lens,
+                                         inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
+        if metadata.num_splits == 0:
+            num_seqs, num_heads, head_dim = q.shape
+            metadata.num_splits, metadata.split_len = kernels.decode_splits(
+                q, kv_cache.shape[3], inputs.max_seq_len, self.decode_block_n, self.min_split_len)
+            if metadata.num_splits > 1:
+                metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
+                                                   dtype=torch.float32)
+                metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
+        return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
+                                    metadata.num_splits, metadata.split_len, self.decode_block_n,
+                                    metadata.partial_out, metadata.partial_lse)
+
+
+@hookimpl
+def register_attention_backends(register):
+    register("triton", TritonAttention)

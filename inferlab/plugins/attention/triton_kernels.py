@@ -1,0 +1,295 @@
+"""Triton kernels over the paged KV cache, shared by the triton and flash_attn backends.
+
+Cache layout (one layer): [2, num_blocks, block_size, num_kv_heads, head_dim], K then V. Token j of
+a sequence lives in slot block_table[j // block_size] * block_size + j % block_size. The kernels
+gather block ids per token, so any power-of-two block size works with any tile size.
+
+Triton decides at import whether kernels are compiled or interpreted (TRITON_INTERPRET=1, the only
+way they run on CPU), so this module is imported only when a Triton-based backend is built.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# True when the kernels below were decorated in interpreter mode (they then run on CPU tensors).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
+MIN_DOT_ROWS = 16
+
+# Integer arguments that change from step to step are not specialized on (== 1, divisible by 16):
+# otherwise each new combination would compile a kernel variant in the middle of a run.
+PREFILL_RUNTIME_INTS = ["block_tables_stride"]
+DECODE_RUNTIME_INTS = ["split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
+                       "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
+REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                     k_stride_token, v_stride_token, cache_stride_slot,
+                     ROW: tl.constexpr, ROW_POW2: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # a padding row of a CUDA-graph batch: nothing to store
+        return
+    offsets = tl.arange(0, ROW_POW2)
+    mask = offsets < ROW
+    k = tl.load(k_ptr + token * k_stride_token + offsets, mask=mask)
+    v = tl.load(v_ptr + token * v_stride_token + offsets, mask=mask)
+    tl.store(k_cache_ptr + slot * cache_stride_slot + offsets, k, mask=mask)
+    tl.store(v_cache_ptr + slot * cache_stride_slot + offsets, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes k, v [T, Hkv, D] into kv_cache at slot_mapping [T] (int64; -1 skips the token)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    k, v = _rows_contiguous(k), _rows_contiguous(v)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    row = num_kv_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), v.stride(0), k_cache.stride(1),
+        ROW=row, ROW_POW2=triton.next_power_of_2(row))
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] with each token's Hkv * D values contiguous (a split of a fused QKV is)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+@triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                    query_start_ptr, seq_lens_ptr, block_tables_ptr,
+                    scale_log2,
+                    q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+                    cache_stride_slot, cache_stride_head, block_tables_stride,
+                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: BLOCK_M new tokens of one sequence, one query head, over all keys up to the
+    tile's causal bound (cached context + new tokens), read through the block table."""
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    if tile * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < query_len
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (query_start + rows)[:, None] * q_stride_token + head * q_stride_head + dims[None, :],
+                mask=row_mask[:, None], other=0.0)
+    query_pos = context_len + rows  # absolute position of each row; it sees keys 0..query_pos
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    # Key 0 is in the first tile and visible to every row, so the running max is finite after it.
+    for start in range(0, kv_end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < kv_end
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        visible = (cols[None, :] <= query_pos[:, None]) & col_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+                         seq_lens_ptr, block_tables_ptr,
+                         scale_log2, split_len,
+                         q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+                         cache_stride_slot, cache_stride_head, block_tables_stride,
+                         partial_stride_seq, partial_stride_head, partial_stride_split,
+                         lse_stride_seq, lse_stride_head,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                         SINGLE_SPLIT: tl.constexpr):
+    """One program: one sequence's single new token, all GROUP query heads sharing one KV head
+    (so each K/V tile is read once for them), over keys [split * split_len, +split_len). With
+    SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    head_offsets = tl.arange(0, BLOCK_H)
+    head_mask = head_offsets < GROUP
+    heads = kv_head * GROUP + head_offsets
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
+                mask=head_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    # The first column of each tile is < end, so the running max is finite after the first tile.
+    for tile_start in range(start, end, BLOCK_N):
+        cols = tile_start + tl.arange(0, BLOCK_N)
+        col_mask = cols < end
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SINGLE_SPLIT:
+        tl.store(out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        partial = seq * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
+        tl.store(partial_out_ptr + partial[:, None] + dims[None, :], out, mask=head_mask[:, None])
+        tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
+
+
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
+def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
+                          out_stride_token, out_stride_head,
+                          partial_stride_seq, partial_stride_head, partial_stride_split,
+                          lse_stride_seq, lse_stride_head, num_splits,
+                          SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + splits,
+                  mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all (a padding row)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, 0)
+    partial = partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
+    parts = tl.load(partial + splits[:, None] * partial_stride_split + dims[None, :],
+                    mask=split_mask[:, None], other=0.0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_token + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
+
+
+LOG2E = 1.4426950408889634
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 caches (CPU tests, fp32 runs) get exact products; bf16/fp16 ignore the setting
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                  block_m: int, block_n: int) -> torch.Tensor:
+    """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
+    plus those tokens (already stored), into out [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_n: int,
+                  min_split_len: int) -> tuple[int, int]:
+    """(num_splits, split_len): enough (sequence, KV head, split) programs to fill the GPU twice,
+    each with at least min_split_len keys; split_len is a multiple of block_n."""
+    num_seqs = q.shape[0]
+    if q.device.type == "cuda":
+        target_programs = 2 * _num_multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    else:
+        target_programs = 4  # the interpreter: a few splits, so the tests exercise the reduction
+    wanted = -(-target_programs // max(1, num_seqs * num_kv_heads))
+    most = max(1, -(-max_seq_len // max(min_split_len, block_n)))
+    num_splits = max(1, min(wanted, most))
+    split_len = -(-max(1, max_seq_len) // num_splits)
+    split_len = -(-split_len // block_n) * block_n
+    return -(-max(1, max_seq_len) // split_len), split_len
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, scale: float, num_splits: int, split_len: int, block_n: int,
+                 partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
+    (its own included), into out [B, H, D]. Split over the context (flash-decoding) when
+    num_splits > 1, which needs scratch partial_out [B, H, splits, D] and partial_lse [B, H, splits]
+    (float32)."""
+    num_seqs, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    single = num_splits == 1
+    if single:  # unused by the kernel; any float32 tensor serves as the pointer
+        partial_out = partial_lse = out
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
+        scale * LOG2E, split_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
+        0 if single else partial_out.stride(2),
+        0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
+        GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
+        num_warps=4, num_stages=2)
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, partial_out, partial_lse,
+            out.stride(0), out.stride(1),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1), num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4)
+    return out
+
+
+def is_power_of_two(value: int, least: int) -> bool:
+    return isinstance(value, int) and value >= least and value & (value - 1) == 0

@@ -1,0 +1,303 @@
+"""nano-vllm's bench.py workload on a random-weight checkpoint with Qwen3-0.6B's shapes, for several
+(attention backend, CUDA graphs) combinations, each in a fresh process (a CUDA fault in one cannot
+poison the next, and each sizes its KV cache from the whole GPU). Prints output tokens/s per
+combination as a table and writes the results as JSON.
+
+    python scripts/bench_gpu.py flash_attn:graphs flash_attn:eager triton:graphs triton:eager \\
+        torch:graphs torch:eager --out bench.json
+
+Workload (nano-vllm bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024) of
+ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
+max_model_len 4096; a warm-up generate first. Output tokens/s = sum(max_tokens) / generate time.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+ALL_COMBOS = ["flash_attn:graphs", "flash_attn:eager", "triton:graphs", "triton:eager", "torch:graphs", "torch:eager"]
+
+
+def build_checkpoint(path: str, num_layers: int) -> str:
+    """config.json, random bf16 safetensors with Qwen3-0.6B's shapes (tied embeddings) and the tiny
+    tokenizer (its vocabulary is smaller than the model's; the bench feeds token ids, all < 10000).
+    Weights are drawn on the GPU when there is one (seconds, where the CPU takes a minute)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from inferlab.tiny_model import build_tokenizer
+    shape = {**QWEN3_0_6B, "num_hidden_layers": num_layers}
+    marker = os.path.join(path, "bench-shape.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == shape:
+                return path
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 0, "eos_token_id": 0, "use_cache": True, "rope_scaling": None,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    build_tokenizer(path)
+    hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q_size, kv_size = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
+
+    def weight(*size):  # small normal weights keep activations finite through all layers
+        return torch.empty(size, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=generator).cpu()
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": weight(shape["vocab_size"], hidden), "model.norm.weight": ones(hidden)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": weight(q_size, hidden), p + "self_attn.k_proj.weight": weight(kv_size, hidden),
+            p + "self_attn.v_proj.weight": weight(kv_size, hidden), p + "self_attn.o_proj.weight": weight(hidden, q_size),
+            p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim),
+            p + "mlp.gate_proj.weight": weight(inter, hidden), p + "mlp.up_proj.weight": weight(inter, hidden),
+            p + "mlp.down_proj.weight": weight(hidden, inter),
+            p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
+        })
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(marker, "w") as f:
+        json.dump(shape, f)
+    return path
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int):
+    """nano-vllm bench.py's requests, drawn in its order from random.seed(0)."""
+    from inferlab import SamplingParams
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def run_one(args) -> dict:
+    """One combination in this process: build the engine, warm up, time the workload."""
+    import logging
+
+    import torch
+
+    from inferlab import LLM, SamplingParams
+    from inferlab.floor import device_rates, model_cost, workload_floor
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    enforce_eager = args.graphs == "eager"
+    start = time.perf_counter()
+    llm = LLM(args.model_dir, attention=args.attention, enforce_eager=enforce_eager, max_model_len=4096,
+              device=args.device, overlap_scheduling=args.overlap == "overlap",
+              model_options={"torch_compile": args.compile == "compile"},
+              **({"dtype": "bfloat16"} if args.device != "cpu" else {}))
+    init_seconds = time.perf_counter() - start
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats_before = (llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens,
+                    llm.stats.prefill_seconds, llm.stats.decode_seconds)
+    runs = []
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()  # every run prefills its prompts, as the first did
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append(time.perf_counter() - start)
+        print(f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s", flush=True)
+    seconds = sorted(runs)[len(runs) // 2]
+    output_tokens = sum(p.max_tokens for p in params)
+    generated = sum(len(o["token_ids"]) for o in outputs)
+    if generated != output_tokens:
+        raise RuntimeError(f"generated {generated} tokens, the workload asked for {output_tokens}")
+    s = llm.stats
+    floor = workload_floor([len(p) for p in prompts], [p.max_tokens for p in params],
+                           model_cost(llm.hf_config, llm.runner.dtype), device_rates(llm.runner.device, llm.runner.dtype))
+    return {
+        "attention": llm.runner.backend.name, "cuda_graphs": llm.runner.decode_graphs is not None,
+        "overlap": llm.overlap, "torch_compile": args.compile == "compile", "runs_seconds": runs,
+        "output_tokens": output_tokens, "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
+        "output_tok_per_s": output_tokens / seconds, "init_seconds": init_seconds,
+        **floor, "percent_of_floor": 100 * floor["floor_seconds"] / seconds,
+        "num_kv_blocks": llm.runner.num_kv_blocks, "block_size": llm.runner.block_size,
+        "steps": s.num_steps - stats_before[0], "prefill_tokens": s.num_prefill_tokens - stats_before[1],
+        "decode_tokens": s.num_decode_tokens - stats_before[2], "prefill_seconds": s.prefill_seconds - stats_before[3],
+        "decode_seconds": s.decode_seconds - stats_before[4],
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "triton": _version("triton"), "flash_attn": _version("flash_attn"),
+    }
+
+
+def _version(module: str) -> str | None:
+    loaded = sys.modules.get(module)  # flash-attn may be importable without package metadata
+    if loaded is not None and hasattr(loaded, "__version__"):
+        return loaded.__version__
+    try:
+        from importlib.metadata import version
+        return version(module)
+    except Exception:
+        return None
+
+
+def run_in_subprocess(combo: str, args) -> dict:
+    """Runs one combination in a child process, echoing its output; returns its result or error."""
+    attention, graphs, overlap, compile_ = parse_combo(combo)
+    record = {"combo": combo, "attention": attention, "cuda_graphs": graphs == "graphs", "overlap": overlap == "overlap",
+              "torch_compile": compile_ == "compile"}
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--attention", attention, "--graphs", graphs,
+               "--overlap", overlap, "--compile", compile_, "--repeats", str(args.repeats),
+               "--result-file", result_file, "--model-dir", args.model_dir, "--device", args.device,
+               "--num-seqs", str(args.num_seqs), "--max-input-len", str(args.max_input_len),
+               "--max-output-len", str(args.max_output_len)]
+    tail = deque(maxlen=40)
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    timer = threading.Timer(args.timeout, child.kill)
+    timer.start()
+    try:
+        for line in child.stdout:
+            tail.append(line.rstrip())
+            print(f"[{combo}] {line}", end="", flush=True)
+        returncode = child.wait()
+    finally:
+        timer.cancel()
+    record["wall_seconds"] = time.perf_counter() - start
+    try:
+        with open(result_file) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result = None
+    finally:
+        os.unlink(result_file)
+    if returncode == 0 and result and "error" not in result:
+        record.update(result, ok=True)
+        return record
+    if result and "error" in result:
+        error = result["error"]
+    elif returncode < 0 and record["wall_seconds"] >= args.timeout:
+        error = f"killed after the {args.timeout} s timeout"
+    else:
+        error = f"exited with code {returncode}"
+    record.update(ok=False, error=error, log_tail=list(tail))
+    print(f"[{combo}] FAILED: {error}", flush=True)
+    return record
+
+
+def parse_combo(combo: str) -> tuple[str, str, str, str]:
+    """ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile]; overlap and compile by default."""
+    parts = combo.split(":")
+    attention, graphs = parts[0], parts[1] if len(parts) > 1 else "graphs"
+    overlap = next((p for p in parts[2:] if p in ("overlap", "sync")), "overlap")
+    compile_ = next((p for p in parts[2:] if p in ("compile", "nocompile")), "compile")
+    unknown = [p for p in parts[2:] if p not in ("overlap", "sync", "compile", "nocompile")]
+    if not attention or graphs not in ("graphs", "eager") or unknown:
+        raise ValueError(f"combination {combo!r} must be ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile]")
+    return attention, graphs, overlap, compile_
+
+
+def print_table(records: list[dict]) -> None:
+    header = (f"{'attention':<11} {'graphs':<6} {'overlap':<7} {'compile':<7} {'output tok/s':>12} {'% floor':>7} "
+              f"{'time s':>7} {'init s':>6} {'KV blocks':>9}  status")
+    print(header)
+    print("-" * len(header))
+    for r in records:
+        flags = f"{'on' if r['cuda_graphs'] else 'off':<6} {'on' if r['overlap'] else 'off':<7} {'on' if r['torch_compile'] else 'off':<7}"
+        if r["ok"]:
+            print(f"{r['attention']:<11} {flags} {r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} "
+                  f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok")
+        else:
+            print(f"{r['attention']:<11} {flags} {'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED: {r['error'][:200]}")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("combos", nargs="*", default=ALL_COMBOS,
+                        help="attention:graphs|eager[:overlap|sync][:compile|nocompile], e.g. flash_attn:graphs "
+                             "triton:eager:sync (default: the six attention x graphs pairs, overlap and compile on)")
+    parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "inferlab-bench-qwen3-0.6b-random"))
+    parser.add_argument("--num-layers", type=int, default=QWEN3_0_6B["num_hidden_layers"],
+                        help="fewer layers for a quick smoke run")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one combination may take")
+    parser.add_argument("--commit", default=None, help="recorded in the JSON (default: git rev-parse HEAD)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--build-only", action="store_true", help="only write the checkpoint to --model-dir")
+    parser.add_argument("--attention", help=argparse.SUPPRESS)
+    parser.add_argument("--graphs", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    parser.add_argument("--overlap", default="overlap", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", default="compile", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per combination; the median is reported")
+    args = parser.parse_args(argv)
+
+    if args.build_only:
+        build_checkpoint(args.model_dir, args.num_layers)
+        return
+    if args.worker:
+        try:
+            result = run_one(args)
+        except BaseException as e:  # reported to the parent, which carries on with the next combination
+            import traceback
+            traceback.print_exc()
+            result = {"error": f"{type(e).__name__}: {e}"}
+        with open(args.result_file, "w") as f:
+            json.dump(result, f)
+        sys.exit(0 if "error" not in result else 1)
+
+    for combo in args.combos:
+        try:
+            parse_combo(combo)
+        except ValueError as e:
+            parser.error(str(e))
+    start = time.perf_counter()
+    # in a child, so that this process never holds a CUDA context while the combinations run
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--build-only", "--model-dir", args.model_dir,
+                    "--num-layers", str(args.num_layers)], check=True)
+    print(f"checkpoint ready in {args.model_dir} ({time.perf_counter() - start:.1f} s)", flush=True)
+    records = []
+    for combo in args.combos:
+        records.append(run_in_subprocess(combo, args))
+        print_table(records)  # so far, in case a later combination takes the machine down
+    report = {
+        "commit": args.commit or git_commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "model": {**QWEN3_0_6B, "num_hidden_layers": args.num_layers, "dtype": "bfloat16", "weights": "random"},
+        "workload": {"num_seqs": args.num_seqs, "prompt_len": [100, args.max_input_len],
+                     "output_len": [100, args.max_output_len], "temperature": 0.6, "ignore_eos": True,
+                     "max_model_len": 4096, "seed": 0},
+        "results": records,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\ncommit {report['commit']}: {report['command']}")
+    print_table(records)
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

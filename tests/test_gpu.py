@@ -1,0 +1,221 @@
+"""On a CUDA GPU: every attention backend, with and without CUDA graphs, against the torch backend
+on a small random-weight Qwen3 in bfloat16 (head_dim 128, GQA 4): teacher-forced logits on prefill
+(chunked, with a cached prefix) and decode (ragged, padded graph batches), free greedy generations,
+attention=auto's choice, and the KV cache sized from GPU memory.
+
+Run: python -m pytest -m gpu -rP tests/test_gpu.py (-rP prints the measured logit errors)."""
+import gc
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+from inferlab import LLM, SamplingParams
+from inferlab.tiny_model import make_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+needs_flash_attn = pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash_attn is not importable")
+
+SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)
+ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=1024)
+CACHE_TOKENS = 16384  # the KV cache of the comparison runs, whatever their block size
+# (attention backend, KV block size): flash-attn pages need multiples of 256; triton takes any power of two
+BACKENDS = [
+    pytest.param("triton", 256, id="triton-256"),
+    pytest.param("triton", 16, id="triton-16"),
+    pytest.param("flash_attn", 256, id="flash_attn-256", marks=needs_flash_attn),
+    pytest.param("torch", 256, id="torch-256"),
+]
+GRAPHS = [pytest.param(True, id="eager"), pytest.param(False, id="cuda-graphs")]
+# per-row relative L2 distance of logits from the torch backend's, both in bfloat16
+LOGITS_RTOL = 0.05
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("gpu-model")), seed=0, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def workload(model_path):
+    from transformers import AutoConfig
+    return make_requests(AutoConfig.from_pretrained(model_path).vocab_size)
+
+
+def make_requests(vocab_size: int):
+    """Two groups of (prompt ids, params). Prompts of ragged lengths (one spans 3 chunks of the 1024-token budget, one is a single
+    token) with different output lengths, so decode batches shrink and get padded; then a prompt
+    sharing 600 tokens (2 full blocks of 256) with the first, served from the prefix cache."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [700, 300, 17, 1, 513, 1050]
+    max_tokens = [40, 24, 64, 8, 33, 5]
+    prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    first = [(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, seed=1000 + i))
+             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    shared = prompts[0][:600] + torch.randint(0, vocab_size, (50,), generator=gen).tolist()
+    second = [(shared, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, seed=2000))]
+    return first, second
+
+
+class RecordingSampler:
+    """Replaces the engine's sampler: keeps each sampled row's logits under (request seed, token
+    index) and returns the forced token there (teacher forcing), or the argmax without one."""
+
+    def __init__(self, forced: dict | None = None):
+        self.forced = forced
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, logits, params):
+        keys = list(zip(params.seeds.tolist(), params.steps.tolist()))
+        for row, key in enumerate(keys):
+            self.logits[key] = logits[row].float().cpu()
+        if self.forced is None:
+            return logits.argmax(dim=-1)
+        missing = [key for key in keys if key not in self.forced]
+        if missing:
+            raise AssertionError(f"(seed, step) {missing} were not sampled by the reference run")
+        return torch.tensor([self.forced[key] for key in keys], device=logits.device)
+
+
+def run_engine(path, workload, attention, block_size, enforce_eager, sampler=None):
+    """Token ids generated for both request groups (the second after the first, so that it hits
+    the prefix cache), in order."""
+    llm = LLM(path, attention=attention, kvcache_block_size=block_size, enforce_eager=enforce_eager,
+              num_kvcache_blocks=CACHE_TOKENS // block_size, **ENGINE)
+    try:
+        assert llm.runner.backend.name == attention
+        assert (llm.runner.decode_graphs is not None) == (not enforce_eager and llm.runner.backend.supports_cuda_graphs)
+        if sampler is not None:
+            llm.runner.sampler = sampler
+        outputs = []
+        for group in workload:
+            prompts, params = zip(*group)
+            outputs += llm.generate(list(prompts), list(params), use_tqdm=False)
+        assert llm.scheduler.is_finished()
+        return [o["token_ids"] for o in outputs]
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path, workload):
+    """The torch backend, eager, greedy: its logits and tokens at every sampled (seed, step)."""
+    sampler = RecordingSampler()
+    tokens = run_engine(model_path, workload, "torch", 256, True, sampler)
+    forced = {key: int(row.argmax()) for key, row in sampler.logits.items()}
+    return sampler.logits, forced, tokens
+
+
+def logits_errors(got: dict, expected: dict, prompt_steps: set) -> dict:
+    assert got.keys() == expected.keys()
+    errors = {"prefill": [], "decode": []}
+    for key, row in expected.items():
+        distance = ((got[key] - row).norm() / row.norm()).item()
+        errors["prefill" if key in prompt_steps else "decode"].append(distance)
+    return errors
+
+
+@pytest.mark.parametrize("enforce_eager", GRAPHS)
+@pytest.mark.parametrize("attention,block_size", BACKENDS)
+def test_logits_match_torch_backend(model_path, workload, reference, attention, block_size, enforce_eager):
+    expected, forced, _ = reference
+    sampler = RecordingSampler(forced)
+    run_engine(model_path, workload, attention, block_size, enforce_eager, sampler)
+    first, second = workload
+    prompt_steps = {(p.seed, len(prompt)) for prompt, p in first + second}  # first token: sampled by prefill
+    errors = logits_errors(sampler.logits, expected, prompt_steps)
+    for phase, values in errors.items():
+        print(f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'} {phase}: "
+              f"{len(values)} rows, relative logits error vs torch max {max(values):.4f} "
+              f"mean {sum(values) / len(values):.4f}")
+    assert errors["prefill"] and errors["decode"]
+    worst = {phase: max(values) for phase, values in errors.items()}
+    assert max(worst.values()) <= LOGITS_RTOL, f"logits differ from the torch backend's: {worst}"
+
+
+@pytest.mark.parametrize("enforce_eager", GRAPHS)
+@pytest.mark.parametrize("attention,block_size", BACKENDS)
+def test_greedy_generations_agree(model_path, workload, reference, attention, block_size, enforce_eager):
+    """Free-running greedy tokens equal the torch backend's. bfloat16 rounding may flip a near-tie:
+    a sequence may then diverge, but only where the reference's own logits nearly tie the two."""
+    expected_logits, _, expected_tokens = reference
+    got_tokens = run_engine(model_path, workload, attention, block_size, enforce_eager)
+    first, second = workload
+    diverged = []
+    for (prompt, params), got, want in zip(first + second, got_tokens, expected_tokens):
+        assert len(got) == len(want) == params.max_tokens
+        mismatch = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if mismatch is None:
+            continue
+        row = expected_logits[(params.seed, len(prompt) + mismatch)]
+        margin = (row[want[mismatch]] - row[got[mismatch]]).item()
+        tie = 0.02 * (row.max() - row.min()).item()
+        diverged.append((params.seed, mismatch, round(margin, 4), round(tie, 4)))
+        assert margin <= tie, (f"request {params.seed} diverged at token {mismatch}: {got[mismatch]} instead of "
+                               f"{want[mismatch]}, whose logit was {margin:.4f} higher (near-tie bound {tie:.4f})")
+    print(f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'}: "
+          f"{len(got_tokens) - len(diverged)}/{len(got_tokens)} identical; near-tie divergences "
+          f"(seed, token, margin, bound): {diverged}")
+
+
+def test_auto_picks_flash_attn_or_falls_back_to_triton(model_path, caplog):
+    caplog.set_level(logging.INFO, logger="inferlab")
+    llm = LLM(model_path, attention="auto", enforce_eager=True, num_kvcache_blocks=8, **ENGINE)
+    chosen = llm.runner.backend.name
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    if HAS_FLASH_ATTN:
+        assert chosen == "flash_attn"
+    else:
+        assert chosen == "triton"
+        assert "flash_attn: flash-attn is not installed" in caplog.text
+
+
+def test_auto_with_small_blocks_explains_why_not_flash_attn(model_path, caplog):
+    caplog.set_level(logging.INFO, logger="inferlab")
+    llm = LLM(model_path, attention="auto", kvcache_block_size=16, enforce_eager=True, num_kvcache_blocks=128, **ENGINE)
+    chosen = llm.runner.backend.name
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert chosen == "triton"
+    assert "flash_attn:" in caplog.text
+
+
+@pytest.mark.parametrize("attention", ["triton", pytest.param("flash_attn", marks=needs_flash_attn)])
+def test_kv_cache_is_sized_from_gpu_memory(model_path, attention, caplog):
+    caplog.set_level(logging.INFO, logger="inferlab")
+    utilization = 0.5
+    gc.collect()
+    torch.cuda.empty_cache()
+    settings = {**ENGINE, "gpu_memory_utilization": utilization}
+    llm = LLM(model_path, attention=attention, kvcache_block_size=256, **settings)
+    try:
+        free, total = torch.cuda.mem_get_info()
+        num_blocks = llm.runner.num_kv_blocks
+        cache_bytes = llm.runner.kv_cache.numel() * llm.runner.kv_cache.element_size()
+        print(f"{attention}: {num_blocks} KV blocks ({cache_bytes / 2**30:.2f} GiB); "
+              f"{(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use")
+        assert f"KV cache: {num_blocks} blocks of 256 tokens" in caplog.text
+        assert num_blocks * llm.runner._kv_block_bytes() == cache_bytes
+        # the cache takes what the budget leaves: in use now is the budget, less the warm-up's
+        # (freed) activations, plus the decode graphs' pool; never far above or below it
+        in_use = total - free
+        assert in_use <= utilization * total + 2**30
+        assert in_use >= utilization * total - 4 * 2**30
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0]["token_ids"]) == 4
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -1,0 +1,246 @@
+"""The Triton attention kernels against the torch backend: store, paged prefill with cached
+prefixes, split decode, mixed and ragged batches, CUDA-graph padding rows, and a greedy generate.
+
+Without CUDA the kernels run in Triton's interpreter, which Triton fixes when a kernel is decorated:
+so TRITON_INTERPRET is set here before inferlab's kernel module is first imported (and the module is
+reloaded if something imported it compiled). With CUDA the same tests run the compiled kernels."""
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from inferlab import LLM, SamplingParams  # noqa: E402
+from inferlab.core.batch import AttentionInputs  # noqa: E402
+from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
+from inferlab.plugins.attention import triton_kernels  # noqa: E402
+from inferlab.plugins.attention.torch_sdpa import TorchAttention  # noqa: E402
+from inferlab.plugins.attention.triton_attention import TritonAttention  # noqa: E402
+
+if not torch.cuda.is_available() and not triton_kernels.INTERPRETED:
+    triton_kernels = importlib.reload(triton_kernels)
+DEVICE = torch.device("cpu" if triton_kernels.INTERPRETED else "cuda")
+
+
+def make_batch(query_lens, context_lens, block_size, num_kv_heads, head_dim, group, seed=0):
+    """A batch over a random paged cache: sequence i has context_lens[i] cached tokens and
+    query_lens[i] new ones, its blocks scattered over the cache (never in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(order[used:used + n])
+        used += n
+    block_tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, :len(table)] = torch.tensor(table)
+    slots = [tables[row][pos // block_size] * block_size + pos % block_size
+             for row in range(len(seq_lens)) for pos in range(context_lens[row], seq_lens[row])]
+    query_start = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    is_decode = all(q == 1 for q in query_lens)
+    inputs = AttentionInputs(
+        query_start_loc=query_start.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE), block_tables=block_tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), is_decode=is_decode, block_size=block_size)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    return inputs, q, k, v, cache
+
+
+def run_both(inputs, q, k, v, cache, scale=0.3, backend=None):
+    """(triton output, torch output, triton cache, torch cache) for the same batch and cache."""
+    torch_backend, triton_backend = TorchAttention(), backend or TritonAttention()
+    torch_cache, triton_cache = cache.clone(), cache.clone()
+    expected = torch_backend.forward(q, k, v, torch_cache, torch_backend.build_metadata(inputs), scale)
+    got = triton_backend.forward(q, k, v, triton_cache, triton_backend.build_metadata(inputs), scale)
+    return got, expected, triton_cache, torch_cache
+
+
+def test_store_writes_each_token_to_its_slot_and_skips_minus_one():
+    num_kv_heads, head_dim = 2, 16
+    cache = torch.zeros(2, 4, 16, num_kv_heads, head_dim, device=DEVICE)
+    k = torch.randn(5, num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(5, num_kv_heads, head_dim, device=DEVICE)
+    slots = torch.tensor([17, 3, -1, 63, 40], dtype=torch.int64, device=DEVICE)
+    triton_kernels.store_kv(k, v, cache, slots)
+    expected = torch.zeros_like(cache)
+    keep = slots >= 0
+    expected[0].view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep]
+    expected[1].view(-1, num_kv_heads, head_dim)[slots[keep]] = v[keep]
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+
+
+def test_store_reads_strided_rows_of_a_fused_projection():
+    # v arrives as a column slice of the fused QKV output: rows are strided, each row contiguous
+    num_kv_heads, head_dim = 2, 16
+    fused = torch.randn(3, 4 * num_kv_heads * head_dim, device=DEVICE)
+    k = fused[:, :num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
+    v = fused[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
+    cache = torch.zeros(2, 1, 16, num_kv_heads, head_dim, device=DEVICE)
+    triton_kernels.store_kv(k, v, cache, torch.tensor([0, 5, 9], device=DEVICE))
+    torch.testing.assert_close(cache[1, 0, [0, 5, 9]], v, rtol=0, atol=0)
+    torch.testing.assert_close(cache[0, 0, [0, 5, 9]], k, rtol=0, atol=0)
+
+
+# (block size, query heads per KV head, head_dim, query lens, cached prefix lens)
+PREFILL_CASES = [
+    (16, 1, 16, [5, 21, 1], [0, 3, 40]),  # no prefix, a prefix inside a block, a one-token chunk
+    (32, 2, 32, [33, 7], [17, 64]),  # a chunk crossing blocks after an unaligned prefix
+    (64, 4, 16, [18, 2, 9], [0, 70, 1]),
+]
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,query_lens,context_lens", PREFILL_CASES)
+def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, query_lens, context_lens):
+    inputs, q, k, v, cache = make_batch(query_lens, context_lens, block_size, 2, head_dim, group)
+    assert not inputs.is_decode
+    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+
+
+# (block size, query heads per KV head, head_dim, context lens before the new token)
+DECODE_CASES = [
+    (16, 4, 32, [0, 37, 95, 16]),  # a first token, block-aligned and unaligned contexts
+    (32, 1, 16, [63, 5]),
+    (64, 2, 32, [130, 1, 64]),
+]
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
+def test_decode_matches_torch(block_size, group, head_dim, context_lens):
+    inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
+    assert inputs.is_decode
+    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_split_decode_combines_partials_exactly(num_splits):
+    # more splits than some sequences have keys: their empty splits must weigh nothing
+    context_lens = [100, 9, 47]
+    inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
+    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
+    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
+    block_n = 16
+    keys_per_split = -(-inputs.max_seq_len // num_splits)
+    split_len = -(-keys_per_split // block_n) * block_n
+    partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
+    partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
+    got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
+                                      num_splits, split_len, block_n, partial_out, partial_lse)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_plan_splits_long_contexts_of_small_batches():
+    q = torch.empty(1, 8, 128)
+    num_splits, split_len = triton_kernels.decode_splits(q, num_kv_heads=1, max_seq_len=100, block_n=16, min_split_len=16)
+    assert num_splits > 1 and split_len % 16 == 0 and num_splits * split_len >= 100 > (num_splits - 1) * split_len
+    num_splits, split_len = triton_kernels.decode_splits(q.expand(64, 8, 128), 8, 100, 16, 16)
+    assert (num_splits, split_len) == (1, 112)
+
+
+def test_mixed_decode_and_prefill_chunks_match_torch():
+    # a chunked-prefill step: two decoding sequences beside a chunk with a prefix and a new prompt
+    inputs, q, k, v, cache = make_batch([1, 12, 1, 30], [50, 32, 7, 0], 16, 1, 32, 4, seed=3)
+    assert not inputs.is_decode
+    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+
+
+def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
+    inputs, q, k, v, cache = make_batch([1, 1], [20, 44], 16, 2, 16, 2, seed=4)
+    _, expected, _, expected_cache = run_both(inputs, q, k, v, cache)
+    # pad to 4 rows as the decode graphs do: seq_lens 0, slot -1, any block table
+    pad = 2
+    padded = AttentionInputs(
+        query_start_loc=torch.arange(5, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat([inputs.seq_lens, inputs.seq_lens.new_zeros(pad)]),
+        context_lens=torch.cat([inputs.context_lens, inputs.context_lens.new_zeros(pad)]),
+        block_tables=torch.cat([inputs.block_tables, inputs.block_tables[:1].expand(pad, -1)]),
+        slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)]),
+        max_query_len=1, max_seq_len=256, is_decode=True, block_size=16)
+    backend = TritonAttention(min_split_len=16)
+    padded_cache = cache.clone()
+    got = backend.forward(torch.cat([q, torch.randn_like(q)]), torch.cat([k, torch.randn_like(k)]),
+                          torch.cat([v, torch.randn_like(v)]), padded_cache, backend.build_metadata(padded), 0.3)
+    torch.testing.assert_close(got[:2], expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[2:], torch.zeros_like(got[2:]))
+    torch.testing.assert_close(padded_cache, expected_cache, rtol=0, atol=0)
+
+
+def test_validate_names_unsupported_settings():
+    reasons = TritonAttention.validate(DEVICE, torch.int8, 24, 48)
+    assert any("dtype" in r for r in reasons)
+    assert any("block size must be a power of two >= 16, got 24" in r for r in reasons)
+    assert any("head_dim must be a power of two" in r for r in reasons)
+    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32) == []
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        TritonAttention(block_m=24)
+
+
+def test_greedy_generate_with_triton_equals_torch(checkpoint):
+    # small chunks force mixed prefill/decode steps; the second call reuses the first's prefix blocks
+    path = checkpoint("gqa4-untied")
+    prompt = "The quick brown fox jumps over the lazy dog. A paged cache keeps keys"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for attention in ("torch", "triton"):
+        llm = LLM(path, attention=attention, device=str(DEVICE), dtype="float32", kvcache_block_size=16,
+                  max_model_len=128, max_num_batched_tokens=24, num_kvcache_blocks=64)
+        first = llm.generate([prompt, "Hello, world!"], params, use_tqdm=False)
+        second = llm.generate([prompt + " and values in blocks."], params, use_tqdm=False)
+        results[attention] = [o["token_ids"] for o in first + second]
+    assert results["triton"] == results["torch"]
+
+
+class EagerReplayGraphs(DecodeGraphs):
+    """DecodeGraphs whose 'graphs' rerun the forward eagerly over the static buffers: exercises
+    the copy-in, padding and replay plumbing where CUDA graphs cannot run."""
+
+    def _capture(self, model, backend, kv_caches):
+        self.replayed = []
+        for batch in self.batch_sizes:
+            self.graphs[batch] = EagerGraph(self, model, backend, kv_caches, batch)
+
+
+class EagerGraph:
+    def __init__(self, graphs, model, backend, kv_caches, batch):
+        self.graphs, self.model, self.backend, self.kv_caches, self.batch = graphs, model, backend, kv_caches, batch
+
+    def replay(self):
+        g, batch = self.graphs, self.batch
+        g.replayed.append(batch)
+        metadata = self.backend.build_metadata(g._inputs(batch))
+        g.hidden[:batch] = self.model(g.input_ids[:batch], g.positions[:batch], self.kv_caches, metadata)
+
+
+def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
+    path = checkpoint("gqa2-tied")
+    prompts = ["Hello, world! How are", "Numbers: zero one two three", "Readability counts."]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 7)]
+    settings = dict(attention="triton", device=str(DEVICE), dtype="float32", kvcache_block_size=16,
+                    max_model_len=128, max_num_seqs=6, num_kvcache_blocks=32, enforce_eager=True)
+    eager = [o["token_ids"] for o in LLM(path, **settings).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, **settings)
+    runner = llm.runner
+    runner.decode_graphs = graphs = EagerReplayGraphs(
+        runner.model, runner.backend, runner.kv_caches, 6, 128, 16, llm.hf_config.hidden_size, runner.dtype, runner.device)
+    assert graphs.batch_sizes == [1, 2, 4, 6]
+    replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert replayed == eager
+    assert 4 in graphs.replayed and 2 in graphs.replayed and 1 in graphs.replayed  # 3 sequences padded to 4
