@@ -115,13 +115,22 @@ def test_seeded_sampling_equals_one_rank(engine, request):
 
 
 def test_two_engines_at_once(tied, untied, hf_greedy):
-    """Each engine has its own store port and group: steps of the two interleave freely."""
+    """Each engine has its own store port and group: their steps interleave freely."""
     assert tied.runner.store.port != untied.runner.store.port
     prompts = prompts_of([5, 12], start=40)
-    for _ in range(2):
+    for llm in (tied, untied):
+        for prompt in prompts:
+            llm.add_request(prompt, GREEDY)
+    done = {tied: [], untied: []}
+    while not (tied.is_finished() and untied.is_finished()):
         for llm in (tied, untied):
-            for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
-                assert out["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
+            if not llm.is_finished():
+                done[llm] += llm.step()[0]
+    for llm, finished in done.items():
+        assert len(finished) == len(prompts)
+        for seq in finished:
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            assert llm.output(seq)["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
 
 
 def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
@@ -234,10 +243,20 @@ class ExplodingQwen3(Qwen3ForCausalLM):
         return super().forward(*args)
 
 
+class VanishingQwen3(Qwen3ForCausalLM):
+    """Rank 1's process exits while the model is being built: a worker lost during start-up."""
+
+    def __init__(self, hf_config, **kwargs):
+        if kwargs["tp_group"].rank == 1:
+            os._exit(3)
+        super().__init__(hf_config, **kwargs)
+
+
 class ExplodingPlugin:
     @hookimpl
     def register_models(self, register):
         register("exploding_qwen3", ExplodingQwen3)
+        register("vanishing_qwen3", VanishingQwen3)
 
 
 def run_until_failure(llm, fail):
@@ -292,6 +311,18 @@ def test_raising_worker_reports_its_exception(checkpoint):
     assert f"rank 1 (pid {pids[0]}) raised ValueError: rank 1 exploded on purpose" in message
     assert "--- rank 1 traceback ---" in message and "in forward" in message
     assert_nothing_left(llm, pids, children_before, shm_before)
+
+
+def test_worker_lost_during_start_up_is_named(checkpoint):
+    children_before, shm_before = child_pids(), shm_entries()
+    registry = PluginRegistry()
+    registry.register(ExplodingPlugin(), name="exploding")
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+        LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, registry=registry, model="vanishing_qwen3", **SETTINGS)
+    assert time.monotonic() - started < 30  # start-up included; the loss itself is seen at once
+    assert child_pids() <= children_before
+    assert shm_entries() <= shm_before
 
 
 def test_heads_that_do_not_split_fail_before_any_process_starts(checkpoint):
