@@ -199,28 +199,28 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
         model = Qwen3ForCausalLM(config, backend=TorchAttention(), tp_group=TPGroup(rank, 2))
         model.load_weights(path)
         monkeypatch.undo()
-        q = slice(rank * heads // 2 * d, (rank + 1) * heads // 2 * d)
+        params = dict(model.named_parameters())
+        q = slice(rank * heads // 2 * d, (rank + 1) * heads // 2 * d)  # also o_proj's input columns
         kv_start = rank * kv_heads // 2 if kv_heads < 2 else rank * (kv_heads // 2)
         kv = slice(kv_start * d, (kv_start + max(1, kv_heads // 2)) * d)
+        inter = slice(rank * config.intermediate_size // 2, (rank + 1) * config.intermediate_size // 2)
         for layer in range(config.num_hidden_layers):
-            ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
-            params = dict(model.named_parameters())
-            expected_qkv = torch.cat([full[theirs + f"self_attn.{p}_proj.weight"][s]
-                                      for p, s in (("q", q), ("k", kv), ("v", kv))])
-            assert torch.equal(params[ours + "self_attn.qkv_proj.weight"], expected_qkv)
-            half_in = slice(rank * heads // 2 * d, (rank + 1) * heads // 2 * d)
-            assert torch.equal(params[ours + "self_attn.o_proj.weight"], full[theirs + "self_attn.o_proj.weight"][:, half_in])
-            inter = config.intermediate_size // 2
-            rows = slice(rank * inter, (rank + 1) * inter)
-            expected_gate_up = torch.cat([full[theirs + "mlp.gate_proj.weight"][rows], full[theirs + "mlp.up_proj.weight"][rows]])
-            assert torch.equal(params[ours + "mlp.gate_up_proj.weight"], expected_gate_up)
-            assert torch.equal(params[ours + "mlp.down_proj.weight"], full[theirs + "mlp.down_proj.weight"][:, rows])
-        embed_rows = slice(rank * vocab_rows, min(config.vocab_size, (rank + 1) * vocab_rows))
-        assert torch.equal(model.embed_tokens.weight[:embed_rows.stop - embed_rows.start], full["model.embed_tokens.weight"][embed_rows])
+            ours = lambda name: params[f"layers.{layer}.{name}.weight"]  # noqa: E731
+            theirs = lambda name: full[f"model.layers.{layer}.{name}.weight"]  # noqa: E731
+            expected_qkv = torch.cat([theirs("self_attn.q_proj")[q], theirs("self_attn.k_proj")[kv],
+                                      theirs("self_attn.v_proj")[kv]])
+            assert torch.equal(ours("self_attn.qkv_proj"), expected_qkv)
+            assert torch.equal(ours("self_attn.o_proj"), theirs("self_attn.o_proj")[:, q])
+            expected_gate_up = torch.cat([theirs("mlp.gate_proj")[inter], theirs("mlp.up_proj")[inter]])
+            assert torch.equal(ours("mlp.gate_up_proj"), expected_gate_up)
+            assert torch.equal(ours("mlp.down_proj"), theirs("mlp.down_proj")[:, inter])
+        vocab = slice(rank * vocab_rows, min(config.vocab_size, (rank + 1) * vocab_rows))
+        num_rows = vocab.stop - vocab.start
+        assert torch.equal(model.embed_tokens.weight[:num_rows], full["model.embed_tokens.weight"][vocab])
         if config.tie_word_embeddings:
             assert model.lm_head.weight is model.embed_tokens.weight and "lm_head.weight" not in reads
         else:
-            assert torch.equal(model.lm_head.weight[:embed_rows.stop - embed_rows.start], full["lm_head.weight"][embed_rows])
+            assert torch.equal(model.lm_head.weight[:num_rows], full["lm_head.weight"][vocab])
         for name, tensor in full.items():
             sharded = any(part in name for part in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                                     "embed_tokens", "lm_head"))
