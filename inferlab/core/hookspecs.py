@@ -11,6 +11,9 @@ name is what users select (`LLM(..., scheduler="name")`, `inferlab scheduler=nam
 is called when that plugin is selected, with the arguments listed under each hook plus the user's
 options for it as keyword arguments, and must return an object satisfying the kind's Protocol in
 `inferlab.core.protocols`; one that does not is rejected, naming what it lacks.
+
+The last hook, `register_config_nodes`, describes the options a plugin's factory takes, so that
+Hydra (`inferlab <kind>=<name> <kind>.<option>=...`) can type and check them.
 """
 import pluggy
 
@@ -47,3 +50,13 @@ def register_models(register):
 @hookspec
 def register_samplers(register):
     """Samplers. factory(config: EngineConfig, **options) -> Sampler."""
+
+
+@hookspec
+def register_config_nodes(register):
+    """The plugin's parameters, for Hydra. Call register(kind, name, node) for each plugin that
+    takes options: kind is one of scheduler, kv_cache, attention, model, sampler; name the name the
+    plugin was registered under; node a dataclass type whose fields (with defaults) are the
+    keyword options its factory accepts. `inferlab <kind>=<name> <kind>.<field>=value` then works,
+    typed and checked, and the values reach the factory as `<kind>_options`. A plugin without a
+    node is still selectable on the command line; it then takes no options there."""

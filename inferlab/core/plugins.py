@@ -1,5 +1,7 @@
 """The plugin registry: finds plugins through the `inferlab` entry points, collects what each
-registers, checks it against its Protocol, and builds the selected ones."""
+registers (plugins and their config nodes), checks it against its Protocol, and builds the
+selected ones."""
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
@@ -76,6 +78,8 @@ class PluginRegistry:
         self.entries: dict[str, dict[str, PluginEntry]] = {kind: {} for kind in KINDS}
         self.failures: list[PluginFailure] = []
         self.collisions: dict[tuple[str, str], list[PluginEntry]] = {}
+        # (kind, name) -> the dataclass of that plugin's options, from register_config_nodes
+        self.config_nodes: dict[tuple[str, str], type] = {}
         self._distributions: dict[str, str] = {}
         if load_entry_points:
             for ep in entry_points(group="inferlab"):
@@ -106,6 +110,9 @@ class PluginRegistry:
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name == name:
                     self._collect(kind, impl, name, distribution)
+        for impl in self.pm.hook.register_config_nodes.get_hookimpls():  # after the plugins they describe
+            if impl.plugin_name == name:
+                self._collect_config_nodes(impl, name, distribution)
 
     def _collect(self, kind: str, impl, plugin_name: str, distribution: str) -> None:
         protocol = KINDS[kind][1]
@@ -131,6 +138,42 @@ class PluginRegistry:
             impl.function(register=register)
         except Exception as e:
             self.failures.append(PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}"))
+
+    def _collect_config_nodes(self, impl, plugin_name: str, distribution: str) -> None:
+        def register(kind: str, entry_name: str, node: type) -> None:
+            problem = self._config_node_problem(kind, entry_name, node)
+            if problem:
+                self.failures.append(PluginFailure(plugin_name, distribution, problem))
+            else:
+                self.config_nodes[kind, entry_name] = node
+
+        try:
+            impl.function(register=register)
+        except Exception as e:
+            self.failures.append(PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}"))
+
+    def _config_node_problem(self, kind: str, name: str, node: Any) -> str | None:
+        """Why a config node cannot be used, or None when it can."""
+        if kind not in KINDS:
+            return f"config node {name!r} is for an unknown kind {kind!r}; kinds: {sorted(KINDS)}"
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return f"config node for {kind} {name!r} must be a dataclass type, got {node!r}"
+        if (kind, name) in self.config_nodes:
+            return f"config node for {kind} {name!r} is registered twice"
+        entry = self.entries[kind].get(name)
+        if entry is None:
+            return None  # its plugin may come from another package, registered later
+        try:
+            parameters = inspect.signature(entry.factory).parameters
+        except (TypeError, ValueError):
+            return None  # a builtin or C factory: nothing to check against
+        if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+            return None
+        unknown = sorted({f.name for f in dataclasses.fields(node)} - set(parameters))
+        if unknown:
+            return (f"config node {node.__qualname__} for {kind} {name!r} has fields {unknown} that its factory "
+                    f"{getattr(entry.factory, '__qualname__', entry.factory)!r} does not accept")
+        return None
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])

@@ -1,0 +1,185 @@
+"""Hydra configs: the typed schema of an inferlab run and one config group per plugin kind.
+
+Every registered plugin becomes an option of its kind's group (`scheduler=lpm`), typed by the
+dataclass its package registered through `register_config_nodes` (`scheduler.max_sort_waiting=64`),
+plus `name` (and, for models, `path`). `engine` mirrors EngineConfig's settings; `job` picks
+what the command does; `generate` and `bench` hold each job's settings.
+
+    cfg = compose(["scheduler=lpm", "engine.max_num_seqs=8"])   # the CLI's config, from Python
+    model_path, settings = engine_arguments(cfg)               # LLM(model_path, **settings)
+"""
+import types
+import typing
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field, fields, make_dataclass
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from inferlab.core.config import EngineConfig
+from inferlab.core.plugins import KINDS, PluginFailure, PluginRegistry, get_registry
+
+# Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
+AUTO_CHOICE_KINDS = ("attention", "model")
+PLUGIN_FIELDS = {"model_path", *KINDS, *(f"{kind}_options" for kind in KINDS)}
+PROMPTS = ["Hello, world! How are you today?", "The quick brown fox", "Once upon a time,"]
+
+
+def _omegaconf_type(hint: Any) -> Any:
+    """OmegaConf takes Optional[X] but not `X | None`, and only plain value types."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        return Optional[_omegaconf_type(inner[0])] if len(inner) == 1 else Any
+    return hint if hint in (int, float, bool, str) else Any
+
+
+def _engine_settings_class() -> type:
+    """EngineConfig's settings, less the plugin choices (the groups) and the model path (model.path)."""
+    hints = typing.get_type_hints(EngineConfig)
+    specs = []
+    for f in fields(EngineConfig):
+        if f.name in PLUGIN_FIELDS:
+            continue
+        default = field(default=f.default) if f.default is not NO_DEFAULT else field(default_factory=f.default_factory)
+        specs.append((f.name, _omegaconf_type(hints[f.name]), default))
+    return make_dataclass("EngineSettings", specs)
+
+
+EngineSettings = _engine_settings_class()
+
+
+class JobName(Enum):
+    generate = "generate"
+    bench = "bench"
+
+
+@dataclass
+class JobConfig:
+    name: JobName = JobName.generate
+
+
+@dataclass
+class GenerateConfig:
+    """`inferlab` (job=generate): complete these prompts and print the text and the throughput."""
+    prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
+    max_tokens: int = 32
+    temperature: float = 0.6
+    ignore_eos: bool = False
+    use_tqdm: bool = True
+
+
+@dataclass
+class BenchConfig:
+    """`inferlab job=bench`: nano-vllm's bench.py workload, plus shared prefixes for cache ablations."""
+    num_seqs: int = 256
+    min_len: int = 100  # prompt lengths uniform in [min_len, max_len] (bench.py's 100..1024)
+    max_len: int = 1024
+    min_output_len: Optional[int] = None  # None: min_len, as in bench.py
+    max_output_len: Optional[int] = None  # None: max_len
+    seed: int = 0
+    temperature: float = 0.6
+    ignore_eos: bool = True
+    shared_prefix_len: int = 0  # > 0: each prompt starts with one of num_prefixes random prefixes this long
+    num_prefixes: int = 1
+    warmup: bool = True
+
+
+@dataclass
+class InferlabConfig:
+    model: Any = MISSING
+    scheduler: Any = MISSING
+    kv_cache: Any = MISSING
+    attention: Any = MISSING
+    sampler: Any = MISSING
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    job: JobConfig = MISSING
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def plugin_node_class(kind: str, name: str, options: type | None = None) -> type:
+    """The config node of one group option: the plugin's options dataclass plus `name` (and the
+    checkpoint `path` for models)."""
+    extra = [("name", str, field(default=name))]
+    if kind == "model":
+        extra.append(("path", Optional[str], field(default=None)))
+    if options is None:
+        class_name = "".join(part.capitalize() for part in f"{name}_{kind}".replace("-", "_").split("_")) + "Config"
+        return make_dataclass(class_name, extra)
+    node = make_dataclass(options.__name__, extra, bases=(options,), frozen=options.__dataclass_params__.frozen)
+    node.__module__ = options.__module__  # errors then name the plugin's own class
+    return node
+
+
+def store_configs(registry: PluginRegistry | None = None) -> None:
+    """Puts the schema and one option per registered plugin into Hydra's ConfigStore. Call it
+    before composing (the `inferlab` command does)."""
+    from hydra.core.config_store import ConfigStore
+    registry = registry or get_registry()
+    store = ConfigStore.instance()
+    store.store(name="inferlab_schema", node=InferlabConfig)
+    for job in JobName:
+        store.store(group="job", name=job.value, node=JobConfig(name=job))
+    for kind in KINDS:
+        names = registry.names(kind) + (["auto"] if kind in AUTO_CHOICE_KINDS else [])
+        for name in names:
+            store.store(group=kind, name=name, node=checked_node_class(registry, kind, name))
+
+
+def checked_node_class(registry: PluginRegistry, kind: str, name: str) -> type:
+    """The option's node class; one OmegaConf cannot type (a field of a type it does not support)
+    is reported as the plugin's failure and replaced by a node without options, so that one bad
+    plugin does not break the command line."""
+    options = registry.config_nodes.get((kind, name))
+    node = plugin_node_class(kind, name, options)
+    if options is None:
+        return node
+    try:
+        OmegaConf.structured(node)
+    except Exception as e:
+        entry = registry.entries[kind].get(name)
+        failure = PluginFailure(entry.plugin if entry else name, entry.distribution if entry else "",
+                                f"config node {options.__qualname__} for {kind} {name!r} is not a valid Hydra "
+                                f"structured config: {str(e).splitlines()[0]}")
+        registry.failures.append(failure)
+        del registry.config_nodes[kind, name]  # nor list options that cannot be set
+        return plugin_node_class(kind, name)
+    return node
+
+
+def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -> DictConfig:
+    """The config `inferlab <overrides>` would run, built with Hydra's compose API."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    store_configs(registry)
+    with initialize_config_module("inferlab.conf", version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def engine_arguments(cfg: DictConfig) -> tuple[str | None, dict]:
+    """(model_path, settings) such that LLM(model_path, **settings) is the engine cfg describes."""
+    settings = OmegaConf.to_container(cfg.engine, resolve=True)
+    model_path = None
+    for kind in KINDS:
+        options = OmegaConf.to_container(cfg[kind], resolve=True)
+        settings[kind] = options.pop("name")
+        if kind == "model":
+            model_path = options.pop("path")
+        settings[f"{kind}_options"] = options
+    return model_path, settings
+
+
+def flat_choices(cfg: DictConfig) -> dict[str, Any]:
+    """What a run asked for, as the override keys a user types: {"scheduler": "lpm",
+    "scheduler.max_sort_waiting": 1024, "engine.max_num_seqs": 512, "bench.num_seqs": 256, ...}."""
+    choices = {}
+    for kind in KINDS:
+        node = OmegaConf.to_container(cfg[kind], resolve=True)
+        choices[kind] = node.pop("name")
+        choices.update({f"{kind}.{key}": value for key, value in node.items()})
+    for section in ("engine", "bench"):
+        node = OmegaConf.to_container(cfg[section], resolve=True)
+        choices.update({f"{section}.{key}": value for key, value in node.items()})
+    return choices

@@ -1,0 +1,110 @@
+"""The `inferlab` app end to end on CPU: the default job, a bench sweep writing one result.json per
+run, and `inferlab-report` turning the sweep into a table, a CSV and a PNG."""
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from inferlab.core.plugins import get_registry
+from inferlab.report import main as report_main
+from inferlab.report import report
+
+ENGINE = ["engine.device=cpu", "engine.kvcache_block_size=16", "engine.num_kvcache_blocks=256", "engine.max_model_len=256"]
+TINY_BENCH = ["job=bench", "bench.num_seqs=6", "bench.min_len=8", "bench.max_len=40", "bench.min_output_len=2",
+              "bench.max_output_len=6"]
+
+
+def inferlab(args, cwd, env=None, check=True, command=(sys.executable, "-m", "inferlab")):
+    proc = subprocess.run([*command, *args], cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"inferlab {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_default_command_generates_on_the_tiny_model(tmp_path):
+    script = shutil.which("inferlab", path=os.path.dirname(sys.executable))
+    proc = inferlab([], tmp_path, command=[script] if script else [sys.executable, "-m", "inferlab"])
+    lines = proc.stdout.splitlines()
+    assert "model=qwen3 scheduler=fcfs kv_cache=paged attention=torch sampler=default" in lines
+    assert sum(" -> " in line for line in lines) == 3
+    assert re.fullmatch(r"\d+ tokens in [\d.]+ s: \d+ tok/s \(prefill \d+ tok/s, decode \d+ tok/s\)", lines[-1])
+    assert (tmp_path / "outputs").is_dir()  # Hydra's run directory
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, checkpoint):
+    root = tmp_path_factory.mktemp("sweep")
+    proc = inferlab(["-m", "attention=torch", "scheduler=fcfs,lpm", f"model.path={checkpoint('gqa2-tied')}",
+                     f"hydra.sweep.dir={root / 'sweep'}", *TINY_BENCH, *ENGINE], root)
+    return root / "sweep", proc
+
+
+def test_sweep_writes_one_result_per_run(sweep, checkpoint):
+    sweep_dir, proc = sweep
+    results = [json.loads((sweep_dir / str(i) / "result.json").read_text()) for i in range(2)]
+    assert not (sweep_dir / "2").exists()
+    assert [r["plugins"]["scheduler"] for r in results] == ["fcfs", "lpm"]
+    for result in results:
+        assert result["plugins"] == {"model": "qwen3", "scheduler": result["plugins"]["scheduler"], "kv_cache": "paged",
+                                     "attention": "torch", "sampler": "default"}
+        assert result["output_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+        assert result["wall_time_s"] > 0 and result["num_requests"] == 6
+        assert result["num_output_tokens"] == result["num_decode_tokens"] + 6  # each request's first token comes with its prefill
+        assert result["num_preemptions"] == 0
+        assert result["engine"]["max_model_len"] == 256 and result["engine"]["kvcache_block_size"] == 16
+        assert result["num_kvcache_blocks"] == 256 and result["model_path"] == checkpoint("gqa2-tied")
+        assert result["bench"]["num_seqs"] == 6 and result["choices"]["bench.max_output_len"] == 6
+        assert result["device"] == "cpu" and result["dtype"] == "float32"
+        assert result["torch_version"] and result["inferlab_version"]
+        assert "git_commit" in result
+        assert "attention=torch" in result["overrides"]
+    assert results[1]["plugin_options"]["scheduler"] == {"max_sort_waiting": 1024}
+
+
+def test_report_table_csv_and_png(sweep, capsys):
+    sweep_dir, _ = sweep
+    report_main([str(sweep_dir)])
+    out = capsys.readouterr().out.splitlines()
+    header = out[0].split()
+    # Only what differs across runs is a column: the scheduler and lpm's own option, not attention.
+    assert header[:3] == ["run", "scheduler", "scheduler.max_sort_waiting"]
+    assert "attention" not in header and "output" in header
+    assert out[2].split()[:3] == ["0", "fcfs", "-"] and out[3].split()[:3] == ["1", "lpm", "1024"]
+    with open(sweep_dir / "report.csv") as f:
+        rows = list(csv.DictReader(f))
+    results = [json.loads((sweep_dir / str(i) / "result.json").read_text()) for i in range(2)]
+    assert [r["scheduler"] for r in rows] == ["fcfs", "lpm"]
+    assert [float(r["output tok/s"]) for r in rows] == pytest.approx([r["output_tokens_per_s"] for r in results])
+    png = sweep_dir / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+    with Image.open(png) as image:
+        image.verify()
+    import matplotlib.image
+    pixels = matplotlib.image.imread(png)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 300
+
+
+def test_report_of_an_empty_dir_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        report_main([str(tmp_path)])
+    assert exit_info.value.code == 1
+    assert "no result.json under" in capsys.readouterr().err
+
+
+def test_sweep_over_triton_under_the_interpreter(tmp_path, checkpoint):
+    if "triton" not in get_registry().names("attention"):
+        pytest.skip("no `triton` attention backend is registered on this branch yet")
+    proc = inferlab(["-m", "attention=torch,triton", f"model.path={checkpoint('gqa2-tied')}",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", *TINY_BENCH, "bench.num_seqs=2", *ENGINE],
+                    tmp_path, env={"TRITON_INTERPRET": "1"})
+    results = [json.loads((tmp_path / "sweep" / str(i) / "result.json").read_text()) for i in range(2)]
+    assert [r["plugins"]["attention"] for r in results] == ["torch", "triton"]
+    header, rows = report(str(tmp_path / "sweep"))
+    assert header[1] == "attention" and [row[1] for row in rows] == ["torch", "triton"]

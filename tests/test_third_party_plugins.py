@@ -1,0 +1,104 @@
+"""The example plugin packages, installed offline as a user would install theirs, and used through
+the CLI (with their own Hydra config nodes) and through LLM: the spf scheduler and, for a second
+kind, the ban sampler. The README's plugin section must be those very files."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inferlab import LLM, SamplingParams
+from inferlab.core import plugins
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A directory holding the installed example packages (put it on the path to use them)."""
+    root = tmp_path_factory.mktemp("plugins")
+    sources = [shutil.copytree(EXAMPLES / name, root / "src" / name) for name in ("spf_scheduler", "ban_sampler")]
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(root / "site"), *map(str, sources)], check=True, capture_output=True, timeout=300)
+    return root / "site"
+
+
+def run(args, cwd, site, check=True):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_readme_and_docs_show_the_example_files():
+    for doc in (REPO / "README.md", REPO / "docs" / "plugins.md"):
+        text = doc.read_text()
+        assert "## Write your own scheduler" in text
+        for label, path in (("`inferlab_spf/scheduler.py`:", "inferlab_spf/scheduler.py"), ("`pyproject.toml`:", "pyproject.toml")):
+            block = re.search(re.escape(label) + r"\n\n```\w+\n(.*?)\n```", text, re.S)
+            assert block, f"{doc.name} has no code block after {label}"
+            assert block[1] == (EXAMPLES / "spf_scheduler" / path).read_text().rstrip("\n"), f"{doc.name}: {path} differs"
+
+
+def test_listed_with_distribution_and_options(site, tmp_path):
+    out = run(["inferlab.list_plugins"], tmp_path, site).stdout
+    assert re.search(r"^  spf +inferlab-spf 0\.1\.0 \(plugin 'spf'\)  options: longest_first=False$", out, re.M)
+    assert re.search(r"^  ban +inferlab-ban 0\.1\.0 \(plugin 'ban'\)  options: token_ids=\[\]$", out, re.M)
+    assert "problems:" not in out
+
+
+def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
+    proc = run(["inferlab", "job=bench", "scheduler=spf", "scheduler.longest_first=true", "sampler=ban",
+                "sampler.token_ids=[3,4]", f"model.path={checkpoint('gqa2-tied')}", "engine.device=cpu",
+                "engine.kvcache_block_size=16", "engine.num_kvcache_blocks=128", "bench.num_seqs=4", "bench.min_len=4",
+                "bench.max_len=12", "bench.max_output_len=4", "bench.min_output_len=2", "hydra.run.dir=run"], tmp_path, site)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["plugins"]["scheduler"] == "spf" and result["plugins"]["sampler"] == "ban"
+    assert result["plugin_options"]["scheduler"] == {"longest_first": True}
+    assert result["plugin_options"]["sampler"] == {"token_ids": [3, 4]}
+    assert "tok/s" in proc.stdout
+
+
+def test_cli_checks_their_parameters(site, tmp_path):
+    proc = run(["inferlab", "scheduler=spf", "scheduler.longest_first=maybe"], tmp_path, site, check=False)
+    assert proc.returncode == 1
+    assert "Value 'maybe' is not a valid bool" in proc.stderr and "object_type=SPFOptions" in proc.stderr
+    proc = run(["inferlab", "sampler=ban", "sampler.tokens=[1]"], tmp_path, site, check=False)
+    assert proc.returncode == 1 and "Key 'tokens' not in 'BanOptions'" in proc.stderr
+
+
+@pytest.fixture
+def installed(site, monkeypatch):
+    """The example plugins importable in this process, seen by a freshly loaded registry."""
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(plugins, "_default", None)
+
+
+def test_llm_uses_the_scheduler_and_its_option(installed, checkpoint):
+    for longest_first, expected in ((False, [3, 6, 9]), (True, [9, 6, 3])):
+        llm = LLM(checkpoint("gqa2-tied"), scheduler="spf", scheduler_options={"longest_first": longest_first},
+                  max_num_seqs=1, kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+        assert type(llm.scheduler).__name__ == "ShortestPromptFirst"
+        for length in (9, 3, 6):
+            llm.add_request(list(range(1, length + 1)), SamplingParams(max_tokens=1))
+        finished = []
+        while not llm.is_finished():
+            finished += llm.step()[0]
+        assert [seq.num_prompt_tokens for seq in finished] == expected
+
+
+def test_llm_uses_the_sampler_and_its_option(installed, checkpoint):
+    prompts = ["Hello, world!", "Once upon a time,"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    settings = dict(kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+    plain = LLM(checkpoint("gqa2-tied"), **settings).generate(prompts, greedy, use_tqdm=False)
+    banned = sorted({t for out in plain for t in out["token_ids"]})
+    llm = LLM(checkpoint("gqa2-tied"), sampler="ban", sampler_options={"token_ids": banned}, **settings)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert all(len(out["token_ids"]) == 12 and not set(out["token_ids"]) & set(banned) for out in outputs)
