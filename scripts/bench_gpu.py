@@ -108,7 +108,7 @@ def run_one(args) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     stats_before = (llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens,
-                    llm.stats.prefill_seconds, llm.stats.decode_seconds)
+                    llm.stats.prefill_seconds, llm.stats.decode_seconds, llm.stats.wait_seconds)
     runs = []
     for _ in range(args.repeats):
         llm.reset_prefix_cache()  # every run prefills its prompts, as the first did
@@ -134,6 +134,8 @@ def run_one(args) -> dict:
         "steps": s.num_steps - stats_before[0], "prefill_tokens": s.num_prefill_tokens - stats_before[1],
         "decode_tokens": s.num_decode_tokens - stats_before[2], "prefill_seconds": s.prefill_seconds - stats_before[3],
         "decode_seconds": s.decode_seconds - stats_before[4],
+        # time blocked on the GPU's tokens, summed over all runs: near zero means the CPU bounds the run
+        "wait_seconds": s.wait_seconds - stats_before[5], "wall_seconds_all_runs": sum(runs),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": _version("triton"), "flash_attn": _version("flash_attn"),
     }

@@ -41,17 +41,15 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class StepInputs:
-    """One step's inputs as host (numpy) arrays, in the dtypes they take on the device: everything a
-    tensor-parallel rank needs for the forward pass, small enough to send to the workers each step."""
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    query_start_loc: np.ndarray  # int32 [B+1]
-    seq_lens: np.ndarray  # int32 [B]
-    context_lens: np.ndarray  # int32 [B]
-    block_tables: np.ndarray  # int32 [B, max_blocks]
-    slot_mapping: np.ndarray  # int64 [T]
+    """One step's inputs on the host, packed in two buffers that go to the device in two copies:
+    everything a tensor-parallel rank needs for the forward pass, small enough to send to the
+    workers each step. T new tokens of B sequences, S of which sample; block tables W wide."""
+    longs: np.ndarray  # int64: input ids [T], positions [T], slot mapping [T], logits indices [S]
+    ints: np.ndarray  # int32: query start [B+1], seq lens [B], context lens [B], block tables [B*W]
+    num_tokens: int  # T
+    num_seqs: int  # B
+    table_width: int  # W
     sample_rows: list[int]  # the sequences whose last scheduled token is sampled
-    logits_indices: np.ndarray  # int64 [S]: where each sampling sequence's last new token sits in T
     max_query_len: int
     max_seq_len: int
     is_decode: bool

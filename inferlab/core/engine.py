@@ -25,6 +25,7 @@ class EngineStats:
     num_decode_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    wait_seconds: float = 0.0  # blocked on the device's tokens; the rest of a step is CPU work
     extra: dict = field(default_factory=dict)
 
 
@@ -154,7 +155,7 @@ class LLMEngine:
                 self.scheduler.postprocess(batch, handle.placeholders())
                 self.pending = (batch, handle)
             else:
-                tokens = handle.tokens()
+                tokens = self._wait(handle)
                 finished += self.scheduler.postprocess(batch, tokens)
                 finished += self._check_stop_strings(batch, tokens)
         elapsed = perf_counter() - start
@@ -173,7 +174,7 @@ class LLMEngine:
     def _resolve(self, batch, handle) -> list[Sequence]:
         """Fills in a launched step's placeholders and applies the stop conditions they trigger."""
         finished = []
-        tokens = handle.tokens()
+        tokens = self._wait(handle)
         for seq, token in zip(batch.seqs, tokens):
             if token is None or not seq.token_ids or seq.token_ids[-1] >= 0:
                 continue  # no sample, or the sequence ended before its placeholder was appended
@@ -186,6 +187,12 @@ class LLMEngine:
             if seq.is_finished:
                 finished.append(seq)
         return finished + self._check_stop_strings(batch, tokens)
+
+    def _wait(self, handle) -> list[int | None]:
+        start = perf_counter()
+        tokens = handle.tokens()
+        self.stats.wait_seconds += perf_counter() - start
+        return tokens
 
     def _check_stop_strings(self, batch, tokens) -> list[Sequence]:
         finished = []

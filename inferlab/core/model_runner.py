@@ -1,6 +1,8 @@
 """Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
 import logging
+from dataclasses import replace
+from itertools import chain
 
 import numpy as np
 import torch
@@ -62,6 +64,8 @@ class ModelRunner:
         self.model.load_weights(model_path)
         self.model.eval()
         self.sampler = registry.create("sampler", config.sampler, config, **config.sampler_options)
+        self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
+        self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.num_kv_blocks = self._num_kv_blocks()
         if tp_group.size > 1:  # every rank must hold the same blocks: the smallest budget wins
@@ -72,7 +76,6 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.decode_graphs = self._capture_decode_graphs(hf_config)
@@ -225,43 +228,54 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_indices])
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """Host-side batch layout, vectorized with numpy."""
-        seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
-        bs = self.block_size
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        """Host-side batch layout, vectorized with numpy (no per-token Python loop), packed in two
+        buffers (int64 and int32) that go to the device in two copies."""
+        seqs, n, bs = batch.seqs, len(batch.seqs), self.block_size
+        counts = np.array(batch.num_scheduled_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        totals = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
         ends = starts + counts
-        input_ids = np.fromiter((t for s, a, b in zip(seqs, starts, ends) for t in s.token_ids[a:b]),
-                                dtype=np.int64, count=int(counts.sum()))
-        query_start = np.zeros(len(seqs) + 1, dtype=np.int64)
+        num_tokens = int(ends.sum() - starts.sum())
+        if num_tokens == n:  # one new token each (decode): no per-sequence slicing
+            input_ids = np.fromiter((s.token_ids[a] for s, a in zip(seqs, starts.tolist())), dtype=np.int64, count=n)
+            seq_index, positions = np.arange(n), starts
+        else:
+            input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in zip(seqs, starts.tolist(), ends.tolist())),
+                                    dtype=np.int64, count=num_tokens)
+            seq_index = np.repeat(np.arange(n), counts)
+            positions = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts) + starts[seq_index]
+        query_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
-        seq_index = np.repeat(np.arange(len(seqs)), counts)
-        positions = np.arange(query_start[-1]) - query_start[seq_index] + starts[seq_index]
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
-        for row, seq in enumerate(seqs):
-            block_tables[row, :len(seq.block_table)] = seq.block_table
+        table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int64)
+        flat_rows = np.repeat(np.arange(n), table_lens)
+        block_tables[flat_rows, np.arange(len(flat_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)] = \
+            np.fromiter(chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=len(flat_rows))
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-        sample_rows = [i for i, (s, e) in enumerate(zip(seqs, ends)) if e == s.num_tokens]
-        logits_indices = query_start[1:][sample_rows] - 1  # each sampling sequence's last new token
-        int32 = np.int32
+        samples = ends == totals
+        sample_rows = np.flatnonzero(samples).tolist()
+        logits_indices = query_start[1:][samples] - 1  # each sampling sequence's last new token
         return StepInputs(
-            input_ids=input_ids, positions=positions, query_start_loc=query_start.astype(int32),
-            seq_lens=ends.astype(int32), context_lens=starts.astype(int32), block_tables=block_tables.astype(int32),
-            slot_mapping=slot_mapping, sample_rows=sample_rows, logits_indices=logits_indices,
-            max_query_len=int(counts.max()), max_seq_len=int(ends.max()), is_decode=batch.is_decode,
+            longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices]),
+            ints=np.concatenate([query_start, ends, starts, block_tables.ravel()]).astype(np.int32),
+            num_tokens=num_tokens, num_seqs=n, table_width=block_tables.shape[1], sample_rows=sample_rows,
+            max_query_len=int(counts.max()), max_seq_len=int(ends.max()), is_decode=num_tokens == n and bool(samples.all()),
             has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
 
     def upload(self, step: StepInputs):
-        """One copy per array to the device: input ids, positions, attention inputs, logits rows."""
-        to = self._to_device
+        """The step's two buffers to the device, as input ids, positions, attention inputs and the
+        rows whose logits are needed."""
+        t, n = step.num_tokens, step.num_seqs
+        longs = self._to_device(step.longs, torch.int64)
+        ints = self._to_device(step.ints, torch.int32)
+        input_ids, positions, slot_mapping, logits_indices = longs.split([t, t, t, len(step.sample_rows)])
+        query_start, seq_lens, context_lens, block_tables = ints.split([n + 1, n, n, n * step.table_width])
         inputs = AttentionInputs(
-            query_start_loc=to(step.query_start_loc, torch.int32), seq_lens=to(step.seq_lens, torch.int32),
-            context_lens=to(step.context_lens, torch.int32), block_tables=to(step.block_tables, torch.int32),
-            slot_mapping=to(step.slot_mapping, torch.int64), max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len, is_decode=step.is_decode, block_size=self.block_size,
-            has_placeholders=step.has_placeholders)
-        return (to(step.input_ids, torch.int64), to(step.positions, torch.int64), inputs,
-                to(step.logits_indices, torch.int64))
+            query_start_loc=query_start, seq_lens=seq_lens, context_lens=context_lens,
+            block_tables=block_tables.view(n, step.table_width), slot_mapping=slot_mapping,
+            max_query_len=step.max_query_len, max_seq_len=step.max_seq_len, is_decode=step.is_decode,
+            block_size=self.block_size, has_placeholders=step.has_placeholders)
+        return input_ids, positions, inputs, logits_indices
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         host = torch.from_numpy(array).to(dtype)
@@ -272,18 +286,26 @@ class ModelRunner:
         return host
 
     def sampling_tensors(self, seqs) -> SamplingTensors:
+        """Per-row settings; rebuilt only when the rows change (decode repeats the same batch), the
+        token index (steps) is sent every time."""
+        key = [s.seq_id for s in seqs]
+        steps = self._to_device(np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs)), torch.int64)
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == key:
+            return replace(cached[1], steps=steps)
         params = [s.params for s in seqs]
         floats = np.array([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
                           dtype=np.float32)
         # fold 64-bit seeds to 32 bits: the sampler's hash mixes 32-bit words
         ints = np.array([[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                         [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs],
-                         [s.num_tokens for s in seqs]], dtype=np.int64)
+                         [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs]], dtype=np.int64)
         float_t, int_t = self._to_device(floats, torch.float32), self._to_device(ints, torch.int64)
-        return SamplingTensors(
-            temperatures=float_t[0], top_p=float_t[1], min_p=float_t[2], top_k=int_t[0], seeds=int_t[1], steps=int_t[2],
+        tensors = SamplingTensors(
+            temperatures=float_t[0], top_p=float_t[1], min_p=float_t[2], top_k=int_t[0], seeds=int_t[1], steps=steps,
             all_greedy=not floats[0].any(), any_top_k=bool((ints[0] < self.vocab_size).any()),
             any_top_p=bool((floats[1] < 1).any()), any_min_p=bool((floats[2] > 0).any()))
+        self._sampling_cache = (key, tensors)
+        return tensors
 
 class StepHandle:
     """A launched step. tokens() waits for its samples; placeholders() names them before they

@@ -71,6 +71,8 @@ class PagedKVCache:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         bs = self.block_size
+        if seq.block_table and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * bs:
+            return True  # fits in the blocks it has: most decode steps
         hits = []
         if not seq.block_table:
             hits = self._prefix_hits(seq)

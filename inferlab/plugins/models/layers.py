@@ -173,6 +173,12 @@ def rms_norm(x, weight, eps: float):
     return x.to(dtype) * weight
 
 
+def rms_norm_heads(x, weight, eps: float):
+    """rms_norm over each head of [tokens, heads, head_dim]: its own code object, so torch.compile
+    keeps one graph per tensor rank instead of recompiling between the two uses."""
+    return rms_norm(x, weight, eps)
+
+
 def add_rms_norm(x, residual, weight, eps: float):
     """(rms_norm(x + residual), x + residual): the residual add fused into the norm."""
     dtype = x.dtype
@@ -186,11 +192,12 @@ class RMSNorm(nn.Module):
     """RMSNorm in float32; with `residual` it first adds it and returns the new residual too.
     fused=True runs it through torch.compile (for CUDA)."""
 
-    def __init__(self, size: int, eps: float, fused: bool = False):
+    def __init__(self, size: int, eps: float, fused: bool = False, per_head: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.norm = compiled(rms_norm) if fused else rms_norm
+        norm = rms_norm_heads if per_head else rms_norm
+        self.norm = compiled(norm) if fused else norm
         self.add_norm = compiled(add_rms_norm) if fused else add_rms_norm
 
     def forward(self, x, residual=None):

@@ -30,8 +30,8 @@ class Qwen3Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
                                         bias=getattr(config, "attention_bias", False))
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused)
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.scale = head_dim ** -0.5
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
