@@ -197,7 +197,7 @@ class ModelRunner:
         logits = self.forward_logits(step, kv_caches)
         if logits is None:
             return StepHandle(len(batch), step.sample_rows, None)
-        sampled = self.sampler(logits.float(), self.sampling_tensors([batch.seqs[i] for i in step.sample_rows]))
+        sampled = self.sampler(logits, self.sampling_tensors([batch.seqs[i] for i in step.sample_rows]))
         self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
         return StepHandle(len(batch), step.sample_rows, sampled)
 
