@@ -119,4 +119,4 @@ class Sampler(Protocol):
     """Turns logits into the next token of each sequence, vectorized over the batch."""
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        """Next token ids [N] for logits [N, vocab] (float32), on the logits' device."""
+        """Next token ids [N] for logits [N, vocab] (in the model's dtype), on the logits' device."""
