@@ -1,6 +1,7 @@
 """What a step carries between the scheduler, the runner and the attention backend."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferlab.core.sequence import Sequence
@@ -36,6 +37,23 @@ class ScheduledBatch:
     @property
     def num_prefill_tokens(self) -> int:
         return 0 if self.is_decode else self.total_tokens
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs on the host, packed in two buffers that go to the device in two copies:
+    everything a tensor-parallel rank needs for the forward pass, small enough to send to the
+    workers each step. T new tokens of B sequences, S of which sample; block tables W wide."""
+    longs: np.ndarray  # int64: input ids [T], positions [T], slot mapping [T], logits indices [S]
+    ints: np.ndarray  # int32: query start [B+1], seq lens [B], context lens [B], block tables [B*W]
+    num_tokens: int  # T
+    num_seqs: int  # B
+    table_width: int  # W
+    sample_rows: list[int]  # the sequences whose last scheduled token is sampled
+    max_query_len: int
+    max_seq_len: int
+    is_decode: bool
+    has_placeholders: bool  # some input ids stand for the previous step's samples
 
 
 @dataclass(slots=True)

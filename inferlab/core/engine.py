@@ -12,6 +12,7 @@ from inferlab.core.model_runner import ModelRunner
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.sequence import Sequence
+from inferlab.core.workers import TensorParallelRunner
 
 log = logging.getLogger("inferlab")
 
@@ -47,11 +48,18 @@ class LLMEngine:
         self.config = config
         self.hf_config = hf_config
         config.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
-        self.runner = ModelRunner(config, hf_config, model_path, self.registry)
-        self.kv_cache = self.registry.create("kv_cache", config.kv_cache, config, self.runner.num_kv_blocks,
-                                             **config.kv_cache_options)
-        self.scheduler = self.registry.create("scheduler", config.scheduler, config, self.kv_cache,
-                                              **config.scheduler_options)
+        if config.tensor_parallel_size > 1:  # rank 0 runs here, ranks 1..N-1 in worker processes
+            self.runner = TensorParallelRunner(config, hf_config, model_path, self.registry)
+        else:
+            self.runner = ModelRunner(config, hf_config, model_path, self.registry)
+        try:
+            self.kv_cache = self.registry.create("kv_cache", config.kv_cache, config, self.runner.num_kv_blocks,
+                                                 **config.kv_cache_options)
+            self.scheduler = self.registry.create("scheduler", config.scheduler, config, self.kv_cache,
+                                                  **config.scheduler_options)
+        except BaseException:
+            self.close()
+            raise
         self.eos_token_id = self.tokenizer.eos_token_id
         self.seed_rng = random.Random(config.seed)
         self.requests: dict[int, Sequence] = {}
@@ -256,6 +264,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Releases the engine's resources (worker processes under tensor parallelism)."""
+        close = getattr(getattr(self, "runner", None), "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self):
         return self

@@ -6,8 +6,9 @@ from itertools import chain
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch
+from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
 from inferlab.core.cuda_graphs import DecodeGraphs
 from inferlab.core.parallel import SINGLE, TPGroup
@@ -42,6 +43,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry,
                  tp_group: TPGroup = SINGLE):
         self.config = config
+        self.tp = tp_group
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and tp_group.size > 1:
             self.device = torch.device("cuda", tp_group.rank)
@@ -66,6 +68,10 @@ class ModelRunner:
         self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.num_kv_blocks = self._num_kv_blocks()
+        if tp_group.size > 1:  # every rank must hold the same blocks: the smallest budget wins
+            counts = torch.tensor([self.num_kv_blocks], device=self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_group.group)
+            self.num_kv_blocks = int(counts.item())
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
@@ -182,10 +188,31 @@ class ModelRunner:
         return self.launch(batch).tokens()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None) -> "StepHandle":
+    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None,
+               step: StepInputs | None = None) -> "StepHandle":
         """Queues one step's work on the device and returns without waiting for it. Input tokens
-        may be placeholders for the previous launch's samples (see StepHandle.placeholders)."""
-        input_ids, positions, inputs, sample_rows, logits_indices = self.prepare(batch)
+        may be placeholders for the previous launch's samples (see StepHandle.placeholders).
+        `step`: the batch's prepared inputs, when the caller built them already."""
+        step = step if step is not None else self.prepare_inputs(batch)
+        logits = self.forward_logits(step, kv_caches)
+        if logits is None:
+            return StepHandle(len(batch), step.sample_rows, None)
+        sampled = self.sampler(logits, self.sampling_tensors([batch.seqs[i] for i in step.sample_rows]))
+        self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
+        return StepHandle(len(batch), step.sample_rows, sampled)
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """A worker rank's part of a step that rank 0 launches: the forward pass, then rank 0's
+        samples, which the next step's placeholders stand for."""
+        if self.forward_logits(step) is not None:
+            sampled = torch.empty(len(step.sample_rows), dtype=torch.int64, device=self.device)
+            self.last_sampled = self.tp.broadcast(sampled)
+
+    def forward_logits(self, step: StepInputs, kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The forward pass of one step and the logits of its sampling rows (None when none samples).
+        Every tensor-parallel rank runs it on the same step."""
+        input_ids, positions, inputs, logits_indices = self.upload(step)
         if inputs.has_placeholders:
             if self.last_sampled is None:
                 raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
@@ -196,16 +223,13 @@ class ModelRunner:
             hidden = self.decode_graphs.run(input_ids, positions, inputs)
         if hidden is None:
             hidden = self.model(input_ids, positions, kv_caches, self.backend.build_metadata(inputs))
-        if not sample_rows:
-            return StepHandle(len(batch), sample_rows, None)
-        logits = self.model.compute_logits(hidden[logits_indices])
-        sampled = self.sampler(logits, self.sampling_tensors([batch.seqs[i] for i in sample_rows]))
-        self.last_sampled = sampled
-        return StepHandle(len(batch), sample_rows, sampled)
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])
 
-    def prepare(self, batch: ScheduledBatch):
-        """Host-side batch layout, vectorized with numpy (no per-token Python loop), sent to the
-        device as two buffers (int64 and int32) in two copies."""
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """Host-side batch layout, vectorized with numpy (no per-token Python loop), packed in two
+        buffers (int64 and int32) that go to the device in two copies."""
         seqs, n, bs = batch.seqs, len(batch.seqs), self.block_size
         counts = np.array(batch.num_scheduled_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
@@ -231,16 +255,27 @@ class ModelRunner:
         samples = ends == totals
         sample_rows = np.flatnonzero(samples).tolist()
         logits_indices = query_start[1:][samples] - 1  # each sampling sequence's last new token
-        longs = self._to_device(np.concatenate([input_ids, positions, slot_mapping, logits_indices]), torch.int64)
-        ints = self._to_device(np.concatenate([query_start, ends, starts, block_tables.ravel()]), torch.int32)
-        input_ids_d, positions_d, slots_d, logits_d = longs.split([num_tokens, num_tokens, num_tokens, len(sample_rows)])
-        query_start_d, ends_d, starts_d, tables_d = ints.split([n + 1, n, n, block_tables.size])
-        inputs = AttentionInputs(
-            query_start_loc=query_start_d, seq_lens=ends_d, context_lens=starts_d,
-            block_tables=tables_d.view(block_tables.shape), slot_mapping=slots_d, max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()), is_decode=num_tokens == n and bool(samples.all()), block_size=bs,
+        return StepInputs(
+            longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices]),
+            ints=np.concatenate([query_start, ends, starts, block_tables.ravel()]).astype(np.int32),
+            num_tokens=num_tokens, num_seqs=n, table_width=block_tables.shape[1], sample_rows=sample_rows,
+            max_query_len=int(counts.max()), max_seq_len=int(ends.max()), is_decode=num_tokens == n and bool(samples.all()),
             has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
-        return input_ids_d, positions_d, inputs, sample_rows, logits_d
+
+    def upload(self, step: StepInputs):
+        """The step's two buffers to the device, as input ids, positions, attention inputs and the
+        rows whose logits are needed."""
+        t, n = step.num_tokens, step.num_seqs
+        longs = self._to_device(step.longs, torch.int64)
+        ints = self._to_device(step.ints, torch.int32)
+        input_ids, positions, slot_mapping, logits_indices = longs.split([t, t, t, len(step.sample_rows)])
+        query_start, seq_lens, context_lens, block_tables = ints.split([n + 1, n, n, n * step.table_width])
+        inputs = AttentionInputs(
+            query_start_loc=query_start, seq_lens=seq_lens, context_lens=context_lens,
+            block_tables=block_tables.view(n, step.table_width), slot_mapping=slot_mapping,
+            max_query_len=step.max_query_len, max_seq_len=step.max_seq_len, is_decode=step.is_decode,
+            block_size=self.block_size, has_placeholders=step.has_placeholders)
+        return input_ids, positions, inputs, logits_indices
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         host = torch.from_numpy(array).to(dtype)

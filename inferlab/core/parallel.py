@@ -27,6 +27,14 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x as rank `src` holds it, on every rank (in place)."""
+        if self.size > 1:
+            options = dist.BroadcastOptions()
+            options.rootRank = src
+            self.group.broadcast([x], options).wait()
+        return x
+
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` units of `what`; they must divide evenly."""
         if total % self.size:

@@ -1,0 +1,387 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one rank and as Hugging Face,
+each rank reading only its shard of the weights, and failures that name the rank, arrive within
+seconds and leave no process or shared-memory segment behind."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from inferlab import LLM, SamplingParams
+from inferlab.core.hookspecs import hookimpl
+from inferlab.core.parallel import TPGroup
+from inferlab.core.plugins import PluginRegistry
+from inferlab.core.workers import TensorParallelError
+from inferlab.plugins.attention.torch_sdpa import TorchAttention
+from inferlab.plugins.models import qwen3
+from inferlab.plugins.models.qwen3 import CheckpointError, Qwen3ForCausalLM
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SETTINGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, device="cpu")
+KV1 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+
+
+def prompts_of(lengths, start=5):
+    return [[(start + 7 * i + j * 13) % 300 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def child_pids() -> set[int]:
+    """This process's children (zombies too), except multiprocessing's resource tracker, which
+    the first spawn starts and which lives as long as this process."""
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                tracker = b"resource_tracker" in f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == os.getpid() and not tracker:
+            found.add(int(entry))
+    return found
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank():
+    """Two ranks share CI's few cores: more threads per rank only make them wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tied(checkpoint):
+    """2 query heads and 1 KV head per rank; tied embeddings; prompts prefilled whole."""
+    llm = LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, **SETTINGS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def untied(checkpoint):
+    """4 query heads and 1 KV head per rank, 3 layers, untied head; chunked prefill (24 tokens a
+    step) and overlap scheduling (the workers swap rank 0's samples in for placeholders)."""
+    llm = LLM(checkpoint("gqa4-untied"), tensor_parallel_size=2, max_num_batched_tokens=24,
+              overlap_scheduling=True, **SETTINGS)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("engine", ["tied", "untied"])
+def test_greedy_equals_one_rank_and_hf(engine, request, hf_greedy):
+    llm = request.getfixturevalue(engine)
+    prompts = prompts_of([1, 7, 16, 33, 50])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    one_rank = LLM(llm.model_path, **{**SETTINGS, "max_num_batched_tokens": llm.config.max_num_batched_tokens})
+    assert outputs == one_rank.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
+    # again: the prompts' full blocks now come from the prefix cache, on every rank
+    hits_before = llm.kv_cache.num_hit_tokens
+    assert llm.generate(prompts, GREEDY, use_tqdm=False) == outputs
+    assert llm.kv_cache.num_hit_tokens > hits_before
+
+
+@pytest.mark.parametrize("engine", ["tied", "untied"])
+def test_seeded_sampling_equals_one_rank(engine, request):
+    llm = request.getfixturevalue(engine)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=8, seed=seed, ignore_eos=True)
+              for seed in (1, 2, 3)]
+    prompts = prompts_of([4, 9, 20], start=11)
+    one_rank = LLM(llm.model_path, **SETTINGS)
+    assert llm.generate(prompts, params, use_tqdm=False) == one_rank.generate(prompts, params, use_tqdm=False)
+
+
+def test_two_engines_at_once(tied, untied, hf_greedy):
+    """Each engine has its own store port and group: their steps interleave freely."""
+    assert tied.runner.store.port != untied.runner.store.port
+    prompts = prompts_of([5, 12], start=40)
+    for llm in (tied, untied):
+        for prompt in prompts:
+            llm.add_request(prompt, GREEDY)
+    done = {tied: [], untied: []}
+    while not (tied.is_finished() and untied.is_finished()):
+        for llm in (tied, untied):
+            if not llm.is_finished():
+                done[llm] += llm.step()[0]
+    for llm, finished in done.items():
+        assert len(finished) == len(prompts)
+        for seq in finished:
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            assert llm.output(seq)["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
+
+
+def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
+    """1 KV head over 2 ranks: each rank keeps a replica. The KV cache is sized from the CPU budget
+    on each rank (same count everywhere). Leaving the `with` block stops the workers."""
+    path = checkpoint(KV1)
+    prompts = prompts_of([3, 18, 40], start=7)
+    sized = {**SETTINGS, "num_kvcache_blocks": -1, "max_num_seqs": 4, "max_model_len": 256}
+    with LLM(path, tensor_parallel_size=2, **sized) as llm:
+        pids = llm.runner.workers.pids
+        assert llm.runner.model.kv_cache_spec()[1] == 1
+        assert llm.kv_cache.num_blocks == llm.runner.num_kv_blocks == 4 * 256 // 16
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
+    for prompt, out in zip(prompts, outputs):
+        assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens)
+    with pytest.raises(TensorParallelError, match="shut down: it was closed"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+# -- weights: each rank reads its shard, and only that ----------------------------------------
+
+class RecordingFile:
+    """A safetensors file whose slices note how many elements each read returned."""
+
+    def __init__(self, file, reads):
+        self.file, self.reads = file, reads
+
+    def __enter__(self):
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+    def keys(self):
+        return self.file.keys()
+
+    def get_slice(self, name):
+        source, reads = self.file.get_slice(name), self.reads
+
+        class Slice:
+            def get_shape(self):
+                return source.get_shape()
+
+            def __getitem__(self, index):
+                value = source[index]
+                reads[name] = reads.get(name, 0) + value.numel()
+                return value
+        return Slice()
+
+
+@pytest.mark.parametrize("shape", ["gqa2-tied", "gqa4-untied", "kv1"])
+def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
+    path = checkpoint(KV1 if shape == "kv1" else shape)
+    full = load_file(os.path.join(path, "model.safetensors"))
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    vocab_rows = -(-config.vocab_size // 2)
+    for rank in range(2):
+        reads = {}
+        real_open = qwen3.safe_open
+        monkeypatch.setattr(qwen3, "safe_open", lambda *a, **k: RecordingFile(real_open(*a, **k), reads))
+        model = Qwen3ForCausalLM(config, backend=TorchAttention(), tp_group=TPGroup(rank, 2))
+        model.load_weights(path)
+        monkeypatch.undo()
+        params = dict(model.named_parameters())
+        q = slice(rank * heads // 2 * d, (rank + 1) * heads // 2 * d)  # also o_proj's input columns
+        kv_start = rank * kv_heads // 2 if kv_heads < 2 else rank * (kv_heads // 2)
+        kv = slice(kv_start * d, (kv_start + max(1, kv_heads // 2)) * d)
+        inter = slice(rank * config.intermediate_size // 2, (rank + 1) * config.intermediate_size // 2)
+        for layer in range(config.num_hidden_layers):
+            ours = lambda name: params[f"layers.{layer}.{name}.weight"]  # noqa: E731
+            theirs = lambda name: full[f"model.layers.{layer}.{name}.weight"]  # noqa: E731
+            expected_qkv = torch.cat([theirs("self_attn.q_proj")[q], theirs("self_attn.k_proj")[kv],
+                                      theirs("self_attn.v_proj")[kv]])
+            assert torch.equal(ours("self_attn.qkv_proj"), expected_qkv)
+            assert torch.equal(ours("self_attn.o_proj"), theirs("self_attn.o_proj")[:, q])
+            expected_gate_up = torch.cat([theirs("mlp.gate_proj")[inter], theirs("mlp.up_proj")[inter]])
+            assert torch.equal(ours("mlp.gate_up_proj"), expected_gate_up)
+            assert torch.equal(ours("mlp.down_proj"), theirs("mlp.down_proj")[:, inter])
+        vocab = slice(rank * vocab_rows, min(config.vocab_size, (rank + 1) * vocab_rows))
+        num_rows = vocab.stop - vocab.start
+        assert torch.equal(model.embed_tokens.weight[:num_rows], full["model.embed_tokens.weight"][vocab])
+        if config.tie_word_embeddings:
+            assert model.lm_head.weight is model.embed_tokens.weight and "lm_head.weight" not in reads
+        else:
+            assert torch.equal(model.lm_head.weight[:num_rows], full["lm_head.weight"][vocab])
+        for name, tensor in full.items():
+            sharded = any(part in name for part in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                                    "embed_tokens", "lm_head"))
+            replicated_kv = kv_heads < 2 and ("k_proj" in name or "v_proj" in name)
+            if "k_proj" in name or "v_proj" in name:
+                sharded = not replicated_kv
+            expected = -(-tensor.numel() // 2) if sharded else tensor.numel()
+            assert reads[name] <= expected, f"rank {rank} read {reads[name]} of {name}'s {tensor.numel()} elements"
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+class ExplodingQwen3(Qwen3ForCausalLM):
+    """Raises on rank 1 in its fourth forward pass: a worker failing mid-generation."""
+
+    def forward(self, *args):
+        self.num_calls = getattr(self, "num_calls", 0) + 1
+        if self.tp.rank == 1 and self.num_calls == 4:
+            raise ValueError("rank 1 exploded on purpose")
+        return super().forward(*args)
+
+
+class VanishingQwen3(Qwen3ForCausalLM):
+    """Rank 1's process exits while the model is being built: a worker lost during start-up."""
+
+    def __init__(self, hf_config, **kwargs):
+        if kwargs["tp_group"].rank == 1:
+            os._exit(3)
+        super().__init__(hf_config, **kwargs)
+
+
+class ExplodingPlugin:
+    @hookimpl
+    def register_models(self, register):
+        register("exploding_qwen3", ExplodingQwen3)
+        register("vanishing_qwen3", VanishingQwen3)
+
+
+def run_until_failure(llm, fail):
+    """Generates while `fail` runs in a thread once 3 steps are done; returns (error, seconds from
+    the failure to the error)."""
+    failed_at = []
+
+    def trigger():
+        while llm.stats.num_steps < 3:
+            time.sleep(0.01)
+        failed_at.append(time.monotonic())
+        fail()
+    thread = threading.Thread(target=trigger, daemon=True)
+    thread.start()
+    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    with pytest.raises(TensorParallelError) as error:
+        llm.generate(prompts_of([6, 9]), long, use_tqdm=False)
+    thread.join(5)
+    return error.value, time.monotonic() - failed_at[0]
+
+
+def assert_nothing_left(llm, pids, children_before, shm_before):
+    assert not any(alive(pid) for pid in pids)
+    assert child_pids() <= children_before
+    assert shm_entries() <= shm_before
+    with pytest.raises(TensorParallelError, match="shut down"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_killed_worker_names_its_rank_within_seconds(checkpoint):
+    children_before, shm_before = child_pids(), shm_entries()
+    llm = LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, **{**SETTINGS, "num_kvcache_blocks": 128})
+    pids = llm.runner.workers.pids
+    error, seconds = run_until_failure(llm, lambda: os.kill(pids[0], signal.SIGKILL))
+    assert f"rank 1 (pid {pids[0]}) was killed by signal SIGKILL" in str(error)
+    assert seconds < 5
+    assert_nothing_left(llm, pids, children_before, shm_before)
+
+
+def test_raising_worker_reports_its_exception(checkpoint):
+    children_before, shm_before = child_pids(), shm_entries()
+    registry = PluginRegistry()
+    registry.register(ExplodingPlugin(), name="exploding")
+    llm = LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, registry=registry, model="exploding_qwen3",
+              **{**SETTINGS, "num_kvcache_blocks": 128})
+    pids = llm.runner.workers.pids
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError) as error:
+        llm.generate(prompts_of([6, 9]), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - started < 10
+    message = str(error.value)
+    assert f"rank 1 (pid {pids[0]}) raised ValueError: rank 1 exploded on purpose" in message
+    assert "--- rank 1 traceback ---" in message and "in forward" in message
+    assert_nothing_left(llm, pids, children_before, shm_before)
+
+
+def test_worker_lost_during_start_up_is_named(checkpoint):
+    children_before, shm_before = child_pids(), shm_entries()
+    registry = PluginRegistry()
+    registry.register(ExplodingPlugin(), name="exploding")
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+        LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, registry=registry, model="vanishing_qwen3", **SETTINGS)
+    assert time.monotonic() - started < 30  # start-up included; the loss itself is seen at once
+    assert child_pids() <= children_before
+    assert shm_entries() <= shm_before
+
+
+def test_heads_that_do_not_split_fail_before_any_process_starts(checkpoint):
+    children_before = child_pids()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's 4 attention heads; "
+                                         r"use one of \[1, 2, 4\]"):
+        LLM(checkpoint("gqa2-tied"), tensor_parallel_size=3, **SETTINGS)
+    assert child_pids() <= children_before
+
+
+def test_error_every_rank_hits_is_raised_as_is(checkpoint, tmp_path):
+    """A checkpoint missing a tensor fails on every rank alike: rank 0's own CheckpointError comes
+    out, not a TensorParallelError, and the workers are gone."""
+    source = checkpoint("gqa2-tied")
+    shutil.copytree(source, tmp_path / "broken")
+    weights = load_file(os.path.join(source, "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
+    children_before, shm_before = child_pids(), shm_entries()
+    with pytest.raises(CheckpointError, match=r"lacks tensors the model needs: \['model.layers.1.mlp.down_proj.weight'\]"):
+        LLM(str(tmp_path / "broken"), tensor_parallel_size=2, **SETTINGS)
+    assert child_pids() <= children_before
+    assert shm_entries() <= shm_before
+
+
+SCRIPT = """
+import sys
+from inferlab import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    print(llm.runner.workers.pids[0], len(out[0]["token_ids"]), flush=True)
+    sys.stdin.readline()  # then exit without close(), unless killed first
+"""
+
+
+@pytest.mark.parametrize("ending", ["exit", "killed"])
+def test_workers_end_with_their_process(ending, checkpoint, tmp_path):
+    """A script that exits without close() stops its workers at exit; one killed outright (no
+    atexit) still takes them along, as each worker watches its parent."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    shm_before = shm_entries()
+    process = subprocess.Popen([sys.executable, str(script), checkpoint("gqa2-tied")],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid, num_tokens = map(int, process.stdout.readline().split())
+        assert num_tokens == 3 and alive(worker_pid)
+        if ending == "killed":
+            process.kill()
+        else:
+            process.stdin.write("exit\n")
+            process.stdin.flush()
+        assert process.wait(timeout=30) == (-signal.SIGKILL if ending == "killed" else 0)
+        deadline = time.monotonic() + 10
+        while alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker_pid)
+        assert shm_entries() <= shm_before
+    finally:
+        process.kill()
+        process.wait()
