@@ -20,4 +20,4 @@ if PROFILE not in ("ci", "long"):
 settings.load_profile(PROFILE)
 
 # Engine runs cost far more than bookkeeping steps: fewer examples, same profile.
-ENGINE_EXAMPLES = {"ci": 10, "long": 300}[PROFILE]
+ENGINE_EXAMPLES = {"ci": 40, "long": 1000}[PROFILE]
