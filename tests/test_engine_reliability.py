@@ -87,7 +87,7 @@ def test_abort_running_request_frees_all_its_blocks(path, reference, phase):
 @pytest.mark.parametrize("after_steps", [0, 2, 9])
 def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch, where, after_steps):
     llm = make_llm(path, num_kvcache_blocks=10, max_num_seqs=3, max_num_batched_tokens=48)
-    prompts = prompts_of([50, 9, 33, 17, 60], seed=2)
+    prompts = prompts_of([9, 50, 33, 17, 60], seed=2)
     survivor = prompts_of([25], seed=3)[0]
     survivor_id = llm.add_request(survivor, SEEDED)  # queued through the step API: must outlive the interrupt
     survivor_seq = llm.requests[survivor_id]
@@ -104,12 +104,14 @@ def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch,
             raise KeyboardInterrupt  # the step's state advanced, then Ctrl-C before the engine saw it
         return result
     monkeypatch.setattr(target, method, interrupted)
+    # the short one finishes in the first step, so an interrupt there catches it finished but unreported
+    params = [SamplingParams(temperature=0, max_tokens=1), GREEDY, GREEDY, GREEDY, GREEDY]
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
     assert set(llm.requests) <= {survivor_id} and llm.stats.num_aborted_requests > 0
     assert_books_exact(llm)
-    assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == reference(prompts, params)
     while not llm.is_finished():
         llm.step()
     assert survivor_seq.completion_token_ids == reference([survivor], SEEDED)[0]
