@@ -66,7 +66,8 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Tokenizes and validates one request without touching engine state."""
+        """Tokenizes and validates one request; of the engine's state it touches only the seed
+        generator (a request without a seed draws one)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
