@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 # derandomize: CI draws the same examples every run, so a failure there reproduces locally.
-settings.register_profile("ci", max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
+settings.register_profile("ci", max_examples=150, stateful_step_count=50, deadline=None, derandomize=True,
                           print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", max_examples=2000, stateful_step_count=120, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -20,4 +20,4 @@ if PROFILE not in ("ci", "long"):
 settings.load_profile(PROFILE)
 
 # Engine runs cost far more than bookkeeping steps: fewer examples, same profile.
-ENGINE_EXAMPLES = {"ci": 40, "long": 1000}[PROFILE]
+ENGINE_EXAMPLES = {"ci": 100, "long": 1000}[PROFILE]

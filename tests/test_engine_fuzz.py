@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_books import assert_books_clean, one_torch_thread
+from engine_books import assert_books_clean, one_torch_thread  # noqa: F401  (a fixture)
 from hypothesis_profiles import ENGINE_EXAMPLES
 from inferlab import LLM, SamplingParams
 
-pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BLOCK = 16
 VOCAB = 384  # the tiny tokenizer's; id 0 is EOS
 
@@ -89,5 +89,4 @@ def test_engine_fuzz_took_the_interesting_paths():
     compared requests."""
     if not SEEN:
         pytest.skip("test_engine_fuzz did not run in this session")
-    print(SEEN)
     assert SEEN["preempted"] > 0 and SEEN["error"] > 0 and SEEN["compared"] > 0, SEEN

@@ -4,12 +4,12 @@ import random
 
 import pytest
 
-from engine_books import assert_books_clean, assert_books_exact, one_torch_thread
+from engine_books import assert_books_clean, assert_books_exact, one_torch_thread  # noqa: F401  (a fixture)
 from inferlab import LLM, SamplingParams
 from inferlab.core.engine import RequestTooLargeError
 
 BLOCK = 16
-pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_llm(path, **settings):
