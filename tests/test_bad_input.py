@@ -45,13 +45,18 @@ def test_bad_prompts(llm, reference, prompt, match):
 
 
 def test_request_that_can_never_fit_the_cache(llm, reference):
-    # 8 blocks of 16 tokens = 128 slots, but max_model_len caps at 64: use a smaller cache to hit it
-    small = llm.kv_cache.num_blocks * llm.kv_cache.block_size
-    assert small >= 64  # so with this engine every valid request fits
+    """An error, never a hang: raised by add_request (and generate with raise_on_error), answered as
+    an error result by generate while the other requests complete."""
     tiny = LLM(llm.model_path, kvcache_block_size=16, num_kvcache_blocks=2, max_model_len=64)
-    with pytest.raises(ValueError, match=r"needs up to 3 KV blocks .* whole cache has 2: it could never be served"):
-        tiny.generate([[1] * 30], SamplingParams(max_tokens=10), use_tqdm=False)
-    assert tiny.generate([[1] * 10], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]["token_ids"]
+    message = r"needs up to 3 KV blocks .* whole cache has 2: it could never be served"
+    with pytest.raises(ValueError, match=message):
+        tiny.add_request([1] * 30, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match=message):
+        tiny.generate([[1] * 30], SamplingParams(max_tokens=10), use_tqdm=False, raise_on_error=True)
+    failed, served = tiny.generate([[1] * 30, [1] * 10], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                   use_tqdm=False)
+    assert failed["finish_reason"] == "error" and failed["token_ids"] == [] and "could never be served" in failed["error"]
+    assert len(served["token_ids"]) == 5
     still_works(llm, reference)
 
 

@@ -17,6 +17,10 @@ from inferlab.core.workers import TensorParallelRunner
 log = logging.getLogger("inferlab")
 
 
+class RequestTooLargeError(ValueError):
+    """A request needs more KV blocks than the whole cache has: no schedule could ever serve it."""
+
+
 @dataclass
 class EngineStats:
     """Counters over the engine's life, for users and benchmark results."""
@@ -26,6 +30,9 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     wait_seconds: float = 0.0  # blocked on the device's tokens; the rest of a step is CPU work
+    num_preemptions: int = 0  # the scheduler's count: sequences evicted to be recomputed when KV ran out
+    num_aborted_requests: int = 0
+    num_failed_requests: int = 0  # answered with an error result (too large for the whole cache)
     extra: dict = field(default_factory=dict)
 
 
@@ -71,7 +78,8 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Tokenizes and validates one request without touching engine state."""
+        """Tokenizes and validates one request; of the engine's state it touches only the seed
+        generator (a request without a seed draws one)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -89,15 +97,23 @@ class LLMEngine:
         max_len = self.config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
-        bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
-        needed = -(-min(len(token_ids) + params.max_tokens, max_len) // bs)
-        if needed > num_blocks:
-            raise ValueError(
-                f"the request needs up to {needed} KV blocks of {bs} tokens ({len(token_ids)} prompt + "
-                f"{params.max_tokens} max_tokens) but the whole cache has {num_blocks}: it could never be served; "
-                f"lower max_tokens or the prompt to at most {num_blocks * bs} tokens in all, or give the cache more memory")
+        # Drawn before the cache check, so other requests' seeds do not depend on the cache size.
         seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
+        self.check_fits_cache(len(token_ids), params)
         return Sequence(token_ids, params, self.eos_token_id, max_len, seed)
+
+    def check_fits_cache(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raises RequestTooLargeError when the request alone would need more blocks than the cache
+        has. Exact: the last token is sampled, never computed, so at most prompt + max_tokens - 1
+        tokens (and max_model_len - 1) ever hold K/V, and the oldest running request always fits."""
+        bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+        most_tokens = max(num_prompt_tokens, min(num_prompt_tokens + params.max_tokens, self.config.max_model_len) - 1)
+        needed = -(-most_tokens // bs)
+        if needed > num_blocks:
+            raise RequestTooLargeError(
+                f"the request needs up to {needed} KV blocks of {bs} tokens ({num_prompt_tokens} prompt + "
+                f"{params.max_tokens} max_tokens) but the whole cache has {num_blocks}: it could never be served; "
+                f"lower prompt + max_tokens to at most {num_blocks * bs + 1} tokens, or give the cache more memory")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queues one request; returns its id for abort() and for matching outputs."""
@@ -109,11 +125,11 @@ class LLMEngine:
         return seq.seq_id
 
     def abort(self, request_id: int) -> bool:
-        """Stops a request and frees everything it holds; True if it was still pending."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        """Stops a request (waiting, mid-prefill or decoding) and frees everything it holds; its
+        finish_reason becomes "abort". True if it was still pending."""
+        if self.requests.pop(request_id, None) is None or self.scheduler.abort(request_id) is None:
             return False
-        self.scheduler.abort(request_id)
+        self.stats.num_aborted_requests += 1
         return True
 
     def is_finished(self) -> bool:
@@ -135,6 +151,7 @@ class LLMEngine:
         step is scheduled and launched before they are read, and they are filled in (and stop
         conditions checked) right after that launch, so the CPU works while the GPU computes."""
         batch = self.scheduler.schedule()
+        self.stats.num_preemptions = getattr(self.scheduler, "num_preemptions", 0)
         if not batch.seqs and self.pending is None:
             if self.scheduler.is_finished():
                 return [], 0, 0
@@ -214,11 +231,20 @@ class LLMEngine:
             cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
             if cuts:
                 text = text[:min(cuts)]
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
+                "num_preemptions": seq.num_preemptions}
+
+    @staticmethod
+    def error_output(message: str) -> dict:
+        """The result of a request that could not be served: no tokens, and why."""
+        return {"text": "", "token_ids": [], "finish_reason": "error", "error": message, "num_preemptions": 0}
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Generates for every prompt; returns [{"text", "token_ids", "finish_reason"}] in input order."""
+                 use_tqdm: bool = True, raise_on_error: bool = False) -> list[dict]:
+        """Generates for every prompt; returns [{"text", "token_ids", "finish_reason", "num_preemptions"}]
+        in input order. Invalid input raises before anything is queued. A request too large for the
+        whole KV cache gets {"finish_reason": "error", "error": why} and no tokens while the others
+        run, unless raise_on_error, which raises for it too."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         if sampling_params is None:
@@ -230,12 +256,19 @@ class LLMEngine:
         else:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves the engine as it was.
-        seqs = []
+        results: list[Sequence | str] = []  # a sequence, or why its request cannot be served
+        seed_state = self.seed_rng.getstate()
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
-                seqs.append(self.make_sequence(prompt, params))
+                results.append(self.make_sequence(prompt, params))
             except (ValueError, TypeError) as e:
+                if isinstance(e, RequestTooLargeError) and not raise_on_error:
+                    results.append(str(e))  # answered with an error result; the others still run
+                    continue
+                self.seed_rng.setstate(seed_state)
                 raise type(e)(f"prompt {i}: {e}") from None
+        seqs = [r for r in results if isinstance(r, Sequence)]
+        self.stats.num_failed_requests += len(results) - len(seqs)
         for seq in seqs:
             self._add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -253,12 +286,12 @@ class LLMEngine:
                 bar.update(sum(1 for s in finished if s in seqs))
         except BaseException:
             for seq in seqs:  # leave the engine usable: drop what this call queued
-                if not seq.is_finished:
-                    self.abort(seq.seq_id)
+                if not self.abort(seq.seq_id):
+                    self.requests.pop(seq.seq_id, None)  # finished in the interrupted step
             raise
         finally:
             bar.close()
-        return [self.output(seq) for seq in seqs]
+        return [self.output(r) if isinstance(r, Sequence) else self.error_output(r) for r in results]
 
     # -- lifetime -----------------------------------------------------------------------------
 

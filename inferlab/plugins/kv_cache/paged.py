@@ -2,8 +2,9 @@
 
 Each full block is named by a hash chained over every token before it, so equal prefixes share
 blocks. A freed block keeps its hash and content until it is handed out again (least recently
-freed first), so a later request can still reuse it. A hit is confirmed against the block's
-tokens, so a hash collision costs a miss, never wrong K/V.
+freed first), so a later request can still reuse it. A hit is confirmed exactly, never on the
+hash alone: the block's own tokens must match and so must its parent (the content it was computed
+after, by a per-content id), so a hash collision costs a miss, never wrong K/V.
 """
 from collections import OrderedDict
 
@@ -30,6 +31,10 @@ class PagedKVCache:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # Exact identity of cached content: a fresh id per committed block, and its parent's id (0: none).
+        self.block_content_id: list[int] = [0] * num_blocks
+        self.block_parent_id: list[int] = [0] * num_blocks
+        self.next_content_id = 1
         self.cached: dict[int, int] = {}  # hash -> block holding that content
         # Blocks nobody references, in eviction order (front goes first); cached ones keep content.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -58,12 +63,14 @@ class PagedKVCache:
             return []
         bs = self.block_size
         # Leave the last token uncached so that it is computed and yields logits.
-        hits = []
+        hits, parent_id = [], 0
         for i, h in enumerate(self._hashes(seq, (seq.num_tokens - 1) // bs)):
             block = self.cached.get(h)
-            if block is None or self.block_tokens[block] != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if (block is None or self.block_parent_id[block] != parent_id
+                    or self.block_tokens[block] != tuple(seq.token_ids[i * bs:(i + 1) * bs])):
                 break
             hits.append(block)
+            parent_id = self.block_content_id[block]
         return hits
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
@@ -104,6 +111,7 @@ class PagedKVCache:
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hash[block] = self.block_tokens[block] = None
+            self.block_content_id[block] = self.block_parent_id[block] = 0
         self.ref_counts[block] = 1
         return block
 
@@ -121,6 +129,9 @@ class PagedKVCache:
             if self.block_hash[block] is None:
                 self.block_hash[block] = hashes[i]
                 self.block_tokens[block] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.block_content_id[block] = self.next_content_id
+                self.block_parent_id[block] = self.block_content_id[seq.block_table[i - 1]] if i else 0
+                self.next_content_id += 1
                 self.cached.setdefault(hashes[i], block)
         self.num_committed[seq.seq_id] = num_full
 

@@ -1,0 +1,188 @@
+"""The engine under stress on CPU: abort, KeyboardInterrupt, KV exhaustion (preemption) and
+requests larger than the whole cache."""
+import random
+
+import pytest
+
+from engine_books import assert_books_clean, assert_books_exact, one_torch_thread  # noqa: F401  (a fixture)
+from inferlab import LLM, SamplingParams
+from inferlab.core.engine import RequestTooLargeError
+
+BLOCK = 16
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def make_llm(path, **settings):
+    return LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=128, **settings)
+
+
+def prompts_of(lengths, seed=0, vocab=300):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint):
+    return checkpoint()
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    """What a roomy engine generates for prompts, alone."""
+    llm = make_llm(path, num_kvcache_blocks=64)
+
+    def run(prompts, params=GREEDY):
+        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return run
+
+
+# -- abort ------------------------------------------------------------------------------------
+
+def test_abort_waiting_request_frees_it_and_others_finish(path, reference):
+    llm = make_llm(path, num_kvcache_blocks=16, max_num_seqs=1)
+    kept, dropped = prompts_of([40, 30])
+    kept_id, dropped_id = llm.add_request(kept, GREEDY), llm.add_request(dropped, GREEDY)
+    kept_seq, dropped_seq = llm.requests[kept_id], llm.requests[dropped_id]
+    llm.step()
+    assert dropped_seq.status.name == "WAITING"
+    assert llm.abort(dropped_id)
+    assert dropped_seq.finish_reason == "abort" and not dropped_seq.block_table
+    assert_books_exact(llm)
+    while not llm.is_finished():
+        llm.step()
+    assert kept_seq.completion_token_ids == reference([kept])[0]
+    assert_books_clean(llm)
+    assert not llm.abort(dropped_id) and not llm.abort(kept_id) and not llm.abort(10**9)
+    assert llm.stats.num_aborted_requests == 1
+
+
+@pytest.mark.parametrize("phase", ["mid-prefill", "decoding"])
+def test_abort_running_request_frees_all_its_blocks(path, reference, phase):
+    llm = make_llm(path, num_kvcache_blocks=16, max_num_batched_tokens=BLOCK)
+    prompt, other = prompts_of([70, 20], seed=1)
+    request_id = llm.add_request(prompt, GREEDY)
+    seq = llm.requests[request_id]
+    llm.step()
+    if phase == "mid-prefill":
+        assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
+    else:
+        while seq.num_completion_tokens < 3:
+            llm.step()
+    assert seq.block_table and llm.kv_cache.num_free_blocks < llm.kv_cache.num_blocks
+    assert llm.abort(request_id)
+    assert seq.finish_reason == "abort" and seq.block_table == []
+    assert_books_clean(llm)
+    # the engine serves the same prompts as before, the aborted one included (its cached prefix too)
+    assert [o["token_ids"] for o in llm.generate([prompt, other], GREEDY, use_tqdm=False)] == reference([prompt, other])
+    assert_books_clean(llm)
+
+
+# -- KeyboardInterrupt ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["forward", "postprocess"])
+@pytest.mark.parametrize("after_steps", [0, 2, 9])
+def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch, where, after_steps):
+    llm = make_llm(path, num_kvcache_blocks=10, max_num_seqs=3, max_num_batched_tokens=48)
+    prompts = prompts_of([9, 50, 33, 17, 60], seed=2)
+    survivor = prompts_of([25], seed=3)[0]
+    survivor_id = llm.add_request(survivor, SEEDED)  # queued through the step API: must outlive the interrupt
+    survivor_seq = llm.requests[survivor_id]
+    target = llm.runner if where == "forward" else llm.scheduler
+    method = "launch" if where == "forward" else "postprocess"
+    real, calls = getattr(target, method), []
+
+    def interrupted(*args):
+        calls.append(1)
+        if where == "forward" and len(calls) > after_steps:
+            raise KeyboardInterrupt
+        result = real(*args)
+        if len(calls) > after_steps:
+            raise KeyboardInterrupt  # the step's state advanced, then Ctrl-C before the engine saw it
+        return result
+    monkeypatch.setattr(target, method, interrupted)
+    # the short one finishes in the first step, so an interrupt there catches it finished but unreported
+    params = [SamplingParams(temperature=0, max_tokens=1), GREEDY, GREEDY, GREEDY, GREEDY]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert set(llm.requests) <= {survivor_id} and llm.stats.num_aborted_requests > 0
+    assert_books_exact(llm)
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == reference(prompts, params)
+    while not llm.is_finished():
+        llm.step()
+    assert survivor_seq.completion_token_ids == reference([survivor], SEEDED)[0]
+    assert_books_clean(llm)
+
+
+# -- KV exhaustion: preemption ----------------------------------------------------------------
+
+def test_exhausted_cache_preempts_counts_and_matches_a_roomy_cache(path, reference):
+    # 8 blocks of 16 tokens; each request grows to 30 + 23 = 53 tokens (4 blocks): at most two fit
+    llm = make_llm(path, num_kvcache_blocks=8, max_num_seqs=6)
+    prompts = prompts_of([30] * 6, seed=4)
+    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=11)):
+        before = llm.scheduler.num_preemptions
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        preemptions = llm.scheduler.num_preemptions - before
+        assert preemptions > 0
+        assert sum(o["num_preemptions"] for o in outputs) == preemptions
+        assert llm.stats.num_preemptions == llm.scheduler.num_preemptions
+        assert [o["token_ids"] for o in outputs] == reference(prompts, params)  # recompute changes nothing
+        assert all(o["finish_reason"] == "length" for o in outputs)
+        assert_books_clean(llm)
+
+
+# -- requests larger than the whole cache -----------------------------------------------------
+
+def test_request_larger_than_the_cache_fails_alone(path, reference):
+    llm = make_llm(path, num_kvcache_blocks=4)  # 64 tokens in all
+    small, large, exact = prompts_of([10, 60, 60], seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),  # 60 + 6 - 1 = 65 tokens of K/V
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]  # 64: fits exactly
+    outputs = llm.generate([small, large, exact], params, use_tqdm=False)
+    error = outputs[1]
+    assert error["finish_reason"] == "error" and error["token_ids"] == [] and error["text"] == ""
+    assert "5 KV blocks" in error["error"] and "cache has 4" in error["error"] and "65" in error["error"]
+    assert [o["finish_reason"] for o in outputs] == ["length", "error", "length"]
+    assert outputs[0]["token_ids"] == reference([small], params[0])[0]
+    assert outputs[2]["token_ids"] == reference([exact], params[2])[0] and len(outputs[2]["token_ids"]) == 5
+    assert "error" not in outputs[0] and llm.stats.num_failed_requests == 1
+    assert_books_clean(llm)
+
+    with pytest.raises(RequestTooLargeError, match="prompt 1: the request needs up to 5 KV blocks"):
+        llm.generate([small, large], params[:2], use_tqdm=False, raise_on_error=True)
+    with pytest.raises(RequestTooLargeError, match="whole cache has 4"):
+        llm.add_request(large, params[1])
+    assert_books_clean(llm)  # nothing was queued
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "prompt 1: the prompt is empty"),
+    ([5, 10**6], "prompt 1: token ids \\[1000000\\] are outside the vocabulary"),
+    (list(range(1, 130)), "prompt 1: the prompt has 129 tokens, more than max_model_len=128"),
+])
+def test_other_bad_inputs_still_raise_and_queue_nothing(path, bad, message):
+    llm = make_llm(path, num_kvcache_blocks=4)
+    large = prompts_of([60])[0]
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], bad, large], SamplingParams(max_tokens=20), use_tqdm=False)
+    assert_books_clean(llm)
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        SamplingParams(temperature=-1)
+
+
+def test_seeds_do_not_depend_on_which_requests_fit(path):
+    """Unseeded requests draw their seeds in submission order, rejected ones included, so a
+    smaller cache changes no other request's tokens."""
+    prompts = prompts_of([10, 60, 20], seed=6)
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)  # no seed
+    small_cache = make_llm(path, num_kvcache_blocks=4).generate(prompts, params, use_tqdm=False)
+    roomy_cache = make_llm(path, num_kvcache_blocks=16).generate(prompts, params, use_tqdm=False)
+    assert small_cache[1]["finish_reason"] == "error" and roomy_cache[1]["finish_reason"] == "length"
+    assert [small_cache[i]["token_ids"] for i in (0, 2)] == [roomy_cache[i]["token_ids"] for i in (0, 2)]
