@@ -99,7 +99,17 @@ def measure(llm, prompts, params, warmup: bool = True) -> dict:
     }
     if hits_before is not None:
         figures["prefix_cache_hit_rate"] = (llm.kv_cache.num_hit_tokens - hits_before) / num_prompt
+    figures["wait_seconds"] = stats.wait_seconds  # blocked on the device; the rest of the wall time is CPU work
+    figures.update(floor_figures(llm, prompts, outputs, wall))
     return figures
+
+
+def floor_figures(llm, prompts, outputs, wall: float) -> dict:
+    """The workload's hardware floor on this device (inferlab.floor) and how close the run came."""
+    from inferlab.floor import device_rates, model_cost, workload_floor
+    floor = workload_floor([len(p) for p in prompts], [len(o["token_ids"]) for o in outputs],
+                           model_cost(llm.hf_config, llm.runner.dtype), device_rates(llm.runner.device, llm.runner.dtype))
+    return {**floor, "percent_of_floor": 100 * floor["floor_seconds"] / wall}
 
 
 def environment(llm) -> dict:
@@ -168,4 +178,7 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     print(f"{figures['num_output_tokens']} output tokens in {figures['wall_time_s']:.2f} s: "
           f"{figures['output_tokens_per_s']:.0f} tok/s (prefill {rate(figures['prefill_tokens_per_s'])} tok/s, "
           f"decode {rate(figures['decode_tokens_per_s'])} tok/s, {figures['num_preemptions']} preemptions) -> {path}")
+    print(f"floor on this device: {figures['floor_seconds']:.3f} s ({figures['floor_output_tokens_per_s']:.0f} tok/s, "
+          f"{figures['bandwidth_GBps']:.0f} GB/s and {figures['matmul_TFLOPs']:.3g} TFLOP/s measured): "
+          f"this run reached {figures['percent_of_floor']:.1f}% of it")
     return result

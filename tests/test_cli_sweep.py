@@ -57,6 +57,11 @@ def test_sweep_writes_one_result_per_run(sweep, checkpoint):
         assert result["wall_time_s"] > 0 and result["num_requests"] == 6
         assert result["num_output_tokens"] == result["num_decode_tokens"] + 6  # each request's first token comes with its prefill
         assert result["num_preemptions"] == 0
+        # the floor of this very workload on this device, and how close the run came
+        assert 0 < result["floor_seconds"] < result["wall_time_s"]
+        assert result["percent_of_floor"] == pytest.approx(100 * result["floor_seconds"] / result["wall_time_s"])
+        assert result["bandwidth_GBps"] > 0 and result["matmul_TFLOPs"] > 0
+        assert "of it" in proc.stdout and "floor on this device" in proc.stdout
         assert result["engine"]["max_model_len"] == 256 and result["engine"]["kvcache_block_size"] == 16
         assert result["num_kvcache_blocks"] == 256 and result["model_path"] == checkpoint("gqa2-tied")
         assert result["bench"]["num_seqs"] == 6 and result["choices"]["bench.max_output_len"] == 6
