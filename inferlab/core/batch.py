@@ -29,14 +29,15 @@ class ScheduledBatch:
         return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
 
     @property
-    def is_decode(self) -> bool:
-        """Every sequence computes exactly its last token: the shape CUDA graphs capture."""
-        return all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
-                   for s, n in zip(self.seqs, self.num_scheduled_tokens))
+    def num_decode_tokens(self) -> int:
+        """Sequences computing exactly their last token (decoding); the rest of the tokens are prefill."""
+        return sum(1 for s, n in zip(self.seqs, self.num_scheduled_tokens)
+                   if n == 1 and s.num_computed_tokens == s.num_tokens - 1)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return 0 if self.is_decode else self.total_tokens
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly its last token: the shape CUDA graphs capture."""
+        return self.num_decode_tokens == len(self.seqs)
 
 
 @dataclass(slots=True)

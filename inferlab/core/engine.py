@@ -2,7 +2,7 @@
 import logging
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -33,7 +33,6 @@ class EngineStats:
     num_preemptions: int = 0  # the scheduler's count: sequences evicted to be recomputed when KV ran out
     num_aborted_requests: int = 0
     num_failed_requests: int = 0  # answered with an error result (too large for the whole cache)
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -158,8 +157,7 @@ class LLMEngine:
             raise RuntimeError("the scheduler has pending requests but scheduled nothing: the KV cache "
                                "cannot hold any of them (this is a scheduler bug or a cache too small)")
         start = perf_counter()
-        decode_tokens = sum(1 for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
-                            if n == 1 and s.num_computed_tokens == s.num_tokens - 1)
+        decode_tokens = batch.num_decode_tokens
         prefill_tokens = batch.total_tokens - decode_tokens
         handle = self.runner.launch(batch) if batch.seqs else None
         finished = []
