@@ -106,14 +106,18 @@ class PagedKVCache:
 
     def _take_free_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
+        self._evict(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _evict(self, block: int) -> None:
+        """Forgets the cached content of an unreferenced block."""
         h = self.block_hash[block]
-        if h is not None:  # evict its cached content
+        if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hash[block] = self.block_tokens[block] = None
             self.block_content_id[block] = self.block_parent_id[block] = 0
-        self.ref_counts[block] = 1
-        return block
 
     def commit(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
@@ -138,8 +142,7 @@ class PagedKVCache:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block that nobody references (for benchmarks that repeat prompts)."""
         for block in self.free_queue:
-            self.block_hash[block] = self.block_tokens[block] = None
-        self.cached = {h: b for h, b in self.cached.items() if self.ref_counts[b] > 0}
+            self._evict(block)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: a prompt's last blocks are the least likely to be shared again.
