@@ -135,22 +135,21 @@ def test_split_decode_combines_partials_exactly(num_splits):
     inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
     expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
     triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
-    block_n = 16
-    keys_per_split = -(-inputs.max_seq_len // num_splits)
-    split_len = -(-keys_per_split // block_n) * block_n
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
-    got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                      num_splits, split_len, block_n, partial_out, partial_lse)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
+        got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
+                                          num_splits, 16, partial_out, partial_lse, min_split_len)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_plan_splits_long_contexts_of_small_batches():
     q = torch.empty(1, 8, 128)
-    num_splits, split_len = triton_kernels.decode_splits(q, num_kv_heads=1, max_seq_len=100, block_n=16, min_split_len=16)
-    assert num_splits > 1 and split_len % 16 == 0 and num_splits * split_len >= 100 > (num_splits - 1) * split_len
-    num_splits, split_len = triton_kernels.decode_splits(q.expand(64, 8, 128), 8, 100, 16, 16)
-    assert (num_splits, split_len) == (1, 112)
+    assert triton_kernels.decode_splits(q, num_kv_heads=1, max_seq_len=100, min_split_len=16, programs_per_sm=4) == 4
+    # no more splits than the longest sequence has parts of min_split_len keys
+    assert triton_kernels.decode_splits(q, num_kv_heads=1, max_seq_len=40, min_split_len=16, programs_per_sm=4) == 3
+    # a large batch fills the device without splitting
+    assert triton_kernels.decode_splits(q.expand(64, 8, 128), 8, 100, 16, 4) == 1
 
 
 def test_mixed_decode_and_prefill_chunks_match_torch():

@@ -41,20 +41,22 @@ class TritonAttentionMetadata:
     inputs: AttentionInputs
     # Decode plan and scratch, made by the first layer's forward and reused by the others.
     num_splits: int = 0
-    split_len: int = 0
     partial_out: torch.Tensor | None = None  # float32 [B, H, splits, D]
     partial_lse: torch.Tensor | None = None  # float32 [B, H, splits]
 
 
 class TritonAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
-    torch backend's. Options: prefill tile sizes block_m/block_n, the decode tile decode_block_n,
-    and min_split_len, the fewest keys one decode split takes."""
+    torch backend's. Options: prefill tile sizes block_m/block_n; for decode the tile
+    decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys one split of a
+    sequence takes) and decode_programs_per_sm (how many programs the split plan aims to give
+    each multiprocessor)."""
     name = "triton"
     supports_cuda_graphs = True
 
     def __init__(self, config=None, *, block_m: int | None = None, block_n: int | None = None,
-                 decode_block_n: int | None = None, min_split_len: int | None = None):
+                 decode_block_n: int | None = None, min_split_len: int | None = None,
+                 decode_num_warps: int = 4, decode_num_stages: int = 2, decode_programs_per_sm: int = 4):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -66,6 +68,14 @@ class TritonAttention:
             value = getattr(self, option)
             if not self.kernels.is_power_of_two(value, 16):
                 raise ValueError(f"triton attention option {option} must be a power of two >= 16, got {value!r}")
+        for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
+                                       ("decode_num_stages", decode_num_stages, range(1, 9)),
+                                       ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65))):
+            if value not in allowed:
+                raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
+        self.decode_num_warps = decode_num_warps
+        self.decode_num_stages = decode_num_stages
+        self.decode_programs_per_sm = decode_programs_per_sm
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -102,15 +112,16 @@ class TritonAttention:
                                          inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
         if metadata.num_splits == 0:
             num_seqs, num_heads, head_dim = q.shape
-            metadata.num_splits, metadata.split_len = kernels.decode_splits(
-                q, kv_cache.shape[3], inputs.max_seq_len, self.decode_block_n, self.min_split_len)
+            metadata.num_splits = kernels.decode_splits(q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
+                                                        self.decode_programs_per_sm)
             if metadata.num_splits > 1:
                 metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
                                                    dtype=torch.float32)
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
-                                    metadata.num_splits, metadata.split_len, self.decode_block_n,
-                                    metadata.partial_out, metadata.partial_lse)
+                                    metadata.num_splits, self.decode_block_n, metadata.partial_out,
+                                    metadata.partial_lse, self.min_split_len, self.decode_num_warps,
+                                    self.decode_num_stages)
 
 
 @hookimpl

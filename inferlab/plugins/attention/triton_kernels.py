@@ -23,7 +23,7 @@ MIN_DOT_ROWS = 16
 # Integer arguments that change from step to step are not specialized on (== 1, divisible by 16):
 # otherwise each new combination would compile a kernel variant in the middle of a run.
 PREFILL_RUNTIME_INTS = ["block_tables_stride"]
-DECODE_RUNTIME_INTS = ["split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
+DECODE_RUNTIME_INTS = ["num_splits", "min_split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
                        "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
 REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
 
@@ -122,7 +122,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr,
-                         scale_log2, split_len,
+                         scale_log2, num_splits, min_split_len,
                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                          cache_stride_slot, cache_stride_head, block_tables_stride,
                          partial_stride_seq, partial_stride_head, partial_stride_split,
@@ -131,12 +131,16 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                          SINGLE_SPLIT: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
-    (so each K/V tile is read once for them), over keys [split * split_len, +split_len). With
+    (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
+    keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
+    sequence by its own length keeps the programs' work even in a batch of mixed lengths. With
     SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -238,30 +242,30 @@ def _num_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, block_n: int,
-                  min_split_len: int) -> tuple[int, int]:
-    """(num_splits, split_len): enough (sequence, KV head, split) programs to fill the GPU twice,
-    each with at least min_split_len keys; split_len is a multiple of block_n."""
+def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_split_len: int,
+                  programs_per_sm: int) -> int:
+    """How many parts each sequence's keys are split into: enough (sequence, KV head, split)
+    programs for programs_per_sm on every multiprocessor, but no more than the longest sequence
+    has parts of min_split_len keys."""
     num_seqs = q.shape[0]
     if q.device.type == "cuda":
-        target_programs = 2 * _num_multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        target_programs = programs_per_sm * _num_multiprocessors(index)
     else:
         target_programs = 4  # the interpreter: a few splits, so the tests exercise the reduction
     wanted = -(-target_programs // max(1, num_seqs * num_kv_heads))
-    most = max(1, -(-max_seq_len // max(min_split_len, block_n)))
-    num_splits = max(1, min(wanted, most))
-    split_len = -(-max(1, max_seq_len) // num_splits)
-    split_len = -(-split_len // block_n) * block_n
-    return -(-max(1, max_seq_len) // split_len), split_len
+    most = -(-max(1, max_seq_len) // min_split_len)
+    return max(1, min(wanted, most))
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, scale: float, num_splits: int, split_len: int, block_n: int,
-                 partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None) -> torch.Tensor:
+                 block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
+                 partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+                 min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
-    (its own included), into out [B, H, D]. Split over the context (flash-decoding) when
-    num_splits > 1, which needs scratch partial_out [B, H, splits, D] and partial_lse [B, H, splits]
-    (float32)."""
+    (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
+    at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
+    partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32)."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -271,7 +275,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         partial_out = partial_lse = out
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
-        scale * LOG2E, split_len,
+        scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
@@ -279,7 +283,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
