@@ -21,7 +21,8 @@ class CheckpointError(ValueError):
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool, qk_norm_rope=None):
+        """qk_norm_rope: the fused Triton kernel for q/k norm + rotary, or None for the unfused path."""
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.backend = backend
@@ -33,14 +34,20 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.scale = head_dim ** -0.5
+        self.qk_norm_rope = qk_norm_rope
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
-        q, k, v = self.qkv_proj(hidden).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = rotary(positions, q, k)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qk_norm_rope is not None:
+            q, k = self.qk_norm_rope(qkv, positions, self.q_norm.weight, self.k_norm.weight, rotary.cos_sin,
+                                     self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q, k = rotary(positions, q, k)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -57,9 +64,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool, qk_norm_rope=None):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, backend, tp, fused)
+        self.self_attn = Qwen3Attention(config, backend, tp, fused, qk_norm_rope)
         self.mlp = Qwen3MLP(config, tp, fused)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
@@ -86,19 +93,21 @@ class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
-                 torch_compile: bool | None = None):
+                 torch_compile: bool | None = None, triton_qk_norm_rope: bool | None = None):
         """torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
-        None means on CUDA only."""
+        triton_qk_norm_rope: q/k norms and rotary in one Triton kernel (qk_norm_rope_kernel.py).
+        None means on CUDA only, for both."""
         super().__init__()
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
+        qk_norm_rope = _qk_norm_rope_kernel(hf_config, on_cuda if triton_qk_norm_rope is None else triton_qk_norm_rope)
         scaling = getattr(hf_config, "rope_scaling", None)
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"rope_scaling {scaling!r} is not supported by the qwen3 plugin; supported: none/default")
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, qk_norm_rope)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -160,6 +169,23 @@ class Qwen3ForCausalLM(nn.Module):
                 missing += [_checkpoint_name(n) for n in needed if n not in loaded]
         if missing:
             raise CheckpointError(f"checkpoint {path!r} lacks tensors the model needs: {missing[:20]}")
+
+
+def _qk_norm_rope_kernel(config, wanted: bool):
+    """The fused q/k norm + rotary function when wanted, or None. Its kernel needs Triton and a
+    power-of-two head_dim; asked for where it cannot run, that is an error, not a silent fallback."""
+    if not wanted:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"triton_qk_norm_rope needs a power-of-two head_dim >= 16, got {head_dim}; "
+                         "set model_options.triton_qk_norm_rope=false")
+    try:
+        from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+    except ImportError as e:
+        raise ImportError(f"triton_qk_norm_rope needs Triton, which does not import: {e}; "
+                          "set model_options.triton_qk_norm_rope=false") from e
+    return qk_norm_rope
 
 
 def _rope_theta(config) -> float:

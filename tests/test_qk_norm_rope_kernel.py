@@ -1,0 +1,89 @@
+"""The fused q/k norm + rotary Triton kernel against the unfused layers it replaces, and a greedy
+generate through it against Hugging Face. Without CUDA the kernel runs in Triton's interpreter,
+so TRITON_INTERPRET is set before the kernel module is first imported."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from inferlab import LLM, SamplingParams  # noqa: E402
+from inferlab.plugins.models.layers import RotaryEmbedding, rms_norm  # noqa: E402
+from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def unfused(qkv, positions, q_weight, k_weight, rotary, eps, num_heads, num_kv_heads, head_dim):
+    q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    return rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps))
+
+
+# (tokens, query heads, KV heads, head_dim, dtype): q+k heads a power of two or not, GQA and MHA
+CASES = [
+    (5, 4, 2, 32, torch.float32),
+    (3, 16, 8, 128, torch.float32),
+    (7, 3, 1, 64, torch.float32),
+    # Triton's interpreter truncates float32 -> bfloat16 where CUDA rounds to nearest, so the
+    # bf16 rounding points are checked on the GPU only
+    pytest.param(6, 4, 4, 16, torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param(4, 16, 8, 128, torch.bfloat16, marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,dtype", CASES)
+def test_kernel_matches_unfused_norms_and_rotary(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+    torch.manual_seed(num_tokens)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width, device=DEVICE) * 3).to(dtype)
+    q_weight = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    positions = torch.randint(0, 500, (num_tokens,), device=DEVICE)
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0).to(DEVICE)
+    before = qkv.clone()
+    q, k = qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim)
+    want_q, want_k = unfused(qkv, positions, q_weight, k_weight, rotary, 1e-6, num_heads, num_kv_heads, head_dim)
+    assert q.shape == want_q.shape and k.shape == want_k.shape and q.dtype == dtype
+    # float32: rounding order only. bf16: the same rounding points, but a last-bit difference in
+    # rsqrt can flip a rounding of a normalized value (|x| < 8, one bf16 step <= 2**-5), and the
+    # rotation adds two of them; such flips are rare, so the mean difference stays far smaller.
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-4)
+    for got, want in ((q, want_q), (k, want_k)):
+        torch.testing.assert_close(got, want, **tolerance)
+        assert (got.float() - want.float()).abs().mean() < (1e-6 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(qkv, before)  # the input (and so v, read from it later) is untouched
+
+
+def test_no_tokens_is_empty():
+    qkv = torch.empty(0, (4 + 2 * 2) * 32, device=DEVICE)
+    rotary = RotaryEmbedding(32, 16, 10000.0).to(DEVICE)
+    q, k = qk_norm_rope(qkv, torch.empty(0, dtype=torch.int64, device=DEVICE), torch.ones(32, device=DEVICE),
+                        torch.ones(32, device=DEVICE), rotary.cos_sin, 1e-6, 4, 2, 32)
+    assert q.shape == (0, 4, 32) and k.shape == (0, 2, 32)
+
+
+def test_greedy_generate_through_the_kernel_matches_hf(checkpoint, hf_greedy):
+    path = checkpoint("gqa4-untied")
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24,
+              model_options={"triton_qk_norm_rope": True})
+    assert llm.runner.model.layers[0].self_attn.qk_norm_rope is qk_norm_rope
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
+                                                          66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert out["token_ids"] == hf_greedy(path, prompt, 6)
+
+
+def test_asking_for_the_kernel_with_an_odd_head_dim_is_an_error(checkpoint):
+    path = checkpoint("gqa2-tied")
+    from inferlab.plugins.models.qwen3 import _qk_norm_rope_kernel
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    config.head_dim = 48
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 48"):
+        _qk_norm_rope_kernel(config, True)
+    assert _qk_norm_rope_kernel(config, False) is None
