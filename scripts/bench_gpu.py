@@ -103,9 +103,11 @@ def run_one(args) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     enforce_eager = args.graphs == "eager"
     start = time.perf_counter()
+    options = json.loads(args.options)
     llm = LLM(args.model_dir, attention=args.attention, enforce_eager=enforce_eager, max_model_len=4096,
               device=args.device, overlap_scheduling=args.overlap == "overlap",
-              model_options={"torch_compile": args.compile == "compile"},
+              model_options={"torch_compile": args.compile == "compile", **options["model"]},
+              attention_options=options["attention"],
               **({"dtype": "bfloat16"} if args.device != "cpu" else {}))
     init_seconds = time.perf_counter() - start
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
@@ -159,13 +161,13 @@ def _version(module: str) -> str | None:
 
 def run_in_subprocess(combo: str, args) -> dict:
     """Runs one combination in a child process, echoing its output; returns its result or error."""
-    attention, graphs, overlap, compile_ = parse_combo(combo)
+    attention, graphs, overlap, compile_, options = parse_combo(combo)
     record = {"combo": combo, "attention": attention, "cuda_graphs": graphs == "graphs", "overlap": overlap == "overlap",
-              "torch_compile": compile_ == "compile"}
+              "torch_compile": compile_ == "compile", "options": options}
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--attention", attention, "--graphs", graphs,
-               "--overlap", overlap, "--compile", compile_, "--repeats", str(args.repeats),
+               "--overlap", overlap, "--compile", compile_, "--options", json.dumps(options), "--repeats", str(args.repeats),
                "--result-file", result_file, "--model-dir", args.model_dir, "--device", args.device,
                "--num-seqs", str(args.num_seqs), "--max-input-len", str(args.max_input_len),
                "--max-output-len", str(args.max_output_len)]
@@ -203,16 +205,35 @@ def run_in_subprocess(combo: str, args) -> dict:
     return record
 
 
-def parse_combo(combo: str) -> tuple[str, str, str, str]:
-    """ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile]; overlap and compile by default."""
+COMBO_FORM = "ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile][:m.OPTION=VALUE][:a.OPTION=VALUE]"
+
+
+def parse_combo(combo: str) -> tuple[str, str, str, str, dict]:
+    """COMBO_FORM: overlap and compile by default; m.* and a.* set model and attention options
+    (VALUE is read as JSON when it parses, e.g. 128 or false, else as a string)."""
     parts = combo.split(":")
     attention, graphs = parts[0], parts[1] if len(parts) > 1 else "graphs"
-    overlap = next((p for p in parts[2:] if p in ("overlap", "sync")), "overlap")
-    compile_ = next((p for p in parts[2:] if p in ("compile", "nocompile")), "compile")
-    unknown = [p for p in parts[2:] if p not in ("overlap", "sync", "compile", "nocompile")]
+    flags = [p for p in parts[2:] if "=" not in p]
+    overlap = next((p for p in flags if p in ("overlap", "sync")), "overlap")
+    compile_ = next((p for p in flags if p in ("compile", "nocompile")), "compile")
+    unknown = [p for p in flags if p not in ("overlap", "sync", "compile", "nocompile")]
+    options = {"model": {}, "attention": {}}
+    for part in parts[2:]:
+        if "=" not in part:
+            continue
+        key, value = part.split("=", 1)
+        kind = {"m": "model", "a": "attention"}.get(key.split(".", 1)[0])
+        if kind is None or "." not in key:
+            unknown.append(part)
+            continue
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+        options[kind][key.split(".", 1)[1]] = value
     if not attention or graphs not in ("graphs", "eager") or unknown:
-        raise ValueError(f"combination {combo!r} must be ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile]")
-    return attention, graphs, overlap, compile_
+        raise ValueError(f"combination {combo!r} must be {COMBO_FORM}")
+    return attention, graphs, overlap, compile_, options
 
 
 def print_table(records: list[dict]) -> None:
@@ -222,11 +243,13 @@ def print_table(records: list[dict]) -> None:
     print("-" * len(header))
     for r in records:
         flags = f"{'on' if r['cuda_graphs'] else 'off':<6} {'on' if r['overlap'] else 'off':<7} {'on' if r['torch_compile'] else 'off':<7}"
+        options = r.get("options") or {}
+        extra = " ".join(f"{kind[0]}.{k}={v}" for kind in ("model", "attention") for k, v in options.get(kind, {}).items())
         if r["ok"]:
             print(f"{r['attention']:<11} {flags} {r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} "
-                  f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok")
+                  f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok {extra}")
         else:
-            print(f"{r['attention']:<11} {flags} {'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED: {r['error'][:200]}")
+            print(f"{r['attention']:<11} {flags} {'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED {extra}: {r['error'][:200]}")
 
 
 def git_commit() -> str:
@@ -240,8 +263,8 @@ def git_commit() -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("combos", nargs="*", default=ALL_COMBOS,
-                        help="attention:graphs|eager[:overlap|sync][:compile|nocompile], e.g. flash_attn:graphs "
-                             "triton:eager:sync (default: the six attention x graphs pairs, overlap and compile on)")
+                        help=f"{COMBO_FORM}, e.g. flash_attn:graphs triton:eager:sync triton:graphs:a.decode_block_n=128 "
+                             "(default: the six attention x graphs pairs, overlap and compile on)")
     parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "inferlab-bench-qwen3-0.6b-random"))
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="Qwen3 model shapes to bench")
@@ -260,6 +283,7 @@ def main(argv=None):
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     parser.add_argument("--overlap", default="overlap", help=argparse.SUPPRESS)
     parser.add_argument("--compile", default="compile", help=argparse.SUPPRESS)
+    parser.add_argument("--options", default='{"model": {}, "attention": {}}', help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per combination; the median is reported")
     args = parser.parse_args(argv)
     base = SHAPES[args.shape]

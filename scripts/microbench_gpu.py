@@ -1,0 +1,182 @@
+"""Kernel-level timings of a decode step's parts on the GPU, each replayed from a CUDA graph (so
+launch costs do not count, as in the engine's decode graphs), against its own floor.
+
+    python scripts/microbench_gpu.py [--only attention,linear,elementwise]
+
+- attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
+  heads, 16 query heads, head_dim 128, blocks of 256 in shuffled order) for several batch sizes,
+  over tile sizes, warps, pipeline stages and split counts; flash-attn's paged decode beside it
+  when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
+- linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes.
+  Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
+- elementwise: q/k norm + rotary (fused Triton kernel vs torch.compile), SiLU*mul and the
+  residual add + RMSNorm (torch.compile).
+Prints tables; --out writes them as JSON."""
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from inferlab.floor import device_rates  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, INTER, VOCAB = 16, 8, 128, 256, 1024, 3072, 151936
+
+
+def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
+    """Microseconds per fn() call: reps calls captured in one CUDA graph, replayed; median of replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def attention_bench(rates, results):
+    from inferlab.plugins.attention import triton_kernels as tk
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        flash_attn_with_kvcache = None
+    gen = torch.Generator().manual_seed(0)
+    scale = HEAD_DIM ** -0.5
+    print("\n== decode attention (µs, GB/s of K/V; floor = K/V bytes / bandwidth) ==")
+    for batch, (lo, hi) in [(256, (300, 2000)), (128, (600, 2000)), (64, (800, 2000)), (32, (1000, 2000)),
+                            (8, (1000, 2000))]:
+        lens = torch.randint(lo, hi, (batch,), generator=gen)
+        blocks_per_seq = (lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+        num_blocks = int(blocks_per_seq.sum()) + 8
+        cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        order = torch.randperm(num_blocks, generator=gen)
+        width = int(blocks_per_seq.max())
+        tables = torch.zeros(batch, width, dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(blocks_per_seq.tolist()):
+            tables[i, :n] = order[used:used + n]
+            used += n
+        tables, seq_lens = tables.cuda(), lens.to(torch.int32).cuda()
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty_like(q)
+        kv_bytes = int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+        floor_us = kv_bytes / rates.bandwidth * 1e6
+        rows = []
+        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16)):
+            if splits > 1 and (block_n, warps, stages) != (64, 4, 2) and splits not in (2, 4):
+                continue  # the split sweep runs fully for the default tile only
+            partial_out = torch.empty(batch, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
+            partial_lse = torch.empty(batch, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
+            fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
+                                         partial_out, partial_lse, 256, warps, stages)
+            try:
+                us = graph_time_us(fn)
+            except Exception as e:  # a config that does not compile (shared memory) is skipped
+                print(f"  skip block_n={block_n} warps={warps} stages={stages} splits={splits}: {type(e).__name__}")
+                continue
+            rows.append({"batch": batch, "kernel": "triton", "block_n": block_n, "warps": warps, "stages": stages,
+                         "splits": splits, "us": us, "GBps": kv_bytes / us / 1e3, "floor_us": floor_us})
+        for per_sm in (1, 2, 4, 8):
+            splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
+            match = [r for r in rows if (r["block_n"], r["warps"], r["stages"], r["splits"]) == (64, 4, 2, splits)]
+            if match:
+                print(f"  batch {batch}: programs_per_sm={per_sm} plans {splits} splits -> {match[0]['us']:.1f} µs")
+        if flash_attn_with_kvcache is not None:
+            fn = lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache[0], cache[1], cache_seqlens=seq_lens,  # noqa: E731
+                                                 block_table=tables, softmax_scale=scale, causal=True)
+            us = graph_time_us(fn)
+            rows.append({"batch": batch, "kernel": "flash_attn", "us": us, "GBps": kv_bytes / us / 1e3, "floor_us": floor_us})
+        rows.sort(key=lambda r: r["us"])
+        print(f"batch {batch}, {int(lens.sum())} keys, floor {floor_us:.1f} µs:")
+        for r in rows[:8] + [r for r in rows[8:] if r["kernel"] == "flash_attn" or
+                             (r.get("block_n"), r.get("warps"), r.get("stages"), r.get("splits")) == (64, 4, 2, 1)]:
+            name = "flash_attn" if r["kernel"] == "flash_attn" else \
+                f"triton n{r['block_n']} w{r['warps']} s{r['stages']} splits {r['splits']}"
+            print(f"  {name:<36} {r['us']:>8.1f} µs {r['GBps']:>7.0f} GB/s {100 * r['floor_us'] / r['us']:>5.1f}% of floor")
+        results["attention"] += rows
+
+
+def linear_bench(rates, results):
+    print("\n== linear layers (µs; floor = max(weight bytes / bandwidth, FLOPs / matmul rate)) ==")
+    shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+              "lm_head": (VOCAB, HIDDEN)}
+    for name, (n, k) in shapes.items():
+        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        line = []
+        for m in (1, 8, 32, 64, 128, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            us = graph_time_us(lambda: F.linear(x, weight))
+            floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+            line.append(f"M={m}: {us:.1f} ({100 * floor / us:.0f}%)")
+            results["linear"].append({"layer": name, "m": m, "us": us, "floor_us": floor})
+        print(f"  {name:<8} " + "  ".join(line))
+
+
+def elementwise_bench(rates, results):
+    from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, compiled, rms_norm_heads, silu_and_mul
+    from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+    print("\n== elementwise (µs) ==")
+    rotary = RotaryEmbedding(HEAD_DIM, 40960, 1e6, fused=True).cuda()
+    norm_heads, add_norm, act = compiled(rms_norm_heads), compiled(add_rms_norm), compiled(silu_and_mul)
+    qw = torch.ones(HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    hw = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    for m in (8, 64, 256):
+        qkv = torch.randn(m, q_size + 2 * kv_size, dtype=torch.bfloat16, device="cuda")
+        positions = torch.randint(0, 4000, (m,), device="cuda")
+
+        def unfused():
+            q = norm_heads(qkv[:, :q_size].view(-1, NUM_HEADS, HEAD_DIM), qw, 1e-6)
+            k = norm_heads(qkv[:, q_size:q_size + kv_size].view(-1, NUM_KV_HEADS, HEAD_DIM), qw, 1e-6)
+            return rotary(positions, q, k)
+
+        timings = {
+            "qk norm+rotary, torch.compile": graph_time_us(unfused),
+            "qk norm+rotary, Triton kernel": graph_time_us(
+                lambda: qk_norm_rope(qkv, positions, qw, qw, rotary.cos_sin, 1e-6, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)),
+        }
+        gate_up = torch.randn(m, 2 * INTER, dtype=torch.bfloat16, device="cuda")
+        timings["silu*mul, torch.compile"] = graph_time_us(lambda: act(gate_up))
+        x, residual = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda"), torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        timings["add+rmsnorm, torch.compile"] = graph_time_us(lambda: add_norm(x, residual, hw, 1e-6))
+        print(f"  M={m}: " + "; ".join(f"{k} {v:.2f}" for k, v in timings.items()))
+        results["elementwise"] += [{"m": m, "op": k, "us": v} for k, v in timings.items()]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="attention,linear,elementwise")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rates = device_rates(torch.device("cuda"), torch.bfloat16)
+    print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
+    results = {"attention": [], "linear": [], "elementwise": []}
+    with torch.inference_mode():
+        for part in args.only.split(","):
+            {"attention": attention_bench, "linear": linear_bench, "elementwise": elementwise_bench}[part](rates, results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
