@@ -1,7 +1,7 @@
 """Kernel-level timings of a decode step's parts on the GPU, each replayed from a CUDA graph (so
 launch costs do not count, as in the engine's decode graphs), against its own floor.
 
-    python scripts/microbench_gpu.py [--only attention,linear,elementwise]
+    python scripts/microbench_gpu.py [--only attention,linear,linear_candidates,prefill,elementwise]
 
 - attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
   heads, 16 query heads, head_dim 128, blocks of 256 in shuffled order) for several batch sizes,
@@ -9,6 +9,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes.
   Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
+- linear_candidates: a split-K Triton GEMM and cuBLAS on the transposed problem, against cuBLAS.
+- prefill: the triton backend's paged prefill over tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary (fused Triton kernel vs torch.compile), SiLU*mul and the
   residual add + RMSNorm (torch.compile).
 Prints tables; --out writes them as JSON."""
@@ -20,6 +22,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
@@ -131,6 +135,121 @@ def linear_bench(rates, results):
         print(f"  {name:<8} " + "  ".join(line))
 
 
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A candidate for skinny decode GEMMs, measured against cuBLAS here before the engine uses it:
+    y = x @ w.T over one BLOCK_N slab of w and one of SPLIT_K parts of K per program (fp32
+    partials when split)."""
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_per_split = K // SPLIT_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_s * k_per_split, (pid_s + 1) * k_per_split, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :])
+        acc += tl.dot(x, tl.trans(w))
+    dst = y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
+
+
+def linear_candidates_bench(rates, results):
+    kernel = _splitk_kernel
+    print("\n== skinny GEMM candidates vs cuBLAS (µs; 'partials' = split-K without the final sum) ==")
+    shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+    for name, (n, k) in shapes.items():
+        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        for m in (8, 32, 64, 128, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cublas = graph_time_us(lambda: F.linear(x, weight))
+            transposed = graph_time_us(lambda: torch.mm(weight, x.t()))
+            block_m = min(128, max(16, triton.next_power_of_2(m)))
+            best = None
+            for block_n, block_k, split_k, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4)):
+                if k % (block_k * split_k):
+                    continue
+                y = torch.empty(split_k, m, n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device="cuda")
+                grid = (n // block_n, split_k, triton.cdiv(m, block_m))
+
+                def run():
+                    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                                 num_warps=4, num_stages=stages)
+                try:
+                    us = graph_time_us(run)
+                    summed = graph_time_us(lambda: (run(), y.sum(0))) if split_k > 1 else us
+                except Exception as e:
+                    print(f"  skip {name} M={m} n{block_n} k{block_k} split{split_k} s{stages}: {type(e).__name__}")
+                    continue
+                row = {"layer": name, "m": m, "block_n": block_n, "block_k": block_k, "split_k": split_k,
+                       "stages": stages, "partials_us": us, "summed_us": summed}
+                results["linear_candidates"].append(row)
+                if best is None or summed < best["summed_us"]:
+                    best = row
+            floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+            results["linear_candidates"].append({"layer": name, "m": m, "cublas_us": cublas, "cublas_transposed_us": transposed,
+                                                 "floor_us": floor})
+            print(f"  {name:<8} M={m:<4} cuBLAS {cublas:5.1f}  W@x.T {transposed:5.1f}  triton best {best['summed_us']:5.1f} "
+                  f"(partials {best['partials_us']:.1f}; n{best['block_n']} k{best['block_k']} split{best['split_k']} "
+                  f"s{best['stages']})  floor {floor:.1f}")
+
+
+def prefill_bench(rates, results):
+    """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
+    100..1024 tokens, no cached prefix), over tiles, warps and stages; flash-attn's varlen beside it."""
+    from inferlab.plugins.attention import triton_kernels as tk
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(100, 1024, (29,), generator=gen)
+    total = int(lens.sum())
+    blocks_per_seq = (lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = int(blocks_per_seq.sum())
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    tables = torch.zeros(len(lens), int(blocks_per_seq.max()), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq.tolist()):
+        tables[i, :nb] = torch.arange(used, used + nb)
+        used += nb
+    tables = tables.cuda()
+    seq_lens = lens.to(torch.int32).cuda()
+    query_start = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(lens, 0)
+    query_start = query_start.cuda()
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    flops = 4 * HEAD_DIM * NUM_HEADS * float((lens * (lens + 1) / 2).sum())
+    floor_us = flops / rates.matmul_rate * 1e6
+    max_len, scale = int(lens.max()), HEAD_DIM ** -0.5
+    print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
+    rows = []
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
+                                      block_m, block_n, warps, stages)
+        try:
+            us = graph_time_us(fn, reps=5, replays=10)
+        except Exception as e:
+            print(f"  skip m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
+            continue
+        rows.append({"kernel": "triton", "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages, "us": us})
+    if flash_attn_varlen_func is not None:
+        cu_k = query_start
+        us = graph_time_us(lambda: flash_attn_varlen_func(q, cache[0], cache[1], cu_seqlens_q=query_start, cu_seqlens_k=cu_k,
+                                                          max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scale,
+                                                          causal=True, block_table=tables), reps=5, replays=10)
+        rows.append({"kernel": "flash_attn", "us": us})
+    rows.sort(key=lambda r: r["us"])
+    for r in rows[:6] + [r for r in rows[6:] if r["kernel"] == "flash_attn" or
+                         (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) == (64, 64, 4, 2)]:
+        name = "flash_attn" if r["kernel"] == "flash_attn" else f"triton m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+        print(f"  {name:<28} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
+    results["prefill"] = rows
+
+
 def elementwise_bench(rates, results):
     from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, compiled, rms_norm_heads, silu_and_mul
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
@@ -164,15 +283,17 @@ def elementwise_bench(rates, results):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="attention,linear,elementwise")
+    parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    results = {"attention": [], "linear": [], "elementwise": []}
+    results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": []}
+    parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
+             "prefill": prefill_bench, "elementwise": elementwise_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
-            {"attention": attention_bench, "linear": linear_bench, "elementwise": elementwise_bench}[part](rates, results)
+            parts[part](rates, results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

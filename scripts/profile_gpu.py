@@ -93,7 +93,7 @@ def profile_kernels(llm, steps: int, label: str):
         for _ in range(steps):
             llm.step()
         torch.cuda.synchronize()
-    print(f"\n== kernels over {steps} decode steps, {label} ==")
+    print(f"\n== kernels over {steps} steps, {label} ==")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
@@ -128,6 +128,7 @@ def main():
     llm.reset_prefix_cache()
     for prompt, p in zip(prompts, params):
         llm.add_request(prompt, p)
+    profile_kernels(llm, 3, "the first 3 steps (prefill chunks)")
     while llm.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.scheduler.running):
         llm.step()
     for _ in range(10):  # settle into steady decode

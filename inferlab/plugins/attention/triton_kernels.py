@@ -219,7 +219,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                  block_m: int, block_n: int) -> torch.Tensor:
+                  block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
     plus those tokens (already stored), into out [T, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -233,7 +233,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
