@@ -4,8 +4,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
     python scripts/microbench_gpu.py [--only attention,linear,linear_candidates,prefill,elementwise]
 
 - attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
-  heads, 16 query heads, head_dim 128, blocks of 256 in shuffled order) for several batch sizes,
-  over tile sizes, warps, pipeline stages and split counts; flash-attn's paged decode beside it
+  heads, 16 query heads, head_dim 128, blocks of 256) on the bench workload's own decode batches,
+  over tile sizes, warps, pipeline stages and split plans; flash-attn's paged decode beside it
   when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes.
   Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
@@ -57,66 +57,82 @@ def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def attention_bench(rates, results):
+def workload_decode_batches(every: int):
+    """The bench workload's decode batches, every `every` steps: at step t the running sequences
+    are those with more than t output tokens, each holding its prompt plus t tokens."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_gpu import workload
+    prompts, params = workload(256, 1024, 1024)
+    prompt_lens = torch.tensor([len(p) for p in prompts])
+    outputs = torch.tensor([p.max_tokens for p in params])
+    for t in range(1, int(outputs.max()), every):
+        active = outputs > t
+        yield t, prompt_lens[active] + t
+
+
+def attention_bench(rates, results, every: int = 40):
+    """The split decode kernel over the bench workload's own decode batches (every `every` steps),
+    for each kernel configuration and split plan; flash-attn's paged decode beside it. The total
+    over the sampled steps says which configuration serves the whole run best."""
     from inferlab.plugins.attention import triton_kernels as tk
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError:
         flash_attn_with_kvcache = None
-    gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM ** -0.5
-    print("\n== decode attention (µs, GB/s of K/V; floor = K/V bytes / bandwidth) ==")
-    for batch, (lo, hi) in [(256, (300, 2000)), (128, (600, 2000)), (64, (800, 2000)), (32, (1000, 2000)),
-                            (8, (1000, 2000))]:
-        lens = torch.randint(lo, hi, (batch,), generator=gen)
-        blocks_per_seq = (lens + BLOCK_SIZE - 1) // BLOCK_SIZE
-        num_blocks = int(blocks_per_seq.sum()) + 8
-        cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        order = torch.randperm(num_blocks, generator=gen)
-        width = int(blocks_per_seq.max())
-        tables = torch.zeros(batch, width, dtype=torch.int32)
-        used = 0
-        for i, n in enumerate(blocks_per_seq.tolist()):
-            tables[i, :n] = order[used:used + n]
-            used += n
-        tables, seq_lens = tables.cuda(), lens.to(torch.int32).cuda()
-        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    max_blocks = 4096 // BLOCK_SIZE
+    num_blocks = 256 * max_blocks
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    configs = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (4, 8, 12, 16, 24)))
+    totals = {c: 0.0 for c in configs}
+    flash_total = floor_total = 0.0
+    print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
+    for t, lens in workload_decode_batches(every):
+        batch = len(lens)
+        padded = next(b for b in [1, 2, 4, 8] + list(range(16, 513, 16)) if b >= batch)  # as the decode graphs pad
+        seq_lens = torch.zeros(padded, dtype=torch.int32)
+        seq_lens[:batch] = lens.to(torch.int32)
+        # each sequence its own run of blocks, as a fresh cache hands them out
+        tables = (torch.arange(padded)[:, None] * max_blocks + torch.arange(max_blocks)[None, :]).to(torch.int32)
+        tables, seq_lens = tables.cuda(), seq_lens.cuda()
+        q = torch.randn(padded, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         out = torch.empty_like(q)
         kv_bytes = int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * 2
         floor_us = kv_bytes / rates.bandwidth * 1e6
-        rows = []
-        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16)):
-            if splits > 1 and (block_n, warps, stages) != (64, 4, 2) and splits not in (2, 4):
-                continue  # the split sweep runs fully for the default tile only
-            partial_out = torch.empty(batch, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
-            partial_lse = torch.empty(batch, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
+        floor_total += floor_us
+        line = {}
+        for config in configs:
+            block_n, warps, stages, per_sm = config
+            splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
+            partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
+            partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
             fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
                                          partial_out, partial_lse, 256, warps, stages)
             try:
-                us = graph_time_us(fn)
-            except Exception as e:  # a config that does not compile (shared memory) is skipped
-                print(f"  skip block_n={block_n} warps={warps} stages={stages} splits={splits}: {type(e).__name__}")
-                continue
-            rows.append({"batch": batch, "kernel": "triton", "block_n": block_n, "warps": warps, "stages": stages,
-                         "splits": splits, "us": us, "GBps": kv_bytes / us / 1e3, "floor_us": floor_us})
-        for per_sm in (1, 2, 4, 8):
-            splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
-            match = [r for r in rows if (r["block_n"], r["warps"], r["stages"], r["splits"]) == (64, 4, 2, splits)]
-            if match:
-                print(f"  batch {batch}: programs_per_sm={per_sm} plans {splits} splits -> {match[0]['us']:.1f} µs")
+                us = graph_time_us(fn, reps=10, replays=7)
+            except Exception as e:  # a config that does not compile (shared memory) counts as never best
+                us = float("inf")
+                print(f"  skip {config}: {type(e).__name__}")
+            totals[config] += us
+            line[config] = us
+            results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
+                                         "stages": stages, "programs_per_sm": per_sm, "splits": splits, "us": us,
+                                         "floor_us": floor_us})
         if flash_attn_with_kvcache is not None:
-            fn = lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache[0], cache[1], cache_seqlens=seq_lens,  # noqa: E731
-                                                 block_table=tables, softmax_scale=scale, causal=True)
-            us = graph_time_us(fn)
-            rows.append({"batch": batch, "kernel": "flash_attn", "us": us, "GBps": kv_bytes / us / 1e3, "floor_us": floor_us})
-        rows.sort(key=lambda r: r["us"])
-        print(f"batch {batch}, {int(lens.sum())} keys, floor {floor_us:.1f} µs:")
-        for r in rows[:8] + [r for r in rows[8:] if r["kernel"] == "flash_attn" or
-                             (r.get("block_n"), r.get("warps"), r.get("stages"), r.get("splits")) == (64, 4, 2, 1)]:
-            name = "flash_attn" if r["kernel"] == "flash_attn" else \
-                f"triton n{r['block_n']} w{r['warps']} s{r['stages']} splits {r['splits']}"
-            print(f"  {name:<36} {r['us']:>8.1f} µs {r['GBps']:>7.0f} GB/s {100 * r['floor_us'] / r['us']:>5.1f}% of floor")
-        results["attention"] += rows
+            us = graph_time_us(lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache[0], cache[1], cache_seqlens=seq_lens,
+                                                               block_table=tables, softmax_scale=scale, causal=True),
+                               reps=10, replays=7)
+            flash_total += us
+            results["attention"].append({"step": t, "batch": batch, "kernel": "flash_attn", "us": us, "floor_us": floor_us})
+        best = min(line, key=line.get)
+        print(f"  step {t:>4}: batch {batch:>3}, {int(lens.sum()):>6} keys, floor {floor_us:6.1f}; best {best} "
+              f"{line[best]:6.1f} ({100 * floor_us / line[best]:.0f}%)")
+    ranked = sorted(totals, key=totals.get)
+    print(f"sum over the sampled steps: floor {floor_total:.0f} µs" +
+          (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
+    for config in ranked[:8]:
+        print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2}: "
+              f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
 
 
 def linear_bench(rates, results):
@@ -253,13 +269,14 @@ def prefill_bench(rates, results):
 def elementwise_bench(rates, results):
     from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, compiled, rms_norm_heads, silu_and_mul
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+    from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
     print("\n== elementwise (µs) ==")
     rotary = RotaryEmbedding(HEAD_DIM, 40960, 1e6, fused=True).cuda()
     norm_heads, add_norm, act = compiled(rms_norm_heads), compiled(add_rms_norm), compiled(silu_and_mul)
     qw = torch.ones(HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     hw = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
     q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
-    for m in (8, 64, 256):
+    for m in (8, 64, 256, 16384):
         qkv = torch.randn(m, q_size + 2 * kv_size, dtype=torch.bfloat16, device="cuda")
         positions = torch.randint(0, 4000, (m,), device="cuda")
 
@@ -275,6 +292,7 @@ def elementwise_bench(rates, results):
         }
         gate_up = torch.randn(m, 2 * INTER, dtype=torch.bfloat16, device="cuda")
         timings["silu*mul, torch.compile"] = graph_time_us(lambda: act(gate_up))
+        timings["silu*mul, Triton kernel"] = graph_time_us(lambda: silu_mul_kernel(gate_up))
         x, residual = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda"), torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
         timings["add+rmsnorm, torch.compile"] = graph_time_us(lambda: add_norm(x, residual, hw, 1e-6))
         print(f"  M={m}: " + "; ".join(f"{k} {v:.2f}" for k, v in timings.items()))

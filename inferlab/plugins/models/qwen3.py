@@ -53,21 +53,22 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config, tp: TPGroup, fused: bool):
+    def __init__(self, config, tp: TPGroup, fused: bool, silu_mul_kernel=None):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
-        self.act = compiled(silu_and_mul) if fused else silu_and_mul
+        self.act = silu_mul_kernel or (compiled(silu_and_mul) if fused else silu_and_mul)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool, qk_norm_rope=None):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels=(None, None)):
         super().__init__()
+        qk_norm_rope, silu_mul_kernel = kernels
         self.self_attn = Qwen3Attention(config, backend, tp, fused, qk_norm_rope)
-        self.mlp = Qwen3MLP(config, tp, fused)
+        self.mlp = Qwen3MLP(config, tp, fused, silu_mul_kernel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
@@ -93,21 +94,21 @@ class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
-                 torch_compile: bool | None = None, triton_qk_norm_rope: bool | None = None):
+                 torch_compile: bool | None = None, triton_kernels: bool | None = None):
         """torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
-        triton_qk_norm_rope: q/k norms and rotary in one Triton kernel (qk_norm_rope_kernel.py).
-        None means on CUDA only, for both."""
+        triton_kernels: our Triton kernels for q/k norms + rotary (qk_norm_rope_kernel.py) and
+        SiLU*mul (silu_mul_kernel.py) instead. None means on CUDA only, for both."""
         super().__init__()
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
-        qk_norm_rope = _qk_norm_rope_kernel(hf_config, on_cuda if triton_qk_norm_rope is None else triton_qk_norm_rope)
+        kernels = _triton_kernels(hf_config, on_cuda if triton_kernels is None else bool(triton_kernels))
         scaling = getattr(hf_config, "rope_scaling", None)
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"rope_scaling {scaling!r} is not supported by the qwen3 plugin; supported: none/default")
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, qk_norm_rope)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -171,21 +172,23 @@ class Qwen3ForCausalLM(nn.Module):
             raise CheckpointError(f"checkpoint {path!r} lacks tensors the model needs: {missing[:20]}")
 
 
-def _qk_norm_rope_kernel(config, wanted: bool):
-    """The fused q/k norm + rotary function when wanted, or None. Its kernel needs Triton and a
-    power-of-two head_dim; asked for where it cannot run, that is an error, not a silent fallback."""
+def _triton_kernels(config, wanted: bool):
+    """(q/k norm + rotary, SiLU*mul) Triton functions when wanted, else (None, None). They need
+    Triton and a power-of-two head_dim; asked for where they cannot run, that is an error, not a
+    silent fallback."""
     if not wanted:
-        return None
+        return None, None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"triton_qk_norm_rope needs a power-of-two head_dim >= 16, got {head_dim}; "
-                         "set model_options.triton_qk_norm_rope=false")
+        raise ValueError(f"triton_kernels needs a power-of-two head_dim >= 16, got {head_dim}; "
+                         "set model_options.triton_kernels=false")
     try:
         from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+        from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
     except ImportError as e:
-        raise ImportError(f"triton_qk_norm_rope needs Triton, which does not import: {e}; "
-                          "set model_options.triton_qk_norm_rope=false") from e
-    return qk_norm_rope
+        raise ImportError(f"triton_kernels needs Triton, which does not import: {e}; "
+                          "set model_options.triton_kernels=false") from e
+    return qk_norm_rope, silu_mul_kernel
 
 
 def _rope_theta(config) -> float:

@@ -1,6 +1,6 @@
-"""The fused q/k norm + rotary Triton kernel against the unfused layers it replaces, and a greedy
-generate through it against Hugging Face. Without CUDA the kernel runs in Triton's interpreter,
-so TRITON_INTERPRET is set before the kernel module is first imported."""
+"""The model's Triton kernels (q/k norm + rotary, SiLU*mul) against the torch code they replace,
+and a greedy generate through them against Hugging Face. Without CUDA the kernels run in Triton's
+interpreter, so TRITON_INTERPRET is set before the kernel modules are first imported."""
 import os
 
 import pytest
@@ -11,8 +11,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
-from inferlab.plugins.models.layers import RotaryEmbedding, rms_norm  # noqa: E402
+from inferlab.plugins.models.layers import RotaryEmbedding, rms_norm, silu_and_mul  # noqa: E402
 from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
+from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -66,11 +67,28 @@ def test_no_tokens_is_empty():
     assert q.shape == (0, 4, 32) and k.shape == (0, 2, 32)
 
 
-def test_greedy_generate_through_the_kernel_matches_hf(checkpoint, hf_greedy):
+@pytest.mark.parametrize("num_tokens,width,dtype", [
+    (3, 40, torch.float32),  # narrower than one block
+    (5, 2500, torch.float32),  # several blocks a row, the last one partial
+    (0, 64, torch.float32),
+    pytest.param(7, 3072, torch.bfloat16, marks=pytest.mark.gpu),  # bf16 rounding: see CASES above
+])
+def test_silu_mul_kernel_matches_torch(num_tokens, width, dtype):
+    torch.manual_seed(width)
+    x = (torch.randn(num_tokens, 2 * width, device=DEVICE) * 4).to(dtype)
+    got = silu_mul_kernel(x)
+    want = silu_and_mul(x)
+    assert got.shape == (num_tokens, width) and got.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy):
     path = checkpoint("gqa4-untied")
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24,
-              model_options={"triton_qk_norm_rope": True})
-    assert llm.runner.model.layers[0].self_attn.qk_norm_rope is qk_norm_rope
+              model_options={"triton_kernels": True})
+    layer = llm.runner.model.layers[0]
+    assert layer.self_attn.qk_norm_rope is qk_norm_rope and layer.mlp.act is silu_mul_kernel
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
                                                           66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
@@ -78,12 +96,12 @@ def test_greedy_generate_through_the_kernel_matches_hf(checkpoint, hf_greedy):
         assert out["token_ids"] == hf_greedy(path, prompt, 6)
 
 
-def test_asking_for_the_kernel_with_an_odd_head_dim_is_an_error(checkpoint):
+def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error(checkpoint):
     path = checkpoint("gqa2-tied")
-    from inferlab.plugins.models.qwen3 import _qk_norm_rope_kernel
+    from inferlab.plugins.models.qwen3 import _triton_kernels
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
     config.head_dim = 48
     with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 48"):
-        _qk_norm_rope_kernel(config, True)
-    assert _qk_norm_rope_kernel(config, False) is None
+        _triton_kernels(config, True)
+    assert _triton_kernels(config, False) == (None, None)
