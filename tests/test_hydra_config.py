@@ -1,6 +1,7 @@
 """The Hydra config, through the compose API: every option of every group composes into engine
 settings the engine accepts, plugin parameters land in `<kind>_options`, and wrong keys, types
 and choices fail with Hydra's messages."""
+import inspect
 from dataclasses import dataclass, fields
 
 import pytest
@@ -77,7 +78,26 @@ def test_overrides_reach_engine_and_plugin_options():
     assert choices["scheduler.max_sort_waiting"] == 7 and choices["engine.max_num_seqs"] == 3 and choices["bench.num_seqs"] == 5
 
 
+def test_builtin_backend_and_model_options_are_typed_overrides():
+    # the ablation knobs of our own plugins: triton's decode tiling, the model's kernel switches
+    cfg = compose(["attention=triton", "attention.decode_block_n=64", "attention.decode_num_stages=2",
+                   "model=qwen3", "model.triton_kernels=false", "model.torch_compile=true"])
+    _, settings = engine_arguments(cfg)
+    options = settings["attention_options"]
+    assert options["decode_block_n"] == 64 and options["decode_num_stages"] == 2
+    assert options["block_m"] is None  # left to the backend's own default
+    assert settings["model_options"] == {"torch_compile": True, "triton_kernels": False}
+    from inferlab.plugins.attention.triton_attention import TritonAttention, TritonAttentionOptions
+    # the node's defaults are the factory's: one source for both
+    defaults = {k: v.default for k, v in inspect.signature(TritonAttention).parameters.items() if k != "config"}
+    assert defaults == {f.name: f.default for f in fields(TritonAttentionOptions)}
+
+
 @pytest.mark.parametrize("overrides,error,message", [
+    (["attention=triton", "attention.decode_num_warps=many"], ConfigCompositionException,
+     "Value 'many' of type 'str' could not be converted to Integer"),
+    (["model=qwen3", "model.triton_kernels=maybe"], ConfigCompositionException, "Value 'maybe' is not a valid bool"),
+
     (["scheduler.bogus=1"], ConfigCompositionException, "Key 'bogus' not in 'FcfsSchedulerConfig'"),
     (["scheduler=lpm", "scheduler.max_sort_waiting=many"], ConfigCompositionException,
      "Value 'many' of type 'str' could not be converted to Integer"),

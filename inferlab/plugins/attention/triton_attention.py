@@ -4,6 +4,7 @@ decode that serves all query heads of a KV head at once. Needs no flash-attn; on
 TRITON_INTERPRET=1 (slowly: for tests)."""
 import importlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -36,6 +37,22 @@ def kernel_mode_problems(kernels, device: torch.device) -> list[str]:
     return []
 
 
+@dataclass
+class TritonAttentionOptions:
+    """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
+    Tile sizes left at None take 64 (prefill) and 128 (decode) keys, or 16 in Triton's interpreter;
+    min_split_len None takes 256 (16 in the interpreter)."""
+    block_m: Optional[int] = None
+    block_n: Optional[int] = None
+    decode_block_n: Optional[int] = None
+    min_split_len: Optional[int] = None
+    # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200
+    # (BENCHMARKS.md): the best of 60 configurations, 91.6% of the K/V bandwidth floor.
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    decode_programs_per_sm: int = 12
+
+
 @dataclass(slots=True)
 class TritonAttentionMetadata:
     inputs: AttentionInputs
@@ -47,23 +64,23 @@ class TritonAttentionMetadata:
 
 class TritonAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
-    torch backend's. Options: prefill tile sizes block_m/block_n; for decode the tile
-    decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys one split of a
-    sequence takes) and decode_programs_per_sm (how many programs the split plan aims to give
-    each multiprocessor)."""
+    torch backend's. Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
+    decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
+    one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
+    aims to give each multiprocessor)."""
     name = "triton"
     supports_cuda_graphs = True
 
     def __init__(self, config=None, *, block_m: int | None = None, block_n: int | None = None,
                  decode_block_n: int | None = None, min_split_len: int | None = None,
-                 decode_num_warps: int = 4, decode_num_stages: int = 3, decode_programs_per_sm: int = 12):
+                 decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
+                 decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
+                 decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
         self.block_m = block_m or (16 if small else 64)
         self.block_n = block_n or (16 if small else 64)
-        # Defaults from scripts/microbench_gpu.py on an H200 (BENCHMARKS.md): 128-key tiles, 3 stages,
-        # and about 12 programs per multiprocessor reach 95-99% of bandwidth from 64 to 256 sequences.
         self.decode_block_n = decode_block_n or (16 if small else 128)
         self.min_split_len = min_split_len or (16 if small else 256)
         for option in ("block_m", "block_n", "decode_block_n", "min_split_len"):
@@ -129,3 +146,8 @@ class TritonAttention:
 @hookimpl
 def register_attention_backends(register):
     register("triton", TritonAttention)
+
+
+@hookimpl
+def register_config_nodes(register):
+    register("attention", "triton", TritonAttentionOptions)

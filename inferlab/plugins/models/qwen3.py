@@ -3,7 +3,8 @@ embedding and LM head). Attention goes through the selected backend over the pag
 import glob
 import json
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
@@ -90,14 +91,22 @@ PACKED = {
 }
 
 
+@dataclass
+class Qwen3Options:
+    """The model's switches, typed for Hydra (`model=qwen3 model.triton_kernels=false`).
+    torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
+    triton_kernels: our Triton kernels for q/k norms + rotary (qk_norm_rope_kernel.py) and
+    SiLU*mul (silu_mul_kernel.py) instead. None means on CUDA only, for both."""
+    torch_compile: Optional[bool] = None
+    triton_kernels: Optional[bool] = None
+
+
 class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
                  torch_compile: bool | None = None, triton_kernels: bool | None = None):
-        """torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
-        triton_kernels: our Triton kernels for q/k norms + rotary (qk_norm_rope_kernel.py) and
-        SiLU*mul (silu_mul_kernel.py) instead. None means on CUDA only, for both."""
+        """Options: see Qwen3Options."""
         super().__init__()
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
@@ -220,3 +229,8 @@ def _checkpoint_name(loaded_key) -> str:
 @hookimpl
 def register_models(register):
     register("qwen3", Qwen3ForCausalLM)
+
+
+@hookimpl
+def register_config_nodes(register):
+    register("model", "qwen3", Qwen3Options)
