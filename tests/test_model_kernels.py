@@ -96,12 +96,17 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy):
         assert out["token_ids"] == hf_greedy(path, prompt, 6)
 
 
-def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error(checkpoint):
+def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default_falls_back(checkpoint, caplog):
     path = checkpoint("gqa2-tied")
     from inferlab.plugins.models.qwen3 import _triton_kernels
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
+    assert _triton_kernels(config, on_cuda=True, asked=None) == (qk_norm_rope, silu_mul_kernel)
+    assert _triton_kernels(config, on_cuda=False, asked=None) == (None, None)  # CPU: torch code
+    assert _triton_kernels(config, on_cuda=True, asked=False) == (None, None)
     config.head_dim = 48
-    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 48"):
-        _triton_kernels(config, True)
-    assert _triton_kernels(config, False) == (None, None)
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 48; set model_options.triton_kernels=false"):
+        _triton_kernels(config, on_cuda=True, asked=True)
+    caplog.set_level("INFO", logger="inferlab")
+    assert _triton_kernels(config, on_cuda=True, asked=None) == (None, None)  # the CUDA default falls back
+    assert "got 48; using the torch code" in caplog.text

@@ -90,7 +90,7 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65))):
-            if value not in allowed:
+            if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages

@@ -2,6 +2,7 @@
 embedding and LM head). Attention goes through the selected backend over the paged cache."""
 import glob
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -15,6 +16,9 @@ from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.plugins.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                             QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                             VocabParallelEmbedding, compiled, silu_and_mul)
+
+
+log = logging.getLogger("inferlab")
 
 
 class CheckpointError(ValueError):
@@ -96,7 +100,8 @@ class Qwen3Options:
     """The model's switches, typed for Hydra (`model=qwen3 model.triton_kernels=false`).
     torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
     triton_kernels: our Triton kernels for q/k norms + rotary (qk_norm_rope_kernel.py) and
-    SiLU*mul (silu_mul_kernel.py) instead. None means on CUDA only, for both."""
+    SiLU*mul (silu_mul_kernel.py) instead. None means on CUDA only, for both (and for the Triton
+    kernels, only where they can run: Triton importable, a power-of-two head_dim)."""
     torch_compile: Optional[bool] = None
     triton_kernels: Optional[bool] = None
 
@@ -110,7 +115,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
-        kernels = _triton_kernels(hf_config, on_cuda if triton_kernels is None else bool(triton_kernels))
+        kernels = _triton_kernels(hf_config, on_cuda, triton_kernels)
         scaling = getattr(hf_config, "rope_scaling", None)
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"rope_scaling {scaling!r} is not supported by the qwen3 plugin; supported: none/default")
@@ -181,23 +186,28 @@ class Qwen3ForCausalLM(nn.Module):
             raise CheckpointError(f"checkpoint {path!r} lacks tensors the model needs: {missing[:20]}")
 
 
-def _triton_kernels(config, wanted: bool):
-    """(q/k norm + rotary, SiLU*mul) Triton functions when wanted, else (None, None). They need
-    Triton and a power-of-two head_dim; asked for where they cannot run, that is an error, not a
-    silent fallback."""
-    if not wanted:
+def _triton_kernels(config, on_cuda: bool, asked: bool | None):
+    """(q/k norm + rotary, SiLU*mul) Triton functions, or (None, None) for the torch code. They need
+    Triton and a power-of-two head_dim. Asked for (True) where they cannot run, that is an error;
+    by default (None) they are used on CUDA where they can run, and the torch code otherwise."""
+    if asked is False or (asked is None and not on_cuda):
         return None, None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    problem = None
     if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"triton_kernels needs a power-of-two head_dim >= 16, got {head_dim}; "
-                         "set model_options.triton_kernels=false")
-    try:
-        from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
-        from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
-    except ImportError as e:
-        raise ImportError(f"triton_kernels needs Triton, which does not import: {e}; "
-                          "set model_options.triton_kernels=false") from e
-    return qk_norm_rope, silu_mul_kernel
+        problem = f"triton_kernels needs a power-of-two head_dim >= 16, got {head_dim}"
+    else:
+        try:
+            from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+            from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
+        except ImportError as e:
+            problem = f"triton_kernels needs Triton, which does not import: {e}"
+    if problem is None:
+        return qk_norm_rope, silu_mul_kernel
+    if asked:
+        raise ValueError(f"{problem}; set model_options.triton_kernels=false")
+    log.info("qwen3: %s; using the torch code for q/k norm, rotary and SiLU*mul", problem)
+    return None, None
 
 
 def _rope_theta(config) -> float:
