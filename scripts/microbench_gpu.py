@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from inferlab.core.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes  # noqa: E402
 from inferlab.floor import device_rates  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, INTER, VOCAB = 16, 8, 128, 256, 1024, 3072, 151936
@@ -89,7 +90,7 @@ def attention_bench(rates, results, every: int = 40):
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
     for t, lens in workload_decode_batches(every):
         batch = len(lens)
-        padded = next(b for b in [1, 2, 4, 8] + list(range(16, 513, 16)) if b >= batch)  # as the decode graphs pad
+        padded = next(b for b in graph_batch_sizes(MAX_GRAPH_BATCH) if b >= batch)  # as the decode graphs pad
         seq_lens = torch.zeros(padded, dtype=torch.int32)
         seq_lens[:batch] = lens.to(torch.int32)
         # each sequence its own run of blocks, as a fresh cache hands them out

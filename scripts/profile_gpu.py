@@ -41,7 +41,7 @@ def timeline(llm, prompts, params):
             "seqs": len(batch.seqs), "tokens": batch.total_tokens, "decode": batch.num_decode_tokens == batch.total_tokens,
             # every token the step attends over: each sequence's context plus its new tokens
             "kv_tokens": sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_scheduled_tokens)),
-            "new_tokens": batch.total_tokens, "start": start, "end": end, "host": time.perf_counter()})
+            "start": start, "end": end})
         return handle
 
     runner.launch = timed_launch
@@ -66,7 +66,7 @@ def summarize(records, wall, cost, rates, hf_config):
     def floor_ms(r):
         if r["decode"]:
             return (cost.weight_bytes + cost.kv_bytes_per_token * r["kv_tokens"]) / rates.bandwidth * 1e3
-        return r["new_tokens"] * (cost.flops_per_token - head_flops) / rates.matmul_rate * 1e3
+        return r["tokens"] * (cost.flops_per_token - head_flops) / rates.matmul_rate * 1e3
 
     groups = [("prefill/mixed", [r for r in records if not r["decode"]])]
     for lo, hi in BUCKETS:

@@ -29,7 +29,7 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config, backend, tp: TPGroup, fused: bool, qk_norm_rope=None):
         """qk_norm_rope: the fused Triton kernel for q/k norm + rotary, or None for the unfused path."""
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = _head_dim(config)
         self.backend = backend
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, tp, bias=getattr(config, "attention_bias", False))
@@ -186,13 +186,17 @@ class Qwen3ForCausalLM(nn.Module):
             raise CheckpointError(f"checkpoint {path!r} lacks tensors the model needs: {missing[:20]}")
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _triton_kernels(config, on_cuda: bool, asked: bool | None):
     """(q/k norm + rotary, SiLU*mul) Triton functions, or (None, None) for the torch code. They need
     Triton and a power-of-two head_dim. Asked for (True) where they cannot run, that is an error;
     by default (None) they are used on CUDA where they can run, and the torch code otherwise."""
     if asked is False or (asked is None and not on_cuda):
         return None, None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     problem = None
     if head_dim < 16 or head_dim & (head_dim - 1):
         problem = f"triton_kernels needs a power-of-two head_dim >= 16, got {head_dim}"
