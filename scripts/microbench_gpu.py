@@ -5,7 +5,7 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 
 - attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
   heads, 16 query heads, head_dim 128, blocks of 256) on the bench workload's own decode batches,
-  over tile sizes, warps, pipeline stages and split plans; flash-attn's paged decode beside it
+  over tile sizes, pipeline stages, split plans and start orders; flash-attn's paged decode beside it
   when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes.
   Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
@@ -84,7 +84,7 @@ def attention_bench(rates, results, every: int = 40):
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    configs = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (4, 8, 12, 16, 24)))
+    configs = list(itertools.product((64, 128), (4,), (2, 3), (4, 8, 12, 16, 24), ("batch", "longest_first")))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -103,12 +103,13 @@ def attention_bench(rates, results, every: int = 40):
         floor_total += floor_us
         line = {}
         for config in configs:
-            block_n, warps, stages, per_sm = config
+            block_n, warps, stages, per_sm, order = config
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
+            seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
             partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
             partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
             fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
-                                         partial_out, partial_lse, 256, warps, stages)
+                                         partial_out, partial_lse, 256, warps, stages, seq_order)
             try:
                 us = graph_time_us(fn, reps=10, replays=7)
             except Exception as e:  # a config that does not compile (shared memory) counts as never best
@@ -117,7 +118,8 @@ def attention_bench(rates, results, every: int = 40):
             totals[config] += us
             line[config] = us
             results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
-                                         "stages": stages, "programs_per_sm": per_sm, "splits": splits, "us": us,
+                                         "stages": stages, "programs_per_sm": per_sm, "order": order,
+                                         "splits": splits, "us": us,
                                          "floor_us": floor_us})
         if flash_attn_with_kvcache is not None:
             us = graph_time_us(lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache[0], cache[1], cache_seqlens=seq_lens,
@@ -132,7 +134,8 @@ def attention_bench(rates, results, every: int = 40):
     print(f"sum over the sampled steps: floor {floor_total:.0f} µs" +
           (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
     for config in ranked[:8]:
-        print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2}: "
+        print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2} "
+              f"order {config[4]}: "
               f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
 
 

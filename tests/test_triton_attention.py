@@ -119,11 +119,12 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_decode_matches_torch(block_size, group, head_dim, context_lens):
+def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache)
+    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
 
@@ -141,6 +142,12 @@ def test_split_decode_combines_partials_exactly(num_splits):
         got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
                                           num_splits, 16, partial_out, partial_lse, min_split_len)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # started longest first, each program still writes its own sequence's rows
+    order = triton_kernels.longest_first(inputs.seq_lens)
+    assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
+    got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
+                                      num_splits, 16, partial_out, partial_lse, 32, seq_order=order)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_plan_splits_long_contexts_of_small_batches():
@@ -190,6 +197,8 @@ def test_validate_names_unsupported_settings():
     assert TritonAttention.validate(DEVICE, torch.float32, 16, 32) == []
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         TritonAttention(block_m=24)
+    with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
+        TritonAttention(decode_order="shortest")
 
 
 def test_greedy_generate_with_triton_equals_torch(checkpoint):

@@ -13,6 +13,7 @@ from inferlab.core.hookspecs import hookimpl
 
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DECODE_ORDERS = ("longest_first", "batch")
 
 
 def import_kernels(backend: str):
@@ -51,6 +52,9 @@ class TritonAttentionOptions:
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     decode_programs_per_sm: int = 12
+    # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
+    # last wave holds short programs) or "batch" (the batch's order).
+    decode_order: str = "longest_first"
 
 
 @dataclass(slots=True)
@@ -60,6 +64,7 @@ class TritonAttentionMetadata:
     num_splits: int = 0
     partial_out: torch.Tensor | None = None  # float32 [B, H, splits, D]
     partial_lse: torch.Tensor | None = None  # float32 [B, H, splits]
+    seq_order: torch.Tensor | None = None  # int32 [B], the order decode programs start in
 
 
 class TritonAttention:
@@ -67,7 +72,7 @@ class TritonAttention:
     torch backend's. Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
     decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
     one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
-    aims to give each multiprocessor)."""
+    aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
     supports_cuda_graphs = True
 
@@ -75,7 +80,8 @@ class TritonAttention:
                  decode_block_n: int | None = None, min_split_len: int | None = None,
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
-                 decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm):
+                 decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -89,12 +95,14 @@ class TritonAttention:
                 raise ValueError(f"triton attention option {option} must be a power of two >= 16, got {value!r}")
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
-                                       ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65))):
+                                       ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
+        self.decode_order = decode_order
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -137,10 +145,12 @@ class TritonAttention:
                 metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
                                                    dtype=torch.float32)
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
+            if self.decode_order == "longest_first":
+                metadata.seq_order = kernels.longest_first(inputs.seq_lens)
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

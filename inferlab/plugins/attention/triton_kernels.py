@@ -121,7 +121,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                         seq_lens_ptr, block_tables_ptr,
+                         seq_lens_ptr, block_tables_ptr, seq_order_ptr,
                          scale_log2, num_splits, min_split_len,
                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                          cache_stride_slot, cache_stride_head, block_tables_stride,
@@ -129,15 +129,22 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
     sequence by its own length keeps the programs' work even in a batch of mixed lengths. With
-    SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp.
+
+    The grid is (KV heads x splits, sequences), so the GPU starts all of a sequence's programs
+    together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
+    ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
+    last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
+    kv_head = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, min_split_len)
@@ -261,11 +268,14 @@ def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_spli
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
-                 min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
-    partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32)."""
+    partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
+    permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -273,8 +283,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     single = num_splits == 1
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    ordered = seq_order is not None
+    _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
+        seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
         scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -283,7 +295,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        num_warps=num_warps, num_stages=num_stages)
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages)
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
@@ -293,6 +305,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
             SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4)
     return out
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The batch's indices, longest sequence first (int32), as paged_decode's seq_order: on the
+    device and without a host sync, so a CUDA graph can replay it."""
+    return torch.argsort(seq_lens, descending=True).to(torch.int32)
 
 
 def is_power_of_two(value: int, least: int) -> bool:
