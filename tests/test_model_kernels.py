@@ -59,6 +59,33 @@ def test_kernel_matches_unfused_norms_and_rotary(num_tokens, num_heads, num_kv_h
     assert torch.equal(qkv, before)  # the input (and so v, read from it later) is untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_kernel_stores_k_and_v_in_their_cache_slots(dtype):
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
+    torch.manual_seed(0)
+    qkv = (torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE) * 3).to(dtype)
+    q_weight, k_weight = (torch.rand(2, head_dim, device=DEVICE) + 0.5).to(dtype)
+    positions = torch.tensor([7, 0, 33, 2], device=DEVICE)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([5, -1, 40, 16], device=DEVICE)  # -1: a padding row, stores nothing
+    q, k = qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
+                        kv_store=(cache[0], cache[1], slots))
+    want_q, want_k = qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads,
+                                  head_dim)
+    assert k is None and torch.equal(q, want_q)
+    want_v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
+    expected = torch.zeros_like(cache)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0].view(-1, num_kv_heads, head_dim)[slot] = want_k[token]
+            expected[1].view(-1, num_kv_heads, head_dim)[slot] = want_v[token]
+    assert torch.equal(cache, expected)
+    with pytest.raises(ValueError, match="kv_store caches must be contiguous"):
+        qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
+                     kv_store=(cache[0].transpose(0, 1), cache[1], slots))
+
+
 def test_no_tokens_is_empty():
     qkv = torch.empty(0, (4 + 2 * 2) * 32, device=DEVICE)
     rotary = RotaryEmbedding(32, 16, 10000.0).to(DEVICE)
@@ -83,12 +110,15 @@ def test_silu_mul_kernel_matches_torch(num_tokens, width, dtype):
     torch.testing.assert_close(got, want, **tolerance)
 
 
-def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy):
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention):
+    # torch's backend stores K/V itself; triton's lets the q/k kernel store them (kv_store_target)
     path = checkpoint("gqa4-untied")
-    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24,
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention=attention,
               model_options={"triton_kernels": True})
     layer = llm.runner.model.layers[0]
     assert layer.self_attn.qk_norm_rope is qk_norm_rope and layer.mlp.act is silu_mul_kernel
+    assert (layer.self_attn.kv_store_target is not None) == (attention == "triton")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
                                                           66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]

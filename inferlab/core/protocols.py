@@ -75,7 +75,12 @@ class AttentionBackend(Protocol):
     buffers sized for the graph's batch (padding rows: seq_lens 0, slot_mapping -1, which must
     store nothing and attend to nothing) and max_seq_len the longest a sequence may grow; both must
     then do device work only (no host sync, no shapes read from tensor values). When False,
-    decode runs eagerly."""
+    decode runs eagerly.
+
+    Optional: a backend whose cache holds K and V as contiguous [num_blocks, block_size, Hkv, D]
+    arrays may define kv_store_target(kv_cache, metadata) -> (k_cache, v_cache, slot_mapping).
+    A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
+    e.g. from a kernel it runs anyway) and call forward with k = v = None."""
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
 
@@ -91,8 +96,9 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: Any, scale: float) -> torch.Tensor:
-        """Stores k, v [T, Hkv, D] into kv_cache and returns attention of q [T, H, D] over each
-        sequence's cached context plus its new tokens, causally: [T, H, D]."""
+        """Stores k, v [T, Hkv, D] into kv_cache (unless both are None: the model stored them, see
+        kv_store_target) and returns attention of q [T, H, D] over each sequence's cached context
+        plus its new tokens, causally: [T, H, D]."""
 
 
 @runtime_checkable

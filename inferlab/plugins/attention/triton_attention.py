@@ -122,6 +122,10 @@ class TritonAttention:
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    def kv_store_target(self, kv_cache, metadata):
+        # K and V are contiguous halves of the cache, so a model's kernel may store into them
+        return kv_cache[0], kv_cache[1], metadata.inputs.slot_mapping
+
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
         # Nothing to compute on the device: the kernels read the runner's tensors directly, which
         # is what lets a CUDA graph replay them from static buffers.
@@ -130,7 +134,8 @@ class TritonAttention:
     def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale):
         inputs = metadata.inputs
         kernels = self.kernels
-        kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
+        if k is not None:
+            kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)

@@ -2,6 +2,8 @@
 the fused QKV projection's output. Unfused (or through torch.compile) this is four kernels a layer
 (two norms, two rotary passes with a gather of the cos/sin rows), each a few microseconds on tensors
 of a few hundred kilobytes: launch and tail latency, not bandwidth. One program does one token.
+Given the attention backend's cache (kv_store), it also writes the token's rotated k and its v
+into their cache slot, which saves the backend's store kernel.
 
 The rounding follows the unfused code (rms_norm, then apply_rotary): the normalized values are
 rounded to the model dtype before the weight, and the weighted values before the rotation, so
@@ -15,16 +17,19 @@ import triton.language as tl
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
+                         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_slot,
                          qkv_stride_token, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
-                         HALF: tl.constexpr):
+                         HALF: tl.constexpr, STORE_KV: tl.constexpr):
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
-    # rows 0..NUM_Q_HEADS-1 are q's heads, the next NUM_KV_HEADS k's: they sit in that order in qkv
+    # rows 0..NUM_Q_HEADS-1 are q's heads, the next NUM_KV_HEADS k's, then v's (read only to be
+    # stored): they sit in that order in qkv
     heads = tl.arange(0, HEADS_POW2)
     is_q = heads < NUM_Q_HEADS
     is_k = (heads >= NUM_Q_HEADS) & (heads < NUM_Q_HEADS + NUM_KV_HEADS)
-    rows = is_q | is_k
+    is_v = (heads >= NUM_Q_HEADS + NUM_KV_HEADS) & (heads < NUM_Q_HEADS + 2 * NUM_KV_HEADS)
+    rows = (is_q | is_k | is_v) if STORE_KV else (is_q | is_k)
     dims = tl.arange(0, HALF)
     src = qkv_ptr + token.to(tl.int64) * qkv_stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
     x1 = tl.load(src, mask=rows[:, None], other=0.0)
@@ -45,26 +50,61 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
     tl.store(q_dst, o1, mask=is_q[:, None])
     tl.store(q_dst + HALF, o2, mask=is_q[:, None])
     k_heads = heads - NUM_Q_HEADS
-    k_dst = k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF) + k_heads[:, None] * (2 * HALF) + dims[None, :]
-    tl.store(k_dst, o1, mask=is_k[:, None])
-    tl.store(k_dst + HALF, o2, mask=is_k[:, None])
+    if STORE_KV:
+        # the token's slot, once per row (a scalar mask trips Triton's interpreter); -1 is a padding
+        # row of a CUDA-graph batch, which stores nothing
+        slot = tl.load(slot_mapping_ptr + token + heads * 0)
+        row = (slot * cache_stride_slot)[:, None]
+        store_k = (is_k & (slot >= 0))[:, None]
+        store_v = (is_v & (slot >= 0))[:, None]
+        k_dst = k_cache_ptr + row + k_heads[:, None] * (2 * HALF) + dims[None, :]
+        tl.store(k_dst, o1, mask=store_k)
+        tl.store(k_dst + HALF, o2, mask=store_k)
+        v_dst = v_cache_ptr + row + (k_heads - NUM_KV_HEADS)[:, None] * (2 * HALF) + dims[None, :]
+        tl.store(v_dst, x1.to(dtype), mask=store_v)
+        tl.store(v_dst + HALF, x2.to(dtype), mask=store_v)
+    else:
+        k_dst = k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF) + k_heads[:, None] * (2 * HALF) + dims[None, :]
+        tl.store(k_dst, o1, mask=is_k[:, None])
+        tl.store(k_dst + HALF, o2, mask=is_k[:, None])
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos_sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 cos_sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim], normalized per head and rotated,
     from qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] (q's heads, then k's, then v's).
-    cos_sin: float32 [positions, head_dim], each row cos then sin of the rotary angles."""
+    cos_sin: float32 [positions, head_dim], each row cos then sin of the rotary angles.
+    kv_store: (k_cache, v_cache, slot_mapping) as an attention backend's kv_store_target gives
+    them; k and v then go into the caches at each token's slot (-1 skips it), and k is None."""
     num_tokens = qkv.shape[0]
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     q = qkv.new_empty((num_tokens, num_heads, head_dim))
-    k = qkv.new_empty((num_tokens, num_kv_heads, head_dim))
+    if kv_store is None:
+        k = qkv.new_empty((num_tokens, num_kv_heads, head_dim))
+        k_cache = v_cache = slot_mapping = k  # unused by the kernel: any tensor serves as the pointer
+        cache_stride_slot = 0
+    else:
+        k = None
+        k_cache, v_cache, slot_mapping = kv_store
+        cache_stride_slot = _slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
     if num_tokens:
+        rows = num_heads + num_kv_heads * (2 if kv_store is not None else 1)
         _qk_norm_rope_kernel[(num_tokens,)](
-            qkv, q, k, q_weight, k_weight, cos_sin, positions, qkv.stride(0), eps,
+            qkv, q, q if k is None else k, q_weight, k_weight, cos_sin, positions,
+            k_cache, v_cache, slot_mapping, cache_stride_slot, qkv.stride(0), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            HEADS_POW2=triton.next_power_of_2(num_heads + num_kv_heads), HALF=head_dim // 2,
+            HEADS_POW2=triton.next_power_of_2(rows), HALF=head_dim // 2, STORE_KV=kv_store is not None,
             num_warps=4)
     return q, k
+
+
+def _slot_stride(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """The elements from one slot to the next in contiguous [num_blocks, block_size, Hkv, D] caches."""
+    for cache in (k_cache, v_cache):
+        if tuple(cache.shape[-2:]) != (num_kv_heads, head_dim) or not cache.is_contiguous():
+            raise ValueError(f"kv_store caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                             f"got shape {tuple(cache.shape)} strides {cache.stride()}")
+    return num_kv_heads * head_dim

@@ -40,19 +40,24 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.scale = head_dim ** -0.5
         self.qk_norm_rope = qk_norm_rope
+        self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm_rope is not None:
+            # where the backend lets it, the kernel also stores k and v, one kernel less a layer
+            kv_store = self.kv_store_target(kv_cache, attn_metadata) if self.kv_store_target else None
             q, k = self.qk_norm_rope(qkv, positions, self.q_norm.weight, self.k_norm.weight, rotary.cos_sin,
-                                     self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim)
+                                     self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim, kv_store)
+            if kv_store is not None:
+                v = None
         else:
             q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rotary(positions, q, k)
-        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
