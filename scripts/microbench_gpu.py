@@ -13,6 +13,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 - prefill: the triton backend's paged prefill over tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary (fused Triton kernel vs torch.compile), SiLU*mul and the
   residual add + RMSNorm (torch.compile).
+- overlap: a stack of decoder layers over a workload batch, whole, as two halves in turn, and as
+  two halves on two streams (could two micro-batches hide each other's small kernels?).
 Prints tables; --out writes them as JSON."""
 import argparse
 import itertools
@@ -71,7 +73,7 @@ def workload_decode_batches(every: int):
         yield t, prompt_lens[active] + t
 
 
-def attention_bench(rates, results, every: int = 40):
+def attention_bench(rates, results, every: int = 40, quick: bool = False):
     """The split decode kernel over the bench workload's own decode batches (every `every` steps),
     for each kernel configuration and split plan; flash-attn's paged decode beside it. The total
     over the sampled steps says which configuration serves the whole run best."""
@@ -84,7 +86,8 @@ def attention_bench(rates, results, every: int = 40):
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    configs = list(itertools.product((64, 128), (4,), (2, 3), (4, 8, 12, 16, 24), ("batch", "longest_first")))
+    configs = list(itertools.product((128,) if quick else (64, 128), (4,), (3,) if quick else (2, 3),
+                                     (4, 8, 12, 16, 24), ("batch", "longest_first")))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -106,10 +109,9 @@ def attention_bench(rates, results, every: int = 40):
             block_n, warps, stages, per_sm, order = config
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
-            partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
-            partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
+            scratch = tk.SplitScratch.new(q, NUM_KV_HEADS, splits)
             fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
-                                         partial_out, partial_lse, 256, warps, stages, seq_order)
+                                         scratch, 256, warps, stages, seq_order)
             try:
                 us = graph_time_us(fn, reps=10, replays=7)
             except Exception as e:  # a config that does not compile (shared memory) counts as never best
@@ -303,19 +305,103 @@ def elementwise_bench(rates, results):
         results["elementwise"] += [{"m": m, "op": k, "us": v} for k, v in timings.items()]
 
 
+def overlap_bench(rates, results, layers: int = 28):
+    """Would two micro-batches on two streams hide the small kernels behind each other's attention?
+    A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
+    backend, distinct random weights per layer) over one of the workload's decode batches, captured
+    in a CUDA graph three ways: the whole batch on one stream (as now); its two halves one after the
+    other on one stream; the two halves on two streams, joined at the end, so the GPU may run one
+    half's GEMMs and norms while the other half's attention streams K/V."""
+    from transformers import Qwen3Config
+    from inferlab.core.batch import AttentionInputs
+    from inferlab.core.parallel import SINGLE
+    from inferlab.plugins.attention.triton_attention import TritonAttention
+    from inferlab.plugins.models.layers import RotaryEmbedding
+    from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+    from inferlab.plugins.models.qwen3 import Qwen3DecoderLayer
+    from inferlab.plugins.models.silu_mul_kernel import silu_and_mul
+    config = Qwen3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=NUM_HEADS,
+                         num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB)
+    backend = TritonAttention()
+    stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, (qk_norm_rope, silu_and_mul))
+                                for _ in range(layers)).to("cuda", torch.bfloat16)
+    for param in stack.parameters():
+        param.data.normal_(0, 0.02)
+    rotary = RotaryEmbedding(HEAD_DIM, 8192, 1e6).cuda()
+    max_blocks = 4096 // BLOCK_SIZE
+    cache = torch.randn(2, 256 * max_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    caches = [cache] * layers  # one cache for all layers: each layer's K/V read is far larger than L2 anyway
+
+    def inputs_for(lens, first_seq):
+        batch = len(lens)
+        tables = (torch.arange(first_seq, first_seq + batch)[:, None] * max_blocks
+                  + torch.arange(max_blocks)[None, :]).to(torch.int32).cuda()
+        seq_lens = lens.to(torch.int32).cuda()
+        slots = (tables[:, 0].long() * BLOCK_SIZE + seq_lens.long() - 1)
+        return AttentionInputs(query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                               seq_lens=seq_lens, context_lens=seq_lens - 1, block_tables=tables, slot_mapping=slots,
+                               max_query_len=1, max_seq_len=4096, is_decode=True, block_size=BLOCK_SIZE)
+
+    def chain(lens, first_seq):
+        inputs = inputs_for(lens, first_seq)
+        hidden = torch.randn(len(lens), HIDDEN, dtype=torch.bfloat16, device="cuda")
+        positions = (inputs.seq_lens - 1).long()
+
+        def run():
+            metadata = backend.build_metadata(inputs)
+            h, residual = hidden, None
+            for layer, kv in zip(stack, caches):
+                h, residual = layer(positions, h, residual, kv, rotary, metadata)
+            return h
+        return run
+
+    print(f"\n== two micro-batches on two streams, {layers} decoder layers (µs) ==")
+    picked = {}
+    for t, lens in workload_decode_batches(40):
+        for size in (256, 192, 128, 64, 32):
+            if size not in picked and len(lens) <= size and len(lens) >= size * 0.9:
+                picked[size] = (t, lens)
+    for size, (t, lens) in sorted(picked.items(), reverse=True):
+        half = len(lens) // 2
+        whole = chain(lens, 0)
+        first, second = chain(lens[:half], 0), chain(lens[half:], half)
+        side = torch.cuda.Stream()
+
+        def two_streams():
+            side.wait_stream(torch.cuda.current_stream())
+            first()
+            with torch.cuda.stream(side):
+                second()
+            torch.cuda.current_stream().wait_stream(side)
+
+        timings = {"whole batch": graph_time_us(whole, reps=2, replays=7),
+                   "halves in turn": graph_time_us(lambda: (first(), second()), reps=2, replays=7),
+                   "halves on two streams": graph_time_us(two_streams, reps=2, replays=7)}
+        floor_us = (int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 * layers
+                    + layers * (HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM + NUM_HEADS * HEAD_DIM * HIDDEN
+                                + 3 * HIDDEN * INTER) * 2) / rates.bandwidth * 1e6
+        print(f"  step {t:>4}, batch {len(lens):>3}: floor {floor_us:7.0f}; " +
+              "; ".join(f"{k} {v:7.0f}" for k, v in timings.items()))
+        results["overlap"].append({"step": t, "batch": len(lens), "floor_us": floor_us, **timings})
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise")
+    parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="attention: sweep only the split plan and order")
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": []}
+    results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": [], "overlap": []}
     parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
-             "prefill": prefill_bench, "elementwise": elementwise_bench}
+             "prefill": prefill_bench, "elementwise": elementwise_bench, "overlap": overlap_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
-            parts[part](rates, results)
+            if part == "attention":
+                attention_bench(rates, results, quick=args.quick)
+            else:
+                parts[part](rates, results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
