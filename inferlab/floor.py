@@ -26,6 +26,7 @@ class ModelCost:
     weight_bytes: int
     kv_bytes_per_token: int
     flops_per_token: float  # the matmuls' 2 * parameters, lm_head included
+    head_flops_per_token: float  # the lm_head's share: prefill pays it once a request, for the last prompt token
     attention_flops_per_pair: float  # QK^T and PV for one (query, key) pair over all layers
 
 
@@ -42,13 +43,16 @@ def model_cost(hf_config, dtype: torch.dtype) -> ModelCost:
         weight_bytes=params * size,
         kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size,
         flops_per_token=2.0 * (c.num_hidden_layers * per_layer + head),
+        head_flops_per_token=2.0 * head,
         attention_flops_per_pair=4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim)
 
 
 def workload_floor(prompt_lens, output_lens, cost: ModelCost, rates: DeviceRates) -> dict:
     """Floor of generating output_lens[i] tokens after prompt_lens[i], all requests at once."""
     prompts, outputs = np.asarray(prompt_lens, np.float64), np.asarray(output_lens, np.int64)
-    prefill_flops = float((prompts * cost.flops_per_token + cost.attention_flops_per_pair * prompts * (prompts + 1) / 2).sum())
+    # logits only for each prompt's last token, which samples output token 0
+    prefill_flops = float((prompts * (cost.flops_per_token - cost.head_flops_per_token) + cost.head_flops_per_token
+                           + cost.attention_flops_per_pair * prompts * (prompts + 1) / 2).sum())
     prefill_s = prefill_flops / rates.matmul_rate
     decode_s = 0.0
     # decode step t computes token t of every request with more than t outputs (token 0 came from prefill)

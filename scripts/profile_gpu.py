@@ -60,13 +60,11 @@ def timeline(llm, prompts, params):
     return records, wall
 
 
-def summarize(records, wall, cost, rates, hf_config):
-    head_flops = 2.0 * hf_config.vocab_size * hf_config.hidden_size  # prefill rows skip the LM head
-
+def summarize(records, wall, cost, rates):
     def floor_ms(r):
         if r["decode"]:
             return (cost.weight_bytes + cost.kv_bytes_per_token * r["kv_tokens"]) / rates.bandwidth * 1e3
-        return r["tokens"] * (cost.flops_per_token - head_flops) / rates.matmul_rate * 1e3
+        return r["tokens"] * (cost.flops_per_token - cost.head_flops_per_token) / rates.matmul_rate * 1e3  # prefill rows skip the LM head
 
     groups = [("prefill/mixed", [r for r in records if not r["decode"]])]
     for lo, hi in BUCKETS:
@@ -122,7 +120,7 @@ def main():
         records, wall = timeline(llm, prompts, params)
         print(f"\n== timeline: {args.attention}, {len(records)} steps, {wall:.3f} s, "
               f"{sum(p.max_tokens for p in params) / wall:.0f} output tok/s ==")
-        summarize(records, wall, cost, rates, llm.hf_config)
+        summarize(records, wall, cost, rates)
     if args.no_kernels:
         return
     llm.reset_prefix_cache()

@@ -17,6 +17,16 @@ def test_qwen3_06b_cost():
     cost = model_cost(QWEN3_06B, torch.bfloat16)
     assert cost.weight_bytes == 2 * 595_984_384  # 0.6B parameters, embedding tied
     assert cost.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+    assert cost.head_flops_per_token == 2 * 151936 * 1024
+
+
+def test_prefill_pays_the_lm_head_once_a_request():
+    cost = model_cost(QWEN3_06B, torch.bfloat16)
+    rates = DeviceRates("x", 1e12, 1e15)
+    one, many = workload_floor([1], [1], cost, rates), workload_floor([1000], [1], cost, rates)
+    layers = cost.flops_per_token - cost.head_flops_per_token
+    extra = (999 * layers + cost.attention_flops_per_pair * (1000 * 1001 / 2 - 1)) / rates.matmul_rate
+    assert many["floor_prefill_seconds"] - one["floor_prefill_seconds"] == pytest.approx(extra)
 
 
 def test_floor_of_the_bench_workload_on_h200_rates():
