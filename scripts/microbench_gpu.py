@@ -7,8 +7,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   heads, 16 query heads, head_dim 128, blocks of 256) on the bench workload's own decode batches,
   over tile sizes, pipeline stages, split plans and start orders; flash-attn's paged decode beside it
   when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
-- linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes.
-  Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
+- linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes, through
+  cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: a split-K Triton GEMM and cuBLAS on the transposed problem, against cuBLAS.
 - prefill: the triton backend's paged prefill over tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary (fused Triton kernel vs torch.compile), SiLU*mul and the
@@ -142,19 +142,26 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
 
 
 def linear_bench(rates, results):
+    """Each projection through cuBLAS and through cuBLASLt (torch's preferred_blas_library), with its
+    weight read from memory as in the model (a ring of 28 copies, one a layer, larger than L2)."""
     print("\n== linear layers (µs; floor = max(weight bytes / bandwidth, FLOPs / matmul rate)) ==")
     shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
               "lm_head": (VOCAB, HIDDEN)}
+    default = torch.backends.cuda.preferred_blas_library()
     for name, (n, k) in shapes.items():
-        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-        line = []
-        for m in (1, 8, 32, 64, 128, 256):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            us = graph_time_us(lambda: F.linear(x, weight))
-            floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
-            line.append(f"M={m}: {us:.1f} ({100 * floor / us:.0f}%)")
-            results["linear"].append({"layer": name, "m": m, "us": us, "floor_us": floor})
-        print(f"  {name:<8} " + "  ".join(line))
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+                   for _ in range(1 if name == "lm_head" else 28)]
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            line = []
+            for m in (1, 8, 32, 64, 128, 256):
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                us = graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=2, replays=9) / len(weights)
+                floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+                line.append(f"M={m}: {us:.1f} ({100 * floor / us:.0f}%)")
+                results["linear"].append({"layer": name, "library": library, "m": m, "us": us, "floor_us": floor})
+            print(f"  {name:<8} {library:<8} " + "  ".join(line))
+    torch.backends.cuda.preferred_blas_library(default)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from inferlab.core.plugins import PluginError, PluginRegistry
 log = logging.getLogger("inferlab")
 
 # attention=auto tries these in order and takes the first that builds and validates. On CUDA our
-# triton backend comes first: on an H200 its decode reads K/V at 92% of bandwidth where flash-attn's
+# triton backend comes first: on an H200 its decode reads K/V at 95% of bandwidth where flash-attn's
 # reaches 82%, over the bench workload's decode batches (BENCHMARKS.md).
 AUTO_ATTENTION = {"cuda": ("triton", "flash_attn", "torch"), "cpu": ("torch",)}
 MASK64 = (1 << 64) - 1
