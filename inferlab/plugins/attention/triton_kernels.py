@@ -63,6 +63,33 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head,
+                 cache_stride_slot, cache_stride_head, scale_log2, dims,
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """One step of online softmax, shared by prefill and decode: the keys `cols` (those < end) of one
+    KV head, gathered through the block table, against the rows of q [rows, D]; returns the
+    updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r]."""
+    col_mask = cols < end
+    block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if CAUSAL:
+        visible = (cols[None, :] <= query_pos[:, None]) & col_mask[None, :]
+    else:
+        visible = col_mask[None, :]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_ptr, seq_lens_ptr, block_tables_ptr,
@@ -98,22 +125,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # Key 0 is in the first tile and visible to every row, so the running max is finite after it.
     for start in range(0, kv_end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < kv_end
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (cols[None, :] <= query_pos[:, None]) & col_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -166,21 +180,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # The first column of each tile is < end, so the running max is finite after the first tile.
     for tile_start in range(start, end, BLOCK_N):
-        cols = tile_start + tl.arange(0, BLOCK_N)
-        col_mask = cols < end
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), end, 0,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -195,7 +197,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
         # Every thread's stores come before the count (barrier), and the count publishes them to
         # the program that sees it reach num_splits (release/acquire at GPU scope).
         tl.debug_barrier()
-        counter = split_counters_ptr + seq * tl.num_programs(0) // num_splits + kv_head
+        counter = split_counters_ptr + seq * (tl.num_programs(0) // num_splits) + kv_head  # [B, Hkv]
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(counter, 0)
             _combine_splits(out_ptr + seq * out_stride_token, out_stride_head, partial, partial_stride_split,
