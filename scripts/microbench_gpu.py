@@ -109,9 +109,10 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
             block_n, warps, stages, per_sm, order = config
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
-            scratch = tk.SplitScratch.new(q, NUM_KV_HEADS, splits)
+            partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
+            partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
             fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
-                                         scratch, 256, warps, stages, seq_order)
+                                         partial_out, partial_lse, 256, warps, stages, seq_order)
             try:
                 us = graph_time_us(fn, reps=10, replays=7)
             except Exception as e:  # a config that does not compile (shared memory) counts as never best

@@ -136,24 +136,24 @@ def test_split_decode_combines_partials_exactly(num_splits):
     inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
     expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
     triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
-    scratch = triton_kernels.SplitScratch.new(q, 2, num_splits)
-    # each sequence split evenly; or in parts of at least 32 keys. The same scratch serves every
-    # call, as it serves every layer: the last split to finish zeroes its counter again.
-    for min_split_len in (0, 32, 0):
+    partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
+    partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
+    for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
         got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          num_splits, 16, scratch, min_split_len)
+                                          num_splits, 16, partial_out, partial_lse, min_split_len)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        assert not scratch.counters.any()
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
     assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
     got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                      num_splits, 16, scratch, 32, seq_order=order)
+                                      num_splits, 16, partial_out, partial_lse, 32, seq_order=order)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    if num_splits > 1:
-        with pytest.raises(ValueError, match=f"split scratch for {num_splits} splits of \\(3, 2\\)"):
-            triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                        num_splits + 1, 16, scratch)
+
+
+def test_longest_first_orders_by_length_then_batch_position():
+    seq_lens = torch.tensor([5, 9, 0, 9, 1, 5, 7], dtype=torch.int32, device=DEVICE)
+    assert triton_kernels.longest_first(seq_lens).tolist() == [1, 3, 6, 0, 5, 4, 2]
+    assert triton_kernels.longest_first(seq_lens[:0]).tolist() == []
 
 
 def test_decode_plan_splits_long_contexts_of_small_batches():

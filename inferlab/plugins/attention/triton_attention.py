@@ -4,7 +4,7 @@ decode that serves all query heads of a KV head at once. Needs no flash-attn; on
 TRITON_INTERPRET=1 (slowly: for tests)."""
 import importlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -63,7 +63,8 @@ class TritonAttentionMetadata:
     inputs: AttentionInputs
     # Decode plan and scratch, made by the first layer's forward and reused by the others.
     num_splits: int = 0
-    split_scratch: Any = None  # triton_kernels.SplitScratch when num_splits > 1
+    partial_out: torch.Tensor | None = None  # float32 [B, H, splits, D]
+    partial_lse: torch.Tensor | None = None  # float32 [B, H, splits]
     seq_order: torch.Tensor | None = None  # int32 [B], the order decode programs start in
 
 
@@ -143,16 +144,19 @@ class TritonAttention:
             return kernels.paged_prefill(q, kv_cache, out, inputs.query_start_loc, inputs.seq_lens,
                                          inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
         if metadata.num_splits == 0:
+            num_seqs, num_heads, head_dim = q.shape
             metadata.num_splits = kernels.decode_splits(q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
                                                         self.decode_programs_per_sm)
             if metadata.num_splits > 1:
-                metadata.split_scratch = kernels.SplitScratch.new(q, kv_cache.shape[3], metadata.num_splits)
+                metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
+                                                   dtype=torch.float32)
+                metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
             if self.decode_order == "longest_first":
                 metadata.seq_order = kernels.longest_first(inputs.seq_lens)
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
-                                    metadata.num_splits, self.decode_block_n, metadata.split_scratch,
-                                    self.min_split_len, self.decode_num_warps, self.decode_num_stages,
-                                    metadata.seq_order)
+                                    metadata.num_splits, self.decode_block_n, metadata.partial_out,
+                                    metadata.partial_lse, self.min_split_len, self.decode_num_warps,
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

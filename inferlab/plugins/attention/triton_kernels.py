@@ -9,7 +9,6 @@ way they run on CPU), so this module is imported only when a Triton-based backen
 """
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,6 +25,7 @@ MIN_DOT_ROWS = 16
 PREFILL_RUNTIME_INTS = ["block_tables_stride"]
 DECODE_RUNTIME_INTS = ["num_splits", "min_split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
                        "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
+REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                         split_counters_ptr, seq_lens_ptr, block_tables_ptr, seq_order_ptr,
+                         seq_lens_ptr, block_tables_ptr, seq_order_ptr,
                          scale_log2, num_splits, min_split_len,
                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                          cache_stride_slot, cache_stride_head, block_tables_stride,
@@ -143,14 +143,12 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, SPLITS_POW2: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
     sequence by its own length keeps the programs' work even in a batch of mixed lengths. With
-    SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp, and
-    the last of the sequence's split programs to finish (counted in split_counters, which it
-    zeroes again for the next layer) combines them: no reduction kernel after this one.
+    SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp.
 
     The grid is (KV heads x splits, sequences), so the GPU starts all of a sequence's programs
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
@@ -190,40 +188,34 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                  out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
     else:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        partial = partial_out_ptr + seq * partial_stride_seq + heads * partial_stride_head
-        lse_row = partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head
-        tl.store(partial[:, None] + split * partial_stride_split + dims[None, :], out, mask=head_mask[:, None])
-        tl.store(lse_row + split, lse, mask=head_mask)
-        # Every thread's stores come before the count (barrier), and the count publishes them to
-        # the program that sees it reach num_splits (release/acquire at GPU scope).
-        tl.debug_barrier()
-        counter = split_counters_ptr + seq * (tl.num_programs(0) // num_splits) + kv_head  # [B, Hkv]
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(counter, 0)
-            _combine_splits(out_ptr + seq * out_stride_token, out_stride_head, partial, partial_stride_split,
-                            lse_row, heads, head_mask, dims, num_splits, SPLITS_POW2)
+        partial = seq * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
+        tl.store(partial_out_ptr + partial[:, None] + dims[None, :], out, mask=head_mask[:, None])
+        tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
 
 
-@triton.jit
-def _combine_splits(out_row, out_stride_head, partial, partial_stride_split, lse_row, heads, head_mask, dims,
-                    num_splits, SPLITS_POW2: tl.constexpr):
-    """Combines one sequence's split partials for the given heads, weighting each by its share of the
-    softmax. Loads bypass L1 (.cg): other multiprocessors wrote the partials."""
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
+def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
+                          out_stride_token, out_stride_head,
+                          partial_stride_seq, partial_stride_head, partial_stride_split,
+                          lse_stride_seq, lse_stride_head, num_splits,
+                          SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
-    lse = tl.load(lse_row[:, None] + splits[None, :], mask=head_mask[:, None] & (splits < num_splits)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 1)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + splits,
+                  mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all (a padding row)
-    total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
-    acc = tl.zeros([heads.shape[0], dims.shape[0]], dtype=tl.float32)
-    for split in range(num_splits):
-        weight = tl.exp2(tl.load(lse_row + split, mask=head_mask, other=float("-inf"), cache_modifier=".cg") - lse_max)
-        part = tl.load(partial[:, None] + split * partial_stride_split + dims[None, :], mask=head_mask[:, None],
-                       other=0.0, cache_modifier=".cg")
-        acc += part * weight[:, None]
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_row + heads[:, None] * out_stride_head + dims[None, :], out.to(out_row.dtype.element_ty),
-             mask=head_mask[:, None])
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, 0)
+    partial = partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
+    parts = tl.load(partial + splits[:, None] * partial_stride_split + dims[None, :],
+                    mask=split_mask[:, None], other=0.0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * out_stride_token + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
 LOG2E = 1.4426950408889634
@@ -275,46 +267,27 @@ def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_spli
     return max(1, min(wanted, most))
 
 
-@dataclass(slots=True)
-class SplitScratch:
-    """What split decode (num_splits > 1) works in: each split's normalized partial output and its
-    log2-sum-exp, and per (sequence, KV head) the count of its splits done so far (zeroes)."""
-    partial_out: torch.Tensor  # float32 [B, H, splits, D]
-    partial_lse: torch.Tensor  # float32 [B, H, splits]
-    counters: torch.Tensor  # int32 [B, Hkv]
-
-    @classmethod
-    def new(cls, q: torch.Tensor, num_kv_heads: int, num_splits: int) -> "SplitScratch":
-        num_seqs, num_heads, head_dim = q.shape
-        return cls(q.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32),
-                   q.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32),
-                   torch.zeros((num_seqs, num_kv_heads), dtype=torch.int32, device=q.device))
-
-
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
-                 scratch: SplitScratch | None = None, min_split_len: int = 0, num_warps: int = 4,
-                 num_stages: int = 2, seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                 partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+                 min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
-    at least min_split_len (flash-decoding) when num_splits > 1, which needs a SplitScratch of
-    as many splits. seq_order, a permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is
-    the order the GPU starts the sequences in; it changes only the timing."""
+    at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
+    partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
+    permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     single = num_splits == 1
-    if single:  # unused by the kernel; any tensors serve as the pointers
-        partial_out = partial_lse = counters = out
-    else:
-        partial_out, partial_lse, counters = scratch.partial_out, scratch.partial_lse, scratch.counters
-        if partial_out.shape[2] != num_splits or counters.shape != (num_seqs, num_kv_heads):
-            raise ValueError(f"split scratch for {partial_out.shape[2]} splits of {tuple(counters.shape)} "
-                             f"(sequence, KV head) pairs, asked for {num_splits} of {(num_seqs, num_kv_heads)}")
+    if single:  # unused by the kernel; any float32 tensor serves as the pointer
+        partial_out = partial_lse = out
     ordered = seq_order is not None
     _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
-        q, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables,
+        q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
         scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -324,14 +297,38 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, SPLITS_POW2=triton.next_power_of_2(num_splits), num_warps=num_warps, num_stages=num_stages)
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages)
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, partial_out, partial_lse,
+            out.stride(0), out.stride(1),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1), num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4)
     return out
 
 
+@triton.jit
+def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK: tl.constexpr):
+    """Sequence i's place in the order: how many are longer, or as long and earlier."""
+    i = tl.program_id(0)
+    others = tl.arange(0, BLOCK)
+    lens = tl.load(seq_lens_ptr + others, mask=others < num_seqs, other=-1)
+    mine = tl.load(seq_lens_ptr + i + others * 0)  # as a vector: a scalar mask trips the interpreter
+    ahead = (lens > mine) | ((lens == mine) & (others < i))
+    tl.store(order_ptr + tl.sum(ahead.to(tl.int32), 0), i)
+
+
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
-    """The batch's indices, longest sequence first (int32), as paged_decode's seq_order: on the
-    device and without a host sync, so a CUDA graph can replay it."""
-    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+    """The batch's indices, longest sequence first and ties in batch order (int32), as paged_decode's
+    seq_order: one small kernel (torch.argsort takes a radix sort of several kernels at 256 rows),
+    on the device and without a host sync, so a CUDA graph can replay it."""
+    num_seqs = seq_lens.shape[0]
+    order = torch.empty(num_seqs, dtype=torch.int32, device=seq_lens.device)
+    if num_seqs:
+        _longest_first_kernel[(num_seqs,)](seq_lens, order, num_seqs, BLOCK=triton.next_power_of_2(num_seqs))
+    return order
 
 
 def is_power_of_two(value: int, least: int) -> bool:
