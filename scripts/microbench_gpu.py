@@ -11,8 +11,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: a split-K Triton GEMM and cuBLAS on the transposed problem, against cuBLAS.
 - prefill: the triton backend's paged prefill over tiles, warps and stages, and flash-attn's varlen.
-- elementwise: q/k norm + rotary (fused Triton kernel vs torch.compile), SiLU*mul and the
-  residual add + RMSNorm (torch.compile).
+- elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
+  kernel and through torch.compile.
 - overlap: a stack of decoder layers over a workload batch, whole, as two halves in turn, and as
   two halves on two streams (could two micro-batches hide each other's small kernels?).
 Prints tables; --out writes them as JSON."""
@@ -283,6 +283,7 @@ def prefill_bench(rates, results):
 def elementwise_bench(rates, results):
     from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, compiled, rms_norm_heads, silu_and_mul
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
+    from inferlab.plugins.models.rms_norm_kernel import add_rms_norm as add_norm_kernel
     from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
     print("\n== elementwise (µs) ==")
     rotary = RotaryEmbedding(HEAD_DIM, 40960, 1e6, fused=True).cuda()
@@ -309,6 +310,7 @@ def elementwise_bench(rates, results):
         timings["silu*mul, Triton kernel"] = graph_time_us(lambda: silu_mul_kernel(gate_up))
         x, residual = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda"), torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
         timings["add+rmsnorm, torch.compile"] = graph_time_us(lambda: add_norm(x, residual, hw, 1e-6))
+        timings["add+rmsnorm, Triton kernel"] = graph_time_us(lambda: add_norm_kernel(x, residual, hw, 1e-6))
         print(f"  M={m}: " + "; ".join(f"{k} {v:.2f}" for k, v in timings.items()))
         results["elementwise"] += [{"m": m, "op": k, "us": v} for k, v in timings.items()]
 
@@ -326,12 +328,14 @@ def overlap_bench(rates, results, layers: int = 28):
     from inferlab.plugins.attention.triton_attention import TritonAttention
     from inferlab.plugins.models.layers import RotaryEmbedding
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
-    from inferlab.plugins.models.qwen3 import Qwen3DecoderLayer
+    from inferlab.plugins.models import rms_norm_kernel
+    from inferlab.plugins.models.qwen3 import ModelKernels, Qwen3DecoderLayer
     from inferlab.plugins.models.silu_mul_kernel import silu_and_mul
     config = Qwen3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=NUM_HEADS,
                          num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB)
     backend = TritonAttention()
-    stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, (qk_norm_rope, silu_and_mul))
+    kernels = ModelKernels(qk_norm_rope, silu_and_mul, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
+    stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, kernels)
                                 for _ in range(layers)).to("cuda", torch.bfloat16)
     for param in stack.parameters():
         param.data.normal_(0, 0.02)

@@ -1,4 +1,4 @@
-"""The model's Triton kernels (q/k norm + rotary, SiLU*mul) against the torch code they replace,
+"""The model's Triton kernels (q/k norm + rotary, SiLU*mul, RMSNorm) against the torch code they replace,
 and a greedy generate through them against Hugging Face. Without CUDA the kernels run in Triton's
 interpreter, so TRITON_INTERPRET is set before the kernel modules are first imported."""
 import os
@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
-from inferlab.plugins.models.layers import RotaryEmbedding, rms_norm, silu_and_mul  # noqa: E402
+from inferlab.plugins.models import rms_norm_kernel  # noqa: E402
+from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
 from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel  # noqa: E402
 
@@ -110,6 +111,26 @@ def test_silu_mul_kernel_matches_torch(num_tokens, width, dtype):
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.parametrize("num_tokens,width,dtype", [
+    (3, 1024, torch.float32),
+    (5, 40, torch.float32),  # not a power of two: a masked tail
+    (0, 64, torch.float32),
+    pytest.param(9, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # bf16 rounding: see CASES above
+])
+def test_rms_norm_kernels_match_torch(num_tokens, width, dtype):
+    torch.manual_seed(width)
+    x = (torch.randn(num_tokens, width, device=DEVICE) * 3).to(dtype)
+    residual = (torch.randn(num_tokens, width, device=DEVICE) * 3).to(dtype)
+    weight = (torch.rand(width, device=DEVICE) + 0.5).to(dtype)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
+    torch.testing.assert_close(rms_norm_kernel.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), **tolerance)
+    got, got_residual = rms_norm_kernel.add_rms_norm(x, residual, weight, 1e-6)
+    want, want_residual = add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(got, want, **tolerance)
+    torch.testing.assert_close(got_residual, want_residual, rtol=0, atol=0)  # one rounding of the same sum
+    assert got.shape == (num_tokens, width) and got.dtype == dtype
+
+
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention):
     # torch's backend stores K/V itself; triton's lets the q/k kernel store them (kv_store_target)
@@ -118,6 +139,8 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
               model_options={"triton_kernels": True})
     layer = llm.runner.model.layers[0]
     assert layer.self_attn.qk_norm_rope is qk_norm_rope and layer.mlp.act is silu_mul_kernel
+    assert layer.input_layernorm.add_norm is rms_norm_kernel.add_rms_norm
+    assert llm.runner.model.norm.norm is rms_norm_kernel.rms_norm
     assert (layer.self_attn.kv_store_target is not None) == (attention == "triton")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
@@ -131,12 +154,13 @@ def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default
     from inferlab.plugins.models.qwen3 import _triton_kernels
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
-    assert _triton_kernels(config, on_cuda=True, asked=None) == (qk_norm_rope, silu_mul_kernel)
-    assert _triton_kernels(config, on_cuda=False, asked=None) == (None, None)  # CPU: torch code
-    assert _triton_kernels(config, on_cuda=True, asked=False) == (None, None)
+    assert _triton_kernels(config, on_cuda=True, asked=None) == (qk_norm_rope, silu_mul_kernel, rms_norm_kernel.rms_norm,
+                                                                 rms_norm_kernel.add_rms_norm)
+    assert _triton_kernels(config, on_cuda=False, asked=None) is None  # CPU: torch code
+    assert _triton_kernels(config, on_cuda=True, asked=False) is None
     config.head_dim = 48
     with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 48; set model_options.triton_kernels=false"):
         _triton_kernels(config, on_cuda=True, asked=True)
     caplog.set_level("INFO", logger="inferlab")
-    assert _triton_kernels(config, on_cuda=True, asked=None) == (None, None)  # the CUDA default falls back
+    assert _triton_kernels(config, on_cuda=True, asked=None) is None  # the CUDA default falls back
     assert "got 48; using the torch code" in caplog.text

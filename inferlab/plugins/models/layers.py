@@ -190,15 +190,19 @@ def add_rms_norm(x, residual, weight, eps: float):
 
 class RMSNorm(nn.Module):
     """RMSNorm in float32; with `residual` it first adds it and returns the new residual too.
-    fused=True runs it through torch.compile (for CUDA)."""
+    fused=True runs it through torch.compile (for CUDA); kernels, a (rms_norm, add_rms_norm) pair
+    with these functions' signatures (rms_norm_kernel.py), replaces both."""
 
-    def __init__(self, size: int, eps: float, fused: bool = False, per_head: bool = False):
+    def __init__(self, size: int, eps: float, fused: bool = False, per_head: bool = False, kernels=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        norm = rms_norm_heads if per_head else rms_norm
-        self.norm = compiled(norm) if fused else norm
-        self.add_norm = compiled(add_rms_norm) if fused else add_rms_norm
+        if kernels is not None:
+            self.norm, self.add_norm = kernels
+        else:
+            norm = rms_norm_heads if per_head else rms_norm
+            self.norm = compiled(norm) if fused else norm
+            self.add_norm = compiled(add_rms_norm) if fused else add_rms_norm
 
     def forward(self, x, residual=None):
         if residual is None:

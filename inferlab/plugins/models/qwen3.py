@@ -5,7 +5,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,18 @@ log = logging.getLogger("inferlab")
 
 class CheckpointError(ValueError):
     """The checkpoint's files or tensors do not match what the model needs."""
+
+
+class ModelKernels(NamedTuple):
+    """The Triton kernels the model runs in place of its torch code (Qwen3Options.triton_kernels)."""
+    qk_norm_rope: Callable  # q/k per-head RMSNorm + rotary (+ the K/V store): qk_norm_rope_kernel.py
+    silu_and_mul: Callable  # silu_mul_kernel.py
+    rms_norm: Callable  # these two: rms_norm_kernel.py
+    add_rms_norm: Callable
+
+    @property
+    def norms(self) -> tuple[Callable, Callable]:
+        return self.rms_norm, self.add_rms_norm
 
 
 class Qwen3Attention(nn.Module):
@@ -74,13 +86,13 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels=(None, None)):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None):
         super().__init__()
-        qk_norm_rope, silu_mul_kernel = kernels
-        self.self_attn = Qwen3Attention(config, backend, tp, fused, qk_norm_rope)
-        self.mlp = Qwen3MLP(config, tp, fused, silu_mul_kernel)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        norms = kernels.norms if kernels else None
+        self.self_attn = Qwen3Attention(config, backend, tp, fused, kernels.qk_norm_rope if kernels else None)
+        self.mlp = Qwen3MLP(config, tp, fused, kernels.silu_and_mul if kernels else None)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, kernels=norms)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, kernels=norms)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         if residual is None:
@@ -104,9 +116,9 @@ PACKED = {
 class Qwen3Options:
     """The model's switches, typed for Hydra (`model=qwen3 model.triton_kernels=false`).
     torch_compile: fuse the elementwise chains (norms, rotary, SiLU) with torch.compile;
-    triton_kernels: our Triton kernels for q/k norms + rotary (qk_norm_rope_kernel.py) and
-    SiLU*mul (silu_mul_kernel.py) instead. None means on CUDA only, for both (and for the Triton
-    kernels, only where they can run: Triton importable, a power-of-two head_dim)."""
+    triton_kernels: our Triton kernels (ModelKernels: q/k norms + rotary, SiLU*mul, the hidden
+    RMSNorms) instead. None means on CUDA only, for both (and for the Triton kernels, only where
+    they can run: Triton importable, a power-of-two head_dim)."""
     torch_compile: Optional[bool] = None
     triton_kernels: Optional[bool] = None
 
@@ -129,7 +141,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels)
                                     for _ in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused,
+                            kernels=kernels.norms if kernels else None)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         if self.tie_word_embeddings:
@@ -195,28 +208,29 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _triton_kernels(config, on_cuda: bool, asked: bool | None):
-    """(q/k norm + rotary, SiLU*mul) Triton functions, or (None, None) for the torch code. They need
-    Triton and a power-of-two head_dim. Asked for (True) where they cannot run, that is an error;
-    by default (None) they are used on CUDA where they can run, and the torch code otherwise."""
+def _triton_kernels(config, on_cuda: bool, asked: bool | None) -> ModelKernels | None:
+    """The Triton kernels, or None for the torch code. They need Triton and a power-of-two head_dim.
+    Asked for (True) where they cannot run, that is an error; by default (None) they are used on
+    CUDA where they can run, and the torch code otherwise."""
     if asked is False or (asked is None and not on_cuda):
-        return None, None
+        return None
     head_dim = _head_dim(config)
     problem = None
     if head_dim < 16 or head_dim & (head_dim - 1):
         problem = f"triton_kernels needs a power-of-two head_dim >= 16, got {head_dim}"
     else:
         try:
+            from inferlab.plugins.models import rms_norm_kernel
             from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
             from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
         except ImportError as e:
             problem = f"triton_kernels needs Triton, which does not import: {e}"
     if problem is None:
-        return qk_norm_rope, silu_mul_kernel
+        return ModelKernels(qk_norm_rope, silu_mul_kernel, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
     if asked:
         raise ValueError(f"{problem}; set model_options.triton_kernels=false")
-    log.info("qwen3: %s; using the torch code for q/k norm, rotary and SiLU*mul", problem)
-    return None, None
+    log.info("qwen3: %s; using the torch code for the norms, rotary and SiLU*mul", problem)
+    return None
 
 
 def _rope_theta(config) -> float:
