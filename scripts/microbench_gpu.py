@@ -10,7 +10,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes, through
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: a split-K Triton GEMM and cuBLAS on the transposed problem, against cuBLAS.
-- prefill: the triton backend's paged prefill over tiles, warps and stages, and flash-attn's varlen.
+- prefill: the triton backend's paged prefill over query heads a program (1 or the GQA group),
+  tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
   kernel and through torch.compile.
 - overlap: a stack of decoder layers over a workload batch, whole, as two halves in turn, and as
@@ -257,15 +258,20 @@ def prefill_bench(rates, results):
     max_len, scale = int(lens.max()), HEAD_DIM ** -0.5
     print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
     rows = []
-    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+    group = NUM_HEADS // NUM_KV_HEADS
+    for heads, block_m, block_n, warps, stages in itertools.product((1, group), (32, 64, 128), (32, 64), (4, 8),
+                                                                    (2, 3)):
+        if heads * block_m > 128:  # the accumulator would spill
+            continue
         fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
-                                      block_m, block_n, warps, stages)
+                                      block_m, block_n, warps, stages, heads)
         try:
             us = graph_time_us(fn, reps=5, replays=10)
         except Exception as e:
-            print(f"  skip m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
+            print(f"  skip h{heads} m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
             continue
-        rows.append({"kernel": "triton", "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages, "us": us})
+        rows.append({"kernel": "triton", "heads": heads, "block_m": block_m, "block_n": block_n, "warps": warps,
+                     "stages": stages, "us": us})
     if flash_attn_varlen_func is not None:
         cu_k = query_start
         us = graph_time_us(lambda: flash_attn_varlen_func(q, cache[0], cache[1], cu_seqlens_q=query_start, cu_seqlens_k=cu_k,
@@ -273,9 +279,10 @@ def prefill_bench(rates, results):
                                                           causal=True, block_table=tables), reps=5, replays=10)
         rows.append({"kernel": "flash_attn", "us": us})
     rows.sort(key=lambda r: r["us"])
-    for r in rows[:6] + [r for r in rows[6:] if r["kernel"] == "flash_attn" or
+    for r in rows[:8] + [r for r in rows[8:] if r["kernel"] == "flash_attn" or
                          (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) == (64, 64, 4, 2)]:
-        name = "flash_attn" if r["kernel"] == "flash_attn" else f"triton m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+        name = "flash_attn" if r["kernel"] == "flash_attn" else \
+            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
         print(f"  {name:<28} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
     results["prefill"] = rows
 

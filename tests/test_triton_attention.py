@@ -111,6 +111,20 @@ def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, q
     torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
 
 
+def test_prefill_programs_of_one_head_or_a_whole_group_agree():
+    inputs, q, k, v, cache = make_batch([33, 7], [17, 64], 32, 2, 32, 4, seed=4)
+    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.3)
+    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
+    for heads in (1, 4):  # one query head a program, or the four sharing a KV head
+        got = triton_kernels.paged_prefill(q, cache, torch.empty_like(q), inputs.query_start_loc, inputs.seq_lens,
+                                           inputs.block_tables, inputs.max_query_len, 0.3, 16, 16,
+                                           heads_per_program=heads)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="heads_per_program must be 1 or the group size 4"):
+        triton_kernels.paged_prefill(q, cache, torch.empty_like(q), inputs.query_start_loc, inputs.seq_lens,
+                                     inputs.block_tables, inputs.max_query_len, 0.3, 16, 16, heads_per_program=2)
+
+
 # (block size, query heads per KV head, head_dim, context lens before the new token)
 DECODE_CASES = [
     (16, 4, 32, [0, 37, 95, 16]),  # a first token, block-aligned and unaligned contexts

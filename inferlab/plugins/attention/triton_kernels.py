@@ -96,31 +96,35 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     scale_log2,
                     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                     cache_stride_slot, cache_stride_head, block_tables_stride,
-                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One program: BLOCK_M new tokens of one sequence, one query head, over all keys up to the
-    tile's causal bound (cached context + new tokens), read through the block table."""
+    """One program: BLOCK_M new tokens of one sequence for HEADS query heads of one KV head (1, or
+    all GROUP of them, which then share each K/V tile), over all keys up to the tile's causal bound
+    (cached context + new tokens), read through the block table. Its rows are head-major: the
+    first BLOCK_M are the first head's tokens."""
     seq = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
+    first_head = tl.program_id(2) * HEADS
     query_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - query_start
     if tile * BLOCK_M >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
-    kv_head = head // GROUP
+    kv_head = first_head // GROUP
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    program_rows = tl.arange(0, BLOCK_M * HEADS)
+    rows = tile * BLOCK_M + program_rows % BLOCK_M  # each row's token among the sequence's new ones
+    heads = first_head + program_rows // BLOCK_M
     row_mask = rows < query_len
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (query_start + rows)[:, None] * q_stride_token + head * q_stride_head + dims[None, :],
-                mask=row_mask[:, None], other=0.0)
+    q = tl.load(q_ptr + (query_start + rows)[:, None] * q_stride_token + heads[:, None] * q_stride_head
+                + dims[None, :], mask=row_mask[:, None], other=0.0)
     query_pos = context_len + rows  # absolute position of each row; it sees keys 0..query_pos
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * HEADS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * HEADS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # Key 0 is in the first tile and visible to every row, so the running max is finite after it.
@@ -129,8 +133,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                                      k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
                                      cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + heads[:, None] * out_stride_head
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
@@ -228,19 +232,28 @@ def _precision(dtype: torch.dtype) -> str:
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                  block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                  block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
+                  heads_per_program: int | None = None) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
-    plus those tokens (already stored), into out [T, H, D]."""
+    plus those tokens (already stored), into out [T, H, D]. Each program takes block_m tokens of
+    heads_per_program query heads sharing a KV head: 1, or the whole group (the default where the
+    group size is a power of two), which reads each K/V tile once for all of them."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads)
+    group = num_heads // num_kv_heads
+    if heads_per_program is None:
+        heads_per_program = group if group & (group - 1) == 0 else 1
+    if heads_per_program not in (1, group) or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"heads_per_program must be 1 or the group size {group} (a power of two), "
+                         f"got {heads_per_program}")
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads // heads_per_program)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, HEADS=heads_per_program, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages)
     return out
