@@ -120,6 +120,11 @@ def test_prefill_programs_of_one_head_or_a_whole_group_agree():
                                            inputs.block_tables, inputs.max_query_len, 0.3, 16, 16,
                                            heads_per_program=heads)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # by default a program takes the group where it is a power of two and its rows fit
+    assert triton_kernels.prefill_heads_per_program(4, 16) == 4
+    assert triton_kernels.prefill_heads_per_program(2, 64) == 2  # Qwen3-0.6B: 128 rows
+    assert triton_kernels.prefill_heads_per_program(4, 64) == 1  # Qwen3-8B: 256 rows would not fit
+    assert triton_kernels.prefill_heads_per_program(5, 16) == 1
     with pytest.raises(ValueError, match="heads_per_program must be 1 or the group size 4"):
         triton_kernels.paged_prefill(q, cache, torch.empty_like(q), inputs.query_start_loc, inputs.seq_lens,
                                      inputs.block_tables, inputs.max_query_len, 0.3, 16, 16, heads_per_program=2)

@@ -223,11 +223,20 @@ def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
 
 
 LOG2E = 1.4426950408889634
+# The most query rows (tokens x heads) one prefill program holds: its float32 accumulator is
+# rows x head_dim, and beyond 128 x 128 it no longer fits four warps' registers.
+MAX_PREFILL_ROWS = 128
 
 
 def _precision(dtype: torch.dtype) -> str:
     # float32 caches (CPU tests, fp32 runs) get exact products; bf16/fp16 ignore the setting
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def prefill_heads_per_program(group: int, block_m: int) -> int:
+    """The whole group of query heads a KV head serves where its size is a power of two and its rows
+    (block_m per head) fit MAX_PREFILL_ROWS; else 1."""
+    return group if group & (group - 1) == 0 and block_m * group <= MAX_PREFILL_ROWS else 1
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
@@ -236,14 +245,14 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
                   heads_per_program: int | None = None) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
     plus those tokens (already stored), into out [T, H, D]. Each program takes block_m tokens of
-    heads_per_program query heads sharing a KV head: 1, or the whole group (the default where the
-    group size is a power of two), which reads each K/V tile once for all of them."""
+    heads_per_program query heads sharing a KV head: 1, or the whole group, which reads each K/V
+    tile once for all of them (default: prefill_heads_per_program)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     if heads_per_program is None:
-        heads_per_program = group if group & (group - 1) == 0 else 1
+        heads_per_program = prefill_heads_per_program(group, block_m)
     if heads_per_program not in (1, group) or heads_per_program & (heads_per_program - 1):
         raise ValueError(f"heads_per_program must be 1 or the group size {group} (a power of two), "
                          f"got {heads_per_program}")
