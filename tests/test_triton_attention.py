@@ -68,6 +68,13 @@ def run_both(inputs, q, k, v, cache, scale=0.3, backend=None):
     return got, expected, triton_cache, torch_cache
 
 
+def assert_matches_torch(inputs, q, k, v, cache, backend=None):
+    """The triton backend's output and stored cache against the torch backend's."""
+    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache, backend=backend)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+
+
 def test_store_writes_each_token_to_its_slot_and_skips_minus_one():
     num_kv_heads, head_dim = 2, 16
     cache = torch.zeros(2, 4, 16, num_kv_heads, head_dim, device=DEVICE)
@@ -106,9 +113,7 @@ PREFILL_CASES = [
 def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, query_lens, context_lens):
     inputs, q, k, v, cache = make_batch(query_lens, context_lens, block_size, 2, head_dim, group)
     assert not inputs.is_decode
-    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+    assert_matches_torch(inputs, q, k, v, cache)
 
 
 def test_prefill_programs_of_one_head_or_a_whole_group_agree():
@@ -143,9 +148,7 @@ DECODE_CASES = [
 def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -188,9 +191,7 @@ def test_mixed_decode_and_prefill_chunks_match_torch():
     # a chunked-prefill step: two decoding sequences beside a chunk with a prefix and a new prompt
     inputs, q, k, v, cache = make_batch([1, 12, 1, 30], [50, 32, 7, 0], 16, 1, 32, 4, seed=3)
     assert not inputs.is_decode
-    got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
+    assert_matches_torch(inputs, q, k, v, cache)
 
 
 def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
