@@ -31,13 +31,17 @@ def cache(kv, token_ids):
     kv.free(seq)
 
 
-def requests():
-    """Arrival order: none cached, 4 cached, 8 cached, none cached, 8 cached."""
-    return {"cold1": Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams()),
+def add_requests(scheduler):
+    """Adds, in this arrival order, requests with none cached, 4 cached, 8 cached, none cached,
+    8 cached; returns them by name."""
+    seqs = {"cold1": Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams()),
             "one_block": Sequence(PREFIX[:4] + [7, 7, 7, 7, 7], SamplingParams()),
             "two_blocks": Sequence(PREFIX[:8] + [8, 8], SamplingParams()),
             "cold2": Sequence([9, 9, 9], SamplingParams()),
             "two_blocks_later": Sequence(PREFIX[:8] + [5, 5, 5, 5, 5, 5], SamplingParams())}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    return seqs
 
 
 def order(scheduler, seqs):
@@ -54,9 +58,7 @@ def test_registered_with_its_options():
 def test_orders_waiting_by_cached_prefix_length_stably():
     scheduler, kv = make()
     cache(kv, PREFIX)
-    seqs = requests()
-    for seq in seqs.values():
-        scheduler.add(seq)
+    seqs = add_requests(scheduler)
     assert [kv.num_cached_prefix_tokens(s) for s in seqs.values()] == [0, 4, 8, 0, 8]
     scheduler.order_waiting()
     assert order(scheduler, seqs) == ["two_blocks", "two_blocks_later", "one_block", "cold1", "cold2"]
@@ -65,9 +67,7 @@ def test_orders_waiting_by_cached_prefix_length_stably():
 def test_schedule_admits_the_longest_cached_prefix_first():
     scheduler, kv = make(max_num_seqs=1)
     cache(kv, PREFIX)
-    seqs = requests()
-    for seq in seqs.values():
-        scheduler.add(seq)
+    seqs = add_requests(scheduler)
     batch = scheduler.schedule()
     assert batch.seqs == [seqs["two_blocks"]]
     assert batch.num_scheduled_tokens == [2]  # only the two uncached tokens are computed
@@ -76,9 +76,7 @@ def test_schedule_admits_the_longest_cached_prefix_first():
 
 def test_nothing_cached_is_fcfs():
     scheduler, kv = make()
-    seqs = requests()
-    for seq in seqs.values():
-        scheduler.add(seq)
+    seqs = add_requests(scheduler)
     scheduler.order_waiting()
     assert order(scheduler, seqs) == list(seqs)
 
@@ -86,9 +84,7 @@ def test_nothing_cached_is_fcfs():
 def test_long_queue_or_full_batch_keeps_arrival_order():
     scheduler, kv = make(max_sort_waiting=3)
     cache(kv, PREFIX)
-    seqs = requests()
-    for seq in seqs.values():
-        scheduler.add(seq)
+    seqs = add_requests(scheduler)
     scheduler.order_waiting()  # five waiting > max_sort_waiting
     assert order(scheduler, seqs) == list(seqs)
 
@@ -97,9 +93,7 @@ def test_long_queue_or_full_batch_keeps_arrival_order():
     running = Sequence([42, 43], SamplingParams())
     scheduler.add(running)
     scheduler.schedule()  # running is now full
-    seqs = requests()
-    for seq in seqs.values():
-        scheduler.add(seq)
+    seqs = add_requests(scheduler)
     scheduler.order_waiting()
     assert order(scheduler, seqs) == list(seqs)
 
