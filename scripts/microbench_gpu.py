@@ -322,13 +322,11 @@ def elementwise_bench(rates, results):
         results["elementwise"] += [{"m": m, "op": k, "us": v} for k, v in timings.items()]
 
 
-def overlap_bench(rates, results, layers: int = 28):
-    """Would two micro-batches on two streams hide the small kernels behind each other's attention?
-    A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
-    backend, distinct random weights per layer) over one of the workload's decode batches, captured
-    in a CUDA graph three ways: the whole batch on one stream (as now); its two halves one after the
-    other on one stream; the two halves on two streams, joined at the end, so the GPU may run one
-    half's GEMMs and norms while the other half's attention streams K/V."""
+def decoder_stack(layers: int = 28):
+    """A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
+    backend, distinct random weights per layer) and chain(lens, first_seq): a function that runs the
+    stack over one decode batch of those sequence lengths, whose K/V are blocks first_seq... of a
+    shared paged cache."""
     from transformers import Qwen3Config
     from inferlab.core.batch import AttentionInputs
     from inferlab.core.parallel import SINGLE
@@ -361,7 +359,7 @@ def overlap_bench(rates, results, layers: int = 28):
                                seq_lens=seq_lens, context_lens=seq_lens - 1, block_tables=tables, slot_mapping=slots,
                                max_query_len=1, max_seq_len=4096, is_decode=True, block_size=BLOCK_SIZE)
 
-    def chain(lens, first_seq):
+    def chain(lens, first_seq=0):
         inputs = inputs_for(lens, first_seq)
         hidden = torch.randn(len(lens), HIDDEN, dtype=torch.bfloat16, device="cuda")
         positions = (inputs.seq_lens - 1).long()
@@ -373,7 +371,23 @@ def overlap_bench(rates, results, layers: int = 28):
                 h, residual = layer(positions, h, residual, kv, rotary, metadata)
             return h
         return run
+    return stack, chain
 
+
+def stack_floor_us(lens, layers: int, bandwidth: float) -> float:
+    """The decoder stack's floor over one decode batch: its K/V and its weights read once."""
+    return (int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 * layers
+            + layers * (HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM + NUM_HEADS * HEAD_DIM * HIDDEN
+                        + 3 * HIDDEN * INTER) * 2) / bandwidth * 1e6
+
+
+def overlap_bench(rates, results, layers: int = 28):
+    """Would two micro-batches on two streams hide the small kernels behind each other's attention?
+    decoder_stack's layers over one of the workload's decode batches, captured in a CUDA graph three
+    ways: the whole batch on one stream (as now); its two halves one after the other on one stream;
+    the two halves on two streams, joined at the end, so the GPU may run one half's GEMMs and norms
+    while the other half's attention streams K/V."""
+    _, chain = decoder_stack(layers)
     print(f"\n== two micro-batches on two streams, {layers} decoder layers (µs) ==")
     picked = {}
     for t, lens in workload_decode_batches(40):
@@ -396,9 +410,7 @@ def overlap_bench(rates, results, layers: int = 28):
         timings = {"whole batch": graph_time_us(whole, reps=2, replays=7),
                    "halves in turn": graph_time_us(lambda: (first(), second()), reps=2, replays=7),
                    "halves on two streams": graph_time_us(two_streams, reps=2, replays=7)}
-        floor_us = (int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 * layers
-                    + layers * (HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM + NUM_HEADS * HEAD_DIM * HIDDEN
-                                + 3 * HIDDEN * INTER) * 2) / rates.bandwidth * 1e6
+        floor_us = stack_floor_us(lens, layers, rates.bandwidth)
         print(f"  step {t:>4}, batch {len(lens):>3}: floor {floor_us:7.0f}; " +
               "; ".join(f"{k} {v:7.0f}" for k, v in timings.items()))
         results["overlap"].append({"step": t, "batch": len(lens), "floor_us": floor_us, **timings})

@@ -1,0 +1,272 @@
+"""What the kernel boundaries of a decode step cost on the GPU, and what programmatic dependent
+launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA graph.
+
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm] [--out results.json]
+
+- gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
+  against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
+- chain: 280 RMSNorm kernels in a row (a layer's worth of small kernels, 28 times), launched
+  plainly and with PDL (each waits on griddepcontrol and lets its successor launch at once).
+- prefetch: each projection's weight ring (28 copies, one a layer, as in the model) behind an
+  RMSNorm kernel, through cuBLAS; the norm kernel optionally asks L2 for the next GEMM's weight
+  (cp.async.bulk.prefetch) before it works, so the GEMM finds its weight on chip.
+- gemm: the same chain with a Triton GEMM launched with PDL, which asks L2 for its weight slab
+  before it waits on its predecessor, against the cuBLAS chain."""
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from microbench_gpu import HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decoder_stack, graph_time_us, \
+    stack_floor_us, workload_decode_batches  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from inferlab.floor import device_rates  # noqa: E402
+
+LAYERS = 28
+SHAPES = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, NUM_HEADS * HEAD_DIM),
+          "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+
+
+@triton.jit
+def l2_prefetch(base_ptr, first_byte, end_byte, CHUNK: tl.constexpr, N: tl.constexpr):
+    """Ask L2 for N chunks of CHUNK bytes from base + first_byte, stopping at end_byte, without
+    waiting for them (one cp.async.bulk.prefetch per chunk; N at least the program's threads, so
+    no chunk is asked for twice)."""
+    offsets = first_byte + tl.arange(0, N).to(tl.int64) * CHUNK
+    sizes = tl.minimum(tl.maximum(end_byte - offsets, 0), CHUNK).to(tl.int32)
+    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + offsets
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf_p; setp.ne.u32 pf_p, $2, 0; @pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _norm_kernel(x_ptr, weight_ptr, out_ptr, next_ptr, next_bytes, width, eps, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr):
+    row = tl.program_id(0)
+    if PREFETCH:  # this program's share of the next GEMM's weight
+        share = tl.cdiv(next_bytes, tl.num_programs(0) * CHUNK * THREADS) * CHUNK * THREADS
+        for start in range(row * share, tl.minimum((row + 1) * share, next_bytes), CHUNK * THREADS):
+            l2_prefetch(next_ptr, start, next_bytes, CHUNK, THREADS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / width + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def norm(x, weight, out, pdl=False, next_weight=None, chunk=4096):
+    m, width = x.shape
+    prefetch = next_weight is not None
+    _norm_kernel[(m,)](x, weight, out, next_weight if prefetch else x,
+                       next_weight.numel() * next_weight.element_size() if prefetch else 0, width, 1e-6,
+                       BLOCK=triton.next_power_of_2(width), PDL=pdl, PREFETCH=prefetch, CHUNK=chunk, THREADS=128,
+                       num_warps=4, launch_pdl=pdl)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr,
+                 THREADS: tl.constexpr):
+    """y = x @ w.T, one BLOCK_M x BLOCK_N tile a program."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    if PREFETCH:
+        if pid_m == 0:  # the weight slab depends on no earlier kernel: ask for it before waiting
+            slab = BLOCK_N * K * 2
+            for start in range(pid_n * slab, (pid_n + 1) * slab, CHUNK * THREADS):
+                l2_prefetch(w_ptr, start, (pid_n + 1) * slab, CHUNK, THREADS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=rm[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :])
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
+
+
+def gemm(x, w, y, block_n, block_k, stages, pdl, prefetch):
+    m, k = x.shape
+    n = w.shape[0]
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    _gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
+        x, w, y, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, PREFETCH=prefetch,
+        CHUNK=1024, THREADS=128, num_warps=4, num_stages=stages, launch_pdl=pdl)
+
+
+def picked_batches(sizes=(256, 128, 64, 32, 8)):
+    picked = {}
+    for t, lens in workload_decode_batches(20):
+        for size in sizes:
+            if size not in picked and size * 0.9 <= len(lens) <= size:
+                picked[size] = (t, lens)
+    return [picked[s] for s in sizes if s in picked]
+
+
+def replay_time_us(graph, replays: int = 21) -> float:
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def gaps_bench(rates, results):
+    print("\n== decoder stack: graph time against the sum of kernel durations (µs) ==")
+    _, chain = decoder_stack(LAYERS)
+    for t, lens in picked_batches():
+        run = chain(lens)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph_us = replay_time_us(graph)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+                   and str(e.device_type).endswith("CUDA")]
+
+        def total(e):
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        kernel_us = sum(total(e) for e in kernels) / 5
+        launches = sum(e.count for e in kernels) / 5
+        floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
+        print(f"  batch {len(lens):>3}: graph {graph_us:7.0f}, kernels {kernel_us:7.0f} in {launches:.0f} launches, "
+              f"between kernels {graph_us - kernel_us:6.0f} ({(graph_us - kernel_us) / launches:.2f} a launch); "
+              f"floor {floor_us:.0f}")
+        top = sorted(kernels, key=total, reverse=True)[:12]
+        for e in top:
+            print(f"      {total(e) / e.count:7.2f} µs x {e.count / 5:4.0f}  {e.key[:90]}")
+        results["gaps"].append({"batch": len(lens), "graph_us": graph_us, "kernel_us": kernel_us,
+                                "launches": launches, "floor_us": floor_us,
+                                "kernels": [{"name": e.key, "count": e.count / 5, "us": total(e) / e.count} for e in top]})
+
+
+def chain_bench(rates, results):
+    print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
+    w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    for m in (8, 64, 256):
+        x = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        bufs = [x, torch.empty_like(x)]
+        line = {}
+        for pdl in (False, True):
+            def run():
+                for i in range(280):
+                    norm(bufs[i % 2], w, bufs[(i + 1) % 2], pdl=pdl)
+            line[pdl] = graph_time_us(run, reps=1, replays=11) / 280
+        print(f"  M={m:<4} plain {line[False]:.2f}  PDL {line[True]:.2f}")
+        results["chain"].append({"m": m, "plain_us": line[False], "pdl_us": line[True]})
+
+
+def prefetch_bench(rates, results):
+    print("\n== RMSNorm then cuBLAS GEMM a layer, weights cold (µs a layer; floor: weight bytes) ==")
+    for name, (n, k) in SHAPES.items():
+        nw = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
+        for m in (8, 64, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            xn = torch.empty_like(x)
+            line = {}
+            for mode in ("none", "prefetch", "prefetch+pdl"):
+                def run():
+                    for w in weights:
+                        norm(x, nw, xn, pdl=mode == "prefetch+pdl",
+                             next_weight=None if mode == "none" else w)
+                        F.linear(xn, w)
+                line[mode] = graph_time_us(run, reps=1, replays=11) / LAYERS
+            floor = n * k * 2 / rates.bandwidth * 1e6
+            print(f"  {name:<8} M={m:<4} " + "  ".join(f"{k_} {v:5.2f}" for k_, v in line.items()) + f"  floor {floor:.2f}")
+            results["prefetch"].append({"layer": name, "m": m, "floor_us": floor, **line})
+
+
+def gemm_bench(rates, results):
+    print("\n== RMSNorm then a Triton GEMM with PDL + weight prefetch, against cuBLAS (µs a layer) ==")
+    for name, (n, k) in SHAPES.items():
+        nw = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
+        for m in (8, 64, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            xn = torch.empty_like(x)
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+            def cublas():
+                for w in weights:
+                    norm(x, nw, xn)
+                    F.linear(xn, w)
+            base = graph_time_us(cublas, reps=1, replays=11) / LAYERS
+            best = None
+            for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128), (3, 4)):
+                def run(pdl=True, prefetch=True):
+                    for w in weights:
+                        norm(x, nw, xn, pdl=pdl)
+                        gemm(xn, w, y, block_n, block_k, stages, pdl, prefetch)
+                try:
+                    us = graph_time_us(run, reps=1, replays=11) / LAYERS
+                except Exception as e:
+                    print(f"    skip n{block_n} k{block_k} s{stages}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, block_n, block_k, stages, run)
+            us, block_n, block_k, stages, run = best
+            plain = graph_time_us(lambda: run(False, False), reps=1, replays=11) / LAYERS
+            pdl_only = graph_time_us(lambda: run(True, False), reps=1, replays=11) / LAYERS
+            check = torch.empty_like(y)
+            gemm(xn, weights[0], check, block_n, block_k, stages, False, False)
+            err = (check.float() - F.linear(xn, weights[0]).float()).abs().max().item()
+            floor = n * k * 2 / rates.bandwidth * 1e6
+            print(f"  {name:<8} M={m:<4} cuBLAS {base:5.2f}  triton plain {plain:5.2f}  +PDL {pdl_only:5.2f}  "
+                  f"+PDL+prefetch {us:5.2f} (n{block_n} k{block_k} s{stages}; max err {err:.3f})  floor {floor:.2f}")
+            results["gemm"].append({"layer": name, "m": m, "cublas_us": base, "plain_us": plain, "pdl_us": pdl_only,
+                                    "pdl_prefetch_us": us, "block_n": block_n, "block_k": block_k, "stages": stages,
+                                    "floor_us": floor, "max_err": err})
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="gaps,chain,prefetch,gemm")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rates = device_rates(torch.device("cuda"), torch.bfloat16)
+    print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
+    parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench}
+    results = {part: [] for part in parts}
+    with torch.inference_mode():
+        for part in args.only.split(","):
+            try:
+                parts[part](rates, results)
+            except Exception as e:  # one part's failure should not cost the others' figures
+                import traceback
+                traceback.print_exc()
+                print(f"part {part} failed: {type(e).__name__}: {e}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
