@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from inferlab.plugins import pdl
+
 # True when the kernels below were decorated in interpreter mode (they then run on CPU tensors).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -31,7 +33,8 @@ REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                      k_stride_token, v_stride_token, cache_stride_slot,
-                     ROW: tl.constexpr, ROW_POW2: tl.constexpr):
+                     ROW: tl.constexpr, ROW_POW2: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # a padding row of a CUDA-graph batch: nothing to store
@@ -53,7 +56,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), v.stride(0), k_cache.stride(1),
-        ROW=row, ROW_POW2=triton.next_power_of_2(row))
+        ROW=row, ROW_POW2=triton.next_power_of_2(row), **pdl.launch_options(k.device))
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -97,11 +100,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                     cache_stride_slot, cache_stride_head, block_tables_stride,
                     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_M new tokens of one sequence for HEADS query heads of one KV head (1, or
     all GROUP of them, which then share each K/V tile), over all keys up to the tile's causal bound
     (cached context + new tokens), read through the block table. Its rows are head-major: the
     first BLOCK_M are the first head's tokens."""
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     first_head = tl.program_id(2) * HEADS
@@ -147,7 +151,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -158,6 +162,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
     last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
+    pdl.wait_for_inputs(PDL)
     kv_head = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
@@ -202,8 +207,9 @@ def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
                           out_stride_token, out_stride_head,
                           partial_stride_seq, partial_stride_head, partial_stride_split,
                           lse_stride_seq, lse_stride_head, num_splits,
-                          SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                          SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
     """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax."""
+    pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
@@ -264,7 +270,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS=heads_per_program, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     return out
 
 
@@ -319,7 +325,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages)
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
@@ -327,13 +333,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), num_splits,
             SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4)
+            num_warps=4, **pdl.launch_options(q.device))
     return out
 
 
 @triton.jit
-def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK: tl.constexpr):
+def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Sequence i's place in the order: how many are longer, or as long and earlier."""
+    pdl.wait_for_inputs(PDL)
     i = tl.program_id(0)
     others = tl.arange(0, BLOCK)
     lens = tl.load(seq_lens_ptr + others, mask=others < num_seqs, other=-1)
@@ -349,7 +356,8 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     num_seqs = seq_lens.shape[0]
     order = torch.empty(num_seqs, dtype=torch.int32, device=seq_lens.device)
     if num_seqs:
-        _longest_first_kernel[(num_seqs,)](seq_lens, order, num_seqs, BLOCK=triton.next_power_of_2(num_seqs))
+        _longest_first_kernel[(num_seqs,)](seq_lens, order, num_seqs, BLOCK=triton.next_power_of_2(num_seqs),
+                                             **pdl.launch_options(seq_lens.device))
     return order
 
 

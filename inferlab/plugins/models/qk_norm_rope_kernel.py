@@ -14,13 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from inferlab.plugins import pdl
+
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
                          k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_slot,
                          qkv_stride_token, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
-                         HALF: tl.constexpr, STORE_KV: tl.constexpr):
+                         HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
     # rows 0..NUM_Q_HEADS-1 are q's heads, the next NUM_KV_HEADS k's, then v's (read only to be
@@ -97,7 +100,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
             k_cache, v_cache, slot_mapping, cache_stride_slot, qkv.stride(0), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             HEADS_POW2=triton.next_power_of_2(rows), HALF=head_dim // 2, STORE_KV=kv_store is not None,
-            num_warps=4)
+            num_warps=4, **pdl.launch_options(qkv.device))
     return q, k
 
 

@@ -13,10 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from inferlab.plugins import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
-                     width, eps, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+                     width, eps, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -44,7 +47,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(num_tokens,)](
             x, x if residual is None else residual, weight, out, residual_out, x.stride(0),
             0 if residual is None else residual.stride(0), width, eps,
-            BLOCK=triton.next_power_of_2(width), ADD_RESIDUAL=residual is not None, num_warps=4)
+            BLOCK=triton.next_power_of_2(width), ADD_RESIDUAL=residual is not None, num_warps=4,
+            **pdl.launch_options(x.device))
     return out, residual_out
 
 

@@ -11,11 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from inferlab.plugins import pdl
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -35,5 +38,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((num_tokens, width))
     if num_tokens:
         _silu_mul_kernel[(num_tokens, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), out.stride(0),
-                                                                 BLOCK=BLOCK, num_warps=4)
+                                                                 BLOCK=BLOCK, num_warps=4,
+                                                                 **pdl.launch_options(x.device))
     return out

@@ -5,11 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from inferlab.plugins import pdl
+
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, best_ptr, index_ptr,
-                          vocab_size, chunk_size, num_chunks, BLOCK: tl.constexpr):
+                          vocab_size, chunk_size, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, chunk of the vocabulary): the chunk's best score and its index."""
+    pdl.wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
@@ -60,6 +63,7 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     if rows:
         _gumbel_argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), temperatures, seeds, steps, best, index,
-                                                  vocab_size, chunk_size, num_chunks, BLOCK=BLOCK)
+                                                  vocab_size, chunk_size, num_chunks, BLOCK=BLOCK,
+                                                  **pdl.launch_options(logits.device))
     # chunks are in vocabulary order, so argmax's first maximum is the lowest index among ties
     return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
