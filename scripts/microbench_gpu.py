@@ -323,50 +323,10 @@ def elementwise_bench(rates, results):
         results["elementwise"] += [{"m": m, "op": k, "us": v} for k, v in timings.items()]
 
 
-@triton.jit
-def _gumbel_log2_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, best_ptr, index_ptr,
-                        vocab_size, chunk_size, num_chunks, BLOCK: tl.constexpr):
-    """The sampler's Gumbel-max kernel with its two natural logs as log2 times ln 2 (a candidate:
-    is tl.log the costly part of the 100 µs a full-batch step spends sampling?)."""
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    greedy = temperature == 0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seeds_ptr + row).to(tl.uint32)
-    step = tl.load(steps_ptr + row).to(tl.uint32)
-    base = seed * 0x9E3779B1 + step * 0x85EBCA77
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
-    chunk_start = chunk * chunk_size
-    chunk_end = tl.minimum(chunk_start + chunk_size, vocab_size)
-    for start in range(chunk_start, chunk_end, BLOCK):
-        index = start + tl.arange(0, BLOCK)
-        valid = index < chunk_end
-        logit = tl.load(logits_ptr + row * stride + index, mask=valid, other=float("-inf")).to(tl.float32)
-        x = base + index.to(tl.uint32) * 0xC2B2AE3D
-        x = x ^ (x >> 16)
-        x = x * 0x85EBCA6B
-        x = x ^ (x >> 13)
-        x = x * 0xC2B2AE35
-        x = x ^ (x >> 16)
-        u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        gumbel = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))
-        score = tl.where(greedy, logit, logit * inv_t + gumbel)
-        score = tl.where(valid, score, float("-inf"))
-        better = score > best
-        best = tl.where(better, score, best)
-        best_index = tl.where(better, index, best_index)
-    top = tl.max(best, axis=0)
-    winner = tl.min(tl.where(best == top, best_index, vocab_size), axis=0)
-    tl.store(best_ptr + row * num_chunks + chunk, top)
-    tl.store(index_ptr + row * num_chunks + chunk, winner)
-
-
 def sampling_bench(rates, results):
     """The sampler's Gumbel-max kernel over bf16 logits at decode batch sizes, against torch's
     argmax over the same logits (a read of them and little else) and the logits' bytes over the
-    bandwidth; and candidates: log2-based logs, other block sizes and warps, chunks a row."""
+    bandwidth; and its variants: exact or fast logs, block sizes, warps, chunks a row."""
     from inferlab.plugins.samplers import gumbel_kernel
     print("\n== Gumbel-max sampling over [batch, vocab] bf16 logits (µs) ==")
     for m in (256, 128, 32, 8):
@@ -377,27 +337,27 @@ def sampling_bench(rates, results):
         timings = {"kernel + finish (as used)": graph_time_us(lambda: gumbel_kernel.gumbel_argmax(logits, temperatures, seeds, steps)),
                    "torch argmax": graph_time_us(lambda: logits.argmax(dim=-1))}
         reference = gumbel_kernel.gumbel_argmax(logits, temperatures, seeds, steps)
-        for kernel, block, warps, chunks in itertools.product(("ln", "log2"), (1024, 2048), (4, 8), (32, 64)):
+        for kernel, block, warps, chunks in itertools.product(("exact", "fast"), (1024, 2048), (4, 8), (32, 64)):
             chunk_size = -(-VOCAB // chunks // block) * block
             num_chunks = -(-VOCAB // chunk_size)
             best = torch.empty(m, num_chunks, dtype=torch.float32, device="cuda")
             index = torch.empty(m, num_chunks, dtype=torch.int32, device="cuda")
-            fn = gumbel_kernel._gumbel_argmax_kernel if kernel == "ln" else _gumbel_log2_kernel
-            extra = {"PDL": False} if kernel == "ln" else {}
 
             def run():
-                fn[(m, num_chunks)](logits, logits.stride(0), temperatures, seeds, steps, best, index,
-                                    VOCAB, chunk_size, num_chunks, BLOCK=block, num_warps=warps, **extra)
+                gumbel_kernel._gumbel_argmax_kernel[(m, num_chunks)](
+                    logits, logits.stride(0), temperatures, seeds, steps, best, index, VOCAB, chunk_size, num_chunks,
+                    BLOCK=block, FAST_LOG=kernel == "fast", PDL=False, num_warps=warps)
             timings[f"{kernel} block {block} warps {warps} chunks {chunks}"] = graph_time_us(run)
-            if kernel == "log2" and block == 1024 and warps == 4 and chunks == 32:
+            if kernel == "exact" and block == 1024 and warps == 4 and chunks == 32:
                 run()
                 picked = index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
-                timings["log2 agrees with ln (rows)"] = float((picked == reference).sum())
+                timings["exact agrees with as used (rows)"] = float((picked == reference).sum())
         floor = m * VOCAB * 2 / rates.bandwidth * 1e6
         ranked = sorted((k for k in timings if "block" in k), key=timings.get)
         print(f"  batch {m}: floor {floor:.1f}; as used {timings['kernel + finish (as used)']:.1f}; torch argmax "
-              f"{timings['torch argmax']:.1f}; log2 agrees on {timings.get('log2 agrees with ln (rows)', 0):.0f} rows; best: "
-              + "; ".join(f"{k} {timings[k]:.1f}" for k in ranked[:4]) + f"; ln default {timings['ln block 1024 warps 4 chunks 32']:.1f}")
+              f"{timings['torch argmax']:.1f}; exact logs pick the same token in {timings['exact agrees with as used (rows)']:.0f} "
+              f"rows; best: "
+              + "; ".join(f"{k} {timings[k]:.1f}" for k in ranked[:4]) + f"; exact, as before {timings['exact block 1024 warps 4 chunks 32']:.1f}")
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 
