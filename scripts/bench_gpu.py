@@ -123,13 +123,17 @@ def run_one(args) -> dict:
         torch.cuda.synchronize()
     stats_before = (llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens,
                     llm.stats.prefill_seconds, llm.stats.decode_seconds, llm.stats.wait_seconds)
-    runs = []
+    runs, compiles = [], []
     for _ in range(args.repeats):
         llm.reset_prefix_cache()  # every run prefills its prompts, as the first did
+        before = compiled_variants()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(time.perf_counter() - start)
-        print(f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s", flush=True)
+        after = compiled_variants()
+        compiles.append({name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)})
+        print(f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s"
+              + (f"; compiled during the run: {compiles[-1]}" if compiles[-1] else ""), flush=True)
     seconds = statistics.median(runs)
     output_tokens = sum(p.max_tokens for p in params)
     generated = sum(len(o["token_ids"]) for o in outputs)
@@ -141,6 +145,8 @@ def run_one(args) -> dict:
     return {
         "attention": llm.runner.backend.name, "cuda_graphs": llm.runner.decode_graphs is not None,
         "overlap": llm.overlap, "torch_compile": args.compile == "compile", "runs_seconds": runs,
+        # kernel variants (Triton specializations, torch.compile graphs) first built inside a timed run
+        "compiled_during_runs": compiles,
         "output_tokens": output_tokens, "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds, "init_seconds": init_seconds,
         **floor, "percent_of_floor": 100 * floor["floor_seconds"] / seconds,
@@ -153,6 +159,28 @@ def run_one(args) -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": _version("triton"), "flash_attn": _version("flash_attn"),
     }
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each of inferlab's Triton kernels are compiled so far, and how many
+    graphs torch.compile has built: a count that grows inside a timed run means the run paid for a
+    compilation that its warm-up did not cover."""
+    import sys
+
+    counts = {}
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("inferlab.") or module is None:
+            continue
+        for name, value in vars(module).items():
+            caches = getattr(value, "device_caches", None)  # a triton JITFunction
+            if isinstance(caches, dict):
+                counts[f"{module_name.rsplit('.', 1)[-1]}.{name}"] = sum(len(c[0]) for c in caches.values())
+    try:
+        from torch._dynamo.utils import counters
+        counts["torch.compile graphs"] = int(counters["stats"]["unique_graphs"])
+    except Exception:  # torch.compile not in use or its counters moved: the Triton counts still stand
+        pass
+    return counts
 
 
 def _version(module: str) -> str | None:
