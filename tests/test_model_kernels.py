@@ -164,3 +164,35 @@ def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default
     caplog.set_level("INFO", logger="inferlab")
     assert _triton_kernels(config, on_cuda=True, asked=None) is None  # the CUDA default falls back
     assert "got 48; using the torch code" in caplog.text
+
+
+def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
+    """Kernels launch with programmatic dependent launch on CUDA devices of compute capability 9.0
+    or more, compiled, unless INFERLAB_PDL=0; never on CPU or under the interpreter."""
+    from inferlab.plugins import pdl
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    cuda = torch.device("cuda", 0)
+
+    def check(env_pdl, interpret, cap, expected):
+        pdl._enabled.cache_clear()
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        if env_pdl is None:
+            monkeypatch.delenv("INFERLAB_PDL", raising=False)
+        else:
+            monkeypatch.setenv("INFERLAB_PDL", env_pdl)
+        capability["value"] = cap
+        assert pdl.enabled(cuda) is expected, (env_pdl, interpret, cap)
+        assert pdl.launch_options(cuda) == ({"PDL": True, "launch_pdl": True} if expected else {"PDL": False})
+
+    try:
+        check(None, "0", (9, 0), True)
+        check("1", "0", (10, 0), True)
+        check("0", "0", (9, 0), False)
+        check(None, "1", (9, 0), False)
+        check(None, "0", (8, 0), False)
+        assert pdl.enabled(torch.device("cpu")) is False
+        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    finally:
+        pdl._enabled.cache_clear()  # the real device's answer, for the tests after this one
