@@ -49,6 +49,11 @@ def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
+    return replay_time_us(graph, replays) / reps
+
+
+def replay_time_us(graph, replays: int = 20) -> float:
+    """Microseconds per replay of a captured CUDA graph, median of replays (after one untimed)."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -58,7 +63,7 @@ def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
+        times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

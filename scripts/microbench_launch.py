@@ -25,7 +25,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from microbench_gpu import HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decoder_stack, graph_time_us, \
-    stack_floor_us, workload_decode_batches  # noqa: E402
+    replay_time_us, stack_floor_us, workload_decode_batches  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
@@ -119,19 +119,6 @@ def picked_batches(sizes=(256, 128, 64, 32, 8)):
     return [picked[s] for s in sizes if s in picked]
 
 
-def replay_time_us(graph, replays: int = 21) -> float:
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def gaps_bench(rates, results):
     print("\n== decoder stack: graph time against the sum of kernel durations (µs) ==")
     _, chain = decoder_stack(LAYERS)
@@ -143,7 +130,7 @@ def gaps_bench(rates, results):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-        graph_us = replay_time_us(graph)
+        graph_us = replay_time_us(graph, replays=21)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 graph.replay()
@@ -183,67 +170,68 @@ def chain_bench(rates, results):
         results["chain"].append({"m": m, "plain_us": line[False], "pdl_us": line[True]})
 
 
-def prefetch_bench(rates, results):
-    print("\n== RMSNorm then cuBLAS GEMM a layer, weights cold (µs a layer; floor: weight bytes) ==")
+def norm_gemm_cases():
+    """Each projection at 8, 64 and 256 tokens: (name, n, k, m, the norm's weight, the ring of
+    LAYERS weights, the norm's input x and output xn)."""
     for name, (n, k) in SHAPES.items():
-        nw = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+        norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
         for m in (8, 64, 256):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            xn = torch.empty_like(x)
-            line = {}
-            for mode in ("none", "prefetch", "prefetch+pdl"):
-                def run():
-                    for w in weights:
-                        norm(x, nw, xn, pdl=mode == "prefetch+pdl",
-                             next_weight=None if mode == "none" else w)
-                        F.linear(xn, w)
-                line[mode] = graph_time_us(run, reps=1, replays=11) / LAYERS
-            floor = n * k * 2 / rates.bandwidth * 1e6
-            print(f"  {name:<8} M={m:<4} " + "  ".join(f"{k_} {v:5.2f}" for k_, v in line.items()) + f"  floor {floor:.2f}")
-            results["prefetch"].append({"layer": name, "m": m, "floor_us": floor, **line})
+            yield name, n, k, m, norm_weight, weights, x, torch.empty_like(x)
+
+
+def prefetch_bench(rates, results):
+    print("\n== RMSNorm then cuBLAS GEMM a layer, weights cold (µs a layer; floor: weight bytes) ==")
+    for name, n, k, m, nw, weights, x, xn in norm_gemm_cases():
+        line = {}
+        for mode in ("none", "prefetch", "prefetch+pdl"):
+            def run():
+                for w in weights:
+                    norm(x, nw, xn, pdl=mode == "prefetch+pdl",
+                         next_weight=None if mode == "none" else w)
+                    F.linear(xn, w)
+            line[mode] = graph_time_us(run, reps=1, replays=11) / LAYERS
+        floor = n * k * 2 / rates.bandwidth * 1e6
+        print(f"  {name:<8} M={m:<4} " + "  ".join(f"{k_} {v:5.2f}" for k_, v in line.items()) + f"  floor {floor:.2f}")
+        results["prefetch"].append({"layer": name, "m": m, "floor_us": floor, **line})
 
 
 def gemm_bench(rates, results):
     print("\n== RMSNorm then a Triton GEMM with PDL + weight prefetch, against cuBLAS (µs a layer) ==")
-    for name, (n, k) in SHAPES.items():
-        nw = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
-        for m in (8, 64, 256):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            xn = torch.empty_like(x)
-            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    for name, n, k, m, nw, weights, x, xn in norm_gemm_cases():
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
-            def cublas():
+        def cublas():
+            for w in weights:
+                norm(x, nw, xn)
+                F.linear(xn, w)
+        base = graph_time_us(cublas, reps=1, replays=11) / LAYERS
+        best = None
+        for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128), (3, 4)):
+            def run(pdl=True, prefetch=True):
                 for w in weights:
-                    norm(x, nw, xn)
-                    F.linear(xn, w)
-            base = graph_time_us(cublas, reps=1, replays=11) / LAYERS
-            best = None
-            for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128), (3, 4)):
-                def run(pdl=True, prefetch=True):
-                    for w in weights:
-                        norm(x, nw, xn, pdl=pdl)
-                        gemm(xn, w, y, block_n, block_k, stages, pdl, prefetch)
-                try:
-                    us = graph_time_us(run, reps=1, replays=11) / LAYERS
-                except Exception as e:
-                    print(f"    skip n{block_n} k{block_k} s{stages}: {type(e).__name__}: {str(e)[:100]}")
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, block_n, block_k, stages, run)
-            us, block_n, block_k, stages, run = best
-            plain = graph_time_us(lambda: run(False, False), reps=1, replays=11) / LAYERS
-            pdl_only = graph_time_us(lambda: run(True, False), reps=1, replays=11) / LAYERS
-            check = torch.empty_like(y)
-            gemm(xn, weights[0], check, block_n, block_k, stages, False, False)
-            err = (check.float() - F.linear(xn, weights[0]).float()).abs().max().item()
-            floor = n * k * 2 / rates.bandwidth * 1e6
-            print(f"  {name:<8} M={m:<4} cuBLAS {base:5.2f}  triton plain {plain:5.2f}  +PDL {pdl_only:5.2f}  "
-                  f"+PDL+prefetch {us:5.2f} (n{block_n} k{block_k} s{stages}; max err {err:.3f})  floor {floor:.2f}")
-            results["gemm"].append({"layer": name, "m": m, "cublas_us": base, "plain_us": plain, "pdl_us": pdl_only,
-                                    "pdl_prefetch_us": us, "block_n": block_n, "block_k": block_k, "stages": stages,
-                                    "floor_us": floor, "max_err": err})
+                    norm(x, nw, xn, pdl=pdl)
+                    gemm(xn, w, y, block_n, block_k, stages, pdl, prefetch)
+            try:
+                us = graph_time_us(run, reps=1, replays=11) / LAYERS
+            except Exception as e:
+                print(f"    skip n{block_n} k{block_k} s{stages}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            if best is None or us < best[0]:
+                best = (us, block_n, block_k, stages, run)
+        us, block_n, block_k, stages, run = best
+        plain = graph_time_us(lambda: run(False, False), reps=1, replays=11) / LAYERS
+        pdl_only = graph_time_us(lambda: run(True, False), reps=1, replays=11) / LAYERS
+        check = torch.empty_like(y)
+        gemm(xn, weights[0], check, block_n, block_k, stages, False, False)
+        err = (check.float() - F.linear(xn, weights[0]).float()).abs().max().item()
+        floor = n * k * 2 / rates.bandwidth * 1e6
+        print(f"  {name:<8} M={m:<4} cuBLAS {base:5.2f}  triton plain {plain:5.2f}  +PDL {pdl_only:5.2f}  "
+              f"+PDL+prefetch {us:5.2f} (n{block_n} k{block_k} s{stages}; max err {err:.3f})  floor {floor:.2f}")
+        results["gemm"].append({"layer": name, "m": m, "cublas_us": base, "plain_us": plain, "pdl_us": pdl_only,
+                                "pdl_prefetch_us": us, "block_n": block_n, "block_k": block_k, "stages": stages,
+                                "floor_us": floor, "max_err": err})
 
 
 def main():
