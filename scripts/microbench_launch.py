@@ -1,7 +1,7 @@
 """What the kernel boundaries of a decode step cost on the GPU, and what programmatic dependent
 launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,fused_qk] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -11,7 +11,9 @@ launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA gr
   RMSNorm kernel, through cuBLAS; the norm kernel optionally asks L2 for the next GEMM's weight
   (cp.async.bulk.prefetch) before it works, so the GEMM finds its weight on chip.
 - gemm: the same chain with a Triton GEMM launched with PDL, which asks L2 for its weight slab
-  before it waits on its predecessor, against the cuBLAS chain."""
+  before it waits on its predecessor, against the cuBLAS chain.
+- fused_qk: the decoder stack with the triton backend's fuse_qk_decode off and on (the q/k norms,
+  rotary and K/V store inside the decode kernel: one kernel a layer less)."""
 import argparse
 import itertools
 import json
@@ -154,6 +156,18 @@ def gaps_bench(rates, results):
                                 "kernels": [{"name": e.key, "count": e.count / 5, "us": total(e) / e.count} for e in top]})
 
 
+def fused_qk_bench(rates, results):
+    print("\n== decoder stack, q/k norms + rotary in their own kernel or inside the decode kernel (µs) ==")
+    stacks = {fused: decoder_stack(LAYERS, fuse_qk_decode=fused)[1] for fused in (False, True)}
+    for t, lens in picked_batches():
+        line = {fused: graph_time_us(chain(lens), reps=2, replays=7) for fused, chain in stacks.items()}
+        floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
+        print(f"  batch {len(lens):>3}: separate {line[False]:7.0f}, fused {line[True]:7.0f} "
+              f"({100 * (line[False] - line[True]) / line[False]:+.1f}%); floor {floor_us:.0f}")
+        results["fused_qk"].append({"batch": len(lens), "separate_us": line[False], "fused_us": line[True],
+                                    "floor_us": floor_us})
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -236,12 +250,13 @@ def gemm_bench(rates, results):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="gaps,chain,prefetch,gemm")
+    parser.add_argument("--only", default="gaps,chain,prefetch,gemm,fused_qk")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench}
+    parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
+             "fused_qk": fused_qk_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -13,6 +13,7 @@ from torch import nn
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
+from inferlab.core.protocols import QKNormRope
 from inferlab.plugins.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                             QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                             VocabParallelEmbedding, compiled, silu_and_mul)
@@ -53,9 +54,18 @@ class Qwen3Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.qk_norm_rope = qk_norm_rope
         self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
+        # optional too: the backend's decode kernel applies our q/k norms and rotary (the Triton
+        # kernels' rounding, so only where those run)
+        self.decode_qkv = getattr(backend, "decode_qkv", None) if qk_norm_rope is not None else None
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         qkv = self.qkv_proj(hidden)
+        if self.decode_qkv is not None:
+            transform = QKNormRope(positions, self.q_norm.weight, self.k_norm.weight, rotary.cos_sin, self.q_norm.eps,
+                                   self.num_heads, self.num_kv_heads, self.head_dim)
+            out = self.decode_qkv(qkv, transform, kv_cache, attn_metadata, self.scale)
+            if out is not None:
+                return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm_rope is not None:
