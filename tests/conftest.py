@@ -1,6 +1,7 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints (built once per session per shape) and the
-Hugging Face reference for greedy decoding."""
+"""Shared fixtures: tiny random Qwen3 checkpoints (built once per session per shape), the
+Hugging Face reference for greedy decoding, and plugins registered by hand."""
 import os
+import types
 
 import pytest
 import torch
@@ -47,3 +48,17 @@ def hf_greedy():
                 ids = torch.cat([ids, models[path](ids).logits[0, -1].argmax().view(1, 1)], dim=1)
         return ids[0, len(prompt_ids):].tolist()
     return run
+
+
+@pytest.fixture
+def plugin_module():
+    """plugin_module(name, hook_name=function, ...) -> a module holding those functions as inferlab
+    hook implementations, as a third-party plugin's module would (for PluginRegistry.register)."""
+    from inferlab.core.hookspecs import hookimpl
+
+    def build(name, **hooks):
+        module = types.ModuleType(name)
+        for hook_name, fn in hooks.items():
+            setattr(module, hook_name, hookimpl(fn))
+        return module
+    return build

@@ -4,7 +4,6 @@ one name, a factory that raises, a plugin that does not satisfy its Protocol, a 
 import os
 import subprocess
 import sys
-import types
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +13,6 @@ from hydra.core.config_store import ConfigStore
 from inferlab import LLM, SamplingParams
 from inferlab.conf import compose, engine_arguments
 from inferlab.core import plugins
-from inferlab.core.hookspecs import hookimpl
 from inferlab.core.plugins import KINDS, PluginError, PluginRegistry
 from inferlab.list_plugins import listing
 from inferlab.list_plugins import main as list_plugins_main
@@ -33,13 +31,6 @@ def broken_site(tmp_path_factory):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: inferlab-broken\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[inferlab]\nbroken = inferlab_broken_missing.scheduler\n")
     return site
-
-
-def plugin(name, **hooks):
-    module = types.ModuleType(name)
-    for hook_name, fn in hooks.items():
-        setattr(module, hook_name, hookimpl(fn))
-    return module
 
 
 SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
@@ -77,9 +68,9 @@ def test_cli_names_the_broken_plugin_only_when_selected(broken_site, tmp_path, c
     assert "broken" not in unselected.stdout + unselected.stderr
 
 
-def test_name_collision(checkpoint):
+def test_name_collision(checkpoint, plugin_module):
     registry = PluginRegistry()
-    registry.register(plugin("again", register_schedulers=lambda register: register("fcfs", FCFSScheduler)))
+    registry.register(plugin_module("again", register_schedulers=lambda register: register("fcfs", FCFSScheduler)))
     text = listing(registry)
     assert "  fcfs  inferlab 0.1.0 (plugin 'fcfs')  [COLLISION]" in text
     assert ("  COLLISION scheduler 'fcfs' is registered by 'fcfs' (inferlab 0.1.0), 'again' (registered by hand): "
@@ -88,19 +79,19 @@ def test_name_collision(checkpoint):
         LLM(checkpoint("gqa2-tied"), registry=registry, **SMALL)
 
 
-def test_factory_that_raises(checkpoint):
+def test_factory_that_raises(checkpoint, plugin_module):
     def boom(config, kv_cache, depth=1):
         raise RuntimeError(f"cannot schedule at depth {depth}")
 
     registry = PluginRegistry()
-    registry.register(plugin("boom_plugin", register_schedulers=lambda register: register("boom", boom)))
+    registry.register(plugin_module("boom_plugin", register_schedulers=lambda register: register("boom", boom)))
     assert "problems:" not in listing(registry)  # it registers fine; it fails when built
     with pytest.raises(PluginError, match=r"scheduler 'boom' from plugin 'boom_plugin' failed to build \(options \['depth'\]\): "
                                           r"RuntimeError: cannot schedule at depth 3"):
         LLM(checkpoint("gqa2-tied"), scheduler="boom", scheduler_options={"depth": 3}, registry=registry, **SMALL)
 
 
-def test_plugins_that_do_not_satisfy_their_protocol(checkpoint):
+def test_plugins_that_do_not_satisfy_their_protocol(checkpoint, plugin_module):
     class NoSchedule:
         def __init__(self, config, kv_cache):
             pass
@@ -109,8 +100,14 @@ def test_plugins_that_do_not_satisfy_their_protocol(checkpoint):
             pass
 
     registry = PluginRegistry()
-    registry.register(plugin("half", register_schedulers=lambda register: register("half", NoSchedule)))
-    registry.register(plugin("hollow", register_samplers=lambda register: register("hollow", lambda config: object())))
+    registry.register(plugin_module("half", register_schedulers=lambda register: register("half", NoSchedule)))
+    registry.register(plugin_module("hollow", register_samplers=lambda register: register("hollow", lambda config: object())))
+    # rejected when registered: not selectable, recorded with the plugin's name and what it lacks
+    assert "half" not in registry.names("scheduler")
+    failure = next(f for f in registry.failures if f.plugin == "half")
+    assert "does not satisfy Scheduler: missing ['abort', 'finish', 'is_finished', 'postprocess', 'schedule']" in failure.reason
+    with pytest.raises(PluginError, match=r"unknown scheduler 'half'.*\n.*plugin 'half' failed to load: .*missing \['abort'"):
+        registry.get("scheduler", "half")
     text = listing(registry)
     assert ("FAILED    plugin 'half' (registered by hand): scheduler 'half' (test_plugins_that_do_not_satisfy_their_protocol"
             ".<locals>.NoSchedule) does not satisfy Scheduler: missing ['abort', 'finish', 'is_finished', 'postprocess', "
@@ -122,17 +119,23 @@ def test_plugins_that_do_not_satisfy_their_protocol(checkpoint):
         LLM(checkpoint("gqa2-tied"), sampler="hollow", registry=registry, **SMALL)
 
 
-def test_hook_that_raises_is_listed():
+def test_hook_that_raises_is_listed(plugin_module):
     def explode(register):
         raise ImportError("needs cuda-only-lib")
 
     registry = PluginRegistry()
-    registry.register(plugin("needs_lib", register_attention_backends=explode))
+    registry.register(plugin_module("needs_lib", register_attention_backends=explode))
     assert ("  FAILED    plugin 'needs_lib' (registered by hand): explode raised ImportError: needs cuda-only-lib"
             in listing(registry).splitlines())
 
 
-def test_bad_config_nodes_are_listed():
+def test_misspelled_hook_fails_loudly(plugin_module):
+    registry = PluginRegistry()
+    registry.register(plugin_module("typo", register_scheduler=lambda register: None))
+    assert registry.failures[-1].plugin == "typo" and "register_scheduler" in registry.failures[-1].reason
+
+
+def test_bad_config_nodes_are_listed(plugin_module):
     @dataclass
     class Options:
         depth: int = 1
@@ -147,7 +150,7 @@ def test_bad_config_nodes_are_listed():
         register("scheduler", "deep", Options)
 
     registry = PluginRegistry()
-    registry.register(plugin("deep_plugin", register_schedulers=lambda register: register("deep", Deep),
+    registry.register(plugin_module("deep_plugin", register_schedulers=lambda register: register("deep", Deep),
                              register_config_nodes=nodes))
     reasons = [f.reason for f in registry.failures if f.plugin == "deep_plugin"]
     assert reasons == [
@@ -160,7 +163,7 @@ def test_bad_config_nodes_are_listed():
     assert "deep" in registry.names("scheduler")  # still selectable, without options
 
 
-def test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing():
+def test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing(plugin_module):
     @dataclass
     class SetOptions:
         ids: set = None  # OmegaConf has no set type
@@ -170,7 +173,7 @@ def test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing():
             super().__init__(config, kv_cache)
 
     registry = PluginRegistry()
-    registry.register(plugin("set_plugin", register_schedulers=lambda register: register("withset", WithSet),
+    registry.register(plugin_module("set_plugin", register_schedulers=lambda register: register("withset", WithSet),
                              register_config_nodes=lambda register: register("scheduler", "withset", SetOptions)),
                       distribution="set-dist 2.0")
     store = ConfigStore.instance()

@@ -14,7 +14,7 @@ from torch import nn
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.protocols import QKNormRope
-from inferlab.plugins.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+from inferlab.plugins.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                             QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                             VocabParallelEmbedding, compiled, silu_and_mul)
 
