@@ -1,5 +1,5 @@
-"""Checks of an engine's block books, shared by the engine reliability and fuzz tests, and a
-fixture that keeps torch to one thread for them."""
+"""Checks of the KV block books, shared by the engine reliability and fuzz tests and the KV
+manager's and schedulers' property tests, and a fixture that keeps torch to one thread."""
 import pytest
 import torch
 
@@ -24,11 +24,29 @@ def assert_books_clean(llm) -> None:
 
 
 def assert_books_exact(llm) -> None:
-    """Mid-run: reference counts equal a recount over the pending requests' block tables."""
-    kv = llm.kv_cache
+    """Mid-run: the KV manager's books match the pending requests (assert_kv_books)."""
+    assert_kv_books(llm.kv_cache, llm.requests.values())
+
+
+def assert_kv_books(kv, seqs) -> None:
+    """Reference counts equal a recount over seqs' block tables, and the free queue holds exactly
+    the unreferenced blocks, each once."""
     recount = [0] * kv.num_blocks
-    for seq in llm.requests.values():
+    for seq in seqs:
         for block in seq.block_table:
             recount[block] += 1
     assert kv.ref_counts == recount
-    assert set(kv.free_queue) == {b for b in range(kv.num_blocks) if recount[b] == 0}
+    free = list(kv.free_queue)
+    assert len(free) == len(set(free)) == kv.num_free_blocks
+    assert set(free) == {b for b in range(kv.num_blocks) if recount[b] == 0}
+
+
+def assert_prefixes_readable(seqs, content, block_size: int) -> None:
+    """Each sequence's computed tokens are in its own blocks: block i of its table holds (as
+    content[block] records what was written there) its tokens up to the end of block i."""
+    for seq in seqs:
+        computed = seq.num_computed_tokens
+        full = -(-computed // block_size)
+        assert len(seq.block_table) >= full
+        for i in range(full):
+            assert content.get(seq.block_table[i]) == tuple(seq.token_ids[:min((i + 1) * block_size, computed)])

@@ -1,4 +1,5 @@
 """The paged block manager's books: reference counts, the free queue, prefix reuse and eviction."""
+from engine_books import assert_kv_books
 from inferlab.core.config import EngineConfig
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.sequence import Sequence
@@ -22,26 +23,16 @@ def compute_all(kv, seq):
     kv.commit(seq)
 
 
-def check_books(kv, live):
-    counts = [0] * kv.num_blocks
-    for seq in live:
-        for block in seq.block_table:
-            counts[block] += 1
-    assert kv.ref_counts == counts
-    free = set(kv.free_queue)
-    assert free == {b for b in range(kv.num_blocks) if counts[b] == 0}
-
-
 def test_allocate_and_free_exact_blocks():
     kv = make()
     seq = seq_of(range(40))
     assert kv.num_cached_prefix_tokens(seq) == 0
     assert kv.allocate(seq, 40)
     assert len(seq.block_table) == 3 and kv.num_free_blocks == 5
-    check_books(kv, [seq])
+    assert_kv_books(kv, [seq])
     kv.free(seq)
     assert seq.block_table == [] and kv.num_free_blocks == 8
-    check_books(kv, [])
+    assert_kv_books(kv, [])
 
 
 def test_allocate_refuses_without_side_effects():
@@ -61,10 +52,10 @@ def test_shared_prefix_is_reused_and_ref_counted():
     assert b.num_computed_tokens == b.num_cached_tokens == 32
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
     assert kv.ref_counts[a.block_table[0]] == 2
-    check_books(kv, [a, b])
+    assert_kv_books(kv, [a, b])
     kv.free(a)
     assert kv.ref_counts[b.block_table[0]] == 1
-    check_books(kv, [b])
+    assert_kv_books(kv, [b])
 
 
 def test_prefix_hashes_chain_over_the_whole_prefix():
@@ -85,13 +76,13 @@ def test_freed_blocks_stay_cached_until_evicted():
     assert kv.num_cached_prefix_tokens(again) == 32
     assert kv.allocate(again, 1)
     assert again.num_computed_tokens == 32
-    check_books(kv, [again])
+    assert_kv_books(kv, [again])
     kv.free(again)
     # a different prompt needing every block evicts the cached ones
     big = seq_of(range(500, 564))
     assert kv.allocate(big, 64)
     assert kv.num_cached_prefix_tokens(seq_of(range(33))) == 0
-    check_books(kv, [big])
+    assert_kv_books(kv, [big])
 
 
 def test_uncached_blocks_are_reused_before_cached_ones():
@@ -127,7 +118,7 @@ def test_decode_growth_allocates_one_block_at_a_boundary():
     seq.append_token(1)  # the 17th token needs a second block when it is computed
     assert kv.allocate(seq, 1)
     assert len(seq.block_table) == 2
-    check_books(kv, [seq])
+    assert_kv_books(kv, [seq])
 
 
 def test_collision_is_confirmed_against_tokens(monkeypatch):
@@ -148,4 +139,4 @@ def test_reset_prefix_cache_keeps_referenced_blocks():
     kv.reset_prefix_cache()
     assert kv.num_cached_prefix_tokens(seq_of(range(200, 233))) == 0
     assert kv.num_cached_prefix_tokens(seq_of(range(33))) == 32
-    check_books(kv, [held])
+    assert_kv_books(kv, [held])

@@ -14,6 +14,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 import hypothesis_profiles  # noqa: F401  (loads the profile)
+from engine_books import assert_kv_books, assert_prefixes_readable
 from inferlab.core.config import EngineConfig
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.sequence import Sequence
@@ -134,31 +135,15 @@ class KVCacheMachine(RuleBasedStateMachine):
     # -- invariants -------------------------------------------------------------------------
 
     @invariant()
-    def reference_counts_are_exact(self):
-        recount = [0] * self.kv.num_blocks
-        for seq in self.running:
-            for block in seq.block_table:
-                recount[block] += 1
+    def books_are_exact(self):
         for seq in self.pending:
             assert seq.block_table == []
-        assert self.kv.ref_counts == recount
+        assert_kv_books(self.kv, self.running)
         assert all(len(set(s.block_table)) == len(s.block_table) for s in self.running), "a block twice in one table"
 
     @invariant()
-    def free_queue_is_the_complement(self):
-        free = list(self.kv.free_queue)
-        referenced = {b for b, n in enumerate(self.kv.ref_counts) if n > 0}
-        assert len(free) == len(set(free)) == self.kv.num_free_blocks
-        assert set(free).isdisjoint(referenced)
-        assert set(free) | referenced == set(range(self.kv.num_blocks))
-
-    @invariant()
     def sequences_read_their_own_prefix(self):
-        for seq in self.running:
-            computed = seq.num_computed_tokens
-            assert len(seq.block_table) >= ceil_div(computed, self.bs)
-            for i in range(ceil_div(computed, self.bs)):
-                assert self.content.get(seq.block_table[i]) == tuple(seq.token_ids[:min((i + 1) * self.bs, computed)])
+        assert_prefixes_readable(self.running, self.content, self.bs)
 
     @invariant()
     def cached_blocks_are_full_and_labelled(self):

@@ -14,6 +14,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 import hypothesis_profiles  # noqa: F401  (loads the profile)
+from engine_books import assert_kv_books, assert_prefixes_readable
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
 from inferlab.core.sampling_params import SamplingParams
@@ -125,27 +126,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     # -- invariants -------------------------------------------------------------------------
 
     @invariant()
-    def reference_counts_are_exact(self):
-        recount = [0] * self.kv.num_blocks
-        for seq in self.live:
-            for block in seq.block_table:
-                recount[block] += 1
-        assert self.kv.ref_counts == recount
-
-    @invariant()
-    def free_queue_is_the_complement(self):
-        free = list(self.kv.free_queue)
-        referenced = {b for b, n in enumerate(self.kv.ref_counts) if n > 0}
-        assert len(free) == len(set(free)) == self.kv.num_free_blocks
-        assert set(free).isdisjoint(referenced) and set(free) | referenced == set(range(self.kv.num_blocks))
+    def books_are_exact(self):
+        assert_kv_books(self.kv, self.live)
 
     @invariant()
     def sequences_read_their_own_prefix(self):
-        for seq in self.live:
-            computed = seq.num_computed_tokens
-            assert len(seq.block_table) >= ceil_div(computed, self.bs)
-            for i in range(ceil_div(computed, self.bs)):
-                assert self.content.get(seq.block_table[i]) == tuple(seq.token_ids[:min((i + 1) * self.bs, computed)])
+        assert_prefixes_readable(self.live, self.content, self.bs)
 
     @invariant()
     def queues_match_the_live_requests(self):
@@ -159,8 +145,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.scheduler.num_preemptions == sum(s.num_preemptions for s in self.all)
 
     def check_books(self):
-        self.reference_counts_are_exact()
-        self.free_queue_is_the_complement()
+        self.books_are_exact()
         self.sequences_read_their_own_prefix()
         self.queues_match_the_live_requests()
 
