@@ -231,8 +231,8 @@ def test_decode_qkv_serves_decode_batches_when_asked():
     got = fused.decode_qkv(qkv, transform, cache, fused.build_metadata(inputs), 0.3)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, expected_cache, rtol=1e-5, atol=1e-5)
-    # the option off, or a batch that is not all decode: None, and the model takes its usual path
-    assert plain.decode_qkv(qkv, transform, cache, plain.build_metadata(inputs), 0.3) is None
+    # the option off: not offered; a batch that is not all decode: None. The model then takes its usual path
+    assert plain.decode_qkv is None
     mixed, _, _, _, _ = make_batch([1, 3], [5, 0], 16, 2, 32, 2)
     assert fused.decode_qkv(qkv[:4], transform, cache, fused.build_metadata(mixed), 0.3) is None
 
@@ -321,7 +321,7 @@ def test_greedy_generate_with_fused_qk_decode_equals_without(checkpoint):
                   max_model_len=128, num_kvcache_blocks=64, model_options={"triton_kernels": True},
                   attention_options={"fuse_qk_decode": fused})
         results[fused] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.runner.model.layers[0].self_attn.decode_qkv is not None
+        assert (llm.runner.model.layers[0].self_attn.decode_qkv is not None) == fused
     assert results[True] == results[False]
 
 

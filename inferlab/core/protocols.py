@@ -98,7 +98,8 @@ class AttentionBackend(Protocol):
     A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
     e.g. from a kernel it runs anyway) and call forward with k = v = None.
 
-    Optional: decode_qkv(qkv, transform: QKNormRope, kv_cache, metadata, scale) -> Tensor | None.
+    Optional (absent or None: not offered):
+    decode_qkv(qkv, transform: QKNormRope, kv_cache, metadata, scale) -> Tensor | None.
     For a decode batch it takes the QKV projection's output qkv [B, (H + 2 Hkv) * D] (q's heads,
     then k's, then v's) before the model's q/k norms and rotary, applies transform itself, stores
     the new k and v, and returns attention [B, H, D]: one kernel instead of the model's q/k kernel

@@ -56,7 +56,7 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # Offer decode_qkv: the decode kernel applies the model's q/k norms and rotary and stores the
+    # Offer decode_qkv (None when off): the decode kernel applies the model's q/k norms and rotary and stores the
     # new k and v itself, one kernel a layer less. Off until measured on a GPU (BENCHMARKS.md).
     fuse_qk_decode: bool = False
 
@@ -111,7 +111,8 @@ class TritonAttention:
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.fuse_qk_decode = fuse_qk_decode
+        # offered only when on, so a model does not build its transform for a call that declines
+        self.decode_qkv = self._decode_qkv if fuse_qk_decode else None
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -153,10 +154,11 @@ class TritonAttention:
                                          inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
         return self._decode(q, out, kv_cache, metadata, scale)
 
-    def decode_qkv(self, qkv, transform, kv_cache, metadata: TritonAttentionMetadata, scale):
-        """See AttentionBackend: with fuse_qk_decode, a decode batch's attention straight from the
-        QKV projection's output; None otherwise (then the model normalizes and rotates itself)."""
-        if not self.fuse_qk_decode or not metadata.inputs.is_decode:
+    def _decode_qkv(self, qkv, transform, kv_cache, metadata: TritonAttentionMetadata, scale):
+        """decode_qkv (see AttentionBackend) with fuse_qk_decode: a decode batch's attention straight
+        from the QKV projection's output; None for other batches (the model then normalizes and
+        rotates itself)."""
+        if not metadata.inputs.is_decode:
             return None
         out = qkv.new_empty((qkv.shape[0], transform.num_heads, transform.head_dim))
         return self._decode(None, out, kv_cache, metadata, scale, (qkv, transform, metadata.inputs.slot_mapping))
