@@ -149,63 +149,6 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
         assert out["token_ids"] == hf_greedy(path, prompt, 6)
 
 
-@pytest.mark.parametrize("num_tokens,n,k,dtype", [
-    (3, 64, 32, torch.float32),
-    (20, 96, 64, torch.float32),
-    (70, 32, 256, torch.float32),  # two row blocks, a masked tail
-    pytest.param(9, 4096, 1024, torch.bfloat16, marks=pytest.mark.gpu),
-    pytest.param(200, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
-])
-def test_linear_kernel_matches_the_norm_or_activation_then_the_projection(num_tokens, n, k, dtype):
-    from inferlab.plugins.models import linear_kernel as lk
-    torch.manual_seed(n + k)
-    x = (torch.randn(num_tokens, k, device=DEVICE) * 3).to(dtype)
-    residual = (torch.randn(num_tokens, k, device=DEVICE) * 3).to(dtype)
-    gate_up = torch.randn(num_tokens, 2 * k, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, device=DEVICE) * k ** -0.5).to(dtype)
-    norm_weight = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
-    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
-    F = torch.nn.functional
-    got, new_residual = lk.linear(x, weight)
-    torch.testing.assert_close(got, F.linear(x, weight), **tolerance)
-    assert new_residual is None
-    got, _ = lk.linear(x, weight, lk.RMS_NORM, None, norm_weight, 1e-6)
-    torch.testing.assert_close(got, F.linear(rms_norm(x, norm_weight, 1e-6), weight), **tolerance)
-    got, new_residual = lk.linear(x, weight, lk.ADD_RMS_NORM, residual, norm_weight, 1e-6)
-    want, want_residual = add_rms_norm(x, residual, norm_weight, 1e-6)
-    torch.testing.assert_close(got, F.linear(want, weight), **tolerance)
-    torch.testing.assert_close(new_residual, want_residual, rtol=0, atol=0)
-    got, _ = lk.linear(gate_up, weight, lk.SILU_MUL)
-    torch.testing.assert_close(got, F.linear(silu_and_mul(gate_up), weight), **tolerance)
-    assert lk.supports(n, k) and not lk.supports(40, k) and not lk.supports(n, 24)
-
-
-@pytest.mark.parametrize("attention,attention_options", [("torch", {}), ("triton", {}),
-                                                         ("triton", {"fuse_qk_decode": True})])
-def test_greedy_generate_with_fused_linear_matches_hf(checkpoint, hf_greedy, attention, attention_options):
-    # every step here has at most 24 tokens, so all take the fused projections
-    path = checkpoint("gqa4-untied")
-    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention=attention,
-              model_options={"triton_kernels": True, "fused_linear_tokens": 64}, attention_options=attention_options)
-    assert all(layer.fused_linear_tokens == 64 for layer in llm.runner.model.layers)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
-                                                          66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        assert out["token_ids"] == hf_greedy(path, prompt, 6)
-
-
-def test_fused_linear_tokens_must_be_a_count_and_needs_the_kernels(checkpoint):
-    from inferlab.core.plugins import PluginError  # the model's ValueError, named with the plugin
-    path = checkpoint("gqa2-tied")
-    with pytest.raises(PluginError, match="fused_linear_tokens must be an integer >= 0 .0: off., got -1"):
-        LLM(path, model_options={"triton_kernels": True, "fused_linear_tokens": -1})
-    with pytest.raises(PluginError, match="fused_linear_tokens needs the Triton kernels"):
-        LLM(path, model_options={"triton_kernels": False, "fused_linear_tokens": 8})
-    llm = LLM(path, model_options={"triton_kernels": True, "fused_linear_tokens": 8})  # and the engine is usable
-    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]) == 2
-
-
 def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default_falls_back(checkpoint, caplog):
     path = checkpoint("gqa2-tied")
     from inferlab.plugins.models.qwen3 import _triton_kernels

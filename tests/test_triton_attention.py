@@ -172,71 +172,6 @@ def test_split_decode_combines_partials_exactly(num_splits):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_fused_qk_decode_equals_the_q_k_kernel_then_decode(block_size, group, head_dim, context_lens, num_splits):
-    """q/k norms, rotary and the K/V store inside the decode kernel (paged_decode's qkv_transform,
-    the backend's decode_qkv) against the model's q/k kernel storing k and v, then the decode
-    kernel; with two CUDA-graph padding rows (seq_lens 0, slot -1)."""
-    from inferlab.core.protocols import QKNormRope
-    from inferlab.plugins.models.layers import RotaryEmbedding
-    from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
-    num_kv_heads, pad = 2, 2
-    num_heads = num_kv_heads * group
-    inputs, _, _, _, cache = make_batch([1] * len(context_lens), context_lens, block_size, num_kv_heads, head_dim,
-                                        group, seed=5)
-    batch = len(context_lens) + pad
-    seq_lens = torch.cat([inputs.seq_lens, inputs.seq_lens.new_zeros(pad)])
-    block_tables = torch.cat([inputs.block_tables, inputs.block_tables[:1].expand(pad, -1)])
-    slot_mapping = torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)])
-    gen = torch.Generator().manual_seed(6)
-    qkv = torch.randn(batch, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
-    q_weight = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(DEVICE)
-    k_weight = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(DEVICE)
-    cos_sin = RotaryEmbedding(head_dim, 1024, 1e6).cos_sin.to(DEVICE)
-    positions = torch.cat([inputs.context_lens, inputs.context_lens.new_zeros(pad)]).long()
-    transform = QKNormRope(positions, q_weight, k_weight, cos_sin, 1e-6, num_heads, num_kv_heads, head_dim)
-    partial_out = torch.empty(batch, num_heads, num_splits, head_dim, device=DEVICE)
-    partial_lse = torch.empty(batch, num_heads, num_splits, device=DEVICE)
-    out = torch.empty(batch, num_heads, head_dim, device=DEVICE)
-
-    expected_cache = cache.clone()
-    q, _ = qk_norm_rope(qkv, positions, q_weight, k_weight, cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
-                        (expected_cache[0], expected_cache[1], slot_mapping))
-    expected = triton_kernels.paged_decode(q, expected_cache, out.clone(), seq_lens, block_tables, 0.3, num_splits, 16,
-                                           partial_out, partial_lse)
-    got_cache = cache.clone()
-    got = triton_kernels.paged_decode(None, got_cache, out.clone(), seq_lens, block_tables, 0.3, num_splits, 16,
-                                      partial_out, partial_lse, qkv_transform=(qkv, transform, slot_mapping))
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert torch.equal(got[-pad:], torch.zeros_like(got[-pad:]))
-    torch.testing.assert_close(got_cache, expected_cache, rtol=1e-5, atol=1e-5)
-
-
-def test_decode_qkv_serves_decode_batches_when_asked():
-    from inferlab.core.protocols import QKNormRope
-    from inferlab.plugins.models.layers import RotaryEmbedding
-    from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
-    inputs, _, _, _, cache = make_batch([1] * 3, [40, 0, 17], 16, 2, 32, 2, seed=7)
-    qkv = torch.randn(3, (4 + 2 * 2) * 32).to(DEVICE)
-    weight = torch.ones(32, device=DEVICE)
-    cos_sin = RotaryEmbedding(32, 1024, 1e6).cos_sin.to(DEVICE)
-    positions = inputs.context_lens.long()
-    transform = QKNormRope(positions, weight, weight, cos_sin, 1e-6, 4, 2, 32)
-    fused, plain = TritonAttention(fuse_qk_decode=True), TritonAttention()
-    expected_cache = cache.clone()
-    q, _ = qk_norm_rope(qkv, positions, weight, weight, cos_sin, 1e-6, 4, 2, 32,
-                        (expected_cache[0], expected_cache[1], inputs.slot_mapping))
-    expected = plain.forward(q, None, None, expected_cache, plain.build_metadata(inputs), 0.3)
-    got = fused.decode_qkv(qkv, transform, cache, fused.build_metadata(inputs), 0.3)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cache, expected_cache, rtol=1e-5, atol=1e-5)
-    # the option off: not offered; a batch that is not all decode: None. The model then takes its usual path
-    assert plain.decode_qkv is None
-    mixed, _, _, _, _ = make_batch([1, 3], [5, 0], 16, 2, 32, 2)
-    assert fused.decode_qkv(qkv[:4], transform, cache, fused.build_metadata(mixed), 0.3) is None
-
-
 def test_longest_first_orders_by_length_then_batch_position():
     seq_lens = torch.tensor([5, 9, 0, 9, 1, 5, 7], dtype=torch.int32, device=DEVICE)
     assert triton_kernels.longest_first(seq_lens).tolist() == [1, 3, 6, 0, 5, 4, 2]
@@ -290,8 +225,6 @@ def test_validate_names_unsupported_settings():
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonAttention(decode_order="shortest")
-    with pytest.raises(ValueError, match="fuse_qk_decode must be true or false, got 'yes'"):
-        TritonAttention(fuse_qk_decode="yes")
 
 
 def test_greedy_generate_with_triton_equals_torch(checkpoint):
@@ -307,22 +240,6 @@ def test_greedy_generate_with_triton_equals_torch(checkpoint):
         second = llm.generate([prompt + " and values in blocks."], params, use_tqdm=False)
         results[attention] = [o["token_ids"] for o in first + second]
     assert results["triton"] == results["torch"]
-
-
-def test_greedy_generate_with_fused_qk_decode_equals_without(checkpoint):
-    """The model hands decode batches' QKV to the backend (decode_qkv) when fuse_qk_decode is on:
-    the same greedy tokens as the q/k kernel followed by the decode kernel."""
-    path = checkpoint("gqa4-untied")
-    prompts = ["The quick brown fox jumps over the lazy dog.", "Hello, world!"]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    results = {}
-    for fused in (False, True):
-        llm = LLM(path, attention="triton", device=str(DEVICE), dtype="float32", kvcache_block_size=16,
-                  max_model_len=128, num_kvcache_blocks=64, model_options={"triton_kernels": True},
-                  attention_options={"fuse_qk_decode": fused})
-        results[fused] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert (llm.runner.model.layers[0].self_attn.decode_qkv is not None) == fused
-    assert results[True] == results[False]
 
 
 class EagerReplayGraphs(DecodeGraphs):

@@ -1,5 +1,5 @@
 """The five plugin kinds. Each Protocol is the whole contract a plugin must satisfy."""
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -65,22 +65,6 @@ class Scheduler(Protocol):
         """True when no request is waiting or running."""
 
 
-class QKNormRope(NamedTuple):
-    """What a model does to q and k between its QKV projection and attention, for a backend that
-    can do it inside its decode kernel (AttentionBackend.decode_qkv): each head of q and of k is
-    RMS-normalized (eps) and multiplied by q_weight / k_weight [head_dim], then rotated by the
-    rotary embedding (rotate-half) whose cos and sin for position p are row p of cos_sin
-    [positions, head_dim] (cos, then sin); the token's position is positions[t]."""
-    positions: torch.Tensor
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    cos_sin: torch.Tensor
-    eps: float
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
 @runtime_checkable
 class AttentionBackend(Protocol):
     """Paged attention: declares its KV layout and constraints, builds per-batch metadata and
@@ -96,15 +80,7 @@ class AttentionBackend(Protocol):
     Optional: a backend whose cache holds K and V as contiguous [num_blocks, block_size, Hkv, D]
     arrays may define kv_store_target(kv_cache, metadata) -> (k_cache, v_cache, slot_mapping).
     A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
-    e.g. from a kernel it runs anyway) and call forward with k = v = None.
-
-    Optional (absent or None: not offered):
-    decode_qkv(qkv, transform: QKNormRope, kv_cache, metadata, scale) -> Tensor | None.
-    For a decode batch it takes the QKV projection's output qkv [B, (H + 2 Hkv) * D] (q's heads,
-    then k's, then v's) before the model's q/k norms and rotary, applies transform itself, stores
-    the new k and v, and returns attention [B, H, D]: one kernel instead of the model's q/k kernel
-    and the attention kernel. For any other batch it returns None and the model takes the usual
-    path (transform, then forward)."""
+    e.g. from a kernel it runs anyway) and call forward with k = v = None."""
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
 

@@ -56,9 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # Offer decode_qkv (None when off): the decode kernel applies the model's q/k norms and rotary and stores the
-    # new k and v itself, one kernel a layer less. Off until measured on a GPU (BENCHMARKS.md).
-    fuse_qk_decode: bool = False
 
 
 @dataclass(slots=True)
@@ -76,8 +73,7 @@ class TritonAttention:
     torch backend's. Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
     decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
     one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
-    aims to give each multiprocessor), decode_order (which sequences' programs start first),
-    fuse_qk_decode (decode_qkv: the model's q/k norms and rotary inside the decode kernel)."""
+    aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
     supports_cuda_graphs = True
 
@@ -86,8 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 fuse_qk_decode: bool = TritonAttentionOptions.fuse_qk_decode):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -105,14 +100,10 @@ class TritonAttention:
                                        ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
-        if not isinstance(fuse_qk_decode, bool):
-            raise ValueError(f"triton attention option fuse_qk_decode must be true or false, got {fuse_qk_decode!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        # offered only when on, so a model does not build its transform for a call that declines
-        self.decode_qkv = self._decode_qkv if fuse_qk_decode else None
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -152,34 +143,20 @@ class TritonAttention:
         if not inputs.is_decode:
             return kernels.paged_prefill(q, kv_cache, out, inputs.query_start_loc, inputs.seq_lens,
                                          inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
-        return self._decode(q, out, kv_cache, metadata, scale)
-
-    def _decode_qkv(self, qkv, transform, kv_cache, metadata: TritonAttentionMetadata, scale):
-        """decode_qkv (see AttentionBackend) with fuse_qk_decode: a decode batch's attention straight
-        from the QKV projection's output; None for other batches (the model then normalizes and
-        rotates itself)."""
-        if not metadata.inputs.is_decode:
-            return None
-        out = qkv.new_empty((qkv.shape[0], transform.num_heads, transform.head_dim))
-        return self._decode(None, out, kv_cache, metadata, scale, (qkv, transform, metadata.inputs.slot_mapping))
-
-    def _decode(self, q, out, kv_cache, metadata: TritonAttentionMetadata, scale, qkv_transform=None):
-        inputs = metadata.inputs
-        kernels = self.kernels
-        if metadata.num_splits == 0:  # the first layer plans the step for all
-            num_seqs, num_heads, head_dim = out.shape
-            metadata.num_splits = kernels.decode_splits(out, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
+        if metadata.num_splits == 0:
+            num_seqs, num_heads, head_dim = q.shape
+            metadata.num_splits = kernels.decode_splits(q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
                                                         self.decode_programs_per_sm)
             if metadata.num_splits > 1:
-                metadata.partial_out = out.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
-                                                     dtype=torch.float32)
-                metadata.partial_lse = out.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
+                metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
+                                                   dtype=torch.float32)
+                metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
             if self.decode_order == "longest_first":
                 metadata.seq_order = kernels.longest_first(inputs.seq_lens)
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, qkv_transform)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

@@ -141,31 +141,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
-def _norm_rope_rows(row_ptr, heads, mask, weight_ptr, cos_sin_row_ptr, eps, HEAD_DIM: tl.constexpr):
-    """Heads `heads` (where mask) of one token's row of a fused QKV output, each RMS-normalized,
-    times weight, then rotated (rotate-half rotary, cos and sin from one row of cos_sin): [rows,
-    HEAD_DIM] in the row's dtype, rounded where qk_norm_rope_kernel rounds. Each dimension is read
-    with its rotary partner (d +- HEAD_DIM/2), so the rows come out whole, ready for tl.dot."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    dims = tl.arange(0, HEAD_DIM)
-    partner = (dims + HALF) % HEAD_DIM
-    rows = row_ptr + heads[:, None] * HEAD_DIM
-    x = tl.load(rows + dims[None, :], mask=mask[:, None], other=0.0)
-    x_partner = tl.load(rows + partner[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-    weight = tl.load(weight_ptr + dims).to(tl.float32)[None, :]
-    weight_partner = tl.load(weight_ptr + partner).to(tl.float32)[None, :]
-    normed = ((x * rstd).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
-    normed_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * weight_partner).to(dtype).to(tl.float32)
-    cos = tl.load(cos_sin_row_ptr + dims % HALF)[None, :]
-    sin = tl.load(cos_sin_row_ptr + HALF + dims % HALF)[None, :]
-    sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]  # first half: x*cos - partner*sin; second: + partner*sin
-    return (normed * cos + sign * (normed_partner * sin)).to(dtype)
-
-
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr, seq_order_ptr,
@@ -174,12 +149,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          cache_stride_slot, cache_stride_head, block_tables_stride,
                          partial_stride_seq, partial_stride_head, partial_stride_split,
                          lse_stride_seq, lse_stride_head,
-                         qkv_ptr, qkv_stride_token, k_offset, v_offset, positions_ptr, q_norm_ptr, k_norm_ptr,
-                         cos_sin_ptr, slot_mapping_ptr, eps,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, FUSED_QK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -189,13 +161,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     The grid is (KV heads x splits, sequences), so the GPU starts all of a sequence's programs
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
-    last wave, so the multiprocessors finish together instead of waiting on one long sequence.
-
-    FUSED_QK: q, k and v come unnormalized from the fused QKV output (qkv_ptr; k's heads start at
-    k_offset in a row, v's at v_offset), and the program applies the model's per-head RMSNorm and
-    rotary itself (_norm_rope_rows). The cache then holds every key but the new one: the program
-    whose part holds the last position takes the new k and v from registers and also stores them
-    in their slot (slot_mapping; -1 stores nothing), so no program reads a slot another writes."""
+    last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
     pdl.wait_for_inputs(PDL)
     kv_head = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -212,43 +178,18 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     head_mask = head_offsets < GROUP
     heads = kv_head * GROUP + head_offsets
     dims = tl.arange(0, HEAD_DIM)
-    if FUSED_QK:
-        qkv_row = qkv_ptr + seq.to(tl.int64) * qkv_stride_token
-        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq) * HEAD_DIM
-        q = _norm_rope_rows(qkv_row, heads, head_mask, q_norm_ptr, cos_sin_row, eps, HEAD_DIM)
-        cache_end = tl.minimum(end, seq_len - 1)  # the new key is not in the cache yet
-    else:
-        q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-                    mask=head_mask[:, None], other=0.0)
-        cache_end = end
+    q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
+                mask=head_mask[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # The first column of each tile is < cache_end, so the running max is finite after the first tile.
-    for tile_start in range(start, cache_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), cache_end, 0,
+    # The first column of each tile is < end, so the running max is finite after the first tile.
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), end, 0,
                                      k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
                                      cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
-    if FUSED_QK:
-        if (seq_len > 0) & (start < seq_len) & (end == seq_len):  # this part holds the new key
-            one = tl.arange(0, 1)
-            k_new = _norm_rope_rows(qkv_row + k_offset, kv_head + one, one == 0, k_norm_ptr, cos_sin_row, eps,
-                                    HEAD_DIM)
-            v_new = tl.load(qkv_row + v_offset + kv_head * HEAD_DIM + one[:, None] * 0 + dims[None, :])
-            slot = tl.load(slot_mapping_ptr + seq + one)  # as a vector: a scalar mask trips the interpreter
-            dst = (slot * cache_stride_slot + kv_head * cache_stride_head)[:, None] + dims[None, :]
-            tl.store(k_cache_ptr + dst, k_new, mask=(slot >= 0)[:, None])
-            tl.store(v_cache_ptr + dst, v_new, mask=(slot >= 0)[:, None])
-            # one more online-softmax step, over the new key alone
-            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
-            m_new = tl.maximum(m_i, score)
-            p = tl.exp2(score - m_new)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-            m_i = m_new
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -358,19 +299,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, qkv_transform=None) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing.
-
-    qkv_transform: (qkv, transform, slot_mapping), with q None: q, k and v are the rows of qkv
-    [B, (H + 2 Hkv) * D] before the model's q/k norms and rotary (a core.protocols.QKNormRope),
-    which the kernel applies; it also stores the new k and v at slot_mapping [B] (-1: none), so
-    the cache holds seq_lens[b] - 1 keys on entry."""
-    num_seqs, num_heads, head_dim = out.shape
+    sequences in; it changes only the timing."""
+    num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -378,17 +314,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
-    fused = qkv_transform is not None
-    if fused:
-        qkv, transform, slot_mapping = qkv_transform
-        if qkv.stride(-1) != 1:
-            qkv = qkv.contiguous()
-        q = out  # unused by the kernel, which reads qkv
-        fused_args = (qkv, qkv.stride(0), num_heads * head_dim, (num_heads + num_kv_heads) * head_dim,
-                      transform.positions, transform.q_weight, transform.k_weight, transform.cos_sin, slot_mapping,
-                      transform.eps)
-    else:  # unused by the kernel: any tensors serve as the pointers
-        fused_args = (q, 0, 0, 0, seq_lens, q, q, q, seq_lens, 0.0)
     _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
@@ -398,11 +323,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
         0 if single else partial_out.stride(2),
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
-        *fused_args,
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(out.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, FUSED_QK=fused, num_warps=num_warps, num_stages=num_stages,
-        **pdl.launch_options(out.device))
+        HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
@@ -410,7 +333,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), num_splits,
             SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4, **pdl.launch_options(out.device))
+            num_warps=4, **pdl.launch_options(q.device))
     return out
 
 

@@ -13,7 +13,6 @@ from torch import nn
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
-from inferlab.core.protocols import QKNormRope
 from inferlab.plugins.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                             QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
                                             VocabParallelEmbedding, compiled, silu_and_mul)
@@ -54,21 +53,9 @@ class Qwen3Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.qk_norm_rope = qk_norm_rope
         self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
-        # optional too: the backend's decode kernel applies our q/k norms and rotary (the Triton
-        # kernels' rounding, so only where those run)
-        self.decode_qkv = getattr(backend, "decode_qkv", None) if qk_norm_rope is not None else None
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
-        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, rotary, attn_metadata))
-
-    def attend(self, positions, qkv, kv_cache, rotary, attn_metadata):
-        """Attention [T, H * D] from the QKV projection's output, before o_proj."""
-        if self.decode_qkv is not None:
-            transform = QKNormRope(positions, self.q_norm.weight, self.k_norm.weight, rotary.cos_sin, self.q_norm.eps,
-                                   self.num_heads, self.num_kv_heads, self.head_dim)
-            out = self.decode_qkv(qkv, transform, kv_cache, attn_metadata, self.scale)
-            if out is not None:
-                return out.reshape(-1, self.num_heads * self.head_dim)
+        qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm_rope is not None:
@@ -84,7 +71,7 @@ class Qwen3Attention(nn.Module):
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return out.reshape(-1, self.num_heads * self.head_dim)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class Qwen3MLP(nn.Module):
@@ -99,29 +86,15 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None,
-                 fused_linear_tokens: int = 0):
-        """fused_linear_tokens: see Qwen3Options (needs kernels, projections without bias and of
-        shapes linear_kernel supports; 0 otherwise)."""
+    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None):
         super().__init__()
         norms = kernels.norms if kernels else None
         self.self_attn = Qwen3Attention(config, backend, tp, fused, kernels.qk_norm_rope if kernels else None)
         self.mlp = Qwen3MLP(config, tp, fused, kernels.silu_and_mul if kernels else None)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, kernels=norms)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, kernels=norms)
-        self.fused_linear_tokens, self.linear_kernel = 0, None
-        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        if fused_linear_tokens > 0 and kernels is not None and all(p.bias is None for p in projections):
-            from inferlab.plugins.models import linear_kernel
-            if all(linear_kernel.supports(*p.weight.shape) for p in projections):
-                self.fused_linear_tokens, self.linear_kernel = fused_linear_tokens, linear_kernel
-            else:
-                log.info("qwen3: fused_linear_tokens ignored: a projection's shape %s does not divide into the "
-                         "GEMM's tiles", [tuple(p.weight.shape) for p in projections])
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
-        if hidden.shape[0] <= self.fused_linear_tokens:
-            return self._forward_fused_linear(positions, hidden, residual, kv_cache, rotary, attn_metadata)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -130,23 +103,6 @@ class Qwen3DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, rotary, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def _forward_fused_linear(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
-        """The same layer with each projection one Triton GEMM, the RMSNorms and SiLU*mul in the
-        GEMMs' loads (linear_kernel.py): five kernels fewer than forward."""
-        lk, attn, mlp = self.linear_kernel, self.self_attn, self.mlp
-        eps = self.input_layernorm.eps
-        if residual is None:
-            qkv, _ = lk.linear(hidden, attn.qkv_proj.weight, lk.RMS_NORM, None, self.input_layernorm.weight, eps)
-            residual = hidden
-        else:
-            qkv, residual = lk.linear(hidden, attn.qkv_proj.weight, lk.ADD_RMS_NORM, residual,
-                                      self.input_layernorm.weight, eps)
-        out = attn.attend(positions, qkv, kv_cache, rotary, attn_metadata)
-        hidden = attn.o_proj.tp.all_reduce(lk.linear(out, attn.o_proj.weight)[0])
-        gate_up, residual = lk.linear(hidden, mlp.gate_up_proj.weight, lk.ADD_RMS_NORM, residual,
-                                      self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return mlp.down_proj.tp.all_reduce(lk.linear(gate_up, mlp.down_proj.weight, lk.SILU_MUL)[0]), residual
 
 
 # checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
@@ -165,34 +121,25 @@ class Qwen3Options:
     they can run: Triton importable, a power-of-two head_dim)."""
     torch_compile: Optional[bool] = None
     triton_kernels: Optional[bool] = None
-    # Batches of at most this many tokens run each projection as one Triton GEMM with the RMSNorms
-    # and SiLU*mul folded into it (linear_kernel.py; needs triton_kernels): 0, off, cuBLAS always.
-    # Off until measured on a GPU (BENCHMARKS.md).
-    fused_linear_tokens: int = 0
 
 
 class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
-                 torch_compile: bool | None = None, triton_kernels: bool | None = None,
-                 fused_linear_tokens: int = Qwen3Options.fused_linear_tokens):
+                 torch_compile: bool | None = None, triton_kernels: bool | None = None):
         """Options: see Qwen3Options."""
         super().__init__()
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = _triton_kernels(hf_config, on_cuda, triton_kernels)
-        if isinstance(fused_linear_tokens, bool) or not isinstance(fused_linear_tokens, int) or fused_linear_tokens < 0:
-            raise ValueError(f"fused_linear_tokens must be an integer >= 0 (0: off), got {fused_linear_tokens!r}")
-        if fused_linear_tokens and kernels is None:
-            raise ValueError("fused_linear_tokens needs the Triton kernels (model_options.triton_kernels)")
         scaling = getattr(hf_config, "rope_scaling", None)
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"rope_scaling {scaling!r} is not supported by the qwen3 plugin; supported: none/default")
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, fused_linear_tokens)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused,
                             kernels=kernels.norms if kernels else None)
