@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Qwen3 checkpoints (built once per session per shape), the
-Hugging Face reference for greedy decoding, and plugins registered by hand."""
+Hugging Face reference for greedy decoding, plugins registered by hand, and one torch thread for
+modules that run many engine steps."""
 import os
 import types
 
@@ -62,3 +63,13 @@ def plugin_module():
             setattr(module, hook_name, hookimpl(fn))
         return module
     return build
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and OpenMP threads that spin-wait on a loaded
+    machine make each step 30x slower."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

@@ -1,17 +1,5 @@
 """Checks of the KV block books, shared by the engine reliability and fuzz tests and the KV
-manager's and schedulers' property tests, and a fixture that keeps torch to one thread."""
-import pytest
-import torch
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread, and OpenMP threads that spin-wait on a loaded
-    machine make each step 30x slower."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+manager's and schedulers' property tests."""
 
 
 def assert_books_clean(llm) -> None:

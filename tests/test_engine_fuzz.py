@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_books import assert_books_clean, one_torch_thread  # noqa: F401  (a fixture)
+from engine_books import assert_books_clean
 from hypothesis_profiles import ENGINE_EXAMPLES
 from inferlab import LLM, SamplingParams
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine_books import assert_books_clean, assert_books_exact, one_torch_thread  # noqa: F401  (a fixture)
+from engine_books import assert_books_clean, assert_books_exact
 from inferlab import LLM, SamplingParams
 from inferlab.core.engine import RequestTooLargeError
 

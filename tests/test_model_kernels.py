@@ -177,7 +177,8 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
 
     def check(env_pdl, interpret, cap, expected):
         pdl._enabled.cache_clear()
-        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        # pdl reads TRITON_INTERPRET once, at import, as Triton does: stand in for that reading
+        monkeypatch.setattr(pdl, "INTERPRETED", interpret == "1")
         if env_pdl is None:
             monkeypatch.delenv("INFERLAB_PDL", raising=False)
         else:

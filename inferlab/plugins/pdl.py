@@ -23,9 +23,15 @@ import triton
 import triton.language as tl
 
 
+# Whether Triton runs our kernels in its interpreter (TRITON_INTERPRET=1, the only way they run on
+# CPU). Triton decides that when a kernel is decorated, so this is read once, at import, as Triton
+# reads it; the kernel modules import it from here.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @functools.lru_cache(maxsize=None)
 def _enabled(device_index: int) -> bool:
-    if os.environ.get("INFERLAB_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if os.environ.get("INFERLAB_PDL", "1") == "0" or INTERPRETED:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

@@ -8,16 +8,13 @@ Triton decides at import whether kernels are compiled or interpreted (TRITON_INT
 way they run on CPU), so this module is imported only when a Triton-based backend is built.
 """
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
-
-# True when the kernels below were decorated in interpreter mode (they then run on CPU tensors).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from inferlab.plugins.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
 
 # Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
 MIN_DOT_ROWS = 16

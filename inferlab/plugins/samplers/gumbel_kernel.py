@@ -9,7 +9,6 @@ H200, where torch's plain argmax takes 54 µs). The noise then differs from the 
 the last bits, which moves a token only at a near-tie. Under Triton's interpreter (CPU tests),
 which lacks the fast log, the kernel takes the exact one and matches the reference token for token.
 """
-import os
 
 import torch
 import triton
@@ -17,9 +16,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from inferlab.plugins import pdl
+from inferlab.plugins.pdl import INTERPRETED
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # decided at import, as Triton decides
 
 
 @triton.jit
