@@ -177,7 +177,7 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """A candidate for skinny decode GEMMs, measured against cuBLAS here before the engine uses it:
     y = x @ w.T over one BLOCK_N slab of w and one of SPLIT_K parts of K per program (fp32
-    partials when split)."""
+    partials when split), loads through pointers (cp.async)."""
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,45 +192,93 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
 
 
-def linear_candidates_bench(rates, results):
-    kernel = _splitk_kernel
-    print("\n== skinny GEMM candidates vs cuBLAS (µs; 'partials' = split-K without the final sum) ==")
-    shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-    for name, (n, k) in shapes.items():
-        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-        for m in (8, 32, 64, 128, 256):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            cublas = graph_time_us(lambda: F.linear(x, weight))
-            transposed = graph_time_us(lambda: torch.mm(weight, x.t()))
-            block_m = min(128, max(16, triton.next_power_of_2(m)))
-            best = None
-            for block_n, block_k, split_k, stages in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (3, 4)):
-                if k % (block_k * split_k):
-                    continue
-                y = torch.empty(split_k, m, n, dtype=torch.float32 if split_k > 1 else torch.bfloat16, device="cuda")
-                grid = (n // block_n, split_k, triton.cdiv(m, block_m))
+@triton.jit
+def _splitk_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, stride_ys,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The same tiles, loaded by the Hopper tensor-memory accelerator (TMA) through tensor
+    descriptors: one bulk copy a tile instead of per-thread addresses, rows past M filled with 0."""
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_per_split = K // SPLIT_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_s * k_per_split, (pid_s + 1) * k_per_split, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc += tl.dot(x, tl.trans(w))
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dst = y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
 
-                def run():
-                    kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(1), y.stride(0),
+
+def splitk_linear(x, weights, ys, block_n, block_k, split_k, stages, tma):
+    """One launch a weight of weights (the ring): ys[i] = x @ weights[i].T, as SPLIT_K partials."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = x.shape
+    n = weights[0].shape[0]
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    grid = (n // block_n, split_k, triton.cdiv(m, block_m))
+    if tma:
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_descs = [TensorDescriptor.from_tensor(w, [block_n, block_k]) for w in weights]
+    for i, (w, y) in enumerate(zip(weights, ys)):
+        if tma:
+            _splitk_tma_kernel[grid](x_desc, w_descs[i], y, m, n, k, y.stride(1), y.stride(0), BLOCK_M=block_m,
+                                     BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+                                     num_stages=stages)
+        else:
+            _splitk_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
                                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                                  num_warps=4, num_stages=stages)
-                try:
-                    us = graph_time_us(run)
-                    summed = graph_time_us(lambda: (run(), y.sum(0))) if split_k > 1 else us
-                except Exception as e:
-                    print(f"  skip {name} M={m} n{block_n} k{block_k} split{split_k} s{stages}: {type(e).__name__}")
-                    continue
-                row = {"layer": name, "m": m, "block_n": block_n, "block_k": block_k, "split_k": split_k,
-                       "stages": stages, "partials_us": us, "summed_us": summed}
-                results["linear_candidates"].append(row)
-                if best is None or summed < best["summed_us"]:
-                    best = row
+
+
+def linear_candidates_bench(rates, results):
+    """Skinny decode GEMMs with each weight read from memory as in the model (a ring of 28 copies,
+    one a layer, larger than L2): cuBLAS against split-K Triton kernels loading through pointers and
+    through TMA descriptors. 'partials' leaves the SPLIT_K fp32 partials unsummed (the GEMM alone);
+    'summed' adds the sum a split needs."""
+    print("\n== skinny GEMMs, cold weights: cuBLAS against split-K Triton, pointer loads and TMA (µs a GEMM) ==")
+    shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+    ring = 28
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(ring)]
+        for m in (8, 64, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=1, replays=11) / ring
             floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
-            results["linear_candidates"].append({"layer": name, "m": m, "cublas_us": cublas, "cublas_transposed_us": transposed,
-                                                 "floor_us": floor})
-            print(f"  {name:<8} M={m:<4} cuBLAS {cublas:5.1f}  W@x.T {transposed:5.1f}  triton best {best['summed_us']:5.1f} "
-                  f"(partials {best['partials_us']:.1f}; n{best['block_n']} k{best['block_k']} split{best['split_k']} "
-                  f"s{best['stages']})  floor {floor:.1f}")
+            line = {"layer": name, "m": m, "cublas_us": cublas, "floor_us": floor}
+            for tma in (False, True):
+                best = None
+                for block_n, block_k, split_k, stages in itertools.product((32, 64), (128, 256), (1, 2, 4), (4,)):
+                    if k % (block_k * split_k):
+                        continue
+                    dtype = torch.float32 if split_k > 1 else torch.bfloat16
+                    ys = [torch.empty(split_k, m, n, dtype=dtype, device="cuda") for _ in range(ring)]
+                    config = (block_n, block_k, split_k, stages)
+                    try:
+                        us = graph_time_us(lambda: splitk_linear(x, weights, ys, *config, tma), reps=1, replays=11) / ring
+                    except Exception as e:
+                        print(f"    skip {name} M={m} tma={tma} {config}: {type(e).__name__}: {str(e)[:80]}")
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, config, ys)
+                if best is None:
+                    continue
+                us, config, ys = best
+                summed = us
+                if config[2] > 1:
+                    summed = graph_time_us(lambda: [(splitk_linear(x, weights[i:i + 1], ys[i:i + 1], *config, tma),
+                                                     ys[i].sum(0)) for i in range(ring)], reps=1, replays=11) / ring
+                splitk_linear(x, weights[:1], ys[:1], *config, tma)
+                err = (ys[0].float().sum(0) - F.linear(x, weights[0]).float()).abs().max().item()
+                key = "tma" if tma else "pointers"
+                line.update({f"{key}_partials_us": us, f"{key}_summed_us": summed, f"{key}_config": config,
+                             f"{key}_max_err": err})
+            results["linear_candidates"].append(line)
+            print(f"  {name:<8} M={m:<4} cuBLAS {cublas:5.2f}  " + "  ".join(
+                f"{key} {line[key + '_partials_us']:5.2f}/{line[key + '_summed_us']:5.2f} "
+                f"(n{line[key + '_config'][0]} k{line[key + '_config'][1]} split{line[key + '_config'][2]}, "
+                f"err {line[key + '_max_err']:.3f})" for key in ("pointers", "tma") if key + "_config" in line)
+                + f"  floor {floor:.2f}", flush=True)
 
 
 def prefill_bench(rates, results):
