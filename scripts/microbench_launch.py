@@ -1,7 +1,7 @@
 """What the kernel boundaries of a decode step cost on the GPU, and what programmatic dependent
 launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -11,7 +11,9 @@ launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA gr
   RMSNorm kernel, through cuBLAS; the norm kernel optionally asks L2 for the next GEMM's weight
   (cp.async.bulk.prefetch) before it works, so the GEMM finds its weight on chip.
 - gemm: the same chain with a Triton GEMM launched with PDL, which asks L2 for its weight slab
-  before it waits on its predecessor, against the cuBLAS chain."""
+  before it waits on its predecessor, against the cuBLAS chain.
+- split_k: the decoder stack with o_proj and down_proj as split-K GEMMs whose partials the next
+  RMSNorm kernel sums (qwen3's split_k_tokens) up to 0 (cuBLAS), 64 and 256 tokens."""
 import argparse
 import itertools
 import json
@@ -154,6 +156,21 @@ def gaps_bench(rates, results):
                                 "kernels": [{"name": e.key, "count": e.count / 5, "us": total(e) / e.count} for e in top]})
 
 
+def split_k_bench(rates, results):
+    print("\n== decoder stack, o_proj and down_proj split-K up to N tokens (µs; % against N = 0) ==")
+    thresholds = (0, 64, 256)
+    for t, lens in picked_batches():
+        line = {}
+        for tokens in thresholds:  # one stack at a time: each holds 28 layers' weights
+            chain = decoder_stack(LAYERS, split_k_tokens=tokens)[1]
+            line[f"split_k_tokens={tokens}"] = graph_time_us(chain(lens), reps=2, replays=7)
+        floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
+        base = line["split_k_tokens=0"]
+        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                                                   for k, v in line.items()) + f"; floor {floor_us:.0f}", flush=True)
+        results["split_k"].append({"batch": len(lens), "floor_us": floor_us, **line})
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -236,12 +253,13 @@ def gemm_bench(rates, results):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="gaps,chain,prefetch,gemm")
+    parser.add_argument("--only", default="gaps,chain,prefetch,gemm,split_k")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench}
+    parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
+             "split_k": split_k_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -1,5 +1,6 @@
-"""The model's Triton kernels (q/k norm + rotary, SiLU*mul, RMSNorm) against the torch code they replace,
-and a greedy generate through them against Hugging Face. Without CUDA the kernels run in Triton's
+"""The model's Triton kernels (q/k norm + rotary, SiLU*mul, RMSNorm, the split-K GEMM whose partials
+the RMSNorm sums) against the torch code they replace, and a greedy generate through them against
+Hugging Face. Without CUDA the kernels run in Triton's
 interpreter, so TRITON_INTERPRET is set before the kernel modules are first imported."""
 import os
 
@@ -11,7 +12,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
-from inferlab.plugins.models import rms_norm_kernel  # noqa: E402
+from inferlab.plugins.models import rms_norm_kernel, split_k_kernel  # noqa: E402
+from inferlab.core.parallel import TPGroup  # noqa: E402
+from inferlab.plugins.models.layers import RowParallelLinear  # noqa: E402
 from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
 from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel  # noqa: E402
@@ -131,22 +134,112 @@ def test_rms_norm_kernels_match_torch(num_tokens, width, dtype):
     assert got.shape == (num_tokens, width) and got.dtype == dtype
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
-def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention):
+@pytest.mark.parametrize("attention,split_k_tokens", [("torch", 64), ("triton", 64), ("triton", 0)])
+def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention, split_k_tokens):
     # torch's backend stores K/V itself; triton's lets the q/k kernel store them (kv_store_target)
     path = checkpoint("gqa4-untied")
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention=attention,
-              model_options={"triton_kernels": True})
+              model_options={"triton_kernels": True, "split_k_tokens": split_k_tokens})
     layer = llm.runner.model.layers[0]
     assert layer.self_attn.qk_norm_rope is qk_norm_rope and layer.mlp.act is silu_mul_kernel
     assert layer.input_layernorm.add_norm is rms_norm_kernel.add_rms_norm
     assert llm.runner.model.norm.norm is rms_norm_kernel.rms_norm
     assert (layer.self_attn.kv_store_target is not None) == (attention == "triton")
+    # o_proj [128, 256] splits K into two 128-wide steps; down_proj [128, 128] has one step, so no split
+    projections = [p for layer in llm.runner.model.layers for p in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    calls = []
+    for p in projections:
+        if p._split_k is not None:
+            p._split_k = lambda x, w, kernel=p._split_k: calls.append(x.shape[0]) or kernel(x, w)
+    assert [p.partials_tokens for p in projections] == [split_k_tokens, 0] * len(llm.runner.model.layers)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
                                                           66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert out["token_ids"] == hf_greedy(path, prompt, 6)
+    assert bool(calls) == (split_k_tokens > 0)  # the split path ran, for prefill chunks and decode steps
+
+
+def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
+    assert split_k_kernel.plan(1024, 2048) == (32, 128, 4)  # Qwen3-0.6B's o_proj: 32 column blocks
+    assert split_k_kernel.plan(1024, 3072, 64) == (32, 128, 4)  # its down_proj
+    assert split_k_kernel.plan(1024, 3072, 65) == (64, 128, 2)  # more rows: wider tiles, fewer splits
+    assert split_k_kernel.plan(128, 256) == (32, 128, 2)  # 256 = 2 whole steps, not 4
+    assert split_k_kernel.plan(4096, 4096) is None  # Qwen3-8B's o_proj: 128 column blocks fill the GPU
+    assert split_k_kernel.plan(128, 192) is None  # no split into whole 128-wide steps
+    assert split_k_kernel.plan(100, 256) is None  # no whole column blocks
+    assert split_k_kernel.plan(32, 256, 100) is None  # no whole 64-wide column blocks
+
+
+@pytest.mark.parametrize("num_tokens,n,k,dtype", [
+    (1, 64, 512, torch.float32),
+    (5, 128, 256, torch.float32),
+    (70, 64, 512, torch.float32),  # two row blocks, the second partial; the wider tiles
+    (0, 64, 256, torch.float32),
+    pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
+    pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
+])
+def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dtype):
+    torch.manual_seed(n + num_tokens)
+    x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    tiling = split_k_kernel.plan(n, k, num_tokens)
+    partials = split_k_kernel.linear_partials(x, weight)
+    assert partials.shape == (tiling.split, num_tokens, n) and partials.dtype == torch.float32
+    part = k // tiling.split
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    for s in range(tiling.split):
+        want = x[:, s * part:(s + 1) * part].float() @ weight[:, s * part:(s + 1) * part].float().T
+        torch.testing.assert_close(partials[s], want, **tolerance)
+    torch.testing.assert_close(partials.sum(0), x.float() @ weight.float().T, **tolerance)
+
+
+@pytest.mark.parametrize("num_tokens,width,splits,dtype", [
+    (3, 1024, 4, torch.float32),
+    (5, 40, 2, torch.float32),  # a masked tail
+    (0, 64, 2, torch.float32),
+    pytest.param(9, 1024, 4, torch.bfloat16, marks=pytest.mark.gpu),
+])
+def test_rms_norm_kernels_sum_split_k_partials(num_tokens, width, splits, dtype):
+    """The norms read float32 partials as their sum, rounded once, and answer in the weight's dtype."""
+    torch.manual_seed(width)
+    partials = torch.randn(splits, num_tokens, width, device=DEVICE) * 2
+    residual = (torch.randn(num_tokens, width, device=DEVICE) * 3).to(dtype)
+    weight = (torch.rand(width, device=DEVICE) + 0.5).to(dtype)
+    summed = partials.sum(0)
+    got, got_residual = rms_norm_kernel.add_rms_norm(partials, residual, weight, 1e-6)
+    want_residual = (summed + residual.float()).to(dtype)
+    want = rms_norm(want_residual.float(), weight.float(), 1e-6)  # layers.rms_norm: float32 math
+    assert got.dtype == got_residual.dtype == dtype and got.shape == (num_tokens, width)
+    exact = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
+    torch.testing.assert_close(got_residual, want_residual, **(exact if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)))
+    torch.testing.assert_close(got.float(), want, **exact)
+    torch.testing.assert_close(rms_norm_kernel.rms_norm(partials, weight, 1e-6).float(),
+                               rms_norm(summed, weight.float(), 1e-6), **exact)
+
+
+def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
+    assert RowParallelLinear(2048, 1024, TPGroup()).return_partials(64)
+    assert not RowParallelLinear(2048, 1024, TPGroup()).return_partials(0)
+    assert not RowParallelLinear(2048, 1024, TPGroup(rank=0, size=2)).return_partials(64)  # needs the all-reduce
+    assert not RowParallelLinear(2048, 1024, TPGroup(), bias=True).return_partials(64)
+    assert not RowParallelLinear(4096, 4096, TPGroup()).return_partials(64)  # wide: no gain from a split
+    assert not RowParallelLinear(256, 32, TPGroup()).return_partials(65)  # no tiling above 64 tokens
+    linear = RowParallelLinear(256, 128, TPGroup())
+    linear.weight.data.normal_(0, 0.05)
+    assert linear.return_partials(4)
+    x = torch.randn(4, 256)
+    assert linear(x).shape == (2, 4, 128)  # partials up to 4 tokens
+    torch.testing.assert_close(linear(x).sum(0), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+    assert linear(torch.randn(5, 256)).shape == (5, 128)  # cuBLAS above
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_split_k_tokens_must_be_a_count(checkpoint, value):
+    from inferlab.core.plugins import PluginError
+    with pytest.raises(PluginError, match="split_k_tokens must be an integer >= 0"):
+        LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=8,
+            model_options={"triton_kernels": True, "split_k_tokens": value})
 
 
 def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default_falls_back(checkpoint, caplog):

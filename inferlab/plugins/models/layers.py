@@ -100,7 +100,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced.
+
+    After return_partials(n), batches of up to n tokens get float32 split-K partials [S, T, out]
+    instead of y (split_k_kernel.py), for a next kernel that sums them as it reads them."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
         super().__init__()
@@ -108,8 +111,23 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = tp.split(in_features, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.partials_tokens, self._split_k = 0, None
+
+    def return_partials(self, max_tokens: int) -> bool:
+        """Return split-K partials for batches of up to max_tokens tokens, where the weight's shape
+        gains from a split (few output features) and nothing has to follow the GEMM here: one rank
+        (no all-reduce), no bias. Whether it will."""
+        if max_tokens <= 0 or self.tp.size > 1 or self.bias is not None:
+            return False
+        from inferlab.plugins.models import split_k_kernel
+        if any(split_k_kernel.plan(*self.weight.shape, tokens) is None for tokens in {1, max_tokens}):
+            return False
+        self.partials_tokens, self._split_k = max_tokens, split_k_kernel.linear_partials
+        return True
 
     def forward(self, x):
+        if x.shape[0] <= self.partials_tokens:
+            return self._split_k(x, self.weight)
         # The bias is added once, after the reduction, not once per rank.
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

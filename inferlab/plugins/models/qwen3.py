@@ -86,13 +86,20 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None):
+    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None,
+                 split_k_tokens: int = 0):
+        """split_k_tokens: see Qwen3Options (only with kernels, whose norms sum the partials)."""
         super().__init__()
         norms = kernels.norms if kernels else None
         self.self_attn = Qwen3Attention(config, backend, tp, fused, kernels.qk_norm_rope if kernels else None)
         self.mlp = Qwen3MLP(config, tp, fused, kernels.silu_and_mul if kernels else None)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, kernels=norms)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused, kernels=norms)
+        if kernels is not None:
+            # each output goes only to an add + RMSNorm kernel: post_attention_layernorm, then the
+            # next layer's input_layernorm or the model's final norm
+            self.self_attn.o_proj.return_partials(split_k_tokens)
+            self.mlp.down_proj.return_partials(split_k_tokens)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         if residual is None:
@@ -121,15 +128,22 @@ class Qwen3Options:
     they can run: Triton importable, a power-of-two head_dim)."""
     torch_compile: Optional[bool] = None
     triton_kernels: Optional[bool] = None
+    # Batches of at most this many tokens run o_proj and down_proj as split-K Triton GEMMs whose
+    # partial sums the next RMSNorm kernel adds up (split_k_kernel.py), on one GPU, with the Triton
+    # kernels, where the projection is narrow enough to gain. 0: cuBLAS always.
+    split_k_tokens: int = 64
 
 
 class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
-                 torch_compile: bool | None = None, triton_kernels: bool | None = None):
+                 torch_compile: bool | None = None, triton_kernels: bool | None = None,
+                 split_k_tokens: int = Qwen3Options.split_k_tokens):
         """Options: see Qwen3Options."""
         super().__init__()
+        if not isinstance(split_k_tokens, int) or isinstance(split_k_tokens, bool) or split_k_tokens < 0:
+            raise ValueError(f"split_k_tokens must be an integer >= 0 (0: off), got {split_k_tokens!r}")
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = _triton_kernels(hf_config, on_cuda, triton_kernels)
@@ -139,7 +153,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, split_k_tokens)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused,
                             kernels=kernels.norms if kernels else None)

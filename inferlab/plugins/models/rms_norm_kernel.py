@@ -8,6 +8,9 @@ normalizes one row.
 The rounding follows layers.rms_norm and layers.add_rms_norm: the sum x + residual is kept in
 float32 for the norm and rounded to the model dtype as the new residual; the normalized values are
 rounded to the model dtype before the weight multiplies them.
+
+x may also be a projection's float32 split-K partials [S, T, hidden] (split_k_kernel.py): the
+kernel adds them up as it loads the row, so the split needs no reduction kernel of its own.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 import torch
 import triton
@@ -17,15 +20,17 @@ from inferlab.plugins import pdl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
-                     width, eps, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, partial_stride,
+                     residual_stride, width, eps, BLOCK: tl.constexpr, PARTIALS: tl.constexpr,
+                     ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    dtype = x.dtype
-    x = x.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, PARTIALS):  # x is split-K partials: their sum is the row
+        x += tl.load(x_ptr + part * partial_stride + row * x_stride + cols, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         x += tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(residual_out_ptr + row * width + cols, x.to(dtype), mask=mask)
@@ -36,28 +41,33 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    num_tokens, width = x.shape
-    if x.stride(-1) != 1:
+    partials = x.dim() == 3
+    num_tokens, width = x.shape[-2:]
+    if x.stride(-1) != 1 or (partials and x.stride(1) != width):
         x = x.contiguous()
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    out = x.new_empty((num_tokens, width))
-    residual_out = x.new_empty((num_tokens, width)) if residual is not None else out
+    # partials are float32 whatever the model's dtype; the output is in the weight's (the model's)
+    dtype = weight.dtype if partials else x.dtype
+    out = torch.empty((num_tokens, width), dtype=dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
-            x, x if residual is None else residual, weight, out, residual_out, x.stride(0),
-            0 if residual is None else residual.stride(0), width, eps,
-            BLOCK=triton.next_power_of_2(width), ADD_RESIDUAL=residual is not None, num_warps=4,
-            **pdl.launch_options(x.device))
+            x, x if residual is None else residual, weight, out, residual_out, x.stride(-2),
+            x.stride(0) if partials else 0, 0 if residual is None else residual.stride(0), width, eps,
+            BLOCK=triton.next_power_of_2(width), PARTIALS=x.shape[0] if partials else 1,
+            ADD_RESIDUAL=residual is not None, num_warps=4, **pdl.launch_options(x.device))
     return out, residual_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of each row of x [T, hidden], times weight [hidden]."""
+    """RMSNorm of each row of x [T, hidden] (or of the sum of float32 partials [S, T, hidden]),
+    times weight [hidden]."""
     return _launch(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) for x, residual [T, hidden]."""
+    """(rms_norm(x + residual), x + residual) for x [T, hidden] (or float32 partials [S, T, hidden],
+    summed) and residual [T, hidden]."""
     return _launch(x, residual, weight, eps)

@@ -1,0 +1,87 @@
+"""Split-K GEMM for the narrow projections of small decode batches, leaving its partial sums for
+the next RMSNorm kernel to add up.
+
+A projection with few output features (Qwen3-0.6B's o_proj and down_proj: 1,024) gives a GEMM
+only a few dozen column blocks, so a few dozen of the GPU's 132 multiprocessors stream its weight.
+Splitting K fills the others, but the partial sums then need adding, and a separate reduction
+kernel costs what the split saves (cuBLAS adds one of its own at these sizes). Here each program
+stores its fp32 partial [BLOCK_M, BLOCK_N] tile into partials[split], and the add + RMSNorm kernel
+that reads the projection's output anyway (rms_norm_kernel.py) sums them as it loads.
+Measured on an H200 with cold weights, at 8 to 64 tokens: 4.2-4.9 µs for the partials against
+cuBLAS's 6.0-8.1 µs (BENCHMARKS.md, session 5, item 32).
+
+The sum of the partials is the product in float32, rounded once by the norm kernel, where cuBLAS
+rounds the product to the model dtype before the residual add: both are the projection to within
+one rounding.
+Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from inferlab.plugins import pdl
+
+
+class SplitKPlan(NamedTuple):
+    block_n: int
+    block_k: int
+    split: int
+
+
+# Fewer 32-wide column blocks than this leave most of a large GPU's multiprocessors idle: split K.
+MIN_COLUMN_BLOCKS = 64
+
+
+def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
+    """The tiling for num_tokens rows against a [n, k] weight: 32 columns and a split of 4 (or 2)
+    for up to 64 rows, 64 columns and a split of 2 above (the best of item 32's sweep at 8, 64
+    and 256 rows), in whole 128-wide K steps. None where a split does not pay (n wide enough to
+    fill the GPU with column blocks) or does not divide (then use a plain GEMM)."""
+    block_n, block_k, splits = (32, 128, (4, 2)) if num_tokens <= 64 else (64, 128, (2,))
+    if n % block_n or n // 32 >= MIN_COLUMN_BLOCKS:
+        return None
+    for split in splits:
+        if k % (block_k * split) == 0:
+            return SplitKPlan(block_n, block_k, split)
+    return None
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                    PDL: tl.constexpr):
+    """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, in float32,
+    into partials[split]."""
+    pdl.wait_for_inputs(PDL)
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows[:, None] < M
+    k_per_split = K // SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
+        w = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
+        acc += tl.dot(a, tl.trans(w), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
+    out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, acc, mask=row_mask)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 partials [split, T, N] whose sum over the first dimension is x @ weight.T, for x
+    [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens."""
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    tiling = plan(n, k, num_tokens)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    partials = torch.empty((tiling.split, num_tokens, n), dtype=torch.float32, device=x.device)
+    if num_tokens:
+        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
+        grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
+        _split_k_kernel[grid](x, weight, partials, num_tokens, n, k, x.stride(0),
+                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
+                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
+    return partials
