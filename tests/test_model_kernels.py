@@ -160,6 +160,22 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
     assert bool(calls) == (split_k_tokens > 0)  # the split path ran, for prefill chunks and decode steps
 
 
+def test_greedy_generate_with_wider_split_k_tiles_above_64_rows_matches_hf(checkpoint, hf_greedy):
+    """An 80-token prompt in one prefill chunk takes the tiling for more than 64 rows (64-wide
+    column blocks, K in 2), and its two partials go through the norms; decode steps take the other."""
+    path = checkpoint("gqa4-untied")
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=128, attention="triton",
+              model_options={"triton_kernels": True, "split_k_tokens": 256})
+    rows = []
+    for layer in llm.runner.model.layers:
+        o_proj = layer.self_attn.o_proj
+        o_proj._split_k = lambda x, w, kernel=o_proj._split_k: rows.append(x.shape[0]) or kernel(x, w)
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(80)]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(path, prompt, 4)
+    assert split_k_kernel.plan(128, 256, 80) == (64, 128, 2) and 80 in rows and 1 in rows
+
+
 def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
     assert split_k_kernel.plan(1024, 2048) == (32, 128, 4)  # Qwen3-0.6B's o_proj: 32 column blocks
     assert split_k_kernel.plan(1024, 3072, 64) == (32, 128, 4)  # its down_proj
