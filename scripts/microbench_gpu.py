@@ -11,8 +11,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: split-K Triton GEMMs (pointer loads, TMA descriptors) against cuBLAS, each
   weight one of a ring of 28 as in the model.
-- silu_down: down_proj as the model runs it (SiLU*mul kernel, then split-K partials) against one
-  split-K kernel that applies SiLU*mul to its A tiles (a candidate, not in the model).
+- silu_down: down_proj as the model runs it (SiLU*mul kernel, then split-K partials) against the
+  split-K kernel applying SiLU*mul to its A tiles (split_k_kernel's silu_mul, not in the model yet).
 - prefill: the triton backend's paged prefill over query heads a program (1 or the GQA group),
   tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
@@ -35,7 +35,6 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.core.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes  # noqa: E402
 from inferlab.floor import device_rates  # noqa: E402
-from inferlab.plugins import pdl  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, INTER, VOCAB = 16, 8, 128, 256, 1024, 3072, 151936
 
@@ -285,37 +284,10 @@ def linear_candidates_bench(rates, results):
                 + f"  floor {floor:.2f}", flush=True)
 
 
-@triton.jit
-def _silu_split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         PDL: tl.constexpr):
-    """A candidate: split_k_kernel's program for down_proj with SiLU(gate) * up (silu_mul_kernel's
-    rounding) computed from the gate/up output x = [gate | up] as the A tile is loaded, so the
-    SiLU*mul kernel before it goes away."""
-    pdl.wait_for_inputs(PDL)
-    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows[:, None] < M
-    k_per_split = K // SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        gate = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
-        up = tl.load(x_ptr + rows[:, None] * x_stride + K + ks[None, :], mask=row_mask, other=0.0)
-        w = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        a = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-        acc += tl.dot(a, tl.trans(w))
-    out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out, acc, mask=row_mask)
-
-
 def silu_down_bench(rates, results):
     """down_proj as the model runs it (the SiLU*mul kernel, then split_k_kernel's partials) against
-    one split-K kernel that applies SiLU*mul to its A tiles, each with its weight one of a ring of
-    28, launched with PDL as the model's kernels are; the tiling is the model's (split_k_kernel.plan)."""
+    split_k_kernel with silu_mul (SiLU*mul applied to its A tiles as it loads them), over block_k
+    and pipeline stages; each weight one of a ring of 28, kernels launched with PDL as in the model."""
     from inferlab.plugins.models import split_k_kernel
     from inferlab.plugins.models.silu_mul_kernel import silu_and_mul
     print("\n== down_proj: SiLU*mul kernel + split-K partials against SiLU*mul in the split-K loads (µs) ==")
@@ -323,22 +295,16 @@ def silu_down_bench(rates, results):
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(ring)]
     for m in (8, 32, 64, 128, 256):
         gate_up = torch.randn(m, 2 * k, dtype=torch.bfloat16, device="cuda")
-        tiling = split_k_kernel.plan(n, k, m)
         now = graph_time_us(lambda: [split_k_kernel.linear_partials(silu_and_mul(gate_up), w) for w in weights],
                             reps=1, replays=11) / ring
         line = {"m": m, "now_us": now}
-        block_m = min(64, max(16, triton.next_power_of_2(m)))
-        grid = (n // tiling.block_n, tiling.split, triton.cdiv(m, block_m))
-        partials = torch.empty(tiling.split, m, n, dtype=torch.float32, device="cuda")
         for block_k, stages in itertools.product((64, 128), (2, 4)):
-            def fused():
-                for w in weights:
-                    _silu_split_k_kernel[grid](gate_up, w, partials, m, n, k, gate_up.stride(0), BLOCK_M=block_m,
-                                               BLOCK_N=tiling.block_n, BLOCK_K=block_k, SPLIT=tiling.split,
-                                               num_warps=4, num_stages=stages, **pdl.launch_options(gate_up.device))
-            line[f"fused_k{block_k}_s{stages}_us"] = graph_time_us(fused, reps=1, replays=11) / ring
-        want = split_k_kernel.linear_partials(silu_and_mul(gate_up), weights[-1]).sum(0)
-        line["max_err"] = (partials.sum(0) - want).abs().max().item()
+            line[f"fused_k{block_k}_s{stages}_us"] = graph_time_us(
+                lambda: [split_k_kernel.linear_partials(gate_up, w, True, block_k, stages) for w in weights],
+                reps=1, replays=11) / ring
+        got = split_k_kernel.linear_partials(gate_up, weights[0], silu_mul=True).sum(0)
+        want = split_k_kernel.linear_partials(silu_and_mul(gate_up), weights[0]).sum(0)
+        line["max_err"] = (got - want).abs().max().item()
         results["silu_down"].append(line)
         print(f"  M={m:<4} now {now:5.2f}  " + "  ".join(f"{key[6:-3]} {v:5.2f}" for key, v in line.items()
                                                          if key.startswith("fused")) + f"  (max err {line['max_err']:.4f})",

@@ -51,9 +51,10 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
 @triton.jit
 def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr):
-    """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, in float32,
-    into partials[split]."""
+                    SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    """One program: the BLOCK_M x BLOCK_N tile of a @ weight.T over one SPLIT-th of K, in float32,
+    into partials[split]; a is x, or with SILU_MUL, SiLU(gate) * up of x = [gate | up] (rounded as
+    silu_mul_kernel rounds)."""
     pdl.wait_for_inputs(PDL)
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,16 +65,28 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
     for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
+        if SILU_MUL:
+            up = tl.load(x_ptr + rows[:, None] * x_stride + K + ks[None, :], mask=row_mask, other=0.0)
+            gate = a.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(a.dtype)
+            a = (silu.to(tl.float32) * up.to(tl.float32)).to(a.dtype)
         w = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
         acc += tl.dot(a, tl.trans(w), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
     out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc, mask=row_mask)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
+                    block_k: int | None = None, num_stages: int = 4) -> torch.Tensor:
     """float32 partials [split, T, N] whose sum over the first dimension is x @ weight.T, for x
-    [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens."""
-    num_tokens, k = x.shape
+    [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens.
+
+    silu_mul: x is a gate/up projection's output [T, 2K] and the product is SiLU(gate) * up @
+    weight.T, sparing the SiLU*mul kernel before down_proj. A candidate that the model does not use
+    yet: scripts/microbench_gpu.py's silu_down measures it (BENCHMARKS.md item 34), sweeping
+    block_k (default: the plan's) and num_stages."""
+    num_tokens = x.shape[0]
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
     n = weight.shape[0]
     tiling = plan(n, k, num_tokens)
     if x.stride(-1) != 1:
@@ -83,6 +96,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, partials, num_tokens, n, k, x.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
-                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
+                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k or tiling.block_k,
+                              SPLIT=tiling.split, SILU_MUL=silu_mul, num_warps=4, num_stages=num_stages,
+                              **pdl.launch_options(x.device))
     return partials
