@@ -1,7 +1,7 @@
 """The model's Triton kernels (q/k norm + rotary, SiLU*mul, RMSNorm, the split-K GEMM whose partials
 the RMSNorm sums) against the torch code they replace, and a greedy generate through them against
-Hugging Face. Without CUDA the kernels run in Triton's
-interpreter, so TRITON_INTERPRET is set before the kernel modules are first imported."""
+Hugging Face. Without CUDA the kernels run in Triton's interpreter, so TRITON_INTERPRET is set
+before the kernel modules are first imported."""
 import os
 
 import pytest
@@ -157,7 +157,7 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
                                                           66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert out["token_ids"] == hf_greedy(path, prompt, 6)
-    assert bool(calls) == (split_k_tokens > 0)  # the split path ran, for prefill chunks and decode steps
+    assert bool(calls) == (split_k_tokens > 0)  # the split path ran
 
 
 def test_greedy_generate_with_wider_split_k_tiles_above_64_rows_matches_hf(checkpoint, hf_greedy):
