@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
+from inferlab.plugins.models.silu_mul_kernel import silu_mul
 
 
 class SplitKPlan(NamedTuple):
@@ -67,9 +68,7 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
         a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
         if SILU_MUL:
             up = tl.load(x_ptr + rows[:, None] * x_stride + K + ks[None, :], mask=row_mask, other=0.0)
-            gate = a.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(a.dtype)
-            a = (silu.to(tl.float32) * up.to(tl.float32)).to(a.dtype)
+            a = silu_mul(a, up)
         w = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
         acc += tl.dot(a, tl.trans(w), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
     out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
