@@ -1,7 +1,7 @@
 """What the kernel boundaries of a decode step cost on the GPU, and what programmatic dependent
 launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,prefetch_attn] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -13,7 +13,10 @@ launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA gr
 - gemm: the same chain with a Triton GEMM launched with PDL, which asks L2 for its weight slab
   before it waits on its predecessor, against the cuBLAS chain.
 - split_k: the decoder stack with o_proj and down_proj as split-K GEMMs whose partials the next
-  RMSNorm kernel sums (qwen3's split_k_tokens) up to 0 (cuBLAS), 64 and 256 tokens."""
+  RMSNorm kernel sums (qwen3's split_k_tokens) up to 0 (cuBLAS), 64 and 256 tokens.
+- prefetch_attn: the decoder stack with and without qwen3's prefetch_weights (each layer's next
+  weights asked into L2 on a side stream while its attention runs), then with it and an L2
+  set-aside for persisting (evict_last) lines, the most the device allows."""
 import argparse
 import itertools
 import json
@@ -171,6 +174,56 @@ def split_k_bench(rates, results):
         results["split_k"].append({"batch": len(lens), "floor_us": floor_us, **line})
 
 
+def persisting_l2_max() -> int:
+    """Sets the device's L2 set-aside for persisting accesses to its maximum (cudaDeviceSetLimit,
+    through the CUDA runtime torch loads); returns the bytes set."""
+    import ctypes
+    import glob
+    candidates = ["libcudart.so.12", "libcudart.so.13", "libcudart.so"]
+    candidates += glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*"))
+    for name in candidates:
+        try:
+            cudart = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise OSError("no CUDA runtime library found")
+    size = torch.cuda.get_device_properties(0).L2_cache_size * 3 // 4
+    limit_persisting_l2 = 0x06  # cudaLimitPersistingL2CacheSize
+    err = cudart.cudaDeviceSetLimit(limit_persisting_l2, ctypes.c_size_t(size))
+    if err:
+        raise RuntimeError(f"cudaDeviceSetLimit failed: {err}")
+    value = ctypes.c_size_t()
+    cudart.cudaDeviceGetLimit(ctypes.byref(value), limit_persisting_l2)
+    return value.value
+
+
+def prefetch_attn_bench(rates, results):
+    print("\n== decoder stack, weights prefetched into L2 during attention (µs; % against off) ==")
+    modes = ("off", "on", "on+set-aside")
+    lines = []
+    for mode in modes:
+        if mode == "on+set-aside":  # last: the set-aside stays for the process
+            try:
+                print(f"  L2 set-aside for persisting lines: {persisting_l2_max() / 2**20:.1f} MiB", flush=True)
+            except (OSError, RuntimeError) as e:
+                print(f"  no set-aside ({e}); skipped", flush=True)
+                break
+        chain = decoder_stack(LAYERS, prefetch_weights=mode != "off")[1]
+        for i, (t, lens) in enumerate(picked_batches()):
+            if mode == "off":
+                lines.append({"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)})
+            lines[i][mode] = graph_time_us(chain(lens), reps=2, replays=9)
+        del chain
+        torch.cuda.empty_cache()
+    for line in lines:
+        base = line["off"]
+        print(f"  batch {line['batch']:>3}: " + "; ".join(f"{m} {line[m]:6.0f} ({100 * (line[m] - base) / base:+.1f}%)"
+                                                       for m in modes if m in line) + f"; floor {line['floor_us']:.0f}")
+    results["prefetch_attn"] = lines
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -259,7 +312,7 @@ def main():
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
-             "split_k": split_k_bench}
+             "split_k": split_k_bench, "prefetch_attn": prefetch_attn_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
