@@ -201,20 +201,31 @@ def persisting_l2_max() -> int:
 
 def prefetch_attn_bench(rates, results):
     print("\n== decoder stack, weights prefetched into L2 during attention (µs; % against off) ==")
-    modes = ("off", "on", "on+set-aside")
+    from inferlab.plugins.models import l2_prefetch_kernel
+    modes = ("off", "bulk", "bulk_nohint", "line")
     lines = []
     for mode in modes:
-        if mode == "on+set-aside":  # last: the set-aside stays for the process
-            try:
-                print(f"  L2 set-aside for persisting lines: {persisting_l2_max() / 2**20:.1f} MiB", flush=True)
-            except (OSError, RuntimeError) as e:
-                print(f"  no set-aside ({e}); skipped", flush=True)
-                break
+        l2_prefetch_kernel.MODE = mode
         chain = decoder_stack(LAYERS, prefetch_weights=mode != "off")[1]
-        for i, (t, lens) in enumerate(picked_batches()):
+        for i, (t, lens) in enumerate(picked_batches((256, 64, 32))):
             if mode == "off":
                 lines.append({"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)})
             lines[i][mode] = graph_time_us(chain(lens), reps=2, replays=9)
+            if len(lens) <= 64 and len(lens) > 32 and mode in ("off", "bulk", "line"):
+                run = chain(lens)
+                run()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                graph.replay()
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        graph.replay()
+                    torch.cuda.synchronize()
+                print(f"  profile {mode} batch {len(lens)}:")
+                for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:9]:
+                    print(f"      {e.self_device_time_total / max(1, e.count):7.2f} µs x {e.count / 3:4.0f}  {e.key[:70]}")
         del chain
         torch.cuda.empty_cache()
     for line in lines:

@@ -24,16 +24,32 @@ THREADS = 128  # one prefetch per thread; a program covers CHUNK_BYTES * THREADS
 
 
 @triton.jit
-def _l2_prefetch_kernel(base_ptr, num_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
-    offsets = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK
-    sizes = tl.minimum(tl.maximum(num_bytes - offsets, 0), CHUNK).to(tl.int32)
-    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + offsets
-    # The output register is a dummy: inline asm must return something; is_pure=False keeps it.
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b64 policy; setp.ne.u32 p, $2, 0; "
-        "createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
-        "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+def _l2_prefetch_kernel(base_ptr, num_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr, MODE: tl.constexpr):
+    if MODE == "line":  # one prefetch instruction a 128-byte line, CHUNK bytes a thread
+        for line in tl.static_range(CHUNK // 128):
+            offsets = ((tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK + line * 128)
+            ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + offsets
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.lt.s64 p, $2, $3; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+                "=r,l,l,l", [ptrs, offsets, num_bytes + offsets * 0], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        offsets = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK
+        sizes = tl.minimum(tl.maximum(num_bytes - offsets, 0), CHUNK).to(tl.int32)
+        ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + offsets
+        # The output register is a dummy: inline asm must return something; is_pure=False keeps it.
+        if MODE == "bulk":
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b64 policy; setp.ne.u32 p, $2, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 policy, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy; mov.u32 $0, 0; }",
+                "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+MODE = "bulk"  # experiment: "bulk", "bulk_nohint", "line"
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,8 +70,9 @@ def prefetch_l2(tensor: torch.Tensor) -> None:
     # the instruction wants 16-byte aligned addresses and sizes; a torch allocation starts on 512
     if num_bytes == 0 or tensor.data_ptr() % 16 or num_bytes % 16 or not tensor.is_contiguous():
         return
-    _l2_prefetch_kernel[(triton.cdiv(num_bytes, CHUNK_BYTES * THREADS),)](
-        tensor, num_bytes, CHUNK=CHUNK_BYTES, THREADS=THREADS, num_warps=THREADS // 32)
+    chunk = 2048 if MODE == "line" else CHUNK_BYTES
+    _l2_prefetch_kernel[(triton.cdiv(num_bytes, chunk * THREADS),)](
+        tensor, num_bytes, CHUNK=chunk, THREADS=THREADS, MODE=MODE, num_warps=THREADS // 32)
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
