@@ -235,6 +235,39 @@ def prefetch_attn_bench(rates, results):
     results["prefetch_attn"] = lines
 
 
+def microbatch_bench(rates, results):
+    print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
+    _, chain = decoder_stack(LAYERS)
+    streams = {"equal": [torch.cuda.Stream() for _ in range(4)],
+               "prio": [torch.cuda.Stream(priority=-1 if i == 0 else 0) for i in range(4)]}
+    for t, lens in picked_batches((256, 128, 64, 32, 8)):
+        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+        line["one"] = graph_time_us(chain(lens), reps=2, replays=9)
+        for parts, kind in ((2, "equal"), (2, "prio"), (3, "equal"), (4, "equal")):
+            if len(lens) < 2 * parts:
+                continue
+            runs, first = [], 0
+            for i in range(parts):
+                part_lens = lens[i::parts]  # every parts-th sequence: the parts get alike lengths
+                runs.append(chain(part_lens, first))
+                first += len(part_lens)
+
+            def run(runs=runs, kind=kind):
+                main = torch.cuda.current_stream()
+                for part_run, stream in zip(runs, streams[kind]):
+                    stream.wait_stream(main)
+                    with torch.cuda.stream(stream):
+                        part_run()
+                for stream in streams[kind][:len(runs)]:
+                    main.wait_stream(stream)
+            line[f"{parts}x{kind}"] = graph_time_us(run, reps=2, replays=9)
+        base = line["one"]
+        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                                                   for k, v in line.items() if k not in ("batch", "floor_us"))
+              + f"; floor {line['floor_us']:.0f}", flush=True)
+        results.setdefault("microbatch", []).append(line)
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -323,7 +356,8 @@ def main():
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
-             "split_k": split_k_bench, "prefetch_attn": prefetch_attn_bench}
+             "split_k": split_k_bench, "prefetch_attn": prefetch_attn_bench,
+             "microbatch": microbatch_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
