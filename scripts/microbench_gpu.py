@@ -444,10 +444,9 @@ def sampling_bench(rates, results):
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 
-def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, prefetch_weights: bool | None = None):
+def decoder_stack(layers: int = 28, split_k_tokens: int | None = None):
     """A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
-    backend, distinct random weights per layer; split_k_tokens, prefetch_weights None: the model's
-    defaults) and
+    backend, distinct random weights per layer; split_k_tokens None: the model's default) and
     chain(lens, first_seq): a function that runs the stack over one decode batch of those sequence
     lengths, whose K/V are blocks first_seq... of a shared paged cache."""
     from transformers import Qwen3Config
@@ -457,7 +456,7 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, prefetch_
     from inferlab.plugins.models.layers import RotaryEmbedding
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
     from inferlab.plugins.models import rms_norm_kernel
-    from inferlab.plugins.models.qwen3 import ModelKernels, Qwen3DecoderLayer, Qwen3Options, link_weight_prefetch
+    from inferlab.plugins.models.qwen3 import ModelKernels, Qwen3DecoderLayer, Qwen3Options
     from inferlab.plugins.models.silu_mul_kernel import silu_and_mul
     if split_k_tokens is None:
         split_k_tokens = Qwen3Options.split_k_tokens
@@ -469,8 +468,6 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, prefetch_
                                 for _ in range(layers)).to("cuda", torch.bfloat16)
     for param in stack.parameters():
         param.data.normal_(0, 0.02)
-    if prefetch_weights if prefetch_weights is not None else Qwen3Options.prefetch_weights:
-        link_weight_prefetch(stack, torch.device("cuda"))
     rotary = RotaryEmbedding(HEAD_DIM, 8192, 1e6).cuda()
     max_blocks = 4096 // BLOCK_SIZE
     cache = torch.randn(2, 256 * max_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")

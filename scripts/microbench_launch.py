@@ -1,7 +1,8 @@
 """What the kernel boundaries of a decode step cost on the GPU, and what programmatic dependent
-launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA graph.
+launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
+CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,prefetch_attn] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -14,9 +15,8 @@ launch (PDL) and L2 weight prefetch would win back, each replayed from a CUDA gr
   before it waits on its predecessor, against the cuBLAS chain.
 - split_k: the decoder stack with o_proj and down_proj as split-K GEMMs whose partials the next
   RMSNorm kernel sums (qwen3's split_k_tokens) up to 0 (cuBLAS), 64 and 256 tokens.
-- prefetch_attn: the decoder stack with and without qwen3's prefetch_weights (each layer's next
-  weights asked into L2 on a side stream while its attention runs), then with it and an L2
-  set-aside for persisting (evict_last) lines, the most the device allows."""
+- microbatch: the decoder stack over a batch cut into 2-4 micro-batches (every n-th sequence),
+  each on its own stream of one graph, so one part's GEMMs could run beside another's attention."""
 import argparse
 import itertools
 import json
@@ -174,67 +174,6 @@ def split_k_bench(rates, results):
         results["split_k"].append({"batch": len(lens), "floor_us": floor_us, **line})
 
 
-def persisting_l2_max() -> int:
-    """Sets the device's L2 set-aside for persisting accesses to its maximum (cudaDeviceSetLimit,
-    through the CUDA runtime torch loads); returns the bytes set."""
-    import ctypes
-    import glob
-    candidates = ["libcudart.so.12", "libcudart.so.13", "libcudart.so"]
-    candidates += glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*"))
-    for name in candidates:
-        try:
-            cudart = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
-        raise OSError("no CUDA runtime library found")
-    size = torch.cuda.get_device_properties(0).L2_cache_size * 3 // 4
-    limit_persisting_l2 = 0x06  # cudaLimitPersistingL2CacheSize
-    err = cudart.cudaDeviceSetLimit(limit_persisting_l2, ctypes.c_size_t(size))
-    if err:
-        raise RuntimeError(f"cudaDeviceSetLimit failed: {err}")
-    value = ctypes.c_size_t()
-    cudart.cudaDeviceGetLimit(ctypes.byref(value), limit_persisting_l2)
-    return value.value
-
-
-def prefetch_attn_bench(rates, results):
-    print("\n== decoder stack, weights prefetched into L2 during attention (µs; % against off) ==")
-    from inferlab.plugins.models import l2_prefetch_kernel
-    modes = ("off", "bulk", "bulk_nohint", "line")
-    lines = []
-    for mode in modes:
-        l2_prefetch_kernel.MODE = mode
-        chain = decoder_stack(LAYERS, prefetch_weights=mode != "off")[1]
-        for i, (t, lens) in enumerate(picked_batches((256, 64, 32))):
-            if mode == "off":
-                lines.append({"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)})
-            lines[i][mode] = graph_time_us(chain(lens), reps=2, replays=9)
-            if len(lens) <= 64 and len(lens) > 32 and mode in ("off", "bulk", "line"):
-                run = chain(lens)
-                run()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run()
-                graph.replay()
-                torch.cuda.synchronize()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        graph.replay()
-                    torch.cuda.synchronize()
-                print(f"  profile {mode} batch {len(lens)}:")
-                for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:9]:
-                    print(f"      {e.self_device_time_total / max(1, e.count):7.2f} µs x {e.count / 3:4.0f}  {e.key[:70]}")
-        del chain
-        torch.cuda.empty_cache()
-    for line in lines:
-        base = line["off"]
-        print(f"  batch {line['batch']:>3}: " + "; ".join(f"{m} {line[m]:6.0f} ({100 * (line[m] - base) / base:+.1f}%)"
-                                                       for m in modes if m in line) + f"; floor {line['floor_us']:.0f}")
-    results["prefetch_attn"] = lines
-
-
 def microbatch_bench(rates, results):
     print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
     _, chain = decoder_stack(LAYERS)
@@ -356,7 +295,7 @@ def main():
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
-             "split_k": split_k_bench, "prefetch_attn": prefetch_attn_bench,
+             "split_k": split_k_bench,
              "microbatch": microbatch_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():

@@ -53,7 +53,6 @@ class Qwen3Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.qk_norm_rope = qk_norm_rope
         self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
-        self.weight_prefetch = None  # set by link_weight_prefetch
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         qkv = self.qkv_proj(hidden)
@@ -71,11 +70,7 @@ class Qwen3Attention(nn.Module):
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rotary(positions, q, k)
-        if self.weight_prefetch is not None:
-            self.weight_prefetch.issue()
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        if self.weight_prefetch is not None:
-            self.weight_prefetch.join()
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -117,20 +112,6 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def link_weight_prefetch(layers, device: torch.device) -> bool:
-    """Has each layer's attention prefetch the weights read after it: its o_proj, gate_up_proj and
-    down_proj, and the next layer's qkv_proj. False (and nothing linked) where the device cannot."""
-    from inferlab.plugins.models import l2_prefetch_kernel
-    if not l2_prefetch_kernel.supported(device):
-        return False
-    for i, layer in enumerate(layers):
-        weights = [layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-        if i + 1 < len(layers):
-            weights.append(layers[i + 1].self_attn.qkv_proj.weight)
-        layer.self_attn.weight_prefetch = l2_prefetch_kernel.WeightPrefetch(weights)
-    return True
-
-
 # checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
 PACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -152,9 +133,6 @@ class Qwen3Options:
     # kernels, where the projection is narrow enough to gain. 0: cuBLAS always. 256 (every decode
     # step of the bench) measured 3.3% faster than 0 and 64 about 1.5% (BENCHMARKS.md item 33).
     split_k_tokens: int = 256
-    # During each layer's attention, ask L2 for the weights its next GEMMs read (l2_prefetch_kernel.py);
-    # on CUDA sm90+ with compiled Triton, elsewhere ignored.
-    prefetch_weights: bool = False
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -162,14 +140,11 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
                  torch_compile: bool | None = None, triton_kernels: bool | None = None,
-                 split_k_tokens: int = Qwen3Options.split_k_tokens,
-                 prefetch_weights: bool = Qwen3Options.prefetch_weights):
+                 split_k_tokens: int = Qwen3Options.split_k_tokens):
         """Options: see Qwen3Options."""
         super().__init__()
         if not isinstance(split_k_tokens, int) or isinstance(split_k_tokens, bool) or split_k_tokens < 0:
             raise ValueError(f"split_k_tokens must be an integer >= 0 (0: off), got {split_k_tokens!r}")
-        if not isinstance(prefetch_weights, bool):
-            raise ValueError(f"prefetch_weights must be true or false, got {prefetch_weights!r}")
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = _triton_kernels(hf_config, on_cuda, triton_kernels)
@@ -187,8 +162,6 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if prefetch_weights and on_cuda:
-            link_weight_prefetch(self.layers, torch.device(device))
         attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(attn.head_dim, hf_config.max_position_embeddings, _rope_theta(hf_config), fused)
 
