@@ -1,7 +1,7 @@
 """Kernel-level timings of a decode step's parts on the GPU, each replayed from a CUDA graph (so
 launch costs do not count, as in the engine's decode graphs), against its own floor.
 
-    python scripts/microbench_gpu.py [--only attention,linear,linear_candidates,silu_down,prefill,...]
+    python scripts/microbench_gpu.py [--only attention,linear,linear_candidates,prefill,...]
 
 - attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
   heads, 16 query heads, head_dim 128, blocks of 256) on the bench workload's own decode batches,
@@ -11,8 +11,6 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: split-K Triton GEMMs (pointer loads, TMA descriptors) against cuBLAS, each
   weight one of a ring of 28 as in the model.
-- silu_down: down_proj as the model runs it (SiLU*mul kernel, then split-K partials) against the
-  split-K kernel applying SiLU*mul to its A tiles (split_k_kernel's silu_mul, not in the model yet).
 - prefill: the triton backend's paged prefill over query heads a program (1 or the GQA group),
   tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
@@ -284,33 +282,6 @@ def linear_candidates_bench(rates, results):
                 + f"  floor {floor:.2f}", flush=True)
 
 
-def silu_down_bench(rates, results):
-    """down_proj as the model runs it (the SiLU*mul kernel, then split_k_kernel's partials) against
-    split_k_kernel with silu_mul (SiLU*mul applied to its A tiles as it loads them), over block_k
-    and pipeline stages; each weight one of a ring of 28, kernels launched with PDL as in the model."""
-    from inferlab.plugins.models import split_k_kernel
-    from inferlab.plugins.models.silu_mul_kernel import silu_and_mul
-    print("\n== down_proj: SiLU*mul kernel + split-K partials against SiLU*mul in the split-K loads (µs) ==")
-    n, k, ring = HIDDEN, INTER, 28
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(ring)]
-    for m in (8, 32, 64, 128, 256):
-        gate_up = torch.randn(m, 2 * k, dtype=torch.bfloat16, device="cuda")
-        now = graph_time_us(lambda: [split_k_kernel.linear_partials(silu_and_mul(gate_up), w) for w in weights],
-                            reps=1, replays=11) / ring
-        line = {"m": m, "now_us": now}
-        for block_k, stages in itertools.product((64, 128), (2, 4)):
-            line[f"fused_k{block_k}_s{stages}_us"] = graph_time_us(
-                lambda: [split_k_kernel.linear_partials(gate_up, w, True, block_k, stages) for w in weights],
-                reps=1, replays=11) / ring
-        got = split_k_kernel.linear_partials(gate_up, weights[0], silu_mul=True).sum(0)
-        want = split_k_kernel.linear_partials(silu_and_mul(gate_up), weights[0]).sum(0)
-        line["max_err"] = (got - want).abs().max().item()
-        results["silu_down"].append(line)
-        print(f"  M={m:<4} now {now:5.2f}  " + "  ".join(f"{key[6:-3]} {v:5.2f}" for key, v in line.items()
-                                                         if key.startswith("fused")) + f"  (max err {line['max_err']:.4f})",
-              flush=True)
-
-
 def prefill_bench(rates, results):
     """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
     100..1024 tokens, no cached prefix), over tiles, warps and stages; flash-attn's varlen beside it."""
@@ -542,16 +513,15 @@ def overlap_bench(rates, results, layers: int = 28):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="attention,linear,linear_candidates,silu_down,prefill,elementwise,overlap")
+    parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="attention: sweep only the split plan and order")
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    results = {"attention": [], "linear": [], "linear_candidates": [], "silu_down": [], "prefill": [], "elementwise": [],
+    results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": [],
                "overlap": [], "sampling": []}
     parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
-             "silu_down": silu_down_bench,
              "prefill": prefill_bench, "elementwise": elementwise_bench, "overlap": overlap_bench,
              "sampling": sampling_bench}
     with torch.inference_mode():

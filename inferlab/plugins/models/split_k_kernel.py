@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
-from inferlab.plugins.models.silu_mul_kernel import silu_mul
 
 
 class SplitKPlan(NamedTuple):
@@ -52,10 +51,9 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
 @triton.jit
 def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    """One program: the BLOCK_M x BLOCK_N tile of a @ weight.T over one SPLIT-th of K, in float32,
-    into partials[split]; a is x, or with SILU_MUL, SiLU(gate) * up of x = [gate | up] (rounded as
-    silu_mul_kernel rounds)."""
+                    PDL: tl.constexpr):
+    """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, in float32,
+    into partials[split]."""
     pdl.wait_for_inputs(PDL)
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -66,26 +64,16 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
     for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
-        if SILU_MUL:
-            up = tl.load(x_ptr + rows[:, None] * x_stride + K + ks[None, :], mask=row_mask, other=0.0)
-            a = silu_mul(a, up)
         w = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
         acc += tl.dot(a, tl.trans(w), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
     out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc, mask=row_mask)
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-                    block_k: int | None = None, num_stages: int = 4) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 partials [split, T, N] whose sum over the first dimension is x @ weight.T, for x
-    [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens.
-
-    silu_mul: x is a gate/up projection's output [T, 2K] and the product is SiLU(gate) * up @
-    weight.T, sparing the SiLU*mul kernel before down_proj. A candidate that the model does not use
-    yet: scripts/microbench_gpu.py's silu_down measures it (BENCHMARKS.md item 34), sweeping
-    block_k (default: the plan's) and num_stages."""
-    num_tokens = x.shape[0]
-    k = x.shape[1] // 2 if silu_mul else x.shape[1]
+    [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens."""
+    num_tokens, k = x.shape
     n = weight.shape[0]
     tiling = plan(n, k, num_tokens)
     if x.stride(-1) != 1:
@@ -95,7 +83,6 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fals
         block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, partials, num_tokens, n, k, x.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=block_k or tiling.block_k,
-                              SPLIT=tiling.split, SILU_MUL=silu_mul, num_warps=4, num_stages=num_stages,
-                              **pdl.launch_options(x.device))
+                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
+                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
     return partials
