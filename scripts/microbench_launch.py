@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -16,7 +16,9 @@ CUDA graph.
 - split_k: the decoder stack with o_proj and down_proj as split-K GEMMs whose partials the next
   RMSNorm kernel sums (qwen3's split_k_tokens) up to 0 (cuBLAS), 64 and 256 tokens.
 - microbatch: the decoder stack over a batch cut into 2-4 micro-batches (every n-th sequence),
-  each on its own stream of one graph, so one part's GEMMs could run beside another's attention."""
+  each on its own stream of one graph, so one part's GEMMs could run beside another's attention.
+- triton_gemm: the decoder stack with qkv and gate_up through split_k_kernel.linear (qwen3's
+  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens."""
 import argparse
 import itertools
 import json
@@ -174,6 +176,22 @@ def split_k_bench(rates, results):
         results["split_k"].append({"batch": len(lens), "floor_us": floor_us, **line})
 
 
+def triton_gemm_bench(rates, results):
+    print("\n== decoder stack, qkv and gate_up through the Triton GEMM up to N tokens (µs; % against N = 0) ==")
+    thresholds = (0, 64, 128)
+    for t, lens in picked_batches((256, 128, 64, 32, 8)):
+        line = {}
+        for tokens in thresholds:  # one stack at a time: each holds 28 layers' weights
+            chain = decoder_stack(LAYERS, triton_gemm_tokens=tokens)[1]
+            line[f"triton_gemm_tokens={tokens}"] = graph_time_us(chain(lens), reps=2, replays=9)
+            del chain
+        floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
+        base = line["triton_gemm_tokens=0"]
+        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                                                   for k, v in line.items()) + f"; floor {floor_us:.0f}", flush=True)
+        results.setdefault("triton_gemm", []).append({"batch": len(lens), "floor_us": floor_us, **line})
+
+
 def microbatch_bench(rates, results):
     print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
     _, chain = decoder_stack(LAYERS)
@@ -296,7 +314,7 @@ def main():
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
-             "microbatch": microbatch_bench}
+             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.plugins.models import rms_norm_kernel, split_k_kernel  # noqa: E402
 from inferlab.core.parallel import TPGroup  # noqa: E402
-from inferlab.plugins.models.layers import RowParallelLinear  # noqa: E402
+from inferlab.plugins.models.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
 from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
 from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel  # noqa: E402
@@ -250,12 +250,67 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
     assert linear(torch.randn(5, 256)).shape == (5, 128)  # cuBLAS above
 
 
+@pytest.mark.parametrize("option", ["split_k_tokens", "triton_gemm_tokens"])
 @pytest.mark.parametrize("value", [-1, 1.5, True])
-def test_split_k_tokens_must_be_a_count(checkpoint, value):
+def test_token_thresholds_must_be_counts(checkpoint, option, value):
     from inferlab.core.plugins import PluginError
-    with pytest.raises(PluginError, match="split_k_tokens must be an integer >= 0"):
+    with pytest.raises(PluginError, match=f"{option} must be an integer >= 0"):
         LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=8,
-            model_options={"triton_kernels": True, "split_k_tokens": value})
+            model_options={"triton_kernels": True, option: value})
+
+
+@pytest.mark.parametrize("num_tokens,n,k,dtype", [
+    (1, 96, 256, torch.float32),
+    (70, 64, 128, torch.float32),  # two row blocks
+    (0, 64, 128, torch.float32),
+    pytest.param(9, 4096, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
+    pytest.param(64, 6144, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj: 64-wide blocks
+])
+def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
+    torch.manual_seed(n + num_tokens)
+    x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    got = split_k_kernel.linear(x, weight)
+    assert got.shape == (num_tokens, n) and got.dtype == dtype
+    want = (x.float() @ weight.float().T).to(dtype)  # the float32 product rounded once
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_wide_plan_and_column_parallel_linear_use_of_it():
+    assert split_k_kernel.wide_plan(4096, 1024) == (32, 128, 1)  # Qwen3-0.6B's qkv_proj: 128 column blocks
+    assert split_k_kernel.wide_plan(6144, 1024) == (64, 128, 1)  # its gate_up_proj
+    assert split_k_kernel.wide_plan(96, 192) is None  # K not in whole 128-wide steps
+    assert split_k_kernel.wide_plan(100, 256) is None  # no whole column blocks
+    assert not ColumnParallelLinear(256, 128, TPGroup(), bias=True).use_triton_gemm(64)
+    assert not ColumnParallelLinear(256, 128, TPGroup()).use_triton_gemm(0)
+    assert not ColumnParallelLinear(192, 128, TPGroup()).use_triton_gemm(64)
+    linear = ColumnParallelLinear(256, 128, TPGroup(rank=1, size=2))  # a shard: no all-reduce to mind
+    linear.weight.data.normal_(0, 0.05)
+    assert linear.use_triton_gemm(4)
+    calls = []
+    linear._triton_linear = lambda x, w, kernel=linear._triton_linear: calls.append(x.shape[0]) or kernel(x, w)
+    for rows in (4, 5):  # the Triton GEMM up to 4 rows, cuBLAS above
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(linear(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+    assert calls == [4]
+
+
+def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy):
+    path = checkpoint("gqa4-untied")
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention="triton",
+              model_options={"triton_kernels": True, "triton_gemm_tokens": 16})
+    rows = []
+    for layer in llm.runner.model.layers:
+        for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            assert p.triton_tokens == 16
+            p._triton_linear = lambda x, w, kernel=p._triton_linear: rows.append(x.shape[0]) or kernel(x, w)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
+                                                          66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert out["token_ids"] == hf_greedy(path, prompt, 5)
+    assert rows and max(rows) <= 16  # decode steps took it; the 24-token prefill chunks took cuBLAS
 
 
 def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default_falls_back(checkpoint, caplog):

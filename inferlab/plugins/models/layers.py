@@ -30,7 +30,12 @@ def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across ranks; the output stays sharded."""
+    """y = x W^T with W's output rows split across ranks; the output stays sharded.
+
+    After use_triton_gemm(n), batches of up to n tokens go through split_k_kernel.linear instead
+    of cuBLAS."""
+    triton_tokens = 0
+    _triton_linear = None
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
         super().__init__()
@@ -39,7 +44,20 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
+    def use_triton_gemm(self, max_tokens: int) -> bool:
+        """Run batches of up to max_tokens tokens through our Triton GEMM where it tiles the
+        weight and there is no bias. Whether it will."""
+        if max_tokens <= 0 or self.bias is not None:
+            return False
+        from inferlab.plugins.models import split_k_kernel
+        if split_k_kernel.wide_plan(*self.weight.shape) is None:
+            return False
+        self.triton_tokens, self._triton_linear = max_tokens, split_k_kernel.linear
+        return True
+
     def forward(self, x):
+        if x.shape[0] <= self.triton_tokens:
+            return self._triton_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
     def load(self, param: nn.Parameter, src, name: str, shard_id=None):

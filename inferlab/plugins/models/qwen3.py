@@ -87,8 +87,9 @@ class Qwen3MLP(nn.Module):
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None,
-                 split_k_tokens: int = 0):
-        """split_k_tokens: see Qwen3Options (only with kernels, whose norms sum the partials)."""
+                 split_k_tokens: int = 0, triton_gemm_tokens: int = 0):
+        """split_k_tokens, triton_gemm_tokens: see Qwen3Options (only with kernels, whose norms sum
+        the partials)."""
         super().__init__()
         norms = kernels.norms if kernels else None
         self.self_attn = Qwen3Attention(config, backend, tp, fused, kernels.qk_norm_rope if kernels else None)
@@ -100,6 +101,8 @@ class Qwen3DecoderLayer(nn.Module):
             # next layer's input_layernorm or the model's final norm
             self.self_attn.o_proj.return_partials(split_k_tokens)
             self.mlp.down_proj.return_partials(split_k_tokens)
+            self.self_attn.qkv_proj.use_triton_gemm(triton_gemm_tokens)
+            self.mlp.gate_up_proj.use_triton_gemm(triton_gemm_tokens)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         if residual is None:
@@ -133,6 +136,9 @@ class Qwen3Options:
     # kernels, where the projection is narrow enough to gain. 0: cuBLAS always. 256 (every decode
     # step of the bench) measured 3.3% faster than 0 and 64 about 1.5% (BENCHMARKS.md item 33).
     split_k_tokens: int = 256
+    # Batches of at most this many tokens run qkv_proj and gate_up_proj through our Triton GEMM
+    # (split_k_kernel.linear, launched with PDL) instead of cuBLAS, with the Triton kernels. 0: never.
+    triton_gemm_tokens: int = 0
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -140,11 +146,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
                  torch_compile: bool | None = None, triton_kernels: bool | None = None,
-                 split_k_tokens: int = Qwen3Options.split_k_tokens):
+                 split_k_tokens: int = Qwen3Options.split_k_tokens,
+                 triton_gemm_tokens: int = Qwen3Options.triton_gemm_tokens):
         """Options: see Qwen3Options."""
         super().__init__()
-        if not isinstance(split_k_tokens, int) or isinstance(split_k_tokens, bool) or split_k_tokens < 0:
-            raise ValueError(f"split_k_tokens must be an integer >= 0 (0: off), got {split_k_tokens!r}")
+        for name, value in (("split_k_tokens", split_k_tokens), ("triton_gemm_tokens", triton_gemm_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = _triton_kernels(hf_config, on_cuda, triton_kernels)
@@ -154,7 +162,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, split_k_tokens)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, split_k_tokens,
+                                                      triton_gemm_tokens)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused,
                             kernels=kernels.norms if kernels else None)

@@ -70,6 +70,36 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
     tl.store(out, acc, mask=row_mask)
 
 
+def wide_plan(n: int, k: int) -> SplitKPlan | None:
+    """The tiling of the same kernel unsplit, for a weight too wide to gain from a split (qkv_proj,
+    gate_up_proj): 32 columns a program up to 4,096 outputs, 64 above, 128-wide K steps (the best
+    of session 4's sweep at 8 and 64 tokens, BENCHMARKS.md item 24). None where they do not divide."""
+    block_n = 32 if n <= 4096 else 64
+    if n % block_n or k % 128:
+        return None
+    return SplitKPlan(block_n, 128, 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in x's dtype (the float32 accumulator rounded once), for x [T, K] and a
+    contiguous weight [N, K] that wide_plan tiles: a cuBLAS GEMM's replacement whose PDL launch
+    lets it start while the kernel before it drains."""
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    tiling = wide_plan(n, k)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
+        grid = (n // tiling.block_n, 1, triton.cdiv(num_tokens, block_m))
+        # unsplit, the kernel's single "partial" is the output, stored in its dtype
+        _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
+                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=1,
+                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
+    return out
+
+
 def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 partials [split, T, N] whose sum over the first dimension is x @ weight.T, for x
     [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens."""
