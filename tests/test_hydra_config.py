@@ -81,12 +81,14 @@ def test_overrides_reach_engine_and_plugin_options():
 def test_builtin_backend_and_model_options_are_typed_overrides():
     # the ablation knobs of our own plugins: triton's decode tiling, the model's kernel switches
     cfg = compose(["attention=triton", "attention.decode_block_n=64", "attention.decode_num_stages=2",
-                   "model=qwen3", "model.triton_kernels=false", "model.torch_compile=true", "model.split_k_tokens=0"])
+                   "model=qwen3", "model.triton_kernels=false", "model.torch_compile=true", "model.split_k_tokens=0",
+                   "model.triton_gemm_tokens=16"])
     _, settings = engine_arguments(cfg)
     options = settings["attention_options"]
     assert options["decode_block_n"] == 64 and options["decode_num_stages"] == 2
     assert options["block_m"] is None  # left to the backend's own default
-    assert settings["model_options"] == {"torch_compile": True, "triton_kernels": False, "split_k_tokens": 0}
+    assert settings["model_options"] == {"torch_compile": True, "triton_kernels": False, "split_k_tokens": 0,
+                                         "triton_gemm_tokens": 16}
     from inferlab.plugins.attention.triton_attention import TritonAttention, TritonAttentionOptions
     # the node's defaults are the factory's: one source for both
     defaults = {k: v.default for k, v in inspect.signature(TritonAttention).parameters.items() if k != "config"}
