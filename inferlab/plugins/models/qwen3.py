@@ -138,8 +138,8 @@ class Qwen3Options:
     split_k_tokens: int = 256
     # Batches of at most this many tokens run qkv_proj and gate_up_proj through our Triton GEMM
     # (split_k_kernel.linear, launched with PDL) instead of cuBLAS, with the Triton kernels. 0: never.
-    # 64 made the decoder stack 1.8% faster at 30 and 63 sequences; 128 was 1.8% slower at 126
-    # (BENCHMARKS.md item 38).
+    # 64 made the decoder stack 1.8% faster at 30 and 63 sequences and the bench 0.4%, within its
+    # noise; 128 was 1.8% slower at 126 (BENCHMARKS.md item 38).
     triton_gemm_tokens: int = 64
 
 
