@@ -11,6 +11,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: split-K Triton GEMMs (pointer loads, TMA descriptors) against cuBLAS, each
   weight one of a ring of 28 as in the model.
+- wide_tiles: qkv and gate_up at 128 and 256 tokens, cuBLAS against the engine's Triton GEMM over
+  larger tiles (BLOCK_M 64/128, BLOCK_N 64/128, warps, stages), cold weights, PDL chain.
 - prefill: the triton backend's paged prefill over query heads a program (1 or the GQA group),
   tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
@@ -282,6 +284,41 @@ def linear_candidates_bench(rates, results):
                 + f"  floor {floor:.2f}", flush=True)
 
 
+def wide_tiles_bench(rates, results):
+    """qkv_proj and gate_up_proj at 128 and 256 tokens: cuBLAS against the engine's Triton GEMM
+    (split_k_kernel, unsplit, launched with PDL as in the model) over larger tiles than its
+    64-row default: BLOCK_M 64/128, BLOCK_N 64/128, 4 or 8 warps, 3 or 4 stages. Each weight one
+    of a ring of 28, so every GEMM reads it from memory, one after another as in a layer chain."""
+    from inferlab.plugins import pdl
+    from inferlab.plugins.models import split_k_kernel
+    print("\n== wide GEMMs at 128-256 tokens, cold weights: cuBLAS against Triton tiles (µs a GEMM) ==")
+    ring = 28
+    for name, (n, k) in {"qkv": (4096, HIDDEN), "gate_up": (2 * INTER, HIDDEN)}.items():
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(ring)]
+        for m in (128, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=1, replays=11) / ring
+            floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+            line = {"layer": name, "m": m, "cublas_us": cublas, "floor_us": floor, "configs": {}}
+            for block_m, block_n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)):
+                def run(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
+                    for w in weights:
+                        split_k_kernel._split_k_kernel[(n // block_n, 1, triton.cdiv(m, block_m))](
+                            x, w, y, m, n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                            SPLIT=1, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
+                key = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
+                try:
+                    line["configs"][key] = graph_time_us(run, reps=1, replays=11) / ring
+                except Exception as e:
+                    print(f"    skip {name} M={m} {key}: {type(e).__name__}: {str(e)[:80]}")
+            best = min(line["configs"], key=line["configs"].get) if line["configs"] else None
+            results.setdefault("wide_tiles", []).append(line)
+            top = sorted(line["configs"].items(), key=lambda kv: kv[1])[:4]
+            print(f"  {name:<8} M={m:<4} cuBLAS {cublas:5.2f}  best " + "  ".join(f"{k_} {v:5.2f}" for k_, v in top)
+                  + f"  floor {floor:.2f}" + ("" if best else "  (no config ran)"), flush=True)
+
+
 def prefill_bench(rates, results):
     """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
     100..1024 tokens, no cached prefix), over tiles, warps and stages; flash-attn's varlen beside it."""
@@ -526,8 +563,8 @@ def main():
     results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": [],
                "overlap": [], "sampling": []}
     parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
-             "prefill": prefill_bench, "elementwise": elementwise_bench, "overlap": overlap_bench,
-             "sampling": sampling_bench}
+             "wide_tiles": wide_tiles_bench, "prefill": prefill_bench, "elementwise": elementwise_bench,
+             "overlap": overlap_bench, "sampling": sampling_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
             if part == "attention":
