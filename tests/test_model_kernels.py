@@ -248,6 +248,7 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
     assert linear(x).shape == (2, 4, 128)  # partials up to 4 tokens
     torch.testing.assert_close(linear(x).sum(0), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
     assert linear(torch.randn(5, 256)).shape == (5, 128)  # cuBLAS above
+    assert RowParallelLinear(256, 128, TPGroup())(torch.randn(0, 256)).shape == (0, 128)  # off: an empty batch too
 
 
 @pytest.mark.parametrize("option", ["split_k_tokens", "triton_gemm_tokens"])
@@ -294,6 +295,7 @@ def test_wide_plan_and_column_parallel_linear_use_of_it():
         x = torch.randn(rows, 256)
         torch.testing.assert_close(linear(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
     assert calls == [4]
+    assert ColumnParallelLinear(256, 128, TPGroup())(torch.randn(0, 256)).shape == (0, 128)  # off: an empty batch too
 
 
 def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy):

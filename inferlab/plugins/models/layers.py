@@ -56,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
         return True
 
     def forward(self, x):
-        if x.shape[0] <= self.triton_tokens:
+        if self._triton_linear is not None and x.shape[0] <= self.triton_tokens:
             return self._triton_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
@@ -144,7 +144,7 @@ class RowParallelLinear(nn.Module):
         return True
 
     def forward(self, x):
-        if x.shape[0] <= self.partials_tokens:
+        if self._split_k is not None and x.shape[0] <= self.partials_tokens:
             return self._split_k(x, self.weight)
         # The bias is added once, after the reduction, not once per rank.
         y = self.tp.all_reduce(F.linear(x, self.weight))

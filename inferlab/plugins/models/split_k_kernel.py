@@ -57,8 +57,9 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
 def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                     PDL: tl.constexpr):
-    """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, in float32,
-    into partials[split]."""
+    """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, accumulated
+    in float32, into partials[split], stored in the partials' dtype (float32, or unsplit, the
+    output itself in the model dtype)."""
     pdl.wait_for_inputs(PDL)
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,35 +90,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in x's dtype (the float32 accumulator rounded once), for x [T, K] and a
     contiguous weight [N, K] that wide_plan tiles: a cuBLAS GEMM's replacement whose PDL launch
     lets it start while the kernel before it drains."""
-    num_tokens, k = x.shape
-    n = weight.shape[0]
-    tiling = wide_plan(n, k)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
-    if num_tokens:
-        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
-        grid = (n // tiling.block_n, 1, triton.cdiv(num_tokens, block_m))
-        # unsplit, the kernel's single "partial" is the output, stored in its dtype
-        _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=1,
-                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
-    return out
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x, weight, out, wide_plan(*weight.shape))
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 partials [split, T, N] whose sum over the first dimension is x @ weight.T, for x
     [T, K] and a contiguous weight [N, K] that `plan` gives a tiling for at T tokens."""
+    tiling = plan(*weight.shape, x.shape[0])
+    partials = torch.empty((tiling.split, x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    return _launch(x, weight, partials, tiling)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: SplitKPlan) -> torch.Tensor:
     num_tokens, k = x.shape
     n = weight.shape[0]
-    tiling = plan(n, k, num_tokens)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    partials = torch.empty((tiling.split, num_tokens, n), dtype=torch.float32, device=x.device)
     if num_tokens:
         block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
-        _split_k_kernel[grid](x, weight, partials, num_tokens, n, k, x.stride(0),
+        _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
                               BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
                               num_warps=4, num_stages=4, **pdl.launch_options(x.device))
-    return partials
+    return out
