@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,gemm_prefetch] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -18,7 +18,9 @@ CUDA graph.
 - microbatch: the decoder stack over a batch cut into 2-4 micro-batches (every n-th sequence),
   each on its own stream of one graph, so one part's GEMMs could run beside another's attention.
 - triton_gemm: the decoder stack with qkv and gate_up through split_k_kernel.linear (qwen3's
-  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens."""
+  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens.
+- gemm_prefetch: the decoder stack with and without split_k_kernel.PREFETCH_WEIGHT (our GEMMs,
+  launched early by PDL, ask L2 for their weight slab before they wait), each twice in turn."""
 import argparse
 import itertools
 import json
@@ -192,6 +194,24 @@ def triton_gemm_bench(rates, results):
         results.setdefault("triton_gemm", []).append({"batch": len(lens), "floor_us": floor_us, **line})
 
 
+def gemm_prefetch_bench(rates, results):
+    print("\n== decoder stack, our GEMMs asking L2 for their weight slab before the PDL wait (µs; % against off) ==")
+    from inferlab.plugins.models import split_k_kernel
+    chain = decoder_stack(LAYERS)[1]
+    for t, lens in picked_batches((256, 128, 64, 32, 8)):
+        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+        for prefetch in (False, True, False, True):  # twice each, in turn: the spread shows
+            split_k_kernel.PREFETCH_WEIGHT = prefetch
+            line.setdefault(f"prefetch={prefetch}", []).append(graph_time_us(chain(lens), reps=2, replays=9))
+        split_k_kernel.PREFETCH_WEIGHT = False
+        base = min(line["prefetch=False"])
+        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} " + ", ".join(f"{v:6.0f}" for v in vs)
+                                                   for k, vs in line.items() if k.startswith("prefetch"))
+              + f" (best {100 * (min(line['prefetch=True']) - base) / base:+.1f}%); floor {line['floor_us']:.0f}",
+              flush=True)
+        results.setdefault("gemm_prefetch", []).append(line)
+
+
 def microbatch_bench(rates, results):
     print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
     _, chain = decoder_stack(LAYERS)
@@ -314,7 +334,7 @@ def main():
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
-             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench}
+             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "gemm_prefetch": gemm_prefetch_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -278,6 +278,23 @@ def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
     torch.testing.assert_close(got, want, **tolerance)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [9, 100])
+def test_weight_prefetch_before_the_pdl_wait_changes_no_result(monkeypatch, num_tokens):
+    """split_k_kernel.PREFETCH_WEIGHT (INFERLAB_GEMM_PREFETCH=1): the same bits, split or not."""
+    torch.manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 1024, device=DEVICE, dtype=torch.bfloat16)
+    narrow = torch.randn(1024, 3072, device=DEVICE, dtype=torch.bfloat16) * 0.05
+    wide = torch.randn(4096, 1024, device=DEVICE, dtype=torch.bfloat16) * 0.05
+    x3 = torch.randn(num_tokens, 3072, device=DEVICE, dtype=torch.bfloat16)
+    want = split_k_kernel.linear(x, wide), split_k_kernel.linear_partials(x3, narrow)
+    monkeypatch.setattr(split_k_kernel, "PREFETCH_WEIGHT", True)
+    assert split_k_kernel._launch_options(x.device)["PREFETCH"]  # on an sm90+ GPU, with PDL
+    got = split_k_kernel.linear(x, wide), split_k_kernel.linear_partials(x3, narrow)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_wide_plan_and_column_parallel_linear_use_of_it():
     assert split_k_kernel.wide_plan(4096, 1024) == (32, 128, 1)  # Qwen3-0.6B's qkv_proj: 128 column blocks
     assert split_k_kernel.wide_plan(6144, 1024) == (64, 128, 1)  # its gate_up_proj

@@ -20,6 +20,7 @@ Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of
 it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
 sequences (item 38), and it loses to cuBLAS above 64.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+import os
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,11 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
+
+# A candidate, off unless INFERLAB_GEMM_PREFETCH=1 (read once, at import): launched early by PDL,
+# each program asks L2 for its weight slab before it waits on the kernel before it, so the
+# weight streams in during that kernel's last microseconds. Not yet measured (BENCHMARKS.md item 41).
+PREFETCH_WEIGHT = os.environ.get("INFERLAB_GEMM_PREFETCH", "0") == "1" and not pdl.INTERPRETED
 
 
 class SplitKPlan(NamedTuple):
@@ -54,18 +60,35 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
 
 
 @triton.jit
+def _prefetch_lines(base_ptr, rows, start, end, row_stride, GROUP: tl.constexpr = 4):
+    """Asks L2, without waiting, for the 128-byte lines of columns start..end of the given rows
+    (prefetch.global.L2, one instruction a line; GROUP lines a row at a time)."""
+    line = 1024 // base_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+    for k0 in range(start, end, line * GROUP):
+        ks = k0 + tl.arange(0, GROUP) * line
+        ptrs = base_ptr + rows[:, None].to(tl.int64) * row_stride + ks[None, :]
+        wanted = (ks[None, :] < end).to(tl.int32) + rows[:, None] * 0
+        tl.inline_asm_elementwise(  # the output is a dummy; is_pure=False keeps the instruction
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, wanted], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, accumulated
     in float32, into partials[split], stored in the partials' dtype (float32, or unsplit, the
-    output itself in the model dtype)."""
-    pdl.wait_for_inputs(PDL)
+    output itself in the model dtype). PREFETCH: see PREFETCH_WEIGHT."""
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows[:, None] < M
     k_per_split = K // SPLIT
+    if PREFETCH:
+        if pid_m == 0:  # the first row block's programs: one prefetch a 128-byte line of the slab
+            _prefetch_lines(weight_ptr, cols, split * k_per_split, (split + 1) * k_per_split, K)
+    pdl.wait_for_inputs(PDL)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -112,5 +135,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: Sp
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
                               BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
-                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
+                              num_warps=4, num_stages=4, **_launch_options(x.device))
     return out
+
+
+def _launch_options(device: torch.device) -> dict:
+    options = pdl.launch_options(device)
+    return {**options, "PREFETCH": PREFETCH_WEIGHT and options["PDL"]}
