@@ -176,30 +176,12 @@ def linear_bench(rates, results):
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """A candidate for skinny decode GEMMs, measured against cuBLAS here before the engine uses it:
-    y = x @ w.T over one BLOCK_N slab of w and one of SPLIT_K parts of K per program (fp32
-    partials when split), loads through pointers (cp.async)."""
-    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_per_split = K // SPLIT_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(pid_s * k_per_split, (pid_s + 1) * k_per_split, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=rm[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :])
-        acc += tl.dot(x, tl.trans(w))
-    dst = y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
-
-
-@triton.jit
 def _splitk_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, stride_ys,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The same tiles, loaded by the Hopper tensor-memory accelerator (TMA) through tensor
-    descriptors: one bulk copy a tile instead of per-thread addresses, rows past M filled with 0."""
+    """split_k_kernel's tiles (y = x @ w.T over one BLOCK_N slab of w and one of SPLIT_K parts of K
+    a program; fp32 partials when split), loaded by the Hopper tensor-memory accelerator (TMA)
+    through tensor descriptors: one bulk copy a tile instead of per-thread addresses, rows past M
+    filled with 0."""
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_per_split = K // SPLIT_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -214,8 +196,10 @@ def _splitk_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, stride_ys,
 
 
 def splitk_linear(x, weights, ys, block_n, block_k, split_k, stages, tma):
-    """One launch a weight of weights (the ring): ys[i] = x @ weights[i].T, as SPLIT_K partials."""
+    """One launch a weight of weights (the ring): ys[i] = x @ weights[i].T, as SPLIT_K partials
+    (contiguous [split, m, n]; float32 when split, else the model dtype)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
+    from inferlab.plugins.models import split_k_kernel
     m, k = x.shape
     n = weights[0].shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -228,10 +212,10 @@ def splitk_linear(x, weights, ys, block_n, block_k, split_k, stages, tma):
             _splitk_tma_kernel[grid](x_desc, w_descs[i], y, m, n, k, y.stride(1), y.stride(0), BLOCK_M=block_m,
                                      BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
                                      num_stages=stages)
-        else:
-            _splitk_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(1), y.stride(0),
-                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                                 num_warps=4, num_stages=stages)
+        else:  # the engine's kernel (pointer loads, cp.async), launched plainly here
+            split_k_kernel._split_k_kernel[grid](x, w, y, m, n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                                 BLOCK_K=block_k, SPLIT=split_k, PDL=False, PREFETCH=False,
+                                                 num_warps=4, num_stages=stages)
 
 
 def linear_candidates_bench(rates, results):
