@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,gemm_prefetch] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,gemm_prefetch,gate_up_silu] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -20,7 +20,9 @@ CUDA graph.
 - triton_gemm: the decoder stack with qkv and gate_up through split_k_kernel.linear (qwen3's
   triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens.
 - gemm_prefetch: the decoder stack with and without split_k_kernel.PREFETCH_WEIGHT (our GEMMs,
-  launched early by PDL, ask L2 for their weight slab before they wait), each twice in turn."""
+  launched early by PDL, ask L2 for their weight slab before they wait), each twice in turn.
+- gate_up_silu: the decoder stack at up to 64 sequences with gate_up_proj and SiLU*mul as one
+  kernel (qwen3's gate_up_silu) and as two, each twice in turn."""
 import argparse
 import itertools
 import json
@@ -212,6 +214,22 @@ def gemm_prefetch_bench(rates, results):
         results.setdefault("gemm_prefetch", []).append(line)
 
 
+def gate_up_silu_bench(rates, results):
+    print("\n== decoder stack, gate_up_proj + SiLU*mul as one kernel up to 64 tokens (µs; % against two) ==")
+    for t, lens in picked_batches((64, 32, 8)):
+        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+        for fused in (False, True, False, True):  # one stack at a time, twice each in turn: the spread shows
+            chain = decoder_stack(LAYERS, gate_up_silu=fused)[1]
+            line.setdefault(f"gate_up_silu={fused}", []).append(graph_time_us(chain(lens), reps=2, replays=9))
+            del chain
+        base = min(line["gate_up_silu=False"])
+        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} " + ", ".join(f"{v:6.0f}" for v in vs)
+                                                   for k, vs in line.items() if k.startswith("gate_up"))
+              + f" (best {100 * (min(line['gate_up_silu=True']) - base) / base:+.1f}%); floor {line['floor_us']:.0f}",
+              flush=True)
+        results.setdefault("gate_up_silu", []).append(line)
+
+
 def microbatch_bench(rates, results):
     print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
     _, chain = decoder_stack(LAYERS)
@@ -334,7 +352,8 @@ def main():
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
-             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "gemm_prefetch": gemm_prefetch_bench}
+             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "gemm_prefetch": gemm_prefetch_bench,
+             "gate_up_silu": gate_up_silu_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

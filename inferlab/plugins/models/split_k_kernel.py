@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
+from inferlab.plugins.models.silu_mul_kernel import silu_mul
 
 # A candidate, off unless INFERLAB_GEMM_PREFETCH=1 (read once, at import): launched early by PDL,
 # each program asks L2 for its weight slab before it waits on the kernel before it, so the
@@ -97,6 +98,64 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
         acc += tl.dot(a, tl.trans(w), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
     out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc, mask=row_mask)
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, weight_ptr, out_ptr, M, I, K, x_stride,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """One program: columns pid_n * BLOCK_N.. of SiLU(x @ gate.T) * (x @ up.T) for BLOCK_M rows,
+    where weight = [gate; up] ([2I, K]): both products accumulate over the same A tiles, each
+    rounded to the model dtype as the gate/up GEMM's output would be, then silu_mul_kernel's
+    arithmetic, so the result is the GEMM + SiLU*mul kernel's without the [T, 2I] round trip."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        if pid_m == 0:
+            _prefetch_lines(weight_ptr, cols, 0, K, K)
+            _prefetch_lines(weight_ptr, I + cols, 0, K, K)
+    pdl.wait_for_inputs(PDL)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows[:, None] < M
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
+        w_gate = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
+        w_up = tl.load(weight_ptr + (I + cols)[:, None] * K + ks[None, :])
+        gate += tl.dot(a, tl.trans(w_gate), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
+        up += tl.dot(a, tl.trans(w_up), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
+    dtype = out_ptr.dtype.element_ty
+    out = silu_mul(gate.to(dtype), up.to(dtype))
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], out, mask=row_mask)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU(x @ gate.T) * (x @ up.T) [T, I] in x's dtype, for x [T, K] and a contiguous weight
+    [gate; up] [2I, K] that gate_up_silu_plan tiles: gate_up_proj and the SiLU*mul kernel in one
+    kernel (a candidate: Qwen3Options.gate_up_silu)."""
+    num_tokens, k = x.shape
+    width = weight.shape[0] // 2
+    tiling = gate_up_silu_plan(*weight.shape)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
+        grid = (width // tiling.block_n, triton.cdiv(num_tokens, block_m))
+        _gate_up_silu_kernel[grid](x, weight, out, num_tokens, width, k, x.stride(0), BLOCK_M=block_m,
+                                   BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=4, num_stages=4,
+                                   **_launch_options(x.device))
+    return out
+
+
+def gate_up_silu_plan(n: int, k: int) -> SplitKPlan | None:
+    """gate_up_silu's tiling of a [gate; up] weight [n, k]: 32 columns of each a program (the 64
+    weight rows of wide_plan's gate_up tile), 128-wide K steps. None where they do not divide."""
+    if n % 64 or k % 128:
+        return None
+    return SplitKPlan(32, 128, 1)
 
 
 def wide_plan(n: int, k: int) -> SplitKPlan | None:
