@@ -196,37 +196,42 @@ def triton_gemm_bench(rates, results):
         results.setdefault("triton_gemm", []).append({"batch": len(lens), "floor_us": floor_us, **line})
 
 
+def off_on_in_turn(rates, lens, name: str, stack_time_us) -> dict:
+    """stack_time_us(setting) for a switch off, on, off, on (each twice, in turn, so the spread
+    between two measurements of one setting shows); prints the batch's line and returns it."""
+    line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+    for setting in (False, True, False, True):
+        line.setdefault(f"{name}={setting}", []).append(stack_time_us(setting))
+    off, on = min(line[f"{name}=False"]), min(line[f"{name}=True"])
+    print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} " + ", ".join(f"{v:6.0f}" for v in line[k])
+                                               for k in (f"{name}=False", f"{name}=True"))
+          + f" (best {100 * (on - off) / off:+.1f}%); floor {line['floor_us']:.0f}", flush=True)
+    return line
+
+
 def gemm_prefetch_bench(rates, results):
     print("\n== decoder stack, our GEMMs asking L2 for their weight slab before the PDL wait (µs; % against off) ==")
     from inferlab.plugins.models import split_k_kernel
     chain = decoder_stack(LAYERS)[1]
+
+    def stack_time_us(prefetch, lens=None):
+        split_k_kernel.PREFETCH_WEIGHT = prefetch
+        try:
+            return graph_time_us(chain(lens), reps=2, replays=9)
+        finally:
+            split_k_kernel.PREFETCH_WEIGHT = False
     for t, lens in picked_batches((256, 128, 64, 32, 8)):
-        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-        for prefetch in (False, True, False, True):  # twice each, in turn: the spread shows
-            split_k_kernel.PREFETCH_WEIGHT = prefetch
-            line.setdefault(f"prefetch={prefetch}", []).append(graph_time_us(chain(lens), reps=2, replays=9))
-        split_k_kernel.PREFETCH_WEIGHT = False
-        base = min(line["prefetch=False"])
-        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} " + ", ".join(f"{v:6.0f}" for v in vs)
-                                                   for k, vs in line.items() if k.startswith("prefetch"))
-              + f" (best {100 * (min(line['prefetch=True']) - base) / base:+.1f}%); floor {line['floor_us']:.0f}",
-              flush=True)
+        line = off_on_in_turn(rates, lens, "prefetch", lambda prefetch: stack_time_us(prefetch, lens))
         results.setdefault("gemm_prefetch", []).append(line)
 
 
 def gate_up_silu_bench(rates, results):
     print("\n== decoder stack, gate_up_proj + SiLU*mul as one kernel up to 64 tokens (µs; % against two) ==")
+
+    def stack_time_us(fused, lens):  # one stack at a time: each holds 28 layers' weights
+        return graph_time_us(decoder_stack(LAYERS, gate_up_silu=fused)[1](lens), reps=2, replays=9)
     for t, lens in picked_batches((64, 32, 8)):
-        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-        for fused in (False, True, False, True):  # one stack at a time, twice each in turn: the spread shows
-            chain = decoder_stack(LAYERS, gate_up_silu=fused)[1]
-            line.setdefault(f"gate_up_silu={fused}", []).append(graph_time_us(chain(lens), reps=2, replays=9))
-            del chain
-        base = min(line["gate_up_silu=False"])
-        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} " + ", ".join(f"{v:6.0f}" for v in vs)
-                                                   for k, vs in line.items() if k.startswith("gate_up"))
-              + f" (best {100 * (min(line['gate_up_silu=True']) - base) / base:+.1f}%); floor {line['floor_us']:.0f}",
-              flush=True)
+        line = off_on_in_turn(rates, lens, "gate_up_silu", lambda fused: stack_time_us(fused, lens))
         results.setdefault("gate_up_silu", []).append(line)
 
 

@@ -142,7 +142,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
     if num_tokens:
-        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
+        block_m = _block_m(num_tokens)
         grid = (width // tiling.block_n, triton.cdiv(num_tokens, block_m))
         _gate_up_silu_kernel[grid](x, weight, out, num_tokens, width, k, x.stride(0), BLOCK_M=block_m,
                                    BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=4, num_stages=4,
@@ -190,12 +190,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: Sp
     if x.stride(-1) != 1:
         x = x.contiguous()
     if num_tokens:
-        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
+        block_m = _block_m(num_tokens)
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
                               BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
                               num_warps=4, num_stages=4, **_launch_options(x.device))
     return out
+
+
+def _block_m(num_tokens: int) -> int:
+    """Rows a program: the batch rounded up to a power of two, at least 16 (tl.dot's least) and at
+    most 64 (more row blocks beyond)."""
+    return min(64, max(16, triton.next_power_of_2(num_tokens)))
 
 
 def _launch_options(device: torch.device) -> dict:
