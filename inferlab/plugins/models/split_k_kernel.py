@@ -18,7 +18,8 @@ one rounding.
 Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of batches of up to
 64 tokens (`linear`): there it gains nothing from its tiling but from its PDL launch, which lets
 it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
-sequences (item 38), and it loses to cuBLAS above 64.
+sequences (item 38), and it loses to cuBLAS above 64. A variant for gate_up_proj applies SiLU*mul
+in its epilogue (`gate_up_silu`, a candidate, item 42).
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 import os
 from typing import NamedTuple
