@@ -152,6 +152,23 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
               f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
 
 
+def weight_ring(n: int, k: int, copies: int = 28) -> list[torch.Tensor]:
+    """copies of a [n, k] bf16 weight, one a layer as in the model: together larger than L2, so
+    each GEMM over the ring reads its weight from memory."""
+    return [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+
+
+def cublas_ring_us(x: torch.Tensor, weights: list[torch.Tensor], reps: int = 1, replays: int = 11) -> float:
+    """Microseconds a cuBLAS GEMM x @ w.T over the ring, one after another in one graph."""
+    return graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=reps, replays=replays) / len(weights)
+
+
+def gemm_floor_us(rates, m: int, n: int, k: int) -> float:
+    """The larger of a [m, k] x [k, n] GEMM's weight bytes over the bandwidth and its FLOPs over
+    the matmul rate."""
+    return max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+
+
 def linear_bench(rates, results):
     """Each projection through cuBLAS and through cuBLASLt (torch's preferred_blas_library), with its
     weight read from memory as in the model (a ring of 28 copies, one a layer, larger than L2)."""
@@ -160,15 +177,14 @@ def linear_bench(rates, results):
               "lm_head": (VOCAB, HIDDEN)}
     default = torch.backends.cuda.preferred_blas_library()
     for name, (n, k) in shapes.items():
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-                   for _ in range(1 if name == "lm_head" else 28)]
+        weights = weight_ring(n, k, 1 if name == "lm_head" else 28)
         for library in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(library)
             line = []
             for m in (1, 8, 32, 64, 128, 256):
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-                us = graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=2, replays=9) / len(weights)
-                floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+                us = cublas_ring_us(x, weights, reps=2, replays=9)
+                floor = gemm_floor_us(rates, m, n, k)
                 line.append(f"M={m}: {us:.1f} ({100 * floor / us:.0f}%)")
                 results["linear"].append({"layer": name, "library": library, "m": m, "us": us, "floor_us": floor})
             print(f"  {name:<8} {library:<8} " + "  ".join(line))
@@ -227,11 +243,11 @@ def linear_candidates_bench(rates, results):
     shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
     ring = 28
     for name, (n, k) in shapes.items():
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(ring)]
+        weights = weight_ring(n, k, ring)
         for m in (8, 64, 256):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=1, replays=11) / ring
-            floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+            cublas = cublas_ring_us(x, weights)
+            floor = gemm_floor_us(rates, m, n, k)
             line = {"layer": name, "m": m, "cublas_us": cublas, "floor_us": floor}
             for tma in (False, True):
                 best = None
@@ -278,12 +294,12 @@ def wide_tiles_bench(rates, results):
     print("\n== wide GEMMs at 128-256 tokens, cold weights: cuBLAS against Triton tiles (µs a GEMM) ==")
     ring = 28
     for name, (n, k) in {"qkv": (4096, HIDDEN), "gate_up": (2 * INTER, HIDDEN)}.items():
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(ring)]
+        weights = weight_ring(n, k, ring)
         for m in (128, 256):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights], reps=1, replays=11) / ring
-            floor = max(n * k * 2 / rates.bandwidth, 2 * m * n * k / rates.matmul_rate) * 1e6
+            cublas = cublas_ring_us(x, weights)
+            floor = gemm_floor_us(rates, m, n, k)
             line = {"layer": name, "m": m, "cublas_us": cublas, "floor_us": floor, "configs": {}}
             for block_m, block_n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)):
                 def run(block_m=block_m, block_n=block_n, warps=warps, stages=stages):

@@ -36,7 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from microbench_gpu import HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decoder_stack, graph_time_us, \
-    replay_time_us, stack_floor_us, workload_decode_batches  # noqa: E402
+    replay_time_us, stack_floor_us, weight_ring, workload_decode_batches  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
@@ -165,35 +165,31 @@ def gaps_bench(rates, results):
                                 "kernels": [{"name": e.key, "count": e.count / 5, "us": total(e) / e.count} for e in top]})
 
 
+def threshold_sweep(rates, lens, option: str, thresholds, replays: int) -> dict:
+    """The decoder stack with a qwen3 token-threshold option at each of thresholds (the first, 0,
+    the base), one stack at a time (each holds 28 layers' weights); prints the batch's line."""
+    line = {}
+    for tokens in thresholds:
+        chain = decoder_stack(LAYERS, **{option: tokens})[1]
+        line[f"{option}={tokens}"] = graph_time_us(chain(lens), reps=2, replays=replays)
+        del chain
+    floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
+    base = line[f"{option}={thresholds[0]}"]
+    print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                                               for k, v in line.items()) + f"; floor {floor_us:.0f}", flush=True)
+    return {"batch": len(lens), "floor_us": floor_us, **line}
+
+
 def split_k_bench(rates, results):
     print("\n== decoder stack, o_proj and down_proj split-K up to N tokens (µs; % against N = 0) ==")
-    thresholds = (0, 64, 256)
     for t, lens in picked_batches():
-        line = {}
-        for tokens in thresholds:  # one stack at a time: each holds 28 layers' weights
-            chain = decoder_stack(LAYERS, split_k_tokens=tokens)[1]
-            line[f"split_k_tokens={tokens}"] = graph_time_us(chain(lens), reps=2, replays=7)
-        floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
-        base = line["split_k_tokens=0"]
-        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
-                                                   for k, v in line.items()) + f"; floor {floor_us:.0f}", flush=True)
-        results["split_k"].append({"batch": len(lens), "floor_us": floor_us, **line})
+        results["split_k"].append(threshold_sweep(rates, lens, "split_k_tokens", (0, 64, 256), replays=7))
 
 
 def triton_gemm_bench(rates, results):
     print("\n== decoder stack, qkv and gate_up through the Triton GEMM up to N tokens (µs; % against N = 0) ==")
-    thresholds = (0, 64, 128)
-    for t, lens in picked_batches((256, 128, 64, 32, 8)):
-        line = {}
-        for tokens in thresholds:  # one stack at a time: each holds 28 layers' weights
-            chain = decoder_stack(LAYERS, triton_gemm_tokens=tokens)[1]
-            line[f"triton_gemm_tokens={tokens}"] = graph_time_us(chain(lens), reps=2, replays=9)
-            del chain
-        floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
-        base = line["triton_gemm_tokens=0"]
-        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
-                                                   for k, v in line.items()) + f"; floor {floor_us:.0f}", flush=True)
-        results.setdefault("triton_gemm", []).append({"batch": len(lens), "floor_us": floor_us, **line})
+    for t, lens in picked_batches():
+        results["triton_gemm"].append(threshold_sweep(rates, lens, "triton_gemm_tokens", (0, 64, 128), replays=9))
 
 
 def off_on_in_turn(rates, lens, name: str, stack_time_us) -> dict:
@@ -222,7 +218,7 @@ def gemm_prefetch_bench(rates, results):
             split_k_kernel.PREFETCH_WEIGHT = False
     for t, lens in picked_batches((256, 128, 64, 32, 8)):
         line = off_on_in_turn(rates, lens, "prefetch", lambda prefetch: stack_time_us(prefetch, lens))
-        results.setdefault("gemm_prefetch", []).append(line)
+        results["gemm_prefetch"].append(line)
 
 
 def gate_up_silu_bench(rates, results):
@@ -232,7 +228,7 @@ def gate_up_silu_bench(rates, results):
         return graph_time_us(decoder_stack(LAYERS, gate_up_silu=fused)[1](lens), reps=2, replays=9)
     for t, lens in picked_batches((64, 32, 8)):
         line = off_on_in_turn(rates, lens, "gate_up_silu", lambda fused: stack_time_us(fused, lens))
-        results.setdefault("gate_up_silu", []).append(line)
+        results["gate_up_silu"].append(line)
 
 
 def microbatch_bench(rates, results):
@@ -265,7 +261,7 @@ def microbatch_bench(rates, results):
         print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
                                                    for k, v in line.items() if k not in ("batch", "floor_us"))
               + f"; floor {line['floor_us']:.0f}", flush=True)
-        results.setdefault("microbatch", []).append(line)
+        results["microbatch"].append(line)
 
 
 def chain_bench(rates, results):
@@ -289,7 +285,7 @@ def norm_gemm_cases():
     LAYERS weights, the norm's input x and output xn)."""
     for name, (n, k) in SHAPES.items():
         norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(LAYERS)]
+        weights = weight_ring(n, k, LAYERS)
         for m in (8, 64, 256):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             yield name, n, k, m, norm_weight, weights, x, torch.empty_like(x)

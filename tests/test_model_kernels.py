@@ -29,6 +29,10 @@ def unfused(qkv, positions, q_weight, k_weight, rotary, eps, num_heads, num_kv_h
 
 
 # (tokens, query heads, KV heads, head_dim, dtype): q+k heads a power of two or not, GQA and MHA
+# two prompts for the greedy comparisons against Hugging Face: the second is longer than a prefill chunk
+GREEDY_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
+                  [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52, 66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13,
+                   17, 19]]
 CASES = [
     (5, 4, 2, 32, torch.float32),
     (3, 16, 8, 128, torch.float32),
@@ -153,9 +157,7 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
             p._split_k = lambda x, w, kernel=p._split_k: calls.append(x.shape[0]) or kernel(x, w)
     assert [p.partials_tokens for p in projections] == [split_k_tokens, 0] * len(llm.runner.model.layers)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
-                                                          66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+    for prompt, out in zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)):
         assert out["token_ids"] == hf_greedy(path, prompt, 6)
     assert bool(calls) == (split_k_tokens > 0)  # the split path ran
 
@@ -330,9 +332,7 @@ def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greed
         if gate_up_silu:
             mlp.gate_up_silu = lambda x, w, kernel=mlp.gate_up_silu: fused_rows.append(x.shape[0]) or kernel(x, w)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52,
-                                                          66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19]]
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+    for prompt, out in zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)):
         assert out["token_ids"] == hf_greedy(path, prompt, 5)
     assert rows and max(rows) <= 16  # decode steps took it; the 24-token prefill chunks took cuBLAS
     assert (bool(fused_rows) and max(fused_rows) <= 16) == gate_up_silu
