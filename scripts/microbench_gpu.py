@@ -230,8 +230,8 @@ def splitk_linear(x, weights, ys, block_n, block_k, split_k, stages, tma):
                                      num_stages=stages)
         else:  # the engine's kernel (pointer loads, cp.async), launched plainly here
             split_k_kernel._split_k_kernel[grid](x, w, y, m, n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                                                 BLOCK_K=block_k, SPLIT=split_k, PDL=False, PREFETCH=False,
-                                                 num_warps=4, num_stages=stages)
+                                                 BLOCK_K=block_k, SPLIT=split_k, PDL=False, num_warps=4,
+                                                 num_stages=stages)
 
 
 def linear_candidates_bench(rates, results):
@@ -452,11 +452,10 @@ def sampling_bench(rates, results):
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 
-def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None,
-                  gate_up_silu: bool | None = None):
+def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None):
     """A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
-    backend, distinct random weights per layer; split_k_tokens, triton_gemm_tokens, gate_up_silu
-    None: the model's defaults) and
+    backend, distinct random weights per layer; split_k_tokens, triton_gemm_tokens None: the
+    model's defaults) and
     chain(lens, first_seq): a function that runs the stack over one decode batch of those sequence
     lengths, whose K/V are blocks first_seq... of a shared paged cache."""
     from transformers import Qwen3Config
@@ -472,14 +471,12 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
         split_k_tokens = Qwen3Options.split_k_tokens
     if triton_gemm_tokens is None:
         triton_gemm_tokens = Qwen3Options.triton_gemm_tokens
-    if gate_up_silu is None:
-        gate_up_silu = Qwen3Options.gate_up_silu
     config = Qwen3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=NUM_HEADS,
                          num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB)
     backend = TritonAttention()
     kernels = ModelKernels(qk_norm_rope, silu_and_mul, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
     stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, kernels, split_k_tokens,
-                                                  triton_gemm_tokens, gate_up_silu)
+                                                  triton_gemm_tokens)
                                 for _ in range(layers)).to("cuda", torch.bfloat16)
     for param in stack.parameters():
         param.data.normal_(0, 0.02)

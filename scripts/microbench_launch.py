@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,gemm_prefetch,gate_up_silu] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -18,11 +18,7 @@ CUDA graph.
 - microbatch: the decoder stack over a batch cut into 2-4 micro-batches (every n-th sequence),
   each on its own stream of one graph, so one part's GEMMs could run beside another's attention.
 - triton_gemm: the decoder stack with qkv and gate_up through split_k_kernel.linear (qwen3's
-  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens.
-- gemm_prefetch: the decoder stack with and without split_k_kernel.PREFETCH_WEIGHT (our GEMMs,
-  launched early by PDL, ask L2 for their weight slab before they wait), each twice in turn.
-- gate_up_silu: the decoder stack at up to 64 sequences with gate_up_proj and SiLU*mul as one
-  kernel (qwen3's gate_up_silu) and as two, each twice in turn."""
+  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens."""
 import argparse
 import itertools
 import json
@@ -192,45 +188,6 @@ def triton_gemm_bench(rates, results):
         results["triton_gemm"].append(threshold_sweep(rates, lens, "triton_gemm_tokens", (0, 64, 128), replays=9))
 
 
-def off_on_in_turn(rates, lens, name: str, stack_time_us) -> dict:
-    """stack_time_us(setting) for a switch off, on, off, on (each twice, in turn, so the spread
-    between two measurements of one setting shows); prints the batch's line and returns it."""
-    line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-    for setting in (False, True, False, True):
-        line.setdefault(f"{name}={setting}", []).append(stack_time_us(setting))
-    off, on = min(line[f"{name}=False"]), min(line[f"{name}=True"])
-    print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} " + ", ".join(f"{v:6.0f}" for v in line[k])
-                                               for k in (f"{name}=False", f"{name}=True"))
-          + f" (best {100 * (on - off) / off:+.1f}%); floor {line['floor_us']:.0f}", flush=True)
-    return line
-
-
-def gemm_prefetch_bench(rates, results):
-    print("\n== decoder stack, our GEMMs asking L2 for their weight slab before the PDL wait (µs; % against off) ==")
-    from inferlab.plugins.models import split_k_kernel
-    chain = decoder_stack(LAYERS)[1]
-
-    def stack_time_us(prefetch, lens=None):
-        split_k_kernel.PREFETCH_WEIGHT = prefetch
-        try:
-            return graph_time_us(chain(lens), reps=2, replays=9)
-        finally:
-            split_k_kernel.PREFETCH_WEIGHT = False
-    for t, lens in picked_batches((256, 128, 64, 32, 8)):
-        line = off_on_in_turn(rates, lens, "prefetch", lambda prefetch: stack_time_us(prefetch, lens))
-        results["gemm_prefetch"].append(line)
-
-
-def gate_up_silu_bench(rates, results):
-    print("\n== decoder stack, gate_up_proj + SiLU*mul as one kernel up to 64 tokens (µs; % against two) ==")
-
-    def stack_time_us(fused, lens):  # one stack at a time: each holds 28 layers' weights
-        return graph_time_us(decoder_stack(LAYERS, gate_up_silu=fused)[1](lens), reps=2, replays=9)
-    for t, lens in picked_batches((64, 32, 8)):
-        line = off_on_in_turn(rates, lens, "gate_up_silu", lambda fused: stack_time_us(fused, lens))
-        results["gate_up_silu"].append(line)
-
-
 def microbatch_bench(rates, results):
     print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
     _, chain = decoder_stack(LAYERS)
@@ -353,8 +310,7 @@ def main():
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
-             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "gemm_prefetch": gemm_prefetch_bench,
-             "gate_up_silu": gate_up_silu_bench}
+             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

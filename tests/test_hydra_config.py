@@ -88,7 +88,7 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
     assert options["decode_block_n"] == 64 and options["decode_num_stages"] == 2
     assert options["block_m"] is None  # left to the backend's own default
     assert settings["model_options"] == {"torch_compile": True, "triton_kernels": False, "split_k_tokens": 0,
-                                         "triton_gemm_tokens": 16, "gate_up_silu": False}
+                                         "triton_gemm_tokens": 16}
     from inferlab.plugins.attention.triton_attention import TritonAttention, TritonAttentionOptions
     # the node's defaults are the factory's: one source for both
     defaults = {k: v.default for k, v in inspect.signature(TritonAttention).parameters.items() if k != "config"}

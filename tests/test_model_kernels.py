@@ -280,23 +280,6 @@ def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
     torch.testing.assert_close(got, want, **tolerance)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [9, 100])
-def test_weight_prefetch_before_the_pdl_wait_changes_no_result(monkeypatch, num_tokens):
-    """split_k_kernel.PREFETCH_WEIGHT (INFERLAB_GEMM_PREFETCH=1): the same bits, split or not."""
-    torch.manual_seed(num_tokens)
-    x = torch.randn(num_tokens, 1024, device=DEVICE, dtype=torch.bfloat16)
-    narrow = torch.randn(1024, 3072, device=DEVICE, dtype=torch.bfloat16) * 0.05
-    wide = torch.randn(4096, 1024, device=DEVICE, dtype=torch.bfloat16) * 0.05
-    x3 = torch.randn(num_tokens, 3072, device=DEVICE, dtype=torch.bfloat16)
-    want = split_k_kernel.linear(x, wide), split_k_kernel.linear_partials(x3, narrow)
-    monkeypatch.setattr(split_k_kernel, "PREFETCH_WEIGHT", True)
-    assert split_k_kernel._launch_options(x.device)["PREFETCH"]  # on an sm90+ GPU, with PDL
-    got = split_k_kernel.linear(x, wide), split_k_kernel.linear_partials(x3, narrow)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-
-
 def test_wide_plan_and_column_parallel_linear_use_of_it():
     assert split_k_kernel.wide_plan(4096, 1024) == (32, 128, 1)  # Qwen3-0.6B's qkv_proj: 128 column blocks
     assert split_k_kernel.wide_plan(6144, 1024) == (64, 128, 1)  # its gate_up_proj
@@ -317,52 +300,19 @@ def test_wide_plan_and_column_parallel_linear_use_of_it():
     assert ColumnParallelLinear(256, 128, TPGroup())(torch.randn(0, 256)).shape == (0, 128)  # off: an empty batch too
 
 
-@pytest.mark.parametrize("gate_up_silu", [False, True])
-def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy, gate_up_silu):
+def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy):
     path = checkpoint("gqa4-untied")
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention="triton",
-              model_options={"triton_kernels": True, "triton_gemm_tokens": 16, "gate_up_silu": gate_up_silu})
-    rows, fused_rows = [], []
+              model_options={"triton_kernels": True, "triton_gemm_tokens": 16})
+    rows = []
     for layer in llm.runner.model.layers:
         for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
             assert p.triton_tokens == 16
             p._triton_linear = lambda x, w, kernel=p._triton_linear: rows.append(x.shape[0]) or kernel(x, w)
-        mlp = layer.mlp
-        assert (mlp.gate_up_silu is not None) == gate_up_silu
-        if gate_up_silu:
-            mlp.gate_up_silu = lambda x, w, kernel=mlp.gate_up_silu: fused_rows.append(x.shape[0]) or kernel(x, w)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     for prompt, out in zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)):
         assert out["token_ids"] == hf_greedy(path, prompt, 5)
     assert rows and max(rows) <= 16  # decode steps took it; the 24-token prefill chunks took cuBLAS
-    assert (bool(fused_rows) and max(fused_rows) <= 16) == gate_up_silu
-
-
-@pytest.mark.parametrize("num_tokens,width,k,dtype", [
-    (1, 64, 256, torch.float32),
-    (70, 32, 128, torch.float32),  # two row blocks
-    (0, 32, 128, torch.float32),
-    pytest.param(9, 3072, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's gate_up_proj
-    pytest.param(64, 3072, 1024, torch.bfloat16, marks=pytest.mark.gpu),
-])
-def test_gate_up_silu_is_the_gemm_then_silu_mul(num_tokens, width, k, dtype):
-    torch.manual_seed(width + num_tokens)
-    x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
-    weight = (torch.randn(2 * width, k, device=DEVICE) * 0.05).to(dtype)
-    got = split_k_kernel.gate_up_silu(x, weight)
-    assert got.shape == (num_tokens, width) and got.dtype == dtype
-    want = silu_mul_kernel((x.float() @ weight.float().T).to(dtype))  # the product rounded once, then SiLU*mul
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=1e-3)
-    torch.testing.assert_close(got, want, **tolerance)
-    assert split_k_kernel.gate_up_silu_plan(6144, 1024) == (32, 128, 1)
-    assert split_k_kernel.gate_up_silu_plan(96, 128) is None and split_k_kernel.gate_up_silu_plan(128, 192) is None
-
-
-def test_gate_up_silu_must_be_a_switch(checkpoint):
-    from inferlab.core.plugins import PluginError
-    with pytest.raises(PluginError, match="gate_up_silu must be true or false"):
-        LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=8,
-            model_options={"triton_kernels": True, "gate_up_silu": 1})
 
 
 def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default_falls_back(checkpoint, caplog):

@@ -80,21 +80,16 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp)
         self.act = silu_mul_kernel or (compiled(silu_and_mul) if fused else silu_and_mul)
-        # split_k_kernel.gate_up_silu where Qwen3Options.gate_up_silu has the batches that
-        # gate_up_proj runs through Triton take SiLU*mul in the same kernel
-        self.gate_up_silu = None
 
     def forward(self, x):
-        if self.gate_up_silu is not None and x.shape[0] <= self.gate_up_proj.triton_tokens:
-            return self.down_proj(self.gate_up_silu(x, self.gate_up_proj.weight))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None,
-                 split_k_tokens: int = 0, triton_gemm_tokens: int = 0, gate_up_silu: bool = False):
-        """split_k_tokens, triton_gemm_tokens, gate_up_silu: see Qwen3Options (only with kernels,
-        whose norms sum the partials)."""
+                 split_k_tokens: int = 0, triton_gemm_tokens: int = 0):
+        """split_k_tokens, triton_gemm_tokens: see Qwen3Options (only with kernels, whose norms sum
+        the partials)."""
         super().__init__()
         norms = kernels.norms if kernels else None
         self.self_attn = Qwen3Attention(config, backend, tp, fused, kernels.qk_norm_rope if kernels else None)
@@ -107,10 +102,7 @@ class Qwen3DecoderLayer(nn.Module):
             self.self_attn.o_proj.return_partials(split_k_tokens)
             self.mlp.down_proj.return_partials(split_k_tokens)
             self.self_attn.qkv_proj.use_triton_gemm(triton_gemm_tokens)
-            if self.mlp.gate_up_proj.use_triton_gemm(triton_gemm_tokens) and gate_up_silu:
-                from inferlab.plugins.models import split_k_kernel
-                if split_k_kernel.gate_up_silu_plan(*self.mlp.gate_up_proj.weight.shape) is not None:
-                    self.mlp.gate_up_silu = split_k_kernel.gate_up_silu
+            self.mlp.gate_up_proj.use_triton_gemm(triton_gemm_tokens)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         if residual is None:
@@ -149,9 +141,6 @@ class Qwen3Options:
     # 64 made the decoder stack 1.8% faster at 30 and 63 sequences and the bench 0.4%, within its
     # noise; 128 was 1.8% slower at 126 (BENCHMARKS.md item 38).
     triton_gemm_tokens: int = 64
-    # A candidate, not yet measured (BENCHMARKS.md item 42): the batches above run gate_up_proj and
-    # SiLU*mul as one kernel (split_k_kernel.gate_up_silu), one kernel a layer less.
-    gate_up_silu: bool = False
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -160,15 +149,12 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
                  torch_compile: bool | None = None, triton_kernels: bool | None = None,
                  split_k_tokens: int = Qwen3Options.split_k_tokens,
-                 triton_gemm_tokens: int = Qwen3Options.triton_gemm_tokens,
-                 gate_up_silu: bool = Qwen3Options.gate_up_silu):
+                 triton_gemm_tokens: int = Qwen3Options.triton_gemm_tokens):
         """Options: see Qwen3Options."""
         super().__init__()
         for name, value in (("split_k_tokens", split_k_tokens), ("triton_gemm_tokens", triton_gemm_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
-        if not isinstance(gate_up_silu, bool):
-            raise ValueError(f"gate_up_silu must be true or false, got {gate_up_silu!r}")
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = _triton_kernels(hf_config, on_cuda, triton_kernels)
@@ -179,7 +165,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, split_k_tokens,
-                                                      triton_gemm_tokens, gate_up_silu)
+                                                      triton_gemm_tokens)
                                     for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused,
                             kernels=kernels.norms if kernels else None)

@@ -17,15 +17,6 @@ BLOCK = 1024
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """SiLU(gate) * up in gate's dtype, SiLU rounded before the product (also the epilogue of
-    split_k_kernel's gate_up_silu)."""
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -33,7 +24,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.cons
     mask = cols < width
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + width + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + cols, silu_mul(gate, up), mask=mask)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * out_stride + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,8 @@ one rounding.
 Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of batches of up to
 64 tokens (`linear`): there it gains nothing from its tiling but from its PDL launch, which lets
 it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
-sequences (item 38), and it loses to cuBLAS above 64. A variant for gate_up_proj applies SiLU*mul
-in its epilogue (`gate_up_silu`, a candidate, item 42).
+sequences (item 38), and it loses to cuBLAS above 64.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
-import os
 from typing import NamedTuple
 
 import torch
@@ -29,12 +27,6 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
-from inferlab.plugins.models.silu_mul_kernel import silu_mul
-
-# A candidate, off unless INFERLAB_GEMM_PREFETCH=1 (read once, at import): launched early by PDL,
-# each program asks L2 for its weight slab before it waits on the kernel before it, so the
-# weight streams in during that kernel's last microseconds. Not yet measured (BENCHMARKS.md item 41).
-PREFETCH_WEIGHT = os.environ.get("INFERLAB_GEMM_PREFETCH", "0") == "1" and not pdl.INTERPRETED
 
 
 class SplitKPlan(NamedTuple):
@@ -62,35 +54,18 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
 
 
 @triton.jit
-def _prefetch_lines(base_ptr, rows, start, end, row_stride, GROUP: tl.constexpr = 4):
-    """Asks L2, without waiting, for the 128-byte lines of columns start..end of the given rows
-    (prefetch.global.L2, one instruction a line; GROUP lines a row at a time)."""
-    line = 1024 // base_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
-    for k0 in range(start, end, line * GROUP):
-        ks = k0 + tl.arange(0, GROUP) * line
-        ptrs = base_ptr + rows[:, None].to(tl.int64) * row_stride + ks[None, :]
-        wanted = (ks[None, :] < end).to(tl.int32) + rows[:, None] * 0
-        tl.inline_asm_elementwise(  # the output is a dummy; is_pure=False keeps the instruction
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, wanted], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, accumulated
     in float32, into partials[split], stored in the partials' dtype (float32, or unsplit, the
-    output itself in the model dtype). PREFETCH: see PREFETCH_WEIGHT."""
-    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_per_split = K // SPLIT
-    if PREFETCH:
-        if pid_m == 0:  # the first row block's programs: one prefetch a 128-byte line of the slab
-            _prefetch_lines(weight_ptr, cols, split * k_per_split, (split + 1) * k_per_split, K)
+    output itself in the model dtype)."""
     pdl.wait_for_inputs(PDL)
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows[:, None] < M
+    k_per_split = K // SPLIT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -99,64 +74,6 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
         acc += tl.dot(a, tl.trans(w), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
     out = partials_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc, mask=row_mask)
-
-
-@triton.jit
-def _gate_up_silu_kernel(x_ptr, weight_ptr, out_ptr, M, I, K, x_stride,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """One program: columns pid_n * BLOCK_N.. of SiLU(x @ gate.T) * (x @ up.T) for BLOCK_M rows,
-    where weight = [gate; up] ([2I, K]): both products accumulate over the same A tiles, each
-    rounded to the model dtype as the gate/up GEMM's output would be, then silu_mul_kernel's
-    arithmetic, so the result is the GEMM + SiLU*mul kernel's without the [T, 2I] round trip."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        if pid_m == 0:
-            _prefetch_lines(weight_ptr, cols, 0, K, K)
-            _prefetch_lines(weight_ptr, I + cols, 0, K, K)
-    pdl.wait_for_inputs(PDL)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows[:, None] < M
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
-        w_gate = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
-        w_up = tl.load(weight_ptr + (I + cols)[:, None] * K + ks[None, :])
-        gate += tl.dot(a, tl.trans(w_gate), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
-        up += tl.dot(a, tl.trans(w_up), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
-    dtype = out_ptr.dtype.element_ty
-    out = silu_mul(gate.to(dtype), up.to(dtype))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], out, mask=row_mask)
-
-
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SiLU(x @ gate.T) * (x @ up.T) [T, I] in x's dtype, for x [T, K] and a contiguous weight
-    [gate; up] [2I, K] that gate_up_silu_plan tiles: gate_up_proj and the SiLU*mul kernel in one
-    kernel (a candidate: Qwen3Options.gate_up_silu)."""
-    num_tokens, k = x.shape
-    width = weight.shape[0] // 2
-    tiling = gate_up_silu_plan(*weight.shape)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((num_tokens, width), dtype=x.dtype, device=x.device)
-    if num_tokens:
-        block_m = _block_m(num_tokens)
-        grid = (width // tiling.block_n, triton.cdiv(num_tokens, block_m))
-        _gate_up_silu_kernel[grid](x, weight, out, num_tokens, width, k, x.stride(0), BLOCK_M=block_m,
-                                   BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=4, num_stages=4,
-                                   **_launch_options(x.device))
-    return out
-
-
-def gate_up_silu_plan(n: int, k: int) -> SplitKPlan | None:
-    """gate_up_silu's tiling of a [gate; up] weight [n, k]: 32 columns of each a program (the 64
-    weight rows of wide_plan's gate_up tile), 128-wide K steps. None where they do not divide."""
-    if n % 64 or k % 128:
-        return None
-    return SplitKPlan(32, 128, 1)
 
 
 def wide_plan(n: int, k: int) -> SplitKPlan | None:
@@ -191,20 +108,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: Sp
     if x.stride(-1) != 1:
         x = x.contiguous()
     if num_tokens:
-        block_m = _block_m(num_tokens)
+        block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
                               BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
-                              num_warps=4, num_stages=4, **_launch_options(x.device))
+                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
     return out
-
-
-def _block_m(num_tokens: int) -> int:
-    """Rows a program: the batch rounded up to a power of two, at least 16 (tl.dot's least) and at
-    most 64 (more row blocks beyond)."""
-    return min(64, max(16, triton.next_power_of_2(num_tokens)))
-
-
-def _launch_options(device: torch.device) -> dict:
-    options = pdl.launch_options(device)
-    return {**options, "PREFETCH": PREFETCH_WEIGHT and options["PDL"]}
