@@ -18,6 +18,9 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 - elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
   kernel and through torch.compile.
 - sampling: the sampler's Gumbel-max kernel against an argmax over the same logits, and candidates.
+- read_bandwidth: how fast the GPU reads memory without writing it back, against the floor's
+  device-to-device copy: contiguous spans, and the decode kernel's pattern (one KV head's 256-byte
+  rows, 2 KB apart in the paged cache), over tile sizes, warps and stages. Attention's headroom.
 - overlap: a stack of decoder layers over a workload batch, whole, as two halves in turn, and as
   two halves on two streams (could two micro-batches hide each other's small kernels?).
 Prints tables; --out writes them as JSON."""
@@ -517,6 +520,63 @@ def stack_floor_us(lens, layers: int, bandwidth: float) -> float:
                         + 3 * HIDDEN * INTER) * 2) / bandwidth * 1e6
 
 
+@triton.jit
+def _read_span_kernel(x_ptr, out_ptr, span, BLOCK: tl.constexpr):
+    """One program: the sum of one contiguous span of x (so nothing is written but one float)."""
+    start = tl.program_id(0).to(tl.int64) * span
+    acc = tl.zeros([BLOCK], tl.float32)
+    for offset in range(0, span, BLOCK):
+        acc += tl.load(x_ptr + start + offset + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+@triton.jit
+def _read_head_rows_kernel(cache_ptr, out_ptr, tokens, row_stride, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One program: one KV head's rows (HEAD_DIM values, row_stride apart) of `tokens` consecutive
+    tokens, BLOCK_N at a time, as the decode kernel reads a sequence's K or V."""
+    seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    base = cache_ptr + seq * tokens * row_stride + head * HEAD_DIM
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for start in range(0, tokens, BLOCK_N):
+        rows = start + tl.arange(0, BLOCK_N)
+        acc += tl.load(base + rows[:, None] * row_stride + tl.arange(0, HEAD_DIM)[None, :]).to(tl.float32)
+    tl.store(out_ptr + seq * tl.num_programs(1) + head, tl.sum(tl.sum(acc, 1), 0))
+
+
+def read_bandwidth_bench(rates, results):
+    """GB/s of reads alone, against the copy the floor is measured with (bytes read + written)."""
+    total = 4 << 30
+    x = torch.randn(total // 2, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(total // 2 // 1024, dtype=torch.float32, device="cuda")
+    rows = []
+
+    def record(name, us, **config):
+        gbps = total / us / 1e3
+        rows.append({"pattern": name, "us": us, "GBps": gbps, **config})
+        print(f"  {name:<42} {gbps:7.0f} GB/s ({100 * gbps * 1e9 / rates.bandwidth:5.1f}% of the floor's)", flush=True)
+    print(f"\n== reading 4 GiB (the floor's copy: {rates.bandwidth / 1e9:.0f} GB/s) ==")
+    y = torch.empty_like(x)
+    record("torch copy (read + write, counted both)", graph_time_us(lambda: y.copy_(x), reps=3, replays=10) / 2)
+    del y
+    record("torch sum", graph_time_us(lambda: x.sum(dtype=torch.float32), reps=3, replays=10))
+    for span_kib, block, warps, stages in itertools.product((64, 256, 1024), (2048, 8192), (4, 8), (1, 3)):
+        span = span_kib * 1024 // 2
+        fn = lambda: _read_span_kernel[(x.numel() // span,)](x, out, span, BLOCK=block, num_warps=warps,  # noqa: E731
+                                                             num_stages=stages)
+        record(f"spans of {span_kib} KiB, block {block}, w{warps} s{stages}", graph_time_us(fn, reps=3, replays=10),
+               span_kib=span_kib, block=block, warps=warps, stages=stages)
+    row_stride = NUM_KV_HEADS * HEAD_DIM  # a paged cache's token row: every KV head's HEAD_DIM values
+    for tokens, block_n, warps, stages in itertools.product((512, 2048), (64, 128), (4, 8), (2, 3, 4)):
+        seqs = x.numel() // (tokens * row_stride)
+        fn = lambda: _read_head_rows_kernel[(seqs, NUM_KV_HEADS)](x, out, tokens, row_stride, BLOCK_N=block_n,  # noqa: E731
+                                                                 HEAD_DIM=HEAD_DIM, num_warps=warps, num_stages=stages)
+        record(f"head rows, {tokens} tokens, n{block_n} w{warps} s{stages}", graph_time_us(fn, reps=3, replays=10),
+               tokens=tokens, block_n=block_n, warps=warps, stages=stages)
+    best = max(rows, key=lambda r: r["GBps"])
+    print(f"best: {best['pattern']} at {best['GBps']:.0f} GB/s")
+    results["read_bandwidth"] = rows
+
+
 def overlap_bench(rates, results, layers: int = 28):
     """Would two micro-batches on two streams hide the small kernels behind each other's attention?
     decoder_stack's layers over one of the workload's decode batches, captured in a CUDA graph three
@@ -564,7 +624,7 @@ def main():
                "overlap": [], "sampling": []}
     parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
              "wide_tiles": wide_tiles_bench, "prefill": prefill_bench, "elementwise": elementwise_bench,
-             "overlap": overlap_bench, "sampling": sampling_bench}
+             "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
             if part == "attention":
