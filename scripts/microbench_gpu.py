@@ -42,18 +42,6 @@ from inferlab.floor import device_rates  # noqa: E402
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, INTER, VOCAB = 16, 8, 128, 256, 1024, 3072, 151936
 
 
-KV_LAYOUTS = ("token_major", "head_major")
-
-
-def kv_cache(num_blocks: int, layout: str) -> torch.Tensor:
-    """A random bf16 paged cache as the kernels take it, [2, num_blocks, BLOCK_SIZE, Hkv, D], stored
-    token-major (a token's heads side by side) or head-major (a head's rows of a block together)."""
-    if layout == "token_major":
-        return torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    return torch.randn(2, num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16,
-                       device="cuda").transpose(2, 3)
-
-
 def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
     """Microseconds per fn() call: reps calls captured in one CUDA graph, replayed; median of replays."""
     stream = torch.cuda.Stream()
@@ -110,9 +98,9 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
     scale = HEAD_DIM ** -0.5
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
-    caches = {layout: kv_cache(num_blocks, layout) for layout in KV_LAYOUTS}
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     configs = list(itertools.product((128,) if quick else (64, 128), (4,), (3,) if quick else (2, 3),
-                                     (4, 8, 12, 16, 24), ("batch", "longest_first"), KV_LAYOUTS))
+                                     (4, 8, 12, 16, 24), ("batch", "longest_first")))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -131,8 +119,7 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
         floor_total += floor_us
         line = {}
         for config in configs:
-            block_n, warps, stages, per_sm, order, layout = config
-            cache = caches[layout]
+            block_n, warps, stages, per_sm, order = config
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
             partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
@@ -148,10 +135,9 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
             line[config] = us
             results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
                                          "stages": stages, "programs_per_sm": per_sm, "order": order,
-                                         "kv_layout": layout, "splits": splits, "us": us,
+                                         "splits": splits, "us": us,
                                          "floor_us": floor_us})
         if flash_attn_with_kvcache is not None:
-            cache = caches["token_major"]
             us = graph_time_us(lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache[0], cache[1], cache_seqlens=seq_lens,
                                                                block_table=tables, softmax_scale=scale, causal=True),
                                reps=10, replays=7)
@@ -165,7 +151,7 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
           (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
     for config in ranked[:8]:
         print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2} "
-              f"order {config[4]} {config[5]}: "
+              f"order {config[4]}: "
               f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
 
 
@@ -336,10 +322,9 @@ def wide_tiles_bench(rates, results):
                   + f"  floor {floor:.2f}" + ("" if best else "  (no config ran)"), flush=True)
 
 
-def prefill_bench(rates, results, quick: bool = False):
+def prefill_bench(rates, results):
     """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
-    100..1024 tokens, no cached prefix), over tiles, warps, stages and the two cache layouts;
-    flash-attn's varlen beside it (token-major)."""
+    100..1024 tokens, no cached prefix), over tiles, warps and stages; flash-attn's varlen beside it."""
     from inferlab.plugins.attention import triton_kernels as tk
     try:
         from flash_attn import flash_attn_varlen_func
@@ -350,7 +335,7 @@ def prefill_bench(rates, results, quick: bool = False):
     total = int(lens.sum())
     blocks_per_seq = (lens + BLOCK_SIZE - 1) // BLOCK_SIZE
     num_blocks = int(blocks_per_seq.sum())
-    caches = {layout: kv_cache(num_blocks, layout) for layout in KV_LAYOUTS}
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     tables = torch.zeros(len(lens), int(blocks_per_seq.max()), dtype=torch.int32)
     used = 0
     for i, nb in enumerate(blocks_per_seq.tolist()):
@@ -369,21 +354,21 @@ def prefill_bench(rates, results, quick: bool = False):
     print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
-    space = ((group,), (64,), (32, 64), (4,), (2, 3)) if quick else ((1, group), (32, 64, 128), (32, 64), (4, 8), (2, 3))
-    for heads, block_m, block_n, warps, stages, layout in itertools.product(*space, KV_LAYOUTS):
+    for heads, block_m, block_n, warps, stages in itertools.product((1, group), (32, 64, 128), (32, 64), (4, 8),
+                                                                    (2, 3)):
         if heads * block_m > 128:  # the accumulator would spill
             continue
-        fn = lambda: tk.paged_prefill(q, caches[layout], out, query_start, seq_lens, tables, max_len,  # noqa: E731
-                                      scale, block_m, block_n, warps, stages, heads)
+        fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
+                                      block_m, block_n, warps, stages, heads)
         try:
             us = graph_time_us(fn, reps=5, replays=10)
         except Exception as e:
-            print(f"  skip h{heads} m{block_m} n{block_n} w{warps} s{stages} {layout}: {type(e).__name__}")
+            print(f"  skip h{heads} m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
             continue
         rows.append({"kernel": "triton", "heads": heads, "block_m": block_m, "block_n": block_n, "warps": warps,
-                     "stages": stages, "kv_layout": layout, "us": us})
+                     "stages": stages, "us": us})
     if flash_attn_varlen_func is not None:
-        cache, cu_k = caches["token_major"], query_start
+        cu_k = query_start
         us = graph_time_us(lambda: flash_attn_varlen_func(q, cache[0], cache[1], cu_seqlens_q=query_start, cu_seqlens_k=cu_k,
                                                           max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scale,
                                                           causal=True, block_table=tables), reps=5, replays=10)
@@ -392,8 +377,8 @@ def prefill_bench(rates, results, quick: bool = False):
     for r in rows[:8] + [r for r in rows[8:] if r["kernel"] == "flash_attn" or
                          (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) == (64, 64, 4, 2)]:
         name = "flash_attn" if r["kernel"] == "flash_attn" else \
-            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']} {r['kv_layout']}"
-        print(f"  {name:<40} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
+            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+        print(f"  {name:<28} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
     results["prefill"] = rows
 
 
@@ -470,11 +455,10 @@ def sampling_bench(rates, results):
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 
-def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None,
-                  kv_layout: str | None = None):
+def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None):
     """A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
-    backend, distinct random weights per layer; split_k_tokens, triton_gemm_tokens, kv_layout None:
-    the defaults) and
+    backend, distinct random weights per layer; split_k_tokens, triton_gemm_tokens None: the
+    model's defaults) and
     chain(lens, first_seq): a function that runs the stack over one decode batch of those sequence
     lengths, whose K/V are blocks first_seq... of a shared paged cache."""
     from transformers import Qwen3Config
@@ -492,7 +476,7 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
         triton_gemm_tokens = Qwen3Options.triton_gemm_tokens
     config = Qwen3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=NUM_HEADS,
                          num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB)
-    backend = TritonAttention(**({} if kv_layout is None else {"kv_layout": kv_layout}))
+    backend = TritonAttention()
     kernels = ModelKernels(qk_norm_rope, silu_and_mul, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
     stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, kernels, split_k_tokens,
                                                   triton_gemm_tokens)
@@ -501,8 +485,7 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
         param.data.normal_(0, 0.02)
     rotary = RotaryEmbedding(HEAD_DIM, 8192, 1e6).cuda()
     max_blocks = 4096 // BLOCK_SIZE
-    cache = torch.randn(backend.kv_cache_shape(256 * max_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM),
-                        dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn(2, 256 * max_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     caches = [cache] * layers  # one cache for all layers: each layer's K/V read is far larger than L2 anyway
 
     def inputs_for(lens, first_seq):
@@ -633,8 +616,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true",
-                        help="attention: sweep only the split plan, order and layout; prefill: a few tiles")
+    parser.add_argument("--quick", action="store_true", help="attention: sweep only the split plan and order")
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
@@ -645,8 +627,8 @@ def main():
              "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
-            if part in ("attention", "prefill"):
-                parts[part](rates, results, quick=args.quick)
+            if part == "attention":
+                attention_bench(rates, results, quick=args.quick)
             else:
                 parts[part](rates, results)
     if args.out:

@@ -6,7 +6,6 @@ so TRITON_INTERPRET is set here before inferlab's kernel module is first importe
 reloaded if something imported it compiled). With CUDA the same tests run the compiled kernels."""
 import importlib
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,19 +59,13 @@ def make_batch(query_lens, context_lens, block_size, num_kv_heads, head_dim, gro
     return inputs, q, k, v, cache
 
 
-def stored_as(backend: TritonAttention, cache: torch.Tensor) -> torch.Tensor:
-    """A copy of cache (token-major, the torch backend's layout) in the backend's own layout."""
-    return cache.transpose(2, 3).contiguous() if backend.kv_layout == "head_major" else cache.clone()
-
-
 def run_both(inputs, q, k, v, cache, scale=0.3, backend=None):
-    """(triton output, torch output, triton cache, torch cache) for the same batch and cache; the
-    triton cache as its [2, num_blocks, block_size, Hkv, D] view, whatever its layout."""
+    """(triton output, torch output, triton cache, torch cache) for the same batch and cache."""
     torch_backend, triton_backend = TorchAttention(), backend or TritonAttention()
-    torch_cache, triton_cache = cache.clone(), stored_as(triton_backend, cache)
+    torch_cache, triton_cache = cache.clone(), cache.clone()
     expected = torch_backend.forward(q, k, v, torch_cache, torch_backend.build_metadata(inputs), scale)
     got = triton_backend.forward(q, k, v, triton_cache, triton_backend.build_metadata(inputs), scale)
-    return got, expected, triton_backend.cache_view(triton_cache), torch_cache
+    return got, expected, triton_cache, torch_cache
 
 
 def assert_matches_torch(inputs, q, k, v, cache, backend=None):
@@ -116,12 +109,11 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv_layout", ["head_major", "token_major"])
 @pytest.mark.parametrize("block_size,group,head_dim,query_lens,context_lens", PREFILL_CASES)
-def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, query_lens, context_lens, kv_layout):
+def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, query_lens, context_lens):
     inputs, q, k, v, cache = make_batch(query_lens, context_lens, block_size, 2, head_dim, group)
     assert not inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(kv_layout=kv_layout))
+    assert_matches_torch(inputs, q, k, v, cache)
 
 
 def test_prefill_programs_of_one_head_or_a_whole_group_agree():
@@ -151,33 +143,12 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("order,kv_layout", [("longest_first", "head_major"), ("batch", "head_major"),
-                                             ("longest_first", "token_major")])
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, kv_layout):
+def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order, kv_layout=kv_layout))
-
-
-def test_head_major_cache_is_each_heads_rows_of_a_block_together():
-    backend = TritonAttention()
-    assert backend.kv_layout == "head_major"
-    assert backend.kv_cache_shape(10, 16, 2, 32) == (2, 10, 2, 16, 32)
-    assert TritonAttention(kv_layout="token_major").kv_cache_shape(10, 16, 2, 32) == (2, 10, 16, 2, 32)
-    cache = torch.zeros(backend.kv_cache_shape(4, 16, 2, 16), device=DEVICE)
-    k, v = torch.randn(2, 2, 16, device=DEVICE), torch.randn(2, 2, 16, device=DEVICE)
-    triton_kernels.store_kv(k, v, backend.cache_view(cache), torch.tensor([17, 40], device=DEVICE))
-    # slot 17: block 1, row 1; slot 40: block 2, row 8; head h's rows of a block are cache[kv, block, h]
-    torch.testing.assert_close(cache[0, 1, :, 1], k[0], rtol=0, atol=0)
-    torch.testing.assert_close(cache[1, 2, :, 8], v[1], rtol=0, atol=0)
-    assert torch.count_nonzero(cache) == k.numel() + v.numel()
-    k_view, v_view, _ = backend.kv_store_target(cache, SimpleNamespace(inputs=SimpleNamespace(slot_mapping=None)))
-    assert k_view.shape == (4, 16, 2, 16) and k_view.stride() == v_view.stride() == (512, 16, 256, 1)
-    with pytest.raises(ValueError, match="kv_layout must be one of"):
-        TritonAttention(kv_layout="blocked")
-    with pytest.raises(ValueError, match="unit stride in head_dim"):
-        triton_kernels.store_kv(k, v, cache.transpose(-1, -2), torch.tensor([0, 1], device=DEVICE))
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -236,12 +207,12 @@ def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
         slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)]),
         max_query_len=1, max_seq_len=256, is_decode=True, block_size=16)
     backend = TritonAttention(min_split_len=16)
-    padded_cache = stored_as(backend, cache)
+    padded_cache = cache.clone()
     got = backend.forward(torch.cat([q, torch.randn_like(q)]), torch.cat([k, torch.randn_like(k)]),
                           torch.cat([v, torch.randn_like(v)]), padded_cache, backend.build_metadata(padded), 0.3)
     torch.testing.assert_close(got[:2], expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[2:], torch.zeros_like(got[2:]))
-    torch.testing.assert_close(backend.cache_view(padded_cache), expected_cache, rtol=0, atol=0)
+    torch.testing.assert_close(padded_cache, expected_cache, rtol=0, atol=0)
 
 
 def test_validate_names_unsupported_settings():

@@ -77,10 +77,9 @@ class AttentionBackend(Protocol):
     then do device work only (no host sync, no shapes read from tensor values). When False,
     decode runs eagerly.
 
-    Optional: a backend whose cache holds K and V as [num_blocks, block_size, Hkv, D] views
-    (unit stride in D, the same strides for both) may define kv_store_target(kv_cache, metadata)
-    -> (k_cache, v_cache, slot_mapping). A model may then write each new token's k and v into
-    slot slot_mapping[t] (block slot // block_size, row slot % block_size) itself (-1: none;
+    Optional: a backend whose cache holds K and V as contiguous [num_blocks, block_size, Hkv, D]
+    arrays may define kv_store_target(kv_cache, metadata) -> (k_cache, v_cache, slot_mapping).
+    A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
     e.g. from a kernel it runs anyway) and call forward with k = v = None."""
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
-from inferlab.plugins.attention.triton_attention import import_kernels, kernel_mode_problems
+from inferlab.plugins.attention.triton_attention import TritonAttention, import_kernels, kernel_mode_problems
 
 # flash-attn's paged KV path rejects other block sizes ("must be divisible by 256")
 PAGED_BLOCK_MULTIPLE = 256
@@ -60,8 +60,7 @@ class FlashAttention:
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def kv_store_target(self, kv_cache, metadata):
-        return kv_cache[0], kv_cache[1], metadata.inputs.slot_mapping
+    kv_store_target = TritonAttention.kv_store_target  # the same cache layout and slot_mapping
 
     def build_metadata(self, inputs: AttentionInputs) -> FlashAttentionMetadata:
         if inputs.is_decode:  # flash_attn_with_kvcache takes seq_lens itself

@@ -14,7 +14,6 @@ from inferlab.core.hookspecs import hookimpl
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
-KV_LAYOUTS = ("head_major", "token_major")
 
 
 def import_kernels(backend: str):
@@ -57,10 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # How a cache block is stored: "head_major" (each KV head's rows of a block one contiguous
-    # span: a decode tile is one contiguous read) or "token_major" (a token's heads side by side,
-    # as flash-attn pages them: a tile is 256-byte rows 2 KB apart). See BENCHMARKS.md item 44.
-    kv_layout: str = "head_major"
 
 
 @dataclass(slots=True)
@@ -74,14 +69,11 @@ class TritonAttentionMetadata:
 
 
 class TritonAttention:
-    """K/V cache: [2, num_blocks, num_kv_heads, block_size, head_dim] (K then V; kv_layout
-    "head_major", the default) or [2, num_blocks, block_size, num_kv_heads, head_dim]
-    ("token_major", the torch and flash_attn backends' layout); the kernels and kv_store_target
-    see either as a [2, num_blocks, block_size, Hkv, D] view. Options (TritonAttentionOptions):
-    prefill tile sizes block_m/block_n; for decode the tile decode_block_n, its num_warps and
-    num_stages, min_split_len (the fewest keys one split of a sequence takes) and
-    decode_programs_per_sm (how many programs the split plan aims to give each multiprocessor),
-    decode_order (which sequences' programs start first); kv_layout."""
+    """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
+    torch backend's. Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
+    decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
+    one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
+    aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
     supports_cuda_graphs = True
 
@@ -90,8 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 kv_layout: str = TritonAttentionOptions.kv_layout):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -106,15 +97,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("kv_layout", kv_layout, KV_LAYOUTS)):
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.kv_layout = kv_layout
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -132,17 +121,11 @@ class TritonAttention:
         return reasons
 
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
-        if self.kv_layout == "head_major":
-            return (2, num_blocks, num_kv_heads, block_size, head_dim)
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def cache_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The cache as the [2, num_blocks, block_size, Hkv, D] view the kernels take."""
-        return kv_cache.transpose(2, 3) if self.kv_layout == "head_major" else kv_cache
-
     def kv_store_target(self, kv_cache, metadata):
-        view = self.cache_view(kv_cache)
-        return view[0], view[1], metadata.inputs.slot_mapping
+        # K and V are contiguous halves of the cache, so a model's kernel may store into them
+        return kv_cache[0], kv_cache[1], metadata.inputs.slot_mapping
 
     def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
         # Nothing to compute on the device: the kernels read the runner's tensors directly, which
@@ -152,7 +135,6 @@ class TritonAttention:
     def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale):
         inputs = metadata.inputs
         kernels = self.kernels
-        kv_cache = self.cache_view(kv_cache)
         if k is not None:
             kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
         if q.stride(-1) != 1:

@@ -3,7 +3,7 @@ the fused QKV projection's output. Unfused (or through torch.compile) this is fo
 (two norms, two rotary passes with a gather of the cos/sin rows), each a few microseconds on tensors
 of a few hundred kilobytes: launch and tail latency, not bandwidth. One program does one token.
 Given the attention backend's cache (kv_store), it also writes the token's rotated k and its v
-into their cache slot (token- or head-major storage), which saves the backend's store kernel.
+into their cache slot, which saves the backend's store kernel.
 
 The rounding follows the unfused code (rms_norm, then apply_rotary): the normalized values are
 rounded to the model dtype before the weight, and the weighted values before the rotation, so
@@ -19,8 +19,7 @@ from inferlab.plugins import pdl
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
-                         k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                         cache_stride_block, cache_stride_token, cache_stride_head, block_size,
+                         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_slot,
                          qkv_stride_token, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
                          HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
@@ -58,13 +57,13 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
         # the token's slot, once per row (a scalar mask trips Triton's interpreter); -1 is a padding
         # row of a CUDA-graph batch, which stores nothing
         slot = tl.load(slot_mapping_ptr + token + heads * 0)
-        row = ((slot // block_size) * cache_stride_block + (slot % block_size) * cache_stride_token)[:, None]
+        row = (slot * cache_stride_slot)[:, None]
         store_k = (is_k & (slot >= 0))[:, None]
         store_v = (is_v & (slot >= 0))[:, None]
-        k_dst = k_cache_ptr + row + k_heads[:, None] * cache_stride_head + dims[None, :]
+        k_dst = k_cache_ptr + row + k_heads[:, None] * (2 * HALF) + dims[None, :]
         tl.store(k_dst, o1, mask=store_k)
         tl.store(k_dst + HALF, o2, mask=store_k)
-        v_dst = v_cache_ptr + row + (k_heads - NUM_KV_HEADS)[:, None] * cache_stride_head + dims[None, :]
+        v_dst = v_cache_ptr + row + (k_heads - NUM_KV_HEADS)[:, None] * (2 * HALF) + dims[None, :]
         tl.store(v_dst, x1.to(dtype), mask=store_v)
         tl.store(v_dst + HALF, x2.to(dtype), mask=store_v)
     else:
@@ -89,29 +88,26 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
     if kv_store is None:
         k = qkv.new_empty((num_tokens, num_kv_heads, head_dim))
         k_cache = v_cache = slot_mapping = k  # unused by the kernel: any tensor serves as the pointer
-        strides, block_size = (0, 0, 0), 1
+        cache_stride_slot = 0
     else:
         k = None
         k_cache, v_cache, slot_mapping = kv_store
-        strides, block_size = _cache_strides(k_cache, v_cache, num_kv_heads, head_dim), k_cache.shape[1]
+        cache_stride_slot = _slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
     if num_tokens:
         rows = num_heads + num_kv_heads * (2 if kv_store is not None else 1)
         _qk_norm_rope_kernel[(num_tokens,)](
             qkv, q, q if k is None else k, q_weight, k_weight, cos_sin, positions,
-            k_cache, v_cache, slot_mapping, *strides, block_size, qkv.stride(0), eps,
+            k_cache, v_cache, slot_mapping, cache_stride_slot, qkv.stride(0), eps,
             NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             HEADS_POW2=triton.next_power_of_2(rows), HALF=head_dim // 2, STORE_KV=kv_store is not None,
             num_warps=4, **pdl.launch_options(qkv.device))
     return q, k
 
 
-def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(block, token, head) strides of the [num_blocks, block_size, Hkv, D] cache views, which must
-    agree between K and V and have unit stride in D (token- or head-major storage)."""
+def _slot_stride(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """The elements from one slot to the next in contiguous [num_blocks, block_size, Hkv, D] caches."""
     for cache in (k_cache, v_cache):
-        if (cache.dim() != 4 or tuple(cache.shape[-2:]) != (num_kv_heads, head_dim) or cache.stride(-1) != 1
-                or cache.stride() != k_cache.stride()):
-            raise ValueError(f"kv_store caches must be [num_blocks, block_size, {num_kv_heads}, {head_dim}] views with "
-                             f"unit stride in head_dim and the same strides for K and V, got shapes "
-                             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)} strides {k_cache.stride()}, {v_cache.stride()}")
-    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        if tuple(cache.shape[-2:]) != (num_kv_heads, head_dim) or not cache.is_contiguous():
+            raise ValueError(f"kv_store caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                             f"got shape {tuple(cache.shape)} strides {cache.stride()}")
+    return num_kv_heads * head_dim
