@@ -99,8 +99,10 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    configs = list(itertools.product((128,) if quick else (64, 128), (4,), (3,) if quick else (2, 3),
-                                     (4, 8, 12, 16, 24), ("batch", "longest_first")))
+    if quick:  # the default tile: the split plan and the order
+        configs = list(itertools.product((128,), (4,), (3,), (4, 8, 12, 16, 24), ("batch", "longest_first")))
+    else:  # tiles, warps and stages (2 or 3 programs a multiprocessor fit at 64 keys and 2-3 stages)
+        configs = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (4, 8, 16), ("longest_first",)))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
