@@ -31,6 +31,12 @@ CHECK = textwrap.dedent("""
     logits[:, 1::2] = float("-inf")
     got = gumbel_argmax(logits, torch.ones(4), torch.arange(4), torch.zeros(4, dtype=torch.int64))
     assert torch.all(got % 2 == 0), got
+    # greedy ties across chunks of the vocabulary: the lowest index, as torch.argmax; int64 tokens
+    logits = torch.zeros(3, 5000)
+    logits[:, [3000, 100, 4999]] = 5.0
+    logits[2, 100] = 0.0
+    got = gumbel_argmax(logits, torch.zeros(3), torch.arange(3), torch.zeros(3, dtype=torch.int64))
+    assert got.tolist() == [100, 100, 3000] and got.dtype == torch.int64, got
     print("ok")
 """)
 

@@ -270,11 +270,37 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
     settings = dict(attention="triton", device=str(DEVICE), dtype="float32", kvcache_block_size=16,
                     max_model_len=128, max_num_seqs=6, num_kvcache_blocks=32, enforce_eager=True)
     eager = [o["token_ids"] for o in LLM(path, **settings).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(path, **settings)
-    runner = llm.runner
-    runner.decode_graphs = graphs = EagerReplayGraphs(
-        runner.model, runner.backend, runner.kv_caches, 6, 128, 16, llm.hf_config.hidden_size, runner.dtype, runner.device)
-    assert graphs.batch_sizes == [1, 2, 4, 6]
-    replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert replayed == eager
-    assert 4 in graphs.replayed and 2 in graphs.replayed and 1 in graphs.replayed  # 3 sequences padded to 4
+    # with overlap scheduling the decode inputs hold placeholders for the previous step's samples,
+    # which the graphs' input kernel swaps in
+    for overlap in (False, True):
+        llm = LLM(path, **settings, overlap_scheduling=overlap)
+        runner = llm.runner
+        runner.decode_graphs = graphs = EagerReplayGraphs(
+            runner.model, runner.backend, runner.kv_caches, 6, 128, 16, llm.hf_config.hidden_size, runner.dtype,
+            runner.device)
+        assert graphs.batch_sizes == [1, 2, 4, 6]
+        replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert replayed == eager
+        assert 4 in graphs.replayed and 2 in graphs.replayed and 1 in graphs.replayed  # 3 sequences padded to 4
+
+
+def test_static_inputs_kernel_resolves_placeholders_and_pads():
+    from inferlab.core.graph_inputs_kernel import fill_static_inputs
+    out = {"input_ids": torch.full((8,), 7, dtype=torch.int64), "positions": torch.full((8,), 7, dtype=torch.int64),
+           "slot_mapping": torch.full((8,), 7, dtype=torch.int64), "seq_lens": torch.full((8,), 7, dtype=torch.int32),
+           "context_lens": torch.full((8,), 7, dtype=torch.int32),
+           "block_tables": torch.full((8, 5), 7, dtype=torch.int32)}
+    out = {name: t.to(DEVICE) for name, t in out.items()}
+    longs = torch.tensor([11, -2, -1, 4, 9, 30, 40, 90, 300], device=DEVICE)  # ids, positions, slots of 3 rows
+    ints = torch.tensor([5, 10, 31, 4, 9, 30, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device=DEVICE)
+    tables = ints[6:].view(3, 2)
+    sampled = torch.tensor([21, 22], device=DEVICE)
+    fill_static_inputs(4, longs[:3], longs[3:6], longs[6:], ints[:3], ints[3:6], tables, sampled, out)
+    assert out["input_ids"].tolist() == [11, 22, 21, 7, 7, 7, 7, 7]  # -(k + 1) is sample k; padding untouched
+    assert out["positions"].tolist() == [4, 9, 30, 7, 7, 7, 7, 7]
+    assert out["slot_mapping"].tolist() == [40, 90, 300, -1, 7, 7, 7, 7]  # row 3 pads the batch of 4
+    assert out["seq_lens"].tolist() == [5, 10, 31, 0, 7, 7, 7, 7]
+    assert out["context_lens"].tolist() == [4, 9, 30, 0, 7, 7, 7, 7]
+    assert out["block_tables"][:3].tolist() == [[1, 2, 7, 7, 7], [3, 4, 7, 7, 7], [5, 6, 7, 7, 7]]
+    fill_static_inputs(3, longs[:3].abs(), longs[3:6], longs[6:], ints[:3], ints[3:6], tables, None, out)
+    assert out["input_ids"][:3].tolist() == [11, 2, 1]  # without samples the ids are taken as they are

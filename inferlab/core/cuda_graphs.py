@@ -2,7 +2,8 @@
 (1, 2, 4, 8, 16, 32, ... up to the largest decode batch), all reading static input buffers. A
 decode batch is copied into the buffers, padded to the next captured size (padding rows store
 nothing and attend to nothing) and replayed, which removes the per-kernel launch cost that
-dominates small decode steps."""
+dominates small decode steps. The copy-in, the padding and the swap of placeholder ids for the
+previous step's samples are one kernel (graph_inputs_kernel.py)."""
 import bisect
 import logging
 from time import perf_counter
@@ -40,6 +41,9 @@ class DecodeGraphs:
             self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
             self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
             self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
+        self.static_inputs = {"input_ids": self.input_ids, "positions": self.positions,
+                              "slot_mapping": self.slot_mapping, "seq_lens": self.seq_lens,
+                              "context_lens": self.context_lens, "block_tables": self.block_tables}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         start = perf_counter()
         self._capture(model, backend, kv_caches)
@@ -71,22 +75,17 @@ class DecodeGraphs:
             self.graphs[batch] = graph
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor | None:
-        """Hidden states [B, hidden] of a decode batch, or None when no graph fits it."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs,
+            last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode batch, or None when no graph fits it. With
+        last_sampled, input ids -(k + 1) stand for last_sampled[k] (placeholders)."""
         num_seqs = inputs.num_seqs
         width = inputs.block_tables.shape[1]
         if num_seqs > self.batch_sizes[-1] or width > self.max_blocks:
             return None
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.seq_lens[:num_seqs].copy_(inputs.seq_lens)
-        self.context_lens[:num_seqs].copy_(inputs.context_lens)
-        self.slot_mapping[:num_seqs].copy_(inputs.slot_mapping)
-        self.block_tables[:num_seqs, :width].copy_(inputs.block_tables)
-        if batch > num_seqs:  # padding rows: no keys, nothing stored
-            self.seq_lens[num_seqs:batch].zero_()
-            self.context_lens[num_seqs:batch].zero_()
-            self.slot_mapping[num_seqs:batch].fill_(-1)
+        from inferlab.core.graph_inputs_kernel import fill_static_inputs  # Triton: imported where it runs
+        fill_static_inputs(batch, input_ids, positions, inputs.slot_mapping, inputs.seq_lens, inputs.context_lens,
+                           inputs.block_tables, last_sampled, self.static_inputs)
         self.graphs[batch].replay()
         return self.hidden[:num_seqs]

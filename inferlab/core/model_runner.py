@@ -215,15 +215,16 @@ class ModelRunner:
         """The forward pass of one step and the logits of its sampling rows (None when none samples).
         Every tensor-parallel rank runs it on the same step."""
         input_ids, positions, inputs, logits_indices = self.upload(step)
-        if inputs.has_placeholders:
-            if self.last_sampled is None:
-                raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
-            input_ids = torch.where(input_ids < 0, self.last_sampled[(-input_ids - 1).clamp(min=0)], input_ids)
+        if inputs.has_placeholders and self.last_sampled is None:
+            raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
+        sampled = self.last_sampled if inputs.has_placeholders else None
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         hidden = None
         if self.decode_graphs is not None and inputs.is_decode and kv_caches is self.kv_caches:
-            hidden = self.decode_graphs.run(input_ids, positions, inputs)
+            hidden = self.decode_graphs.run(input_ids, positions, inputs, sampled)  # resolves placeholders itself
         if hidden is None:
+            if sampled is not None:
+                input_ids = torch.where(input_ids < 0, sampled[(-input_ids - 1).clamp(min=0)], input_ids)
             hidden = self.model(input_ids, positions, kv_caches, self.backend.build_metadata(inputs))
         if not step.sample_rows:
             return None

@@ -67,6 +67,21 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps
     tl.store(index_ptr + row * num_chunks + chunk, winner)
 
 
+@triton.jit
+def _pick_chunk_kernel(best_ptr, index_ptr, out_ptr, num_chunks, CHUNKS_POW2: tl.constexpr, PDL: tl.constexpr):
+    """One program a row: the index of its best chunk's winner, the first chunk among equal
+    scores (chunks are in vocabulary order, so that is torch.argmax's lowest index), as int64."""
+    pdl.wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS_POW2)
+    valid = chunks < num_chunks
+    best = tl.load(best_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
+    index = tl.load(index_ptr + row * num_chunks + chunks, mask=valid, other=0)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(valid & (best == top), chunks, CHUNKS_POW2), axis=0)
+    tl.store(out_ptr + row, tl.sum(tl.where(chunks == first, index, 0), axis=0).to(tl.int64))
+
+
 BLOCK = 1024
 CHUNKS = 32  # per row: enough programs to fill the GPU even for a handful of rows
 
@@ -78,9 +93,13 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     num_chunks = -(-vocab_size // chunk_size)
     best = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
+        options = pdl.launch_options(logits.device)
         _gumbel_argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), temperatures, seeds, steps, best, index,
                                                   vocab_size, chunk_size, num_chunks, BLOCK=BLOCK, FAST_LOG=not INTERPRETED,
-                                                  **pdl.launch_options(logits.device))
-    # chunks are in vocabulary order, so argmax's first maximum is the lowest index among ties
-    return index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
+                                                  **options)
+        # one small kernel where argmax, gather and the cast to int64 took three (BENCHMARKS.md item 47)
+        _pick_chunk_kernel[(rows,)](best, index, tokens, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks),
+                                    num_warps=1, **options)
+    return tokens

@@ -1,0 +1,56 @@
+"""One Triton kernel that fills the decode graphs' static input buffers for a step.
+
+Copied in with torch, a decode step's inputs took a dozen small kernels before the graph replay:
+one copy a buffer, the padding rows' fills, and five elementwise ops that swap the placeholder ids
+(-(k + 1): the previous step's k-th sample, not yet on the host) for the samples. Each is a
+kernel of 1-2.5 µs on a GPU that has nothing else to do then (BENCHMARKS.md item 47). Here one
+program a row does all of it: the batch's rows get their token (placeholders resolved), position,
+slot, lengths and block table; padding rows up to the graph's batch get no keys and no slot.
+
+Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fill_kernel(ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, context_lens_ptr, tables_ptr, sampled_ptr,
+                 out_ids_ptr, out_positions_ptr, out_slots_ptr, out_seq_lens_ptr, out_context_lens_ptr,
+                 out_tables_ptr, num_seqs, width, tables_stride, out_tables_stride,
+                 RESOLVE: tl.constexpr, BLOCK_W: tl.constexpr):
+    row = tl.program_id(0)
+    if row < num_seqs:
+        token = tl.load(ids_ptr + row)
+        if RESOLVE:  # -(k + 1) stands for the previous step's k-th sample
+            token = tl.where(token < 0, tl.load(sampled_ptr + tl.maximum(-token - 1, 0)), token)
+        tl.store(out_ids_ptr + row, token)
+        tl.store(out_positions_ptr + row, tl.load(positions_ptr + row))
+        tl.store(out_slots_ptr + row, tl.load(slots_ptr + row))
+        tl.store(out_seq_lens_ptr + row, tl.load(seq_lens_ptr + row))
+        tl.store(out_context_lens_ptr + row, tl.load(context_lens_ptr + row))
+        for start in range(0, width, BLOCK_W):
+            cols = start + tl.arange(0, BLOCK_W)
+            mask = cols < width
+            blocks = tl.load(tables_ptr + row * tables_stride + cols, mask=mask)
+            tl.store(out_tables_ptr + row * out_tables_stride + cols, blocks, mask=mask)
+    else:  # a padding row: no keys to attend to, no slot to store into
+        tl.store(out_seq_lens_ptr + row, 0)
+        tl.store(out_context_lens_ptr + row, 0)
+        tl.store(out_slots_ptr + row, -1)
+
+
+def fill_static_inputs(batch: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       seq_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                       last_sampled: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
+    """Writes a step's n rows into the static buffers `out` (input_ids, positions, slot_mapping,
+    seq_lens, context_lens, block_tables, each with at least `batch` rows) and pads rows n..batch.
+    input_ids may hold placeholders when last_sampled is given. The block tables' columns beyond
+    the step's width keep stale blocks, which no row's seq_lens reaches."""
+    num_seqs, width = block_tables.shape
+    resolve = last_sampled is not None
+    _fill_kernel[(batch,)](
+        input_ids, positions, slot_mapping, seq_lens, context_lens, block_tables,
+        last_sampled if resolve else input_ids,  # unused unless RESOLVE: any tensor serves as the pointer
+        out["input_ids"], out["positions"], out["slot_mapping"], out["seq_lens"], out["context_lens"],
+        out["block_tables"], num_seqs, width, block_tables.stride(0), out["block_tables"].stride(0),
+        RESOLVE=resolve, BLOCK_W=min(128, triton.next_power_of_2(max(width, 1))), num_warps=1)
