@@ -146,8 +146,8 @@ DECODE_CASES = [
 @pytest.mark.parametrize("order,id_chunk", [("longest_first", 0), ("batch", 0), ("longest_first", 2)])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
 def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, id_chunk):
-    # id_chunk 2: the block ids two at a time ahead of the tiles (several chunks a sequence; split
-    # starts inside blocks where the blocks are larger than the 16-key tiles)
+    # id_chunk 2: the block ids two at a time ahead of the tiles (several chunks a sequence; these
+    # batches take one split each: splits that start inside a block have their own test below)
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
     backend = TritonAttention(decode_order=order, decode_id_chunk=id_chunk)
