@@ -5,7 +5,8 @@ its own loads), the kernel's shared memory, and its async copies.
     python scripts/kernel_pipelining.py [--kernel decode|prefill] [--capability 90]
 
 Compiles with whatever Triton is installed; the GPU machine's may differ (BENCHMARKS.md item 48
-used 3.6.0, the device's, unpacked from its wheel onto PYTHONPATH)."""
+used 3.6.0, the device's, unpacked from its wheel onto PYTHONPATH; item 49 measured the read-ahead
+candidate it found and removed it)."""
 import argparse
 import itertools
 import os
@@ -50,20 +51,17 @@ def main():
     print(f"triton {triton.__version__}, sm_{args.capability}, {args.kernel}")
     if args.kernel == "decode":
         fn = tk._decode_split_kernel
-        space = itertools.product((64, 128), (4, 8), (2, 3, 4), (0, 16))
+        space = itertools.product((64, 128), (4, 8), (2, 3, 4))
         fixed = {"BLOCK_H": tk.MIN_DOT_ROWS, "SINGLE_SPLIT": True, "ORDERED": True}
     else:
         fn = tk._prefill_kernel
-        space = itertools.product((32, 64), (4,), (2, 3), (None,))
+        space = itertools.product((32, 64), (4,), (2, 3))
         fixed = {"HEADS": 2, "BLOCK_M": 64}
-    for block_n, warps, stages, id_chunk in space:
+    for block_n, warps, stages in space:
         constexprs = {**SHAPE, **fixed, "BLOCK_N": block_n}
-        if id_chunk is not None:
-            constexprs["ID_CHUNK"] = id_chunk
         kernel = compile_kernel(fn, constexprs, warps, stages, args.capability)
         ptx = kernel.asm["ptx"]
-        chunk = "" if id_chunk is None else f" id_chunk {id_chunk:>2}"
-        print(f"  block_n {block_n:>3} warps {warps} stages {stages}{chunk}: K buffers {k_buffers(kernel.asm['ttgir'])}, "
+        print(f"  block_n {block_n:>3} warps {warps} stages {stages}: K buffers {k_buffers(kernel.asm['ttgir'])}, "
               f"shared {kernel.metadata.shared / 1024:5.1f} KiB, cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
               f"wgmma {ptx.count('wgmma.mma_async')}", flush=True)
 

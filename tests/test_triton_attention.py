@@ -143,15 +143,12 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("order,id_chunk", [("longest_first", 0), ("batch", 0), ("longest_first", 2)])
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, id_chunk):
-    # id_chunk 2: the block ids two at a time ahead of the tiles (several chunks a sequence; these
-    # batches take one split each: splits that start inside a block have their own test below)
+def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    backend = TritonAttention(decode_order=order, decode_id_chunk=id_chunk)
-    assert_matches_torch(inputs, q, k, v, cache, backend=backend)
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -163,36 +160,15 @@ def test_split_decode_combines_partials_exactly(num_splits):
     triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
-    for min_split_len, id_chunk in ((0, 0), (32, 0), (0, 4), (32, 2)):  # split evenly or in parts of >= 32 keys
+    for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
         got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          num_splits, 16, partial_out, partial_lse, min_split_len, id_chunk=id_chunk)
+                                          num_splits, 16, partial_out, partial_lse, min_split_len)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
     assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
     got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
                                       num_splits, 16, partial_out, partial_lse, 32, seq_order=order)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-
-
-def test_decode_with_block_ids_read_ahead_handles_splits_inside_blocks():
-    # 64-key blocks, 16-key tiles, 3 splits: splits start at keys 48, 96, ... inside blocks, and a
-    # chunk of 2 ids covers 128 keys; 130 keys leave a last block of 2
-    inputs, q, k, v, cache = make_batch([1] * 3, [129, 77, 20], 64, 2, 16, 2, seed=5)
-    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
-    partial_out = torch.empty(3, q.shape[1], 3, 16, device=DEVICE)
-    partial_lse = torch.empty(3, q.shape[1], 3, device=DEVICE)
-    for id_chunk in (2, 4):
-        got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          3, 16, partial_out, partial_lse, 0, id_chunk=id_chunk)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    # tiles wider than a block: the read-ahead does not apply, each tile gathers its ids
-    inputs, q, k, v, cache = make_batch([1] * 2, [40, 7], 16, 2, 16, 2, seed=6)
-    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
-    got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                      1, 32, id_chunk=2)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -249,8 +225,6 @@ def test_validate_names_unsupported_settings():
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonAttention(decode_order="shortest")
-    with pytest.raises(ValueError, match=r"decode_id_chunk must be one of \[0, 2, 4, 8, 16, 32, 64\], got 3"):
-        TritonAttention(decode_id_chunk=3)
 
 
 def test_greedy_generate_with_triton_equals_torch(checkpoint):

@@ -56,10 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # A candidate, not yet measured (BENCHMARKS.md item 48): read the block table this many ids at
-    # a time (a power of two) ahead of the decode tiles that use them, so that Triton multi-buffers
-    # the K/V loads (with one gather a tile it keeps a single buffer). 0: one gather a tile.
-    decode_id_chunk: int = 0
 
 
 @dataclass(slots=True)
@@ -77,8 +73,7 @@ class TritonAttention:
     torch backend's. Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
     decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
     one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
-    aims to give each multiprocessor), decode_order (which sequences' programs start first),
-    decode_id_chunk (a candidate, off: block ids read ahead of the tiles)."""
+    aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
     supports_cuda_graphs = True
 
@@ -87,8 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 decode_id_chunk: int = TritonAttentionOptions.decode_id_chunk):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -103,15 +97,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("decode_id_chunk", decode_id_chunk, (0, 2, 4, 8, 16, 32, 64))):
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.decode_id_chunk = decode_id_chunk
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -164,7 +156,7 @@ class TritonAttention:
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, self.decode_id_chunk)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

@@ -73,16 +73,6 @@ def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_pt
     col_mask = cols < end
     block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-    return _attend_slots(q, acc, m_i, l_i, cols, col_mask, slots, query_pos, k_cache_ptr, v_cache_ptr, kv_head,
-                         cache_stride_slot, cache_stride_head, scale_log2, dims, PRECISION, CAUSAL)
-
-
-@triton.jit
-def _attend_slots(q, acc, m_i, l_i, cols, col_mask, slots, query_pos, k_cache_ptr, v_cache_ptr, kv_head,
-                  cache_stride_slot, cache_stride_head, scale_log2, dims,
-                  PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """_attend_tile's online-softmax step over keys already placed: key cols[j] (where col_mask)
-    is in cache slot slots[j]."""
     kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
     k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -158,8 +148,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, ID_CHUNK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -194,30 +183,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # The first column of each tile is < end, so the running max is finite after the first tile.
-    if ID_CHUNK > 0:
-        # ID_CHUNK block ids at a time into registers, then the chunk's tiles (each inside one
-        # block: BLOCK_N <= BLOCK_SIZE, tiles aligned) with addresses computed from registers: with
-        # no load in the K/V address chain, Triton can multi-buffer the K/V loads of the inner loop
-        # (it keeps one buffer when each tile loads its block ids first).
-        chunk_index = tl.arange(0, ID_CHUNK)
-        last_block = tl.cdiv(end, BLOCK_SIZE)
-        for first_block in range(start // BLOCK_SIZE, last_block, ID_CHUNK):
-            ids = tl.load(block_table + first_block + chunk_index, mask=first_block + chunk_index < last_block,
-                          other=0).to(tl.int64)
-            lo = tl.maximum(start, first_block * BLOCK_SIZE)
-            hi = tl.minimum(end, (first_block + ID_CHUNK) * BLOCK_SIZE)
-            for tile_start in range(lo, hi, BLOCK_N):
-                block_id = tl.sum(tl.where(chunk_index == tile_start // BLOCK_SIZE - first_block, ids, 0), 0)
-                offsets = tile_start % BLOCK_SIZE + tl.arange(0, BLOCK_N)
-                cols = tile_start + tl.arange(0, BLOCK_N)
-                acc, m_i, l_i = _attend_slots(q, acc, m_i, l_i, cols, cols < end, block_id * BLOCK_SIZE + offsets, 0,
-                                              k_cache_ptr, v_cache_ptr, kv_head, cache_stride_slot,
-                                              cache_stride_head, scale_log2, dims, PRECISION, CAUSAL=False)
-    else:
-        for tile_start in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), end, 0,
-                                         k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
-                                         cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), end, 0,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -327,15 +296,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, id_chunk: int = 0) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. id_chunk (a power of two, or 0): block ids read that
-    many at a time before the tiles that use them, so the K/V loads can be multi-buffered; only
-    where block_n <= the block size (else, and with 0, each tile gathers its own)."""
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -355,8 +322,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, ID_CHUNK=id_chunk if block_n <= block_size else 0, num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch_options(q.device))
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
