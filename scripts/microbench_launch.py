@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -18,7 +18,11 @@ CUDA graph.
 - microbatch: the decoder stack over a batch cut into 2-4 micro-batches (every n-th sequence),
   each on its own stream of one graph, so one part's GEMMs could run beside another's attention.
 - triton_gemm: the decoder stack with qkv and gate_up through split_k_kernel.linear (qwen3's
-  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens."""
+  triton_gemm_tokens) up to 0 (cuBLAS), 64 and 128 tokens.
+- ablation: the decoder stack with one operation of every layer frozen (it returns the output of
+  its first call, so the graph holds none of its kernels): what the stack saves is what that
+  operation costs in the chain, its drain and ramp included, which per-kernel durations under PDL
+  do not show."""
 import argparse
 import itertools
 import json
@@ -221,6 +225,81 @@ def microbatch_bench(rates, results):
         results["microbatch"].append(line)
 
 
+# operation -> the (path from a decoder layer, attribute) callables that freezing it replaces
+ABLATIONS = {
+    "input_norm": [("input_layernorm", "norm"), ("input_layernorm", "add_norm")],
+    "qkv_proj": [("self_attn.qkv_proj", "forward")],
+    "qk_norm_rope": [("self_attn", "qk_norm_rope")],
+    "attention": [("self_attn.backend", "forward")],
+    "o_proj": [("self_attn.o_proj", "forward")],
+    "post_norm": [("post_attention_layernorm", "add_norm")],
+    "gate_up_proj": [("mlp.gate_up_proj", "forward")],
+    "silu_mul": [("mlp", "act")],
+    "down_proj": [("mlp.down_proj", "forward")],
+}
+
+
+def _frozen(fn):
+    """fn, computed once per batch size and then returned as it was (the same tensors)."""
+    outputs = {}
+
+    def call(*args, **kwargs):
+        key = args[0].shape[0]
+        if key not in outputs:
+            outputs[key] = fn(*args, **kwargs)
+        return outputs[key]
+    return call
+
+
+def freeze(stack, parts) -> list:
+    """Freezes parts (ABLATIONS keys) in every layer of stack; returns what unfreeze needs."""
+    undo, seen = [], set()
+    for layer in stack:
+        for part in parts:
+            for path, attr in ABLATIONS[part]:
+                obj = layer.get_submodule(path) if "backend" not in path else layer.self_attn.backend
+                if (id(obj), attr) in seen:  # the backend is one object for all layers
+                    continue
+                seen.add((id(obj), attr))
+                own = attr in vars(obj)
+                undo.append((obj, attr, getattr(obj, attr) if own else None))
+                setattr(obj, attr, _frozen(getattr(obj, attr)))
+    return undo
+
+
+def unfreeze(undo):
+    for obj, attr, original in reversed(undo):
+        if original is None:
+            delattr(obj, attr)  # a method: the class's again
+        else:
+            setattr(obj, attr, original)
+
+
+def ablation_bench(rates, results):
+    print("\n== decoder stack with one operation frozen in every layer: its cost in the chain (µs a layer) ==")
+    stack, chain = decoder_stack(LAYERS)
+    weight_bytes = {"qkv_proj": HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM * 2,
+                    "o_proj": NUM_HEADS * HEAD_DIM * HIDDEN * 2, "gate_up_proj": 2 * HIDDEN * INTER * 2,
+                    "down_proj": INTER * HIDDEN * 2}
+    others = [p for p in ABLATIONS if p != "attention"]
+    for t, lens in picked_batches():
+        base = graph_time_us(chain(lens), reps=2, replays=9)
+        line = {"batch": len(lens), "stack_us": base, "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+        for name, parts in [(p, [p]) for p in ABLATIONS] + [("all but attention", others)]:
+            undo = freeze(stack, parts)
+            try:
+                line[name] = (base - graph_time_us(chain(lens), reps=2, replays=9)) / LAYERS
+            finally:
+                unfreeze(undo)
+        kv_floor = int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 / rates.bandwidth * 1e6
+        print(f"  batch {len(lens):>3}: stack {base:6.0f} (floor {line['floor_us']:.0f}); a layer: "
+              + ", ".join(f"{k} {v:5.1f}" + (f" (floor {weight_bytes[k] / rates.bandwidth * 1e6:.1f})"
+                                               if k in weight_bytes else
+                                               f" (floor {kv_floor:.1f})" if k == "attention" else "")
+                          for k, v in line.items() if k not in ("batch", "stack_us", "floor_us")), flush=True)
+        results["ablation"].append(line)
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -310,7 +389,7 @@ def main():
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
-             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench}
+             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
