@@ -457,10 +457,11 @@ def sampling_bench(rates, results):
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 
-def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None):
+def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None,
+                  attention_options: dict | None = None):
     """A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
-    backend, distinct random weights per layer; split_k_tokens, triton_gemm_tokens None: the
-    model's defaults) and
+    backend with attention_options, distinct random weights per layer; split_k_tokens,
+    triton_gemm_tokens None: the model's defaults) and
     chain(lens, first_seq): a function that runs the stack over one decode batch of those sequence
     lengths, whose K/V are blocks first_seq... of a shared paged cache."""
     from transformers import Qwen3Config
@@ -478,7 +479,7 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
         triton_gemm_tokens = Qwen3Options.triton_gemm_tokens
     config = Qwen3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=NUM_HEADS,
                          num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB)
-    backend = TritonAttention()
+    backend = TritonAttention(**(attention_options or {}))
     kernels = ModelKernels(qk_norm_rope, silu_and_mul, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
     stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, kernels, split_k_tokens,
                                                   triton_gemm_tokens)

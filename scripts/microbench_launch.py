@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -22,7 +22,9 @@ CUDA graph.
 - ablation: the decoder stack with one operation of every layer frozen (it returns the output of
   its first call, so the graph holds none of its kernels): what the stack saves is what that
   operation costs in the chain, its drain and ramp included, which per-kernel durations under PDL
-  do not show."""
+  do not show.
+- attention_chain: the decoder stack under several attention decode plans (tile, programs a
+  multiprocessor, shortest split, order): attention between the other kernels, not back to back."""
 import argparse
 import itertools
 import json
@@ -285,7 +287,9 @@ def ablation_bench(rates, results):
     for t, lens in picked_batches():
         base = graph_time_us(chain(lens), reps=2, replays=9)
         line = {"batch": len(lens), "stack_us": base, "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-        for name, parts in [(p, [p]) for p in ABLATIONS] + [("all but attention", others)]:
+        groups = [("all but attention", others), ("the four GEMMs", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                  ("the five small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"])]
+        for name, parts in [(p, [p]) for p in ABLATIONS] + groups:
             undo = freeze(stack, parts)
             try:
                 line[name] = (base - graph_time_us(chain(lens), reps=2, replays=9)) / LAYERS
@@ -298,6 +302,27 @@ def ablation_bench(rates, results):
                                                f" (floor {kv_floor:.1f})" if k == "attention" else "")
                           for k, v in line.items() if k not in ("batch", "stack_us", "floor_us")), flush=True)
         results["ablation"].append(line)
+
+
+def attention_chain_bench(rates, results):
+    """The decoder stack (so attention between the layer's other kernels, not back to back as in
+    microbench_gpu's attention sweep) under decode plans: tile, programs a multiprocessor, the
+    shortest split."""
+    print("\n== decoder stack under attention decode plans (µs; % against the defaults) ==")
+    plans = [{}, {"decode_programs_per_sm": 4}, {"decode_programs_per_sm": 16}, {"decode_programs_per_sm": 32},
+             {"decode_block_n": 64}, {"decode_block_n": 64, "decode_programs_per_sm": 16},
+             {"decode_programs_per_sm": 16, "min_split_len": 128}, {"decode_order": "batch"}]
+    chains = [(plan, decoder_stack(LAYERS, attention_options=plan)[1]) for plan in plans]
+    for t, lens in picked_batches():
+        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+        for plan, chain in chains:
+            line[",".join(f"{k}={v}" for k, v in plan.items()) or "defaults"] = graph_time_us(chain(lens), reps=2,
+                                                                                              replays=9)
+        base = line["defaults"]
+        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                                                   for k, v in line.items() if k not in ("batch", "floor_us"))
+              + f"; floor {line['floor_us']:.0f}", flush=True)
+        results["attention_chain"].append(line)
 
 
 def chain_bench(rates, results):
@@ -389,7 +414,8 @@ def main():
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
-             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench}
+             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
+             "attention_chain": attention_chain_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
