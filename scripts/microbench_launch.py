@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,pdl_early] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -23,8 +23,6 @@ CUDA graph.
   its first call, so the graph holds none of its kernels): what the stack saves is what that
   operation costs in the chain, its drain and ramp included, which per-kernel durations under PDL
   do not show.
-- pdl_early: the decoder stack with INFERLAB_PDL=1 (successors launch after each kernel's wait)
-  and INFERLAB_PDL=early (before it), in turn.
 - attention_chain: the decoder stack under several attention decode plans (tile, programs a
   multiprocessor, shortest split, order): attention between the other kernels, not back to back."""
 import argparse
@@ -327,31 +325,6 @@ def attention_chain_bench(rates, results):
         results["attention_chain"].append(line)
 
 
-def pdl_early_bench(rates, results):
-    """The decoder stack with our kernels letting their successors launch after their own wait (the
-    default) and before it (INFERLAB_PDL=early), each twice in turn."""
-    from inferlab.plugins import pdl
-    print("\n== decoder stack, PDL successors launched after or before the wait (µs) ==")
-    _, chain = decoder_stack(LAYERS)
-    try:
-        for t, lens in picked_batches():
-            line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth), "after": [],
-                    "before": []}
-            for _ in range(2):
-                for setting, key in (("1", "after"), ("early", "before")):
-                    os.environ["INFERLAB_PDL"] = setting
-                    pdl.reset()
-                    line[key].append(graph_time_us(chain(lens), reps=2, replays=9))
-            print(f"  batch {len(lens):>3}: after the wait {line['after'][0]:6.0f} {line['after'][1]:6.0f}; "
-                  f"before {line['before'][0]:6.0f} {line['before'][1]:6.0f} "
-                  f"({100 * (sum(line['before']) / sum(line['after']) - 1):+.1f}%); floor {line['floor_us']:.0f}",
-                  flush=True)
-            results["pdl_early"].append(line)
-    finally:
-        os.environ.pop("INFERLAB_PDL", None)
-        pdl.reset()
-
-
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -442,7 +415,7 @@ def main():
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench, "pdl_early": pdl_early_bench}
+             "attention_chain": attention_chain_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -180,15 +180,24 @@ def test_auto_picks_triton(model_path, caplog):
 def test_auto_falls_back_past_triton_and_says_why(model_path, caplog):
     # blocks of 768: a multiple of 256 (flash-attn's paged cache) but not a power of two (triton's)
     caplog.set_level(logging.INFO, logger="inferlab")
-    llm = LLM(model_path, attention="auto", kvcache_block_size=768, enforce_eager=True, num_kvcache_blocks=8, **ENGINE)
+    settings = dict(attention="auto", kvcache_block_size=768, enforce_eager=True, num_kvcache_blocks=8, **ENGINE)
+    if not HAS_FLASH_ATTN:
+        # the torch backend needs power-of-two blocks too: no backend is left, and the error says
+        # why for each
+        with pytest.raises(ValueError, match="no attention backend can serve") as error:
+            LLM(model_path, **settings)
+        for reason in ("triton: block size must be a power of two >= 16, got 768",
+                       "flash_attn: flash-attn is not installed or does not load",
+                       "torch: block size must be a power of two >= 16, got 768"):
+            assert reason in str(error.value)
+        return
+    llm = LLM(model_path, **settings)
     chosen = llm.runner.backend.name
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    assert chosen == ("flash_attn" if HAS_FLASH_ATTN else "torch")
+    assert chosen == "flash_attn"
     assert "triton: block size must be a power of two >= 16, got 768" in caplog.text
-    if not HAS_FLASH_ATTN:
-        assert "flash_attn: flash-attn is not installed" in caplog.text
 
 
 @pytest.mark.parametrize("attention", ["triton", pytest.param("flash_attn", marks=needs_flash_attn)])

@@ -334,16 +334,15 @@ def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default
 
 def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
     """Kernels launch with programmatic dependent launch on CUDA devices of compute capability 9.0
-    or more, compiled, unless INFERLAB_PDL=0 (INFERLAB_PDL=early: successors launch before the
-    wait); never on CPU or under the interpreter; any other setting is an error."""
+    or more, compiled, unless INFERLAB_PDL=0; never on CPU or under the interpreter."""
     from inferlab.plugins import pdl
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
     cuda = torch.device("cuda", 0)
 
-    def check(env_pdl, interpret, cap, expected, mode=pdl.WAIT_FIRST):
-        pdl.reset()
+    def check(env_pdl, interpret, cap, expected):
+        pdl._enabled.cache_clear()
         # pdl reads TRITON_INTERPRET once, at import, as Triton does: stand in for that reading
         monkeypatch.setattr(pdl, "INTERPRETED", interpret == "1")
         if env_pdl is None:
@@ -352,7 +351,7 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
             monkeypatch.setenv("INFERLAB_PDL", env_pdl)
         capability["value"] = cap
         assert pdl.enabled(cuda) is expected, (env_pdl, interpret, cap)
-        assert pdl.launch_options(cuda) == ({"PDL": mode, "launch_pdl": True} if expected else {"PDL": pdl.OFF})
+        assert pdl.launch_options(cuda) == ({"PDL": True, "launch_pdl": True} if expected else {"PDL": False})
 
     try:
         check(None, "0", (9, 0), True)
@@ -360,14 +359,7 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
         check("0", "0", (9, 0), False)
         check(None, "1", (9, 0), False)
         check(None, "0", (8, 0), False)
-        check("early", "0", (9, 0), True, pdl.LAUNCH_FIRST)
-        check("early", "1", (9, 0), False)
         assert pdl.enabled(torch.device("cpu")) is False
-        assert pdl.launch_options(torch.device("cpu")) == {"PDL": pdl.OFF}
-        monkeypatch.setenv("INFERLAB_PDL", "sometimes")
-        pdl.reset()
-        with pytest.raises(ValueError, match=r"INFERLAB_PDL must be one of \['0', '1', 'early'\], got 'sometimes'"):
-            pdl.launch_options(cuda)
+        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     finally:
-        monkeypatch.delenv("INFERLAB_PDL", raising=False)
-        pdl.reset()  # the real device's answer, for the tests after this one
+        pdl._enabled.cache_clear()  # the real device's answer, for the tests after this one

@@ -14,11 +14,7 @@ kernel with PDL against 1.94 µs without at 256 tokens; the bench's steady runs 
 (BENCHMARKS.md, session 4).
 
 On by default where it works: CUDA, compute capability 9.0 or more, compiled (not interpreted)
-Triton. INFERLAB_PDL=0 turns it off, for ablations. INFERLAB_PDL=early is a candidate (BENCHMARKS.md
-item 50): each kernel lets its successor launch before it waits on its own predecessor, so the
-successor's programs can become resident a kernel sooner. Results are the same: every kernel still
-waits for its predecessor to finish before its first dependent load or store, and a kernel cannot
-finish before it has waited, so each waits, transitively, for everything before it."""
+Triton. INFERLAB_PDL=0 turns it off, for ablations."""
 import functools
 import os
 
@@ -33,52 +29,29 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# The PDL constexpr our kernels take: off, wait then let the successor launch, or the reverse.
-OFF, WAIT_FIRST, LAUNCH_FIRST = 0, 1, 2
-MODES = {"0": OFF, "1": WAIT_FIRST, "early": LAUNCH_FIRST}
-
-
 @functools.lru_cache(maxsize=None)
-def _mode(device_index: int) -> int:
-    setting = os.environ.get("INFERLAB_PDL", "1")
-    if setting not in MODES:
-        raise ValueError(f"INFERLAB_PDL must be one of {sorted(MODES)}, got {setting!r}")
-    if MODES[setting] == OFF or INTERPRETED or torch.cuda.get_device_capability(device_index)[0] < 9:
-        return OFF
-    return MODES[setting]
-
-
-def mode(device: torch.device) -> int:
-    """How kernels on this device launch: OFF, WAIT_FIRST or LAUNCH_FIRST."""
-    if device.type != "cuda":
-        return OFF
-    return _mode(device.index if device.index is not None else torch.cuda.current_device())
+def _enabled(device_index: int) -> bool:
+    if os.environ.get("INFERLAB_PDL", "1") == "0" or INTERPRETED:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL."""
-    return mode(device) != OFF
+    if device.type != "cuda":
+        return False
+    return _enabled(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_options(device: torch.device) -> dict:
     """The launch keywords for a kernel that takes a PDL constexpr and calls wait_for_inputs(PDL)."""
-    pdl = mode(device)
-    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": OFF}
-
-
-def reset():
-    """Forget the devices' modes, so the next launch reads INFERLAB_PDL again (tests, benchmarks)."""
-    _mode.cache_clear()
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
 
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """With PDL: wait until the previous kernel in the stream has finished (its writes visible) and
-    let the next kernel launch, in the order PDL says. Call before the kernel's first load or store
-    of anything an earlier kernel writes."""
-    if PDL == 2:  # LAUNCH_FIRST
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL == 1:  # WAIT_FIRST
+    """With PDL: wait until the previous kernel in the stream has finished (its writes visible),
+    then let the next kernel launch. Call before the kernel's first load or store."""
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
