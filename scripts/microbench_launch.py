@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -24,7 +24,9 @@ CUDA graph.
   operation costs in the chain, its drain and ramp included, which per-kernel durations under PDL
   do not show.
 - attention_chain: the decoder stack under several attention decode plans (tile, programs a
-  multiprocessor, shortest split, order): attention between the other kernels, not back to back."""
+  multiprocessor, shortest split, order): attention between the other kernels, not back to back.
+- split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
+  replaced (32- or 64-column blocks, K in 2 or 4 parts)."""
 import argparse
 import itertools
 import json
@@ -325,6 +327,39 @@ def attention_chain_bench(rates, results):
         results["attention_chain"].append(line)
 
 
+def split_k_plans_bench(rates, results):
+    """The decoder stack with o_proj's and down_proj's split-K plan above 64 tokens replaced: 32- or
+    64-column blocks (the default 64), K in 2 or 4 parts (the default 2). Item 32 chose the plan at
+    256 rows; at 65-128 rows the default gives only 64 programs."""
+    from inferlab.plugins.models import split_k_kernel
+    print("\n== decoder stack, o_proj and down_proj split-K plans above 64 tokens (µs; % against the default) ==")
+    original = split_k_kernel.plan
+    variants = [(64, 2), (64, 4), (32, 2), (32, 4)]
+
+    def plan_with(block_n, split):
+        def plan(n, k, num_tokens=1):
+            if num_tokens <= 64:
+                return original(n, k, num_tokens)
+            if n % block_n or n // 32 >= split_k_kernel.MIN_COLUMN_BLOCKS or k % (128 * split):
+                return None
+            return split_k_kernel.SplitKPlan(block_n, 128, split)
+        return plan
+    _, chain = decoder_stack(LAYERS)
+    try:
+        for t, lens in picked_batches((256, 192, 128, 96, 72)):
+            line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+            for block_n, split in variants:
+                split_k_kernel.plan = plan_with(block_n, split)
+                line[f"n{block_n} split {split}"] = graph_time_us(chain(lens), reps=2, replays=9)
+            base = line["n64 split 2"]
+            print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                                                       for k, v in line.items() if k not in ("batch", "floor_us"))
+                  + f"; floor {line['floor_us']:.0f}", flush=True)
+            results["split_k_plans"].append(line)
+    finally:
+        split_k_kernel.plan = original
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -415,7 +450,7 @@ def main():
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench}
+             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
