@@ -290,7 +290,7 @@ def ablation_bench(rates, results):
         base = graph_time_us(chain(lens), reps=2, replays=9)
         line = {"batch": len(lens), "stack_us": base, "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
         groups = [("all but attention", others), ("the four GEMMs", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-                  ("the five small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"])]
+                  ("the four small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"])]
         for name, parts in [(p, [p]) for p in ABLATIONS] + groups:
             undo = freeze(stack, parts)
             try:
