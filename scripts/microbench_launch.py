@@ -282,16 +282,15 @@ def unfreeze(undo):
 def ablation_bench(rates, results):
     print("\n== decoder stack with one operation frozen in every layer: its cost in the chain (µs a layer) ==")
     stack, chain = decoder_stack(LAYERS)
-    weight_bytes = {"qkv_proj": HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM * 2,
-                    "o_proj": NUM_HEADS * HEAD_DIM * HIDDEN * 2, "gate_up_proj": 2 * HIDDEN * INTER * 2,
-                    "down_proj": INTER * HIDDEN * 2}
-    others = [p for p in ABLATIONS if p != "attention"]
+    weight_bytes = {f"{name}_proj": n * k * 2 for name, (n, k) in SHAPES.items()}  # bf16 weights
+    variants = [(p, [p]) for p in ABLATIONS] + [
+        ("all but attention", [p for p in ABLATIONS if p != "attention"]),
+        ("the four GEMMs", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        ("the four small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"])]
     for t, lens in picked_batches():
         base = graph_time_us(chain(lens), reps=2, replays=9)
         line = {"batch": len(lens), "stack_us": base, "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-        groups = [("all but attention", others), ("the four GEMMs", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-                  ("the four small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"])]
-        for name, parts in [(p, [p]) for p in ABLATIONS] + groups:
+        for name, parts in variants:
             undo = freeze(stack, parts)
             try:
                 line[name] = (base - graph_time_us(chain(lens), reps=2, replays=9)) / LAYERS
