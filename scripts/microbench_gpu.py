@@ -324,9 +324,10 @@ def wide_tiles_bench(rates, results):
                   + f"  floor {floor:.2f}" + ("" if best else "  (no config ran)"), flush=True)
 
 
-def prefill_bench(rates, results):
+def prefill_bench(rates, results, quick: bool = False):
     """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
-    100..1024 tokens, no cached prefix), over tiles, warps and stages; flash-attn's varlen beside it."""
+    100..1024 tokens, no cached prefix), over tiles, warps and stages (quick: programs over the
+    whole group, 4 warps); flash-attn's varlen beside it."""
     from inferlab.plugins.attention import triton_kernels as tk
     try:
         from flash_attn import flash_attn_varlen_func
@@ -356,8 +357,9 @@ def prefill_bench(rates, results):
     print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
-    for heads, block_m, block_n, warps, stages in itertools.product((1, group), (32, 64, 128), (32, 64), (4, 8),
-                                                                    (2, 3)):
+    sweep = ((group,), (32, 64), (32, 64, 128), (4,), (2, 3)) if quick else \
+        ((1, group), (32, 64, 128), (32, 64), (4, 8), (2, 3))
+    for heads, block_m, block_n, warps, stages in itertools.product(*sweep):
         if heads * block_m > 128:  # the accumulator would spill
             continue
         fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
@@ -619,7 +621,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="attention: sweep only the split plan and order")
+    parser.add_argument("--quick", action="store_true",
+                        help="attention: sweep only the split plan and order; prefill: only whole-group programs, 4 warps")
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
@@ -630,8 +633,8 @@ def main():
              "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
-            if part == "attention":
-                attention_bench(rates, results, quick=args.quick)
+            if part in ("attention", "prefill"):
+                parts[part](rates, results, quick=args.quick)
             else:
                 parts[part](rates, results)
     if args.out:

@@ -106,6 +106,8 @@ PREFILL_CASES = [
     (16, 1, 16, [5, 21, 1], [0, 3, 40]),  # no prefix, a prefix inside a block, a one-token chunk
     (32, 2, 32, [33, 7], [17, 64]),  # a chunk crossing blocks after an unaligned prefix
     (64, 4, 16, [18, 2, 9], [0, 70, 1]),
+    # several query tiles: each reads the whole key tiles before it unmasked, then its diagonal
+    (16, 2, 16, [70, 16, 33], [0, 48, 15]),
 ]
 
 

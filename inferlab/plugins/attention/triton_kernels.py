@@ -66,26 +66,39 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head,
                  cache_stride_slot, cache_stride_head, scale_log2, dims,
-                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+                 MASKED: tl.constexpr = True):
     """One step of online softmax, shared by prefill and decode: the keys `cols` (those < end) of one
     KV head, gathered through the block table, against the rows of q [rows, D]; returns the
-    updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r]."""
-    col_mask = cols < end
-    block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+    updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r].
+    MASKED=False: the caller knows every row sees every column (all < end, none past a row's
+    position), so no mask is computed or applied."""
+    if MASKED:
+        col_mask = cols < end
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+    else:
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
     kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    if CAUSAL:
-        visible = (cols[None, :] <= query_pos[:, None]) & col_mask[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
     else:
-        visible = col_mask[None, :]
-    scores = tl.where(visible, scores, float("-inf"))
+        k = tl.load(k_cache_ptr + kv_offsets)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        if CAUSAL:
+            visible = (cols[None, :] <= query_pos[:, None]) & col_mask[None, :]
+        else:
+            visible = col_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_offsets)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -104,7 +117,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     first BLOCK_M are the first head's tokens."""
     pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
-    tile = tl.program_id(1)
+    # The GPU starts programs in grid order; a sequence's later tiles attend to more keys, so they
+    # go first and the short ones fill the last wave.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     first_head = tl.program_id(2) * HEADS
     query_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - query_start
@@ -128,8 +143,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     acc = tl.zeros([BLOCK_M * HEADS, HEAD_DIM], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # Key 0 is in the first tile and visible to every row, so the running max is finite after it.
-    for start in range(0, kv_end, BLOCK_N):
+    # Keys before the tile's first token are visible to all of its rows: whole key tiles of them
+    # need no mask. Key 0 is in the first tile and visible to every row, so the running max is
+    # finite after it.
+    unmasked_end = (context_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    for start in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True,
+                                     MASKED=False)
+    for start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
                                      k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
                                      cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True)
