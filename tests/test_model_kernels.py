@@ -163,36 +163,39 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
 
 
 def test_greedy_generate_with_wider_split_k_tiles_above_64_rows_matches_hf(checkpoint, hf_greedy):
-    """An 80-token prompt in one prefill chunk takes the tiling for more than 64 rows (64-wide
+    """A 130-token prompt in one prefill chunk takes the tiling for more than 128 rows (64-wide
     column blocks, K in 2), and its two partials go through the norms; decode steps take the other."""
     path = checkpoint("gqa4-untied")
-    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=128, attention="triton",
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=256, attention="triton",
               model_options={"triton_kernels": True, "split_k_tokens": 256})
     rows = []
     for layer in llm.runner.model.layers:
         o_proj = layer.self_attn.o_proj
         o_proj._split_k = lambda x, w, kernel=o_proj._split_k: rows.append(x.shape[0]) or kernel(x, w)
-    prompt = [(7 * i + 3) % 97 + 1 for i in range(80)]
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(130)]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(path, prompt, 4)
-    assert split_k_kernel.plan(128, 256, 80) == (64, 128, 2) and 80 in rows and 1 in rows
+    assert split_k_kernel.plan(128, 256, 130) == (64, 128, 2) and 130 in rows and 1 in rows
 
 
 def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
     assert split_k_kernel.plan(1024, 2048) == (32, 128, 4)  # Qwen3-0.6B's o_proj: 32 column blocks
     assert split_k_kernel.plan(1024, 3072, 64) == (32, 128, 4)  # its down_proj
-    assert split_k_kernel.plan(1024, 3072, 65) == (64, 128, 2)  # more rows: wider tiles, fewer splits
+    assert split_k_kernel.plan(1024, 3072, 65) == (32, 128, 2)  # two row blocks: fewer splits
+    assert split_k_kernel.plan(1024, 3072, 128) == (32, 128, 2)
+    assert split_k_kernel.plan(1024, 3072, 129) == (64, 128, 2)  # three or more: wider tiles too
     assert split_k_kernel.plan(128, 256) == (32, 128, 2)  # 256 = 2 whole steps, not 4
     assert split_k_kernel.plan(4096, 4096) is None  # Qwen3-8B's o_proj: 128 column blocks fill the GPU
     assert split_k_kernel.plan(128, 192) is None  # no split into whole 128-wide steps
     assert split_k_kernel.plan(100, 256) is None  # no whole column blocks
-    assert split_k_kernel.plan(32, 256, 100) is None  # no whole 64-wide column blocks
+    assert split_k_kernel.plan(32, 256, 200) is None  # no whole 64-wide column blocks
 
 
 @pytest.mark.parametrize("num_tokens,n,k,dtype", [
     (1, 64, 512, torch.float32),
     (5, 128, 256, torch.float32),
-    (70, 64, 512, torch.float32),  # two row blocks, the second partial; the wider tiles
+    (70, 64, 512, torch.float32),  # two row blocks, the second partial
+    (130, 128, 256, torch.float32),  # three row blocks: the wider tiles
     (0, 64, 256, torch.float32),
     pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
     pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
@@ -242,7 +245,7 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
     assert not RowParallelLinear(2048, 1024, TPGroup(rank=0, size=2)).return_partials(64)  # needs the all-reduce
     assert not RowParallelLinear(2048, 1024, TPGroup(), bias=True).return_partials(64)
     assert not RowParallelLinear(4096, 4096, TPGroup()).return_partials(64)  # wide: no gain from a split
-    assert not RowParallelLinear(256, 32, TPGroup()).return_partials(65)  # no tiling above 64 tokens
+    assert not RowParallelLinear(256, 32, TPGroup()).return_partials(129)  # no tiling above 128 tokens
     linear = RowParallelLinear(256, 128, TPGroup())
     linear.weight.data.normal_(0, 0.05)
     assert linear.return_partials(4)

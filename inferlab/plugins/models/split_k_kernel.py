@@ -40,11 +40,18 @@ MIN_COLUMN_BLOCKS = 64
 
 
 def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
-    """The tiling for num_tokens rows against a [n, k] weight: 32 columns and a split of 4 (or 2)
-    for up to 64 rows, 64 columns and a split of 2 above (the best of item 32's sweep at 8, 64
-    and 256 rows), in whole 128-wide K steps. None where a split does not pay (n wide enough to
-    fill the GPU with column blocks) or does not divide (then use a plain GEMM)."""
-    block_n, block_k, splits = (32, 128, (4, 2)) if num_tokens <= 64 else (64, 128, (2,))
+    """The tiling for num_tokens rows against a [n, k] weight, in whole 128-wide K steps: 32 columns
+    and a split of 4 (or 2) for up to 64 rows, 64 columns and a split of 2 above 128 (the best of
+    item 32's sweep at 8, 64 and 256 rows); between them 32 columns and a split of 2, which gives
+    65-128 rows (two row blocks) as many programs as 256 rows get (item 53). None where a split
+    does not pay (n wide enough to fill the GPU with column blocks) or does not divide (then use a
+    plain GEMM)."""
+    if num_tokens <= 64:
+        block_n, block_k, splits = 32, 128, (4, 2)
+    elif num_tokens <= 128:
+        block_n, block_k, splits = 32, 128, (2,)
+    else:
+        block_n, block_k, splits = 64, 128, (2,)
     if n % block_n or n // 32 >= MIN_COLUMN_BLOCKS:
         return None
     for split in splits:
