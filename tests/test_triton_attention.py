@@ -176,6 +176,24 @@ def test_split_decode_combines_partials_exactly(num_splits, tma):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [0, 37, 20]), ([21, 3], [0, 40])])
+def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens, tma):
+    """Slots of a sequence's blocks past its length (free, or an earlier owner's, here NaN) are read
+    by whole-tile bulk copies but must weigh nothing."""
+    inputs, q, k, v, cache = make_batch(query_lens, context_lens, 16, 2, 16, 2, seed=3)
+    poisoned = torch.full_like(cache, float("nan"))
+    for row, seq_len in enumerate(inputs.seq_lens.tolist()):
+        for pos in range(context_lens[row]):  # keep the cached context, poison the rest
+            slot = int(inputs.block_tables[row, pos // 16]) * 16 + pos % 16
+            poisoned[:, slot // 16, slot % 16] = cache[:, slot // 16, slot % 16]
+    backend = TritonAttention(tma=tma)
+    got = backend.forward(q, k, v, poisoned, backend.build_metadata(inputs), 0.3)
+    _, expected, _, _ = run_both(inputs, q, k, v, cache)  # the torch backend on the clean cache
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_tma_descriptors_only_where_cache_blocks_hold_whole_tiles():
     cache = torch.zeros(2, 3, 32, 2, 16, device=DEVICE)
     k_desc, v_desc = triton_kernels.tma_descriptors(cache, 16, True)

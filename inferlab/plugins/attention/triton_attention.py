@@ -56,8 +56,8 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # Whole K/V tiles (those no mask touches) by bulk copy (TMA, tensor descriptors over the cache's
-    # rows) instead of gathered rows, where a cache block holds whole tiles.
+    # K/V tiles by bulk copy (TMA, tensor descriptors over the cache's rows) instead of gathered
+    # rows, where a cache block holds whole tiles.
     tma: bool = False
 
 

@@ -73,18 +73,21 @@ def _attend_tile(q, acc, m_i, l_i, tile_start, end, query_pos, k_src, v_src, blo
     returns the updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <=
     query_pos[r]. MASKED=False: the caller knows every row sees every key of the tile (all < end,
     none past a row's position), so no mask is computed or applied.
-    k_src, v_src: the cache's K and V pointers, or with TMA (unmasked tiles only) tensor
-    descriptors over its [slots, Hkv * D] rows; the tile then lies inside one cache block
-    (tile_start a multiple of BLOCK_N, BLOCK_SIZE of BLOCK_N), so K and V each arrive as one bulk
-    copy of BLOCK_N consecutive slots instead of BLOCK_N gathered rows."""
+    k_src, v_src: the cache's K and V pointers, or with TMA tensor descriptors over its
+    [slots, Hkv * D] rows; the tile then lies inside one cache block (tile_start a multiple of
+    BLOCK_N, BLOCK_SIZE of BLOCK_N), so K and V each arrive as one bulk copy of BLOCK_N consecutive
+    slots instead of BLOCK_N gathered rows. A masked TMA tile also brings in the block's slots at
+    and past `end`: their scores are masked like any, and their V rows are zeroed, since whatever
+    those slots hold (an earlier owner's values, even NaN) must not reach acc through p = 0."""
     cols = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        col_mask = cols < end
     if TMA:
         first_slot = tl.load(block_table + tile_start // BLOCK_SIZE) * BLOCK_SIZE + tile_start % BLOCK_SIZE
         k = k_src.load([first_slot, kv_head * HEAD_DIM])
     else:
         if MASKED:
-            col_mask = cols < end
             block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
         else:
             block_ids = tl.load(block_table + cols // BLOCK_SIZE)
@@ -107,6 +110,8 @@ def _attend_tile(q, acc, m_i, l_i, tile_start, end, query_pos, k_src, v_src, blo
     l_i = l_i * alpha + tl.sum(p, 1)
     if TMA:
         v = v_src.load([first_slot, kv_head * HEAD_DIM])
+        if MASKED:
+            v = tl.where(col_mask[:, None], v, 0.0)
     elif MASKED:
         v = tl.load(v_src + kv_offsets, mask=col_mask[:, None], other=0.0)
     else:
@@ -127,8 +132,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
     """One program: BLOCK_M new tokens of one sequence for HEADS query heads of one KV head (1, or
     all GROUP of them, which then share each K/V tile), over all keys up to the tile's causal bound
     (cached context + new tokens), read through the block table. Its rows are head-major: the
-    first BLOCK_M are the first head's tokens. TMA: unmasked key tiles come through k_desc and
-    v_desc (see _attend_tile)."""
+    first BLOCK_M are the first head's tokens. TMA: key tiles come through k_desc and v_desc (see
+    _attend_tile)."""
     pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     # The GPU starts programs in grid order; a sequence's later tiles attend to more keys, so they
@@ -171,9 +176,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
                                          block_table, kv_head, cache_stride_slot, cache_stride_head, scale_log2,
                                          BLOCK_N, HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True, MASKED=False)
     for start in range(unmasked_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_cache_ptr, v_cache_ptr,
-                                     block_table, kv_head, cache_stride_slot, cache_stride_head, scale_log2,
-                                     BLOCK_N, HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True)
+        if TMA:
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_desc, v_desc, block_table,
+                                         kv_head, cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N,
+                                         HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True, TMA=True)
+        else:
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_cache_ptr, v_cache_ptr,
+                                         block_table, kv_head, cache_stride_slot, cache_stride_head, scale_log2,
+                                         BLOCK_N, HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + heads[:, None] * out_stride_head
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -200,7 +210,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_pt
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
     last wave, so the multiprocessors finish together instead of waiting on one long sequence.
-    TMA: whole key tiles come through k_desc and v_desc (see _attend_tile)."""
+    TMA: key tiles come through k_desc and v_desc (see _attend_tile)."""
     pdl.wait_for_inputs(PDL)
     kv_head = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -224,22 +234,17 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_pt
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # Whole tiles need no mask; the last, partial one does. The first key of each tile is < end, so
-    # the running max is finite after the first tile.
-    whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for tile_start in range(start, whole_end, BLOCK_N):
+    # The first column of each tile is < end, so the running max is finite after the first tile.
+    # One loop for whole and partial tiles alike: a tile peeled off after it would not be pipelined.
+    for tile_start in range(start, end, BLOCK_N):
         if TMA:
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start, end, 0, k_desc, v_desc, block_table, kv_head,
                                          cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N, HEAD_DIM,
-                                         BLOCK_SIZE, PRECISION, CAUSAL=False, MASKED=False, TMA=True)
+                                         BLOCK_SIZE, PRECISION, CAUSAL=False, TMA=True)
         else:
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start, end, 0, k_cache_ptr, v_cache_ptr, block_table,
                                          kv_head, cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N,
-                                         HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=False, MASKED=False)
-    if whole_end < end:
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, whole_end, end, 0, k_cache_ptr, v_cache_ptr, block_table,
-                                     kv_head, cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N, HEAD_DIM,
-                                     BLOCK_SIZE, PRECISION, CAUSAL=False)
+                                         HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=False)
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -315,8 +320,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
     plus those tokens (already stored), into out [T, H, D]. Each program takes block_m tokens of
     heads_per_program query heads sharing a KV head: 1, or the whole group, which reads each K/V
-    tile once for all of them (default: prefill_heads_per_program). tma: unmasked key tiles by
-    bulk copy where the cache allows (tma_descriptors)."""
+    tile once for all of them (default: prefill_heads_per_program). tma: key tiles by bulk copy
+    where the cache allows (tma_descriptors)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -372,8 +377,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. tma: whole key tiles by bulk copy where the cache
-    allows (tma_descriptors)."""
+    sequences in; it changes only the timing. tma: key tiles by bulk copy where the cache allows
+    (tma_descriptors)."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
