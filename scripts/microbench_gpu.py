@@ -99,10 +99,10 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    if quick:  # 4 warps, 8 programs a multiprocessor, longest first: tiles and stages, pointer loads or TMA
-        configs = list(itertools.product((64, 128), (4,), (2, 3, 4), (8,), ("longest_first",), (False, True)))
+    if quick:  # the default tile: the split plan and the order
+        configs = list(itertools.product((128,), (4,), (3,), (4, 8, 12, 16, 24), ("batch", "longest_first")))
     else:  # tiles, warps and stages (2 or 3 programs a multiprocessor fit at 64 keys and 2-3 stages)
-        configs = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (4, 8, 16), ("longest_first",), (False,)))
+        configs = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (4, 8, 16), ("longest_first",)))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -121,23 +121,22 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
         floor_total += floor_us
         line = {}
         for config in configs:
-            block_n, warps, stages, per_sm, order, tma = config
+            block_n, warps, stages, per_sm, order = config
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
             partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
             partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
-            options = {"tma": True} if tma else {}
             fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
-                                         partial_out, partial_lse, 256, warps, stages, seq_order, **options)
+                                         partial_out, partial_lse, 256, warps, stages, seq_order)
             try:
                 us = graph_time_us(fn, reps=10, replays=7)
             except Exception as e:  # a config that does not compile (shared memory) counts as never best
                 us = float("inf")
-                print(f"  skip {config}: {type(e).__name__}: {str(e)[:300]}")
+                print(f"  skip {config}: {type(e).__name__}")
             totals[config] += us
             line[config] = us
             results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
-                                         "stages": stages, "programs_per_sm": per_sm, "order": order, "tma": tma,
+                                         "stages": stages, "programs_per_sm": per_sm, "order": order,
                                          "splits": splits, "us": us,
                                          "floor_us": floor_us})
         if flash_attn_with_kvcache is not None:
@@ -154,7 +153,7 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
           (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
     for config in ranked[:8]:
         print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2} "
-              f"order {config[4]} tma {config[5]}: "
+              f"order {config[4]}: "
               f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
 
 
@@ -358,21 +357,20 @@ def prefill_bench(rates, results, quick: bool = False):
     print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
-    sweep = ((group,), (32, 64), (32, 64, 128), (4,), (2, 3), (False, True)) if quick else \
-        ((1, group), (32, 64, 128), (32, 64), (4, 8), (2, 3), (False,))
-    for heads, block_m, block_n, warps, stages, tma in itertools.product(*sweep):
+    sweep = ((group,), (32, 64), (32, 64, 128), (4,), (2, 3)) if quick else \
+        ((1, group), (32, 64, 128), (32, 64), (4, 8), (2, 3))
+    for heads, block_m, block_n, warps, stages in itertools.product(*sweep):
         if heads * block_m > 128:  # the accumulator would spill
             continue
-        options = {"tma": True} if tma else {}
         fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
-                                      block_m, block_n, warps, stages, heads, **options)
+                                      block_m, block_n, warps, stages, heads)
         try:
             us = graph_time_us(fn, reps=5, replays=10)
         except Exception as e:
-            print(f"  skip h{heads} m{block_m} n{block_n} w{warps} s{stages} tma {tma}: {type(e).__name__}: {e}")
+            print(f"  skip h{heads} m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
             continue
         rows.append({"kernel": "triton", "heads": heads, "block_m": block_m, "block_n": block_n, "warps": warps,
-                     "stages": stages, "tma": tma, "us": us})
+                     "stages": stages, "us": us})
     if flash_attn_varlen_func is not None:
         cu_k = query_start
         us = graph_time_us(lambda: flash_attn_varlen_func(q, cache[0], cache[1], cu_seqlens_q=query_start, cu_seqlens_k=cu_k,
@@ -383,8 +381,8 @@ def prefill_bench(rates, results, quick: bool = False):
     for r in rows[:8] + [r for r in rows[8:] if r["kernel"] == "flash_attn" or
                          (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) == (64, 64, 4, 2)]:
         name = "flash_attn" if r["kernel"] == "flash_attn" else \
-            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']} tma {r['tma']}"
-        print(f"  {name:<36} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
+            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+        print(f"  {name:<28} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
     results["prefill"] = rows
 
 

@@ -111,12 +111,11 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("block_size,group,head_dim,query_lens,context_lens", PREFILL_CASES)
-def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, query_lens, context_lens, tma):
+def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, query_lens, context_lens):
     inputs, q, k, v, cache = make_batch(query_lens, context_lens, block_size, 2, head_dim, group)
     assert not inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(tma=tma))
+    assert_matches_torch(inputs, q, k, v, cache)
 
 
 def test_prefill_programs_of_one_head_or_a_whole_group_agree():
@@ -146,17 +145,16 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("order,tma", [("longest_first", False), ("batch", False), ("longest_first", True)])
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, tma):
+def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order, tma=tma))
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_split_decode_combines_partials_exactly(num_splits, tma):
+def test_split_decode_combines_partials_exactly(num_splits):
     # more splits than some sequences have keys: their empty splits must weigh nothing
     context_lens = [100, 9, 47]
     inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
@@ -166,42 +164,31 @@ def test_split_decode_combines_partials_exactly(num_splits, tma):
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
     for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
         got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          num_splits, 16, partial_out, partial_lse, min_split_len, tma=tma)
+                                          num_splits, 16, partial_out, partial_lse, min_split_len)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
     assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
     got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                      num_splits, 16, partial_out, partial_lse, 32, seq_order=order, tma=tma)
+                                      num_splits, 16, partial_out, partial_lse, 32, seq_order=order)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [0, 37, 20]), ([21, 3], [0, 40])])
-def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens, tma):
-    """Slots of a sequence's blocks past its length (free, or an earlier owner's, here NaN) are read
-    by whole-tile bulk copies but must weigh nothing."""
+def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens):
+    """Slots of a sequence's blocks past its length (free, or an earlier owner's, here NaN) share
+    its key tiles but must weigh nothing, in decode and in prefill."""
     inputs, q, k, v, cache = make_batch(query_lens, context_lens, 16, 2, 16, 2, seed=3)
     poisoned = torch.full_like(cache, float("nan"))
-    for row, seq_len in enumerate(inputs.seq_lens.tolist()):
+    for row in range(len(query_lens)):
         for pos in range(context_lens[row]):  # keep the cached context, poison the rest
             slot = int(inputs.block_tables[row, pos // 16]) * 16 + pos % 16
             poisoned[:, slot // 16, slot % 16] = cache[:, slot // 16, slot % 16]
-    backend = TritonAttention(tma=tma)
+    backend = TritonAttention()
     got = backend.forward(q, k, v, poisoned, backend.build_metadata(inputs), 0.3)
     _, expected, _, _ = run_both(inputs, q, k, v, cache)  # the torch backend on the clean cache
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-
-
-def test_tma_descriptors_only_where_cache_blocks_hold_whole_tiles():
-    cache = torch.zeros(2, 3, 32, 2, 16, device=DEVICE)
-    k_desc, v_desc = triton_kernels.tma_descriptors(cache, 16, True)
-    assert list(k_desc.shape) == [96, 32] and list(k_desc.block_shape) == [16, 16]
-    assert v_desc.base.data_ptr() == cache[1].data_ptr()
-    assert triton_kernels.tma_descriptors(cache, 64, True) == (None, None)  # 32-token blocks, 64-key tiles
-    assert triton_kernels.tma_descriptors(cache, 16, False) == (None, None)
-    assert triton_kernels.tma_descriptors(cache.transpose(3, 4), 16, True) == (None, None)  # rows not contiguous
 
 
 def test_longest_first_orders_by_length_then_batch_position():

@@ -56,9 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # K/V tiles by bulk copy (TMA, tensor descriptors over the cache's rows) instead of gathered
-    # rows, where a cache block holds whole tiles.
-    tma: bool = False
 
 
 @dataclass(slots=True)
@@ -76,8 +73,7 @@ class TritonAttention:
     torch backend's. Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
     decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
     one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
-    aims to give each multiprocessor), decode_order (which sequences' programs start first); tma
-    (whole tiles by bulk copy) for both."""
+    aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
     supports_cuda_graphs = True
 
@@ -86,7 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order, tma: bool = TritonAttentionOptions.tma):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -101,15 +97,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("tma", tma, (False, True))):
-            if isinstance(value, bool) != (option == "tma") or value not in allowed:
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
+            if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.tma = tma
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -148,8 +142,7 @@ class TritonAttention:
         out = torch.empty_like(q)
         if not inputs.is_decode:
             return kernels.paged_prefill(q, kv_cache, out, inputs.query_start_loc, inputs.seq_lens,
-                                         inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n,
-                                         tma=self.tma)
+                                         inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
         if metadata.num_splits == 0:
             num_seqs, num_heads, head_dim = q.shape
             metadata.num_splits = kernels.decode_splits(q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
@@ -163,7 +156,7 @@ class TritonAttention:
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, tma=self.tma)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

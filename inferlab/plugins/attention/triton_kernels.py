@@ -64,39 +64,26 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, tile_start, end, query_pos, k_src, v_src, block_table, kv_head,
-                 cache_stride_slot, cache_stride_head, scale_log2,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                 CAUSAL: tl.constexpr, MASKED: tl.constexpr = True, TMA: tl.constexpr = False):
-    """One step of online softmax, shared by prefill and decode: the BLOCK_N keys from tile_start
-    (those < end) of one KV head, gathered through the block table, against the rows of q [rows, D];
-    returns the updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <=
-    query_pos[r]. MASKED=False: the caller knows every row sees every key of the tile (all < end,
-    none past a row's position), so no mask is computed or applied.
-    k_src, v_src: the cache's K and V pointers, or with TMA tensor descriptors over its
-    [slots, Hkv * D] rows; the tile then lies inside one cache block (tile_start a multiple of
-    BLOCK_N, BLOCK_SIZE of BLOCK_N), so K and V each arrive as one bulk copy of BLOCK_N consecutive
-    slots instead of BLOCK_N gathered rows. A masked TMA tile also brings in the block's slots at
-    and past `end`: their scores are masked like any, and their V rows are zeroed, since whatever
-    those slots hold (an earlier owner's values, even NaN) must not reach acc through p = 0."""
-    cols = tile_start + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head,
+                 cache_stride_slot, cache_stride_head, scale_log2, dims,
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+                 MASKED: tl.constexpr = True):
+    """One step of online softmax, shared by prefill and decode: the keys `cols` (those < end) of one
+    KV head, gathered through the block table, against the rows of q [rows, D]; returns the
+    updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r].
+    MASKED=False: the caller knows every row sees every column (all < end, none past a row's
+    position), so no mask is computed or applied."""
     if MASKED:
         col_mask = cols < end
-    if TMA:
-        first_slot = tl.load(block_table + tile_start // BLOCK_SIZE) * BLOCK_SIZE + tile_start % BLOCK_SIZE
-        k = k_src.load([first_slot, kv_head * HEAD_DIM])
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
     else:
-        if MASKED:
-            block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-        else:
-            block_ids = tl.load(block_table + cols // BLOCK_SIZE)
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
-        if MASKED:
-            k = tl.load(k_src + kv_offsets, mask=col_mask[:, None], other=0.0)
-        else:
-            k = tl.load(k_src + kv_offsets)
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_offsets)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
         if CAUSAL:
@@ -108,32 +95,26 @@ def _attend_tile(q, acc, m_i, l_i, tile_start, end, query_pos, k_src, v_src, blo
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if TMA:
-        v = v_src.load([first_slot, kv_head * HEAD_DIM])
-        if MASKED:
-            v = tl.where(col_mask[:, None], v, 0.0)
-    elif MASKED:
-        v = tl.load(v_src + kv_offsets, mask=col_mask[:, None], other=0.0)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
     else:
-        v = tl.load(v_src + kv_offsets)
+        v = tl.load(v_cache_ptr + kv_offsets)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     scale_log2,
                     q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                     cache_stride_slot, cache_stride_head, block_tables_stride,
                     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                    PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_M new tokens of one sequence for HEADS query heads of one KV head (1, or
     all GROUP of them, which then share each K/V tile), over all keys up to the tile's causal bound
     (cached context + new tokens), read through the block table. Its rows are head-major: the
-    first BLOCK_M are the first head's tokens. TMA: key tiles come through k_desc and v_desc (see
-    _attend_tile)."""
+    first BLOCK_M are the first head's tokens."""
     pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
     # The GPU starts programs in grid order; a sequence's later tiles attend to more keys, so they
@@ -167,30 +148,21 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
     # finite after it.
     unmasked_end = (context_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
-        if TMA:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_desc, v_desc, block_table,
-                                         kv_head, cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N,
-                                         HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True, MASKED=False, TMA=True)
-        else:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_cache_ptr, v_cache_ptr,
-                                         block_table, kv_head, cache_stride_slot, cache_stride_head, scale_log2,
-                                         BLOCK_N, HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True, MASKED=False)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True,
+                                     MASKED=False)
     for start in range(unmasked_end, kv_end, BLOCK_N):
-        if TMA:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_desc, v_desc, block_table,
-                                         kv_head, cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N,
-                                         HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True, TMA=True)
-        else:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, kv_end, query_pos, k_cache_ptr, v_cache_ptr,
-                                         block_table, kv_head, cache_stride_slot, cache_stride_head, scale_log2,
-                                         BLOCK_N, HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=True)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + heads[:, None] * out_stride_head
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, partial_out_ptr, partial_lse_ptr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr, seq_order_ptr,
                          scale_log2, num_splits, min_split_len,
                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
@@ -199,7 +171,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_pt
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -209,8 +181,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_pt
     The grid is (KV heads x splits, sequences), so the GPU starts all of a sequence's programs
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
-    last wave, so the multiprocessors finish together instead of waiting on one long sequence.
-    TMA: key tiles come through k_desc and v_desc (see _attend_tile)."""
+    last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
     pdl.wait_for_inputs(PDL)
     kv_head = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -235,16 +206,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_pt
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # The first column of each tile is < end, so the running max is finite after the first tile.
-    # One loop for whole and partial tiles alike: a tile peeled off after it would not be pipelined.
     for tile_start in range(start, end, BLOCK_N):
-        if TMA:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start, end, 0, k_desc, v_desc, block_table, kv_head,
-                                         cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N, HEAD_DIM,
-                                         BLOCK_SIZE, PRECISION, CAUSAL=False, TMA=True)
-        else:
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start, end, 0, k_cache_ptr, v_cache_ptr, block_table,
-                                         kv_head, cache_stride_slot, cache_stride_head, scale_log2, BLOCK_N,
-                                         HEAD_DIM, BLOCK_SIZE, PRECISION, CAUSAL=False)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), end, 0,
+                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
+                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -294,19 +259,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def tma_descriptors(kv_cache: torch.Tensor, block_n: int, tma: bool):
-    """Tensor descriptors over K's and V's [slots, Hkv * D] rows with a [block_n, D] box, for the
-    kernels' TMA path, where asked for and usable: the cache's blocks hold whole tiles and its rows
-    are contiguous. Else (None, None): the kernels read through pointers."""
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if not (tma and block_size % block_n == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return None, None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    rows = (num_blocks * block_size, num_kv_heads * head_dim)
-    return tuple(TensorDescriptor.from_tensor(cache.view(rows), [block_n, head_dim]) for cache in (k_cache, v_cache))
-
-
 def prefill_heads_per_program(group: int, block_m: int) -> int:
     """The whole group of query heads a KV head serves where its size is a power of two and its rows
     (block_m per head) fit MAX_PREFILL_ROWS; else 1."""
@@ -316,12 +268,11 @@ def prefill_heads_per_program(group: int, block_m: int) -> int:
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                   block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
-                  heads_per_program: int | None = None, tma: bool = False) -> torch.Tensor:
+                  heads_per_program: int | None = None) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
     plus those tokens (already stored), into out [T, H, D]. Each program takes block_m tokens of
     heads_per_program query heads sharing a KV head: 1, or the whole group, which reads each K/V
-    tile once for all of them (default: prefill_heads_per_program). tma: key tiles by bulk copy
-    where the cache allows (tma_descriptors)."""
+    tile once for all of them (default: prefill_heads_per_program)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -332,16 +283,13 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
         raise ValueError(f"heads_per_program must be 1 or the group size {group} (a power of two), "
                          f"got {heads_per_program}")
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads // heads_per_program)
-    k_desc, v_desc = tma_descriptors(kv_cache, block_n, tma)
-    with_tma = k_desc is not None
     _prefill_kernel[grid](
-        q, k_cache, v_cache, k_desc if with_tma else k_cache, v_desc if with_tma else v_cache, out,
-        query_start_loc, seq_lens, block_tables,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS=heads_per_program, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), TMA=with_tma,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     return out
 
@@ -371,14 +319,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. tma: key tiles by bulk copy where the cache allows
-    (tma_descriptors)."""
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -387,11 +334,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
-    k_desc, v_desc = tma_descriptors(kv_cache, block_n, tma)
-    with_tma = k_desc is not None
     _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
-        q, k_cache, v_cache, k_desc if with_tma else k_cache, v_desc if with_tma else v_cache,
-        out, partial_out, partial_lse, seq_lens, block_tables,
+        q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
         scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -401,7 +345,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, TMA=with_tma, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
