@@ -41,8 +41,8 @@ def kernel_mode_problems(kernels, device: torch.device) -> list[str]:
 @dataclass
 class TritonAttentionOptions:
     """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
-    Tile sizes left at None take 64 (prefill) and 128 (decode) keys, or 16 in Triton's interpreter;
-    min_split_len None takes 256 (16 in the interpreter)."""
+    Tile sizes left at None take 32 tokens x 32 keys (prefill; BENCHMARKS.md item 55) and 128 keys
+    (decode), or 16 in Triton's interpreter; min_split_len None takes 256 (16 in the interpreter)."""
     block_m: Optional[int] = None
     block_n: Optional[int] = None
     decode_block_n: Optional[int] = None
@@ -86,8 +86,8 @@ class TritonAttention:
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
-        self.block_m = block_m or (16 if small else 64)
-        self.block_n = block_n or (16 if small else 64)
+        self.block_m = block_m or (16 if small else 32)
+        self.block_n = block_n or (16 if small else 32)
         self.decode_block_n = decode_block_n or (16 if small else 128)
         self.min_split_len = min_split_len or (16 if small else 256)
         for option in ("block_m", "block_n", "decode_block_n", "min_split_len"):
