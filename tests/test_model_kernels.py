@@ -162,9 +162,11 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
     assert bool(calls) == (split_k_tokens > 0)  # the split path ran
 
 
-def test_greedy_generate_with_wider_split_k_tiles_above_64_rows_matches_hf(checkpoint, hf_greedy):
-    """A 130-token prompt in one prefill chunk takes the tiling for more than 128 rows (64-wide
-    column blocks, K in 2), and its two partials go through the norms; decode steps take the other."""
+@pytest.mark.parametrize("prompt_len,tiling", [(100, (32, 128, 2)), (130, (64, 128, 2))])
+def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(checkpoint, hf_greedy, prompt_len, tiling):
+    """A prompt of 65-128 tokens in one prefill chunk takes the middle tiling (two row blocks of
+    32-wide columns, K in 2), one of more than 128 the wider one (64-wide columns); their partials
+    go through the norms, and the decode steps take the tiling for a few rows."""
     path = checkpoint("gqa4-untied")
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=256, attention="triton",
               model_options={"triton_kernels": True, "split_k_tokens": 256})
@@ -172,10 +174,10 @@ def test_greedy_generate_with_wider_split_k_tiles_above_64_rows_matches_hf(check
     for layer in llm.runner.model.layers:
         o_proj = layer.self_attn.o_proj
         o_proj._split_k = lambda x, w, kernel=o_proj._split_k: rows.append(x.shape[0]) or kernel(x, w)
-    prompt = [(7 * i + 3) % 97 + 1 for i in range(130)]
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(prompt_len)]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(path, prompt, 4)
-    assert split_k_kernel.plan(128, 256, 130) == (64, 128, 2) and 130 in rows and 1 in rows
+    assert split_k_kernel.plan(128, 256, prompt_len) == tiling and prompt_len in rows and 1 in rows
 
 
 def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
