@@ -86,7 +86,7 @@ def workload_decode_batches(every: int):
         yield t, prompt_lens[active] + t
 
 
-def attention_bench(rates, results, every: int = 40, quick: bool = False):
+def attention_bench(rates, results, every: int = 40, quick: bool = False, warps: tuple[int, ...] = (4, 8)):
     """The split decode kernel over the bench workload's own decode batches (every `every` steps),
     for each kernel configuration and split plan; flash-attn's paged decode beside it. The total
     over the sampled steps says which configuration serves the whole run best."""
@@ -102,7 +102,7 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False):
     if quick:  # the default tile: the split plan and the order
         configs = list(itertools.product((128,), (4,), (3,), (4, 8, 12, 16, 24), ("batch", "longest_first")))
     else:  # tiles, warps and stages (2 or 3 programs a multiprocessor fit at 64 keys and 2-3 stages)
-        configs = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (4, 8, 16), ("longest_first",)))
+        configs = list(itertools.product((64, 128), warps, (2, 3, 4), (4, 8, 16), ("longest_first",)))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -324,10 +324,10 @@ def wide_tiles_bench(rates, results):
                   + f"  floor {floor:.2f}" + ("" if best else "  (no config ran)"), flush=True)
 
 
-def prefill_bench(rates, results, quick: bool = False):
+def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = (4, 8)):
     """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
     100..1024 tokens, no cached prefix), over tiles, warps and stages (quick: programs over the
-    whole group, 4 warps); flash-attn's varlen beside it."""
+    whole group, 2 stages); flash-attn's varlen beside it."""
     from inferlab.plugins.attention import triton_kernels as tk
     try:
         from flash_attn import flash_attn_varlen_func
@@ -357,8 +357,8 @@ def prefill_bench(rates, results, quick: bool = False):
     print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
-    sweep = ((group,), (32, 64), (32, 64, 128), (4,), (2, 3)) if quick else \
-        ((1, group), (32, 64, 128), (32, 64), (4, 8), (2, 3))
+    sweep = ((group,), (16, 32, 64), (16, 32, 64), warps, (2,)) if quick else \
+        ((1, group), (32, 64, 128), (32, 64), warps, (2, 3))
     for heads, block_m, block_n, warps, stages in itertools.product(*sweep):
         if heads * block_m > 128:  # the accumulator would spill
             continue
@@ -623,7 +623,9 @@ def main():
     parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true",
-                        help="attention: sweep only the split plan and order; prefill: only whole-group programs, 4 warps")
+                        help="attention: sweep only the split plan and order; prefill: whole-group programs, 2 stages")
+    parser.add_argument("--warps", default="4,8",
+                        help="warps a program to sweep in attention (without --quick) and prefill, comma-separated")
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
@@ -635,7 +637,7 @@ def main():
     with torch.inference_mode():
         for part in args.only.split(","):
             if part in ("attention", "prefill"):
-                parts[part](rates, results, quick=args.quick)
+                parts[part](rates, results, quick=args.quick, warps=tuple(int(w) for w in args.warps.split(",")))
             else:
                 parts[part](rates, results)
     if args.out:
