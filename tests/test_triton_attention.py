@@ -6,6 +6,7 @@ so TRITON_INTERPRET is set here before inferlab's kernel module is first importe
 reloaded if something imported it compiled). With CUDA the same tests run the compiled kernels."""
 import importlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -310,16 +311,17 @@ def test_static_inputs_kernel_resolves_placeholders_and_pads():
            "context_lens": torch.full((8,), 7, dtype=torch.int32),
            "block_tables": torch.full((8, 5), 7, dtype=torch.int32)}
     out = {name: t.to(DEVICE) for name, t in out.items()}
+    buffers = SimpleNamespace(**out)  # as DecodeGraphs holds them
     longs = torch.tensor([11, -2, -1, 4, 9, 30, 40, 90, 300], device=DEVICE)  # ids, positions, slots of 3 rows
     ints = torch.tensor([5, 10, 31, 4, 9, 30, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device=DEVICE)
     tables = ints[6:].view(3, 2)
     sampled = torch.tensor([21, 22], device=DEVICE)
-    fill_static_inputs(4, longs[:3], longs[3:6], longs[6:], ints[:3], ints[3:6], tables, sampled, out)
+    fill_static_inputs(4, longs[:3], longs[3:6], longs[6:], ints[:3], ints[3:6], tables, sampled, buffers)
     assert out["input_ids"].tolist() == [11, 22, 21, 7, 7, 7, 7, 7]  # -(k + 1) is sample k; padding untouched
     assert out["positions"].tolist() == [4, 9, 30, 7, 7, 7, 7, 7]
     assert out["slot_mapping"].tolist() == [40, 90, 300, -1, 7, 7, 7, 7]  # row 3 pads the batch of 4
     assert out["seq_lens"].tolist() == [5, 10, 31, 0, 7, 7, 7, 7]
     assert out["context_lens"].tolist() == [4, 9, 30, 0, 7, 7, 7, 7]
     assert out["block_tables"][:3].tolist() == [[1, 2, 7, 7, 7], [3, 4, 7, 7, 7], [5, 6, 7, 7, 7]]
-    fill_static_inputs(3, longs[:3].abs(), longs[3:6], longs[6:], ints[:3], ints[3:6], tables, None, out)
+    fill_static_inputs(3, longs[:3].abs(), longs[3:6], longs[6:], ints[:3], ints[3:6], tables, None, buffers)
     assert out["input_ids"][:3].tolist() == [11, 2, 1]  # without samples the ids are taken as they are

@@ -41,9 +41,6 @@ class DecodeGraphs:
             self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
             self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
             self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
-        self.static_inputs = {"input_ids": self.input_ids, "positions": self.positions,
-                              "slot_mapping": self.slot_mapping, "seq_lens": self.seq_lens,
-                              "context_lens": self.context_lens, "block_tables": self.block_tables}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         start = perf_counter()
         self._capture(model, backend, kv_caches)
@@ -86,6 +83,6 @@ class DecodeGraphs:
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
         from inferlab.core.graph_inputs_kernel import fill_static_inputs  # Triton: imported where it runs
         fill_static_inputs(batch, input_ids, positions, inputs.slot_mapping, inputs.seq_lens, inputs.context_lens,
-                           inputs.block_tables, last_sampled, self.static_inputs)
+                           inputs.block_tables, last_sampled, self)
         self.graphs[batch].replay()
         return self.hidden[:num_seqs]

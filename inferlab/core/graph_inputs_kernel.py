@@ -41,9 +41,10 @@ def _fill_kernel(ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, context_lens_p
 
 def fill_static_inputs(batch: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                        seq_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                       last_sampled: torch.Tensor | None, out: dict[str, torch.Tensor]) -> None:
-    """Writes a step's n rows into the static buffers `out` (input_ids, positions, slot_mapping,
-    seq_lens, context_lens, block_tables, each with at least `batch` rows) and pads rows n..batch.
+                       last_sampled: torch.Tensor | None, out) -> None:
+    """Writes a step's n rows into the static buffers that `out` (a DecodeGraphs) holds as
+    attributes input_ids, positions, slot_mapping, seq_lens, context_lens and block_tables, each
+    with at least `batch` rows, and pads rows n..batch.
     input_ids may hold placeholders when last_sampled is given. The block tables' columns beyond
     the step's width keep stale blocks, which no row's seq_lens reaches."""
     num_seqs, width = block_tables.shape
@@ -51,6 +52,6 @@ def fill_static_inputs(batch: int, input_ids: torch.Tensor, positions: torch.Ten
     _fill_kernel[(batch,)](
         input_ids, positions, slot_mapping, seq_lens, context_lens, block_tables,
         last_sampled if resolve else input_ids,  # unused unless RESOLVE: any tensor serves as the pointer
-        out["input_ids"], out["positions"], out["slot_mapping"], out["seq_lens"], out["context_lens"],
-        out["block_tables"], num_seqs, width, block_tables.stride(0), out["block_tables"].stride(0),
+        out.input_ids, out.positions, out.slot_mapping, out.seq_lens, out.context_lens,
+        out.block_tables, num_seqs, width, block_tables.stride(0), out.block_tables.stride(0),
         RESOLVE=resolve, BLOCK_W=min(128, triton.next_power_of_2(max(width, 1))), num_warps=1)
