@@ -328,8 +328,8 @@ def attention_chain_bench(rates, results):
 
 def split_k_plans_bench(rates, results):
     """The decoder stack with o_proj's and down_proj's split-K plan above 64 tokens replaced: 32- or
-    64-column blocks (the default 64), K in 2 or 4 parts (the default 2). Item 32 chose the plan at
-    256 rows; at 65-128 rows the default gives only 64 programs."""
+    64-column blocks, K in 2 or 4 parts, against split_k_kernel.plan's own (item 53: 32 columns in
+    2 parts at 65-128 rows, 64 columns in 2 parts above)."""
     from inferlab.plugins.models import split_k_kernel
     print("\n== decoder stack, o_proj and down_proj split-K plans above 64 tokens (µs; % against the default) ==")
     original = split_k_kernel.plan
@@ -339,9 +339,7 @@ def split_k_plans_bench(rates, results):
         def plan(n, k, num_tokens=1):
             if num_tokens <= 64:
                 return original(n, k, num_tokens)
-            if n % block_n or n // 32 >= split_k_kernel.MIN_COLUMN_BLOCKS or k % (128 * split):
-                return None
-            return split_k_kernel.SplitKPlan(block_n, 128, split)
+            return split_k_kernel.fit(n, k, block_n, (split,))
         return plan
     _, chain = decoder_stack(LAYERS)
     try:
@@ -350,7 +348,8 @@ def split_k_plans_bench(rates, results):
             for block_n, split in variants:
                 split_k_kernel.plan = plan_with(block_n, split)
                 line[f"n{block_n} split {split}"] = graph_time_us(chain(lens), reps=2, replays=9)
-            base = line["n64 split 2"]
+            default = original(*SHAPES["o"], len(lens))
+            base = line[f"n{default.block_n} split {default.split}"]
             print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
                                                        for k, v in line.items() if k not in ("batch", "floor_us"))
                   + f"; floor {line['floor_us']:.0f}", flush=True)

@@ -47,16 +47,18 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
     does not pay (n wide enough to fill the GPU with column blocks) or does not divide (then use a
     plain GEMM)."""
     if num_tokens <= 64:
-        block_n, block_k, splits = 32, 128, (4, 2)
-    elif num_tokens <= 128:
-        block_n, block_k, splits = 32, 128, (2,)
-    else:
-        block_n, block_k, splits = 64, 128, (2,)
+        return fit(n, k, 32, (4, 2))
+    return fit(n, k, 32 if num_tokens <= 128 else 64, (2,))
+
+
+def fit(n: int, k: int, block_n: int, splits: tuple[int, ...]) -> SplitKPlan | None:
+    """block_n-column blocks with the first of splits that divides K into whole 128-wide steps, for
+    a [n, k] weight narrow enough to gain from a split; else None."""
     if n % block_n or n // 32 >= MIN_COLUMN_BLOCKS:
         return None
     for split in splits:
-        if k % (block_k * split) == 0:
-            return SplitKPlan(block_n, block_k, split)
+        if k % (128 * split) == 0:
+            return SplitKPlan(block_n, 128, split)
     return None
 
 
