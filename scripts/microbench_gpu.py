@@ -359,17 +359,17 @@ def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = 
     group = NUM_HEADS // NUM_KV_HEADS
     sweep = ((group,), (16, 32, 64), (16, 32, 64), warps, (2,)) if quick else \
         ((1, group), (32, 64, 128), (32, 64), warps, (2, 3))
-    for heads, block_m, block_n, warps, stages in itertools.product(*sweep):
+    for heads, block_m, block_n, num_warps, stages in itertools.product(*sweep):
         if heads * block_m > 128:  # the accumulator would spill
             continue
         fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
-                                      block_m, block_n, warps, stages, heads)
+                                      block_m, block_n, num_warps, stages, heads)
         try:
             us = graph_time_us(fn, reps=5, replays=10)
         except Exception as e:
-            print(f"  skip h{heads} m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
+            print(f"  skip h{heads} m{block_m} n{block_n} w{num_warps} s{stages}: {type(e).__name__}")
             continue
-        rows.append({"kernel": "triton", "heads": heads, "block_m": block_m, "block_n": block_n, "warps": warps,
+        rows.append({"kernel": "triton", "heads": heads, "block_m": block_m, "block_n": block_n, "warps": num_warps,
                      "stages": stages, "us": us})
     if flash_attn_varlen_func is not None:
         cu_k = query_start
