@@ -87,9 +87,8 @@ def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
     pdl.wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRELOAD_K > 0:
-        a_first = tl.load(x_ptr + rows[:, None] * x_stride + first_ks[None, :], mask=row_mask, other=0.0)
-        acc = tl.dot(a_first, tl.trans(w_first), acc,
-                     input_precision="ieee" if a_first.dtype == tl.float32 else "tf32")
+        a = tl.load(x_ptr + rows[:, None] * x_stride + first_ks[None, :], mask=row_mask, other=0.0)
+        acc = tl.dot(a, tl.trans(w_first), acc, input_precision="ieee" if a.dtype == tl.float32 else "tf32")
     for k0 in range(k_begin + PRELOAD_K, k_begin + k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
