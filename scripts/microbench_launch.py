@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,gemm_preload] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -26,9 +26,7 @@ CUDA graph.
 - attention_chain: the decoder stack under several attention decode plans (tile, programs a
   multiprocessor, shortest split, order): attention between the other kernels, not back to back.
 - split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
-  replaced (32- or 64-column blocks, K in 2 or 4 parts).
-- gemm_preload: the decoder stack with 0, 128, 256 and 512 weight columns of each Triton GEMM
-  program read before its PDL wait (split_k_kernel.PRELOAD_K)."""
+  replaced (32- or 64-column blocks, K in 2 or 4 parts)."""
 import argparse
 import itertools
 import json
@@ -360,32 +358,6 @@ def split_k_plans_bench(rates, results):
         split_k_kernel.plan = original
 
 
-def gemm_preload_bench(rates, results):
-    """The decoder stack with split_k_kernel.PRELOAD_K weight columns a program read before the PDL
-    wait (0: none), each setting twice in turn: the Triton GEMMs (o_proj and down_proj at every
-    batch, qkv and gate_up up to 64 tokens) stream that much of their weight while the kernel
-    before them still runs."""
-    from inferlab.plugins.models import split_k_kernel
-    print("\n== decoder stack, weight columns read before the PDL wait (µs; % against 0) ==")
-    original = split_k_kernel.PRELOAD_K
-    values = (0, 128, 256, 512)
-    _, chain = decoder_stack(LAYERS)
-    try:
-        for t, lens in picked_batches():
-            line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-            for round_, value in itertools.product(range(2), values):
-                split_k_kernel.PRELOAD_K = value
-                line.setdefault(f"preload {value}", []).append(graph_time_us(chain(lens), reps=2, replays=9))
-            base = min(line["preload 0"])
-            print(f"  batch {len(lens):>3}: " + "; ".join(
-                f"{k} {', '.join(f'{x:6.0f}' for x in v)} ({100 * (min(v) - base) / base:+.1f}%)"
-                for k, v in line.items() if k not in ("batch", "floor_us")) + f"; floor {line['floor_us']:.0f}",
-                flush=True)
-            results["gemm_preload"].append(line)
-    finally:
-        split_k_kernel.PRELOAD_K = original
-
-
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -476,8 +448,7 @@ def main():
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "gemm_preload": gemm_preload_bench}
+             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

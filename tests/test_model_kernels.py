@@ -202,9 +202,7 @@ def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
     pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
     pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
 ])
-@pytest.mark.parametrize("preload", [0, 128, 256])
-def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dtype, preload, monkeypatch):
-    monkeypatch.setattr(split_k_kernel, "PRELOAD_K", preload)  # weight columns read before the PDL wait
+def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dtype):
     torch.manual_seed(n + num_tokens)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
@@ -276,9 +274,7 @@ def test_token_thresholds_must_be_counts(checkpoint, option, value):
     pytest.param(9, 4096, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
     pytest.param(64, 6144, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj: 64-wide blocks
 ])
-@pytest.mark.parametrize("preload", [0, 256, 1024])
-def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype, preload, monkeypatch):
-    monkeypatch.setattr(split_k_kernel, "PRELOAD_K", preload)
+def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
     torch.manual_seed(n + num_tokens)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
@@ -287,14 +283,6 @@ def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype, preload, monkeypat
     want = (x.float() @ weight.float().T).to(dtype)  # the float32 product rounded once
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(got, want, **tolerance)
-
-
-def test_preload_fits_the_k_slice_in_whole_steps():
-    assert split_k_kernel.preload_columns(512, 128, 256) == 256
-    assert split_k_kernel.preload_columns(768, 128, 1024) == 512  # down_proj's quarter: 512 then a 256 loop
-    assert split_k_kernel.preload_columns(128, 128, 256) == 128
-    assert split_k_kernel.preload_columns(256, 128, 64) == 0  # under one step: nothing before the wait
-    assert split_k_kernel.preload_columns(256, 128, 0) == 0
 
 
 def test_wide_plan_and_column_parallel_linear_use_of_it():

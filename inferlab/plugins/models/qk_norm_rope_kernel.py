@@ -23,16 +23,9 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
                          qkv_stride_token, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
                          HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0)
-    # Positions, slots, weights and the cos/sin rows were written before the previous kernel (the
-    # QKV projection) started, so they are read while it may still run; only qkv waits for it.
     position = tl.load(positions_ptr + token)
-    dims = tl.arange(0, HALF)
-    row = cos_sin_ptr + position * (2 * HALF)
-    cos = tl.load(row + dims)[None, :]
-    sin = tl.load(row + HALF + dims)[None, :]
-    q_w1, q_w2 = tl.load(q_weight_ptr + dims)[None, :], tl.load(q_weight_ptr + HALF + dims)[None, :]
-    k_w1, k_w2 = tl.load(k_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :]
     # rows 0..NUM_Q_HEADS-1 are q's heads, the next NUM_KV_HEADS k's, then v's (read only to be
     # stored): they sit in that order in qkv
     heads = tl.arange(0, HEADS_POW2)
@@ -40,21 +33,20 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
     is_k = (heads >= NUM_Q_HEADS) & (heads < NUM_Q_HEADS + NUM_KV_HEADS)
     is_v = (heads >= NUM_Q_HEADS + NUM_KV_HEADS) & (heads < NUM_Q_HEADS + 2 * NUM_KV_HEADS)
     rows = (is_q | is_k | is_v) if STORE_KV else (is_q | is_k)
-    if STORE_KV:
-        # the token's slot, once per row (a scalar mask trips Triton's interpreter); -1 is a padding
-        # row of a CUDA-graph batch, which stores nothing
-        slot = tl.load(slot_mapping_ptr + token + heads * 0)
-    pdl.wait_for_inputs(PDL)
+    dims = tl.arange(0, HALF)
     src = qkv_ptr + token.to(tl.int64) * qkv_stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
     x1 = tl.load(src, mask=rows[:, None], other=0.0)
     x2 = tl.load(src + HALF, mask=rows[:, None], other=0.0)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.where(is_q[:, None], q_w1, k_w1)
-    w2 = tl.where(is_q[:, None], q_w2, k_w2)
+    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
+    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + HALF + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :])
     n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
     n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    row = cos_sin_ptr + position * (2 * HALF)
+    cos = tl.load(row + dims)[None, :]
+    sin = tl.load(row + HALF + dims)[None, :]
     o1 = (n1 * cos - n2 * sin).to(dtype)
     o2 = (n2 * cos + n1 * sin).to(dtype)
     q_dst = q_out_ptr + token.to(tl.int64) * (NUM_Q_HEADS * 2 * HALF) + heads[:, None] * (2 * HALF) + dims[None, :]
@@ -62,6 +54,9 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
     tl.store(q_dst + HALF, o2, mask=is_q[:, None])
     k_heads = heads - NUM_Q_HEADS
     if STORE_KV:
+        # the token's slot, once per row (a scalar mask trips Triton's interpreter); -1 is a padding
+        # row of a CUDA-graph batch, which stores nothing
+        slot = tl.load(slot_mapping_ptr + token + heads * 0)
         row = (slot * cache_stride_slot)[:, None]
         store_k = (is_k & (slot >= 0))[:, None]
         store_v = (is_v & (slot >= 0))[:, None]

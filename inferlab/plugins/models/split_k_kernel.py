@@ -20,7 +20,6 @@ Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of
 it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
 sequences (item 38), and it loses to cuBLAS above 64.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
-import os
 from typing import NamedTuple
 
 import torch
@@ -35,10 +34,6 @@ class SplitKPlan(NamedTuple):
     block_k: int
     split: int
 
-
-# Columns of each program's weight slab read before it waits for the previous kernel (PDL): that
-# kernel's last programs still run, and the weight, unlike x, does not depend on them.
-PRELOAD_K = int(os.environ.get("INFERLAB_GEMM_PRELOAD_K", "256"))
 
 # Fewer 32-wide column blocks than this leave most of a large GPU's multiprocessors idle: split K.
 MIN_COLUMN_BLOCKS = 64
@@ -70,26 +65,18 @@ def fit(n: int, k: int, block_n: int, splits: tuple[int, ...]) -> SplitKPlan | N
 @triton.jit
 def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    PRELOAD_K: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, accumulated
     in float32, into partials[split], stored in the partials' dtype (float32, or unsplit, the
-    output itself in the model dtype). The first PRELOAD_K columns of its weight slab are read
-    before the wait for the previous kernel: the weight does not depend on it."""
+    output itself in the model dtype)."""
+    pdl.wait_for_inputs(PDL)
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows[:, None] < M
     k_per_split = K // SPLIT
-    k_begin = split * k_per_split
-    if PRELOAD_K > 0:
-        first_ks = k_begin + tl.arange(0, PRELOAD_K)
-        w_first = tl.load(weight_ptr + cols[:, None] * K + first_ks[None, :])
-    pdl.wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRELOAD_K > 0:
-        a = tl.load(x_ptr + rows[:, None] * x_stride + first_ks[None, :], mask=row_mask, other=0.0)
-        acc = tl.dot(a, tl.trans(w_first), acc, input_precision="ieee" if a.dtype == tl.float32 else "tf32")
-    for k0 in range(k_begin + PRELOAD_K, k_begin + k_per_split, BLOCK_K):
+    for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0)
         w = tl.load(weight_ptr + cols[:, None] * K + ks[None, :])
@@ -124,14 +111,6 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _launch(x, weight, partials, tiling)
 
 
-def preload_columns(k_per_split: int, block_k: int, wanted: int) -> int:
-    """How much of a program's K slice to read before the PDL wait: wanted (a power of two), halved
-    until it fits the slice, and 0 below one block_k step."""
-    while wanted > k_per_split:
-        wanted //= 2
-    return wanted if wanted >= block_k else 0
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: SplitKPlan) -> torch.Tensor:
     num_tokens, k = x.shape
     n = weight.shape[0]
@@ -142,6 +121,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: Sp
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
                               BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
-                              PRELOAD_K=preload_columns(k // tiling.split, tiling.block_k, PRELOAD_K),
                               num_warps=4, num_stages=4, **pdl.launch_options(x.device))
     return out
