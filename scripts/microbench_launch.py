@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,decode_reduce] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -26,9 +26,7 @@ CUDA graph.
 - attention_chain: the decoder stack under several attention decode plans (tile, programs a
   multiprocessor, shortest split, order): attention between the other kernels, not back to back.
 - split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
-  replaced (32- or 64-column blocks, K in 2 or 4 parts).
-- decode_reduce: the decoder stack with split attention partials combined in the split kernel
-  (its last program per sequence and KV head) or by a reduction kernel after it."""
+  replaced (32- or 64-column blocks, K in 2 or 4 parts)."""
 import argparse
 import itertools
 import json
@@ -328,24 +326,6 @@ def attention_chain_bench(rates, results):
         results["attention_chain"].append(line)
 
 
-def decode_reduce_bench(rates, results):
-    """The decoder stack with split decode partials combined by the split kernel's last program per
-    sequence and KV head (attention decode_reduce=fused) or by a reduction kernel after it
-    ("kernel"), each twice in turn; batches of 132 or more sequences do not split at all."""
-    print("\n== decoder stack, where split attention partials are combined (µs; % against kernel) ==")
-    chains = {reduce: decoder_stack(LAYERS, attention_options={"decode_reduce": reduce})[1]
-              for reduce in ("kernel", "fused")}
-    for t, lens in picked_batches((128, 96, 64, 32, 8)):
-        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-        for round_, (reduce, chain) in itertools.product(range(2), chains.items()):
-            line.setdefault(reduce, []).append(graph_time_us(chain(lens), reps=2, replays=9))
-        base = min(line["kernel"])
-        print(f"  batch {len(lens):>3}: " + "; ".join(
-            f"{k} {', '.join(f'{x:6.0f}' for x in line[k])} ({100 * (min(line[k]) - base) / base:+.1f}%)"
-            for k in chains) + f"; floor {line['floor_us']:.0f}", flush=True)
-        results["decode_reduce"].append(line)
-
-
 def split_k_plans_bench(rates, results):
     """The decoder stack with o_proj's and down_proj's split-K plan above 64 tokens replaced: 32- or
     64-column blocks, K in 2 or 4 parts, against split_k_kernel.plan's own (item 53: 32 columns in
@@ -468,8 +448,7 @@ def main():
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "decode_reduce": decode_reduce_bench}
+             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -5,7 +5,6 @@ Without CUDA the kernels run in Triton's interpreter, which Triton fixes when a 
 so TRITON_INTERPRET is set here before inferlab's kernel module is first imported (and the module is
 reloaded if something imported it compiled). With CUDA the same tests run the compiled kernels."""
 import importlib
-import itertools
 import os
 from types import SimpleNamespace
 
@@ -147,12 +146,12 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("order,reduce", [("longest_first", "fused"), ("batch", "fused"), ("longest_first", "kernel")])
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, reduce):
+def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order, decode_reduce=reduce))
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -164,15 +163,10 @@ def test_split_decode_combines_partials_exactly(num_splits):
     triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
-    counters = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)
-    for min_split_len, fused in itertools.product((0, 32), (False, True)):
-        # each sequence split evenly, or in parts of at least 32 keys; the partials combined by a
-        # reduction kernel, or by each sequence's last split program
+    for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
         got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          num_splits, 16, partial_out, partial_lse, min_split_len,
-                                          counters=counters if fused else None)
+                                          num_splits, 16, partial_out, partial_lse, min_split_len)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        assert not counters.any()  # zero again for the next layer
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
     assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
@@ -251,8 +245,6 @@ def test_validate_names_unsupported_settings():
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonAttention(decode_order="shortest")
-    with pytest.raises(ValueError, match=r"decode_reduce must be one of \['fused', 'kernel'\], got 'atomic'"):
-        TritonAttention(decode_reduce="atomic")
 
 
 def test_greedy_generate_with_triton_equals_torch(checkpoint):

@@ -14,7 +14,6 @@ from inferlab.core.hookspecs import hookimpl
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
-DECODE_REDUCES = ("fused", "kernel")
 
 
 def import_kernels(backend: str):
@@ -57,9 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # Where a split sequence's partials are combined: "fused" (by the last of its split programs, in
-    # the decode kernel) or "kernel" (a reduction kernel after it).
-    decode_reduce: str = "fused"
 
 
 @dataclass(slots=True)
@@ -70,7 +66,6 @@ class TritonAttentionMetadata:
     partial_out: torch.Tensor | None = None  # float32 [B, H, splits, D]
     partial_lse: torch.Tensor | None = None  # float32 [B, H, splits]
     seq_order: torch.Tensor | None = None  # int32 [B], the order decode programs start in
-    counters: torch.Tensor | None = None  # int32 [B, KV heads], zeros: finished split programs (fused reduce)
 
 
 class TritonAttention:
@@ -87,8 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 decode_reduce: str = TritonAttentionOptions.decode_reduce):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -103,15 +97,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("decode_reduce", decode_reduce, DECODE_REDUCES)):
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.decode_reduce = decode_reduce
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -159,14 +151,12 @@ class TritonAttention:
                 metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
                                                    dtype=torch.float32)
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
-                if self.decode_reduce == "fused":
-                    metadata.counters = torch.zeros((num_seqs, kv_cache.shape[3]), dtype=torch.int32, device=q.device)
             if self.decode_order == "longest_first":
                 metadata.seq_order = kernels.longest_first(inputs.seq_lens)
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, metadata.counters)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

@@ -163,7 +163,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                         seq_lens_ptr, block_tables_ptr, seq_order_ptr, counters_ptr,
+                         seq_lens_ptr, block_tables_ptr, seq_order_ptr,
                          scale_log2, num_splits, min_split_len,
                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                          cache_stride_slot, cache_stride_head, block_tables_stride,
@@ -171,8 +171,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-                         SPLITS_POW2: tl.constexpr, PDL: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -221,40 +220,6 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
         partial = seq * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
         tl.store(partial_out_ptr + partial[:, None] + dims[None, :], out, mask=head_mask[:, None])
         tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
-        if FUSED_REDUCE:
-            tl.debug_barrier()  # all of this program's partial is stored before the count says so
-            counter = counters_ptr + seq * (tl.num_programs(0) // num_splits) + kv_head
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next layer's kernel
-                _combine_splits(out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims, num_splits,
-                                out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head,
-                                partial_stride_split, lse_stride_seq, lse_stride_head, SPLITS_POW2)
-
-
-@triton.jit
-def _combine_splits(out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, head_mask, dims, num_splits,
-                    out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
-                    lse_stride_seq, lse_stride_head, SPLITS_POW2: tl.constexpr):
-    """One sequence's output for `heads`: their split partials, each weighted by its share of the
-    softmax. The partials were written by other programs of the running kernel, so they are read
-    from L2 (.cg), never from a multiprocessor's possibly stale L1."""
-    splits = tl.arange(0, SPLITS_POW2)
-    lse = tl.load(partial_lse_ptr + seq * lse_stride_seq + heads[:, None] * lse_stride_head + splits[None, :],
-                  mask=head_mask[:, None] & (splits < num_splits)[None, :], other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all (a padding row)
-    weights = tl.exp2(lse - lse_max[:, None])
-    total = tl.sum(weights, 1)
-    partial = partial_out_ptr + seq * partial_stride_seq + heads[:, None] * partial_stride_head + dims[None, :]
-    acc = tl.zeros([heads.shape[0], dims.shape[0]], dtype=tl.float32)
-    for split in range(0, num_splits):
-        weight = tl.sum(tl.where(splits[None, :] == split, weights, 0.0), 1)
-        part = tl.load(partial + split * partial_stride_split, mask=head_mask[:, None], other=0.0, cache_modifier=".cg")
-        acc += part * weight[:, None]
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
 
 
 @triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
@@ -354,14 +319,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. With counters (int32 [B, KV heads], zeros; left zero)
-    the split kernel combines the partials itself, else a reduction kernel follows it."""
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -370,11 +334,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
-    fused = counters is not None and not single
     _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
-        counters if fused else seq_lens,  # likewise unless FUSED_REDUCE
         scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -383,9 +345,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, FUSED_REDUCE=fused, SPLITS_POW2=triton.next_power_of_2(num_splits),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
-    if not single and not fused:
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
+    if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
             out.stride(0), out.stride(1),
