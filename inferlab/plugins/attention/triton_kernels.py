@@ -222,72 +222,6 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
         tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
 
 
-@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
-def _decode_split_simt_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                              seq_lens_ptr, block_tables_ptr, seq_order_ptr,
-                              scale_log2, num_splits, min_split_len,
-                              q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                              cache_stride_slot, cache_stride_head, block_tables_stride,
-                              partial_stride_seq, partial_stride_head, partial_stride_split,
-                              lse_stride_seq, lse_stride_head,
-                              GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                              SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
-    """_decode_split_kernel's work without tensor cores: with a few query heads a KV head, q.k and
-    p.v are products and sums in float32 registers, so K/V tiles go from memory to registers as in
-    a plain read, not through shared memory, and no MMA pads the heads to 16 rows. The accumulator
-    keeps one row a key ([BLOCK_H, BLOCK_N, D]) and is summed over the keys once, at the end."""
-    pdl.wait_for_inputs(PDL)
-    kv_head = tl.program_id(0) // num_splits
-    split = tl.program_id(0) % num_splits
-    seq = tl.program_id(1)
-    if ORDERED:
-        seq = tl.load(seq_order_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
-    head_offsets = tl.arange(0, BLOCK_H)
-    head_mask = head_offsets < GROUP
-    heads = kv_head * GROUP + head_offsets
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-                mask=head_mask[:, None], other=0.0).to(tl.float32) * scale_log2
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    for tile_start in range(start, end, BLOCK_N):
-        cols = tile_start + tl.arange(0, BLOCK_N)
-        col_mask = cols < end
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], 2)
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None, None] + p[:, :, None] * v[None, :, :]
-        m_i = m_new
-    has_keys = l_i > 0
-    out = tl.sum(acc, 1) / tl.where(has_keys, l_i, 1.0)[:, None]
-    if SINGLE_SPLIT:
-        tl.store(out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-    else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        partial = seq * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
-        tl.store(partial_out_ptr + partial[:, None] + dims[None, :], out, mask=head_mask[:, None])
-        tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
-
-
 @triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
 def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
                           out_stride_token, out_stride_head,
@@ -385,14 +319,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, simt: bool = False) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. simt: the kernel without tensor cores
-    (_decode_split_simt_kernel)."""
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -401,12 +334,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
-    if simt:
-        kernel, options = _decode_split_simt_kernel, dict(BLOCK_H=triton.next_power_of_2(group))
-    else:
-        kernel = _decode_split_kernel
-        options = dict(BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), PRECISION=_precision(q.dtype))
-    kernel[(num_kv_heads * num_splits, num_seqs)](
+    _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
         scale * LOG2E, num_splits, min_split_len,
@@ -415,8 +343,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
         0 if single else partial_out.stride(2),
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SINGLE_SPLIT=single,
-        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **options, **pdl.launch_options(q.device))
+        GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
