@@ -14,6 +14,7 @@ from inferlab.core.hookspecs import hookimpl
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
+DECODE_KERNELS = ("dot", "simt")
 
 
 def import_kernels(backend: str):
@@ -56,6 +57,9 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
+    # The decode kernel's products: "dot" (tensor cores, the heads padded to 16 rows) or "simt"
+    # (float32 products and sums in registers; K/V tiles never pass through shared memory).
+    decode_kernel: str = "dot"
 
 
 @dataclass(slots=True)
@@ -82,7 +86,8 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order):
+                 decode_order: str = TritonAttentionOptions.decode_order,
+                 decode_kernel: str = TritonAttentionOptions.decode_kernel):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -97,13 +102,15 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS)):
+                                       ("decode_order", decode_order, DECODE_ORDERS),
+                                       ("decode_kernel", decode_kernel, DECODE_KERNELS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
+        self.decode_kernel = decode_kernel
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -156,7 +163,7 @@ class TritonAttention:
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order)
+                                    self.decode_num_stages, metadata.seq_order, self.decode_kernel == "simt")
 
 
 @hookimpl
