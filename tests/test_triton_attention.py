@@ -155,6 +155,14 @@ def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, 
     assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order, decode_kernel=kernel))
 
 
+def test_simt_decode_serves_groups_of_one_two_or_four_and_the_backend_falls_back_for_others():
+    inputs, q, k, v, cache = make_batch([1, 1], [30, 9], 16, 1, 16, 8, seed=5)  # 8 query heads a KV head
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_kernel="simt"))  # the dot kernel
+    with pytest.raises(ValueError, match=r"the simt decode kernel serves \(1, 2, 4\) query heads a KV head, got 8"):
+        triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25, 1, 16,
+                                    simt=True)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_split_decode_combines_partials_exactly(num_splits):
     # more splits than some sequences have keys: their empty splits must weigh nothing

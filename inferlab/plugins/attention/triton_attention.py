@@ -58,7 +58,8 @@ class TritonAttentionOptions:
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
     # The decode kernel's products: "dot" (tensor cores, the heads padded to 16 rows) or "simt"
-    # (float32 products and sums in registers; K/V tiles never pass through shared memory).
+    # (float32 products and sums in registers; K/V tiles never pass through shared memory), a
+    # candidate for 1, 2 or 4 query heads a KV head (others take "dot"), not yet measured on a GPU.
     decode_kernel: str = "dot"
 
 
@@ -163,7 +164,8 @@ class TritonAttention:
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, self.decode_kernel == "simt")
+                                    self.decode_num_stages, metadata.seq_order,
+                                    self.decode_kernel == "simt" and q.shape[1] // kv_cache.shape[3] in kernels.SIMT_GROUPS)
 
 
 @hookimpl
