@@ -5,8 +5,9 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 
 - attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
   heads, 16 query heads, head_dim 128, blocks of 256) on the bench workload's own decode batches,
-  over tile sizes, pipeline stages, split plans and start orders; flash-attn's paged decode beside it
-  when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
+  over tile sizes, pipeline stages, split plans and start orders (--quick: the default against the
+  kernel without tensor cores, decode_kernel=simt); flash-attn's paged decode beside it when it
+  imports. Floor: the batch's K/V bytes over the measured bandwidth.
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes, through
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: split-K Triton GEMMs (pointer loads, TMA descriptors) against cuBLAS, each
