@@ -161,6 +161,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
+@triton.jit
+def _decode_program_keys(seq_lens_ptr, seq_order_ptr, num_splits, min_split_len, BLOCK_N: tl.constexpr,
+                         ORDERED: tl.constexpr):
+    """A decode program's KV head, split, sequence and its keys [start, end): the grid is (KV heads
+    x splits, sequences), the sequences in seq_order's order with ORDERED; each split takes an equal
+    part of the sequence's keys, in whole tiles and at least min_split_len of them."""
+    kv_head = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
+    start = split * split_len
+    return kv_head, split, seq, start, tl.minimum(start + split_len, seq_len)
+
+
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr, seq_order_ptr,
@@ -183,16 +201,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
     last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
     pdl.wait_for_inputs(PDL)
-    kv_head = tl.program_id(0) // num_splits
-    split = tl.program_id(0) % num_splits
-    seq = tl.program_id(1)
-    if ORDERED:
-        seq = tl.load(seq_order_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    kv_head, split, seq, start, end = _decode_program_keys(seq_lens_ptr, seq_order_ptr, num_splits, min_split_len,
+                                                           BLOCK_N, ORDERED)
 
     head_offsets = tl.arange(0, BLOCK_H)
     head_mask = head_offsets < GROUP
@@ -276,16 +286,8 @@ def _decode_split_simt_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_
     accumulator per key slot of the tile (every thread works on its own rows, no cross-warp
     reduction in the loop); the slots are combined once, at the end. The heads are unrolled."""
     pdl.wait_for_inputs(PDL)
-    kv_head = tl.program_id(0) // num_splits
-    split = tl.program_id(0) % num_splits
-    seq = tl.program_id(1)
-    if ORDERED:
-        seq = tl.load(seq_order_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    kv_head, split, seq, start, end = _decode_program_keys(seq_lens_ptr, seq_order_ptr, num_splits, min_split_len,
+                                                           BLOCK_N, ORDERED)
 
     dims = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP
