@@ -161,11 +161,11 @@ class TritonAttention:
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
             if self.decode_order == "longest_first":
                 metadata.seq_order = kernels.longest_first(inputs.seq_lens)
+        simt = self.decode_kernel == "simt" and q.shape[1] // kv_cache.shape[3] in kernels.SIMT_GROUPS
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order,
-                                    self.decode_kernel == "simt" and q.shape[1] // kv_cache.shape[3] in kernels.SIMT_GROUPS)
+                                    self.decode_num_stages, metadata.seq_order, simt)
 
 
 @hookimpl
