@@ -64,6 +64,21 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _tile_kv_offsets(cols, end, block_table, kv_head, cache_stride_slot, cache_stride_head, dims,
+                     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True):
+    """The offsets of key rows `cols` of one KV head in a layer's K (or V) cache [slots, ...], each
+    gathered through the block table, and which of them exist (< end). MASKED=False: the caller
+    knows all do, so the block-table load is unmasked."""
+    col_mask = cols < end
+    if MASKED:
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+    else:
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+    return slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :], col_mask
+
+
+@triton.jit
 def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head,
                  cache_stride_slot, cache_stride_head, scale_log2, dims,
                  BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
@@ -73,13 +88,8 @@ def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_pt
     updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r].
     MASKED=False: the caller knows every row sees every column (all < end, none past a row's
     position), so no mask is computed or applied."""
-    if MASKED:
-        col_mask = cols < end
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-    else:
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+    kv_offsets, col_mask = _tile_kv_offsets(cols, end, block_table, kv_head, cache_stride_slot, cache_stride_head,
+                                            dims, BLOCK_SIZE, MASKED)
     if MASKED:
         k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
     else:
@@ -250,23 +260,22 @@ def _simt_head_step(q_h, k, v, acc, m, l, col_mask):
 
 
 @triton.jit
-def _simt_head_store(acc, m, l, seq, head, dims, out_ptr, partial_out_ptr, partial_lse_ptr, split,
-                     out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head,
-                     partial_stride_split, lse_stride_seq, lse_stride_head, SINGLE_SPLIT: tl.constexpr):
+def _simt_head_store(acc, m, l, head, dims, out_row, partial_row, lse_row, out_stride_head, partial_stride_head,
+                     lse_stride_head, SINGLE_SPLIT: tl.constexpr):
     """Combines one head's key slots (each weighted by its share of the softmax) and stores the
-    output, or the split's normalized partial and its log2-sum-exp."""
+    output into out_row (the sequence's output), or the split's normalized partial and its
+    log2-sum-exp into partial_row and lse_row (the sequence's and split's)."""
     top = tl.max(m, 0)
     weights = tl.exp2(m - top)
     total = tl.sum(l * weights, 0)
     has_keys = total > 0
     out = tl.sum(acc * weights[:, None], 0) / tl.where(has_keys, total, 1.0)
     if SINGLE_SPLIT:
-        tl.store(out_ptr + seq * out_stride_token + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_row + head * out_stride_head + dims, out.to(out_row.dtype.element_ty))
     else:
         lse = tl.where(has_keys, top + tl.log2(tl.where(has_keys, total, 1.0)), float("-inf"))
-        tl.store(partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
-                 + split * partial_stride_split + dims, out)
-        tl.store(partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + split, lse)
+        tl.store(partial_row + head * partial_stride_head + dims, out)
+        tl.store(lse_row + head * lse_stride_head, lse)
 
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
@@ -306,11 +315,8 @@ def _decode_split_simt_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_
         acc3, m3, l3 = acc0, m0, l0
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     for tile_start in range(start, end, BLOCK_N):
-        cols = tile_start + tl.arange(0, BLOCK_N)
-        col_mask = cols < end
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-        kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+        kv_offsets, col_mask = _tile_kv_offsets(tile_start + tl.arange(0, BLOCK_N), end, block_table, kv_head,
+                                                cache_stride_slot, cache_stride_head, dims, BLOCK_SIZE)
         k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
         acc0, m0, l0 = _simt_head_step(q0, k, v, acc0, m0, l0, col_mask)
@@ -319,20 +325,19 @@ def _decode_split_simt_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_
         if GROUP > 2:
             acc2, m2, l2 = _simt_head_step(q2, k, v, acc2, m2, l2, col_mask)
             acc3, m3, l3 = _simt_head_step(q3, k, v, acc3, m3, l3, col_mask)
-    _simt_head_store(acc0, m0, l0, seq, head, dims, out_ptr, partial_out_ptr, partial_lse_ptr, split,
-                     out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head,
-                     partial_stride_split, lse_stride_seq, lse_stride_head, SINGLE_SPLIT)
+    out_row = out_ptr + seq * out_stride_token
+    partial_row = partial_out_ptr + seq * partial_stride_seq + split * partial_stride_split
+    lse_row = partial_lse_ptr + seq * lse_stride_seq + split
+    _simt_head_store(acc0, m0, l0, head, dims, out_row, partial_row, lse_row, out_stride_head, partial_stride_head,
+                     lse_stride_head, SINGLE_SPLIT)
     if GROUP > 1:
-        _simt_head_store(acc1, m1, l1, seq, head + 1, dims, out_ptr, partial_out_ptr, partial_lse_ptr, split,
-                         out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, lse_stride_seq, lse_stride_head, SINGLE_SPLIT)
+        _simt_head_store(acc1, m1, l1, head + 1, dims, out_row, partial_row, lse_row, out_stride_head,
+                         partial_stride_head, lse_stride_head, SINGLE_SPLIT)
     if GROUP > 2:
-        _simt_head_store(acc2, m2, l2, seq, head + 2, dims, out_ptr, partial_out_ptr, partial_lse_ptr, split,
-                         out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, lse_stride_seq, lse_stride_head, SINGLE_SPLIT)
-        _simt_head_store(acc3, m3, l3, seq, head + 3, dims, out_ptr, partial_out_ptr, partial_lse_ptr, split,
-                         out_stride_token, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, lse_stride_seq, lse_stride_head, SINGLE_SPLIT)
+        _simt_head_store(acc2, m2, l2, head + 2, dims, out_row, partial_row, lse_row, out_stride_head,
+                         partial_stride_head, lse_stride_head, SINGLE_SPLIT)
+        _simt_head_store(acc3, m3, l3, head + 3, dims, out_row, partial_row, lse_row, out_stride_head,
+                         partial_stride_head, lse_stride_head, SINGLE_SPLIT)
 
 
 @triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
