@@ -5,9 +5,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 
 - attention: the triton backend's split decode kernel over a paged bf16 cache (Qwen3-0.6B's 8 KV
   heads, 16 query heads, head_dim 128, blocks of 256) on the bench workload's own decode batches,
-  over tile sizes, pipeline stages, split plans and start orders (--quick: the default against the
-  kernel without tensor cores, decode_kernel=simt); flash-attn's paged decode beside it when it
-  imports. Floor: the batch's K/V bytes over the measured bandwidth.
+  over tile sizes, pipeline stages, split plans and start orders; flash-attn's paged decode beside it
+  when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes, through
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
 - linear_candidates: split-K Triton GEMMs (pointer loads, TMA descriptors) against cuBLAS, each
@@ -100,11 +99,10 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    if quick:  # the default kernel and tile, against the kernel without tensor cores over tiles, warps, plans
-        configs = [(128, 4, 3, 8, "longest_first", "dot")] + list(
-            itertools.product((32, 64, 128), warps, (2,), (4, 8, 16), ("longest_first",), ("simt",)))
+    if quick:  # the default tile: the split plan and the order
+        configs = list(itertools.product((128,), (4,), (3,), (4, 8, 12, 16, 24), ("batch", "longest_first")))
     else:  # tiles, warps and stages (2 or 3 programs a multiprocessor fit at 64 keys and 2-3 stages)
-        configs = list(itertools.product((64, 128), warps, (2, 3, 4), (4, 8, 16), ("longest_first",), ("dot",)))
+        configs = list(itertools.product((64, 128), warps, (2, 3, 4), (4, 8, 16), ("longest_first",)))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -123,14 +121,13 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
         floor_total += floor_us
         line = {}
         for config in configs:
-            block_n, warps, stages, per_sm, order, kernel = config
+            block_n, warps, stages, per_sm, order = config
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
             partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
             partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
             fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
-                                         partial_out, partial_lse, 256, warps, stages, seq_order,
-                                         simt=kernel == "simt")
+                                         partial_out, partial_lse, 256, warps, stages, seq_order)
             try:
                 us = graph_time_us(fn, reps=10, replays=7)
             except Exception as e:  # a config that does not compile (shared memory) counts as never best
@@ -140,7 +137,6 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
             line[config] = us
             results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
                                          "stages": stages, "programs_per_sm": per_sm, "order": order,
-                                         "kernel": kernel,
                                          "splits": splits, "us": us,
                                          "floor_us": floor_us})
         if flash_attn_with_kvcache is not None:
@@ -155,9 +151,9 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
     ranked = sorted(totals, key=totals.get)
     print(f"sum over the sampled steps: floor {floor_total:.0f} µs" +
           (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
-    for config in ranked[:8] + ([configs[0]] if quick and configs[0] not in ranked[:8] else []):
+    for config in ranked[:8]:
         print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2} "
-              f"order {config[4]} kernel {config[5]}: "
+              f"order {config[4]}: "
               f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
 
 
@@ -627,8 +623,7 @@ def main():
     parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true",
-                        help="attention: the default kernel against the one without tensor cores (simt) over tiles, "
-                             "warps and split plans; prefill: whole-group programs, 2 stages")
+                        help="attention: sweep only the split plan and order; prefill: whole-group programs, 2 stages")
     parser.add_argument("--warps", default="4,8",
                         help="warps a program to sweep in attention (without --quick) and prefill, comma-separated")
     args = parser.parse_args()

@@ -5,7 +5,6 @@ Without CUDA the kernels run in Triton's interpreter, which Triton fixes when a 
 so TRITON_INTERPRET is set here before inferlab's kernel module is first imported (and the module is
 reloaded if something imported it compiled). With CUDA the same tests run the compiled kernels."""
 import importlib
-import itertools
 import os
 from types import SimpleNamespace
 
@@ -147,20 +146,12 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("order,kernel", [("longest_first", "dot"), ("batch", "dot"), ("longest_first", "simt")])
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
-def test_decode_matches_torch(block_size, group, head_dim, context_lens, order, kernel):
+def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order, decode_kernel=kernel))
-
-
-def test_simt_decode_serves_groups_of_one_two_or_four_and_the_backend_falls_back_for_others():
-    inputs, q, k, v, cache = make_batch([1, 1], [30, 9], 16, 1, 16, 8, seed=5)  # 8 query heads a KV head
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_kernel="simt"))  # the dot kernel
-    with pytest.raises(ValueError, match=r"the simt decode kernel serves \(1, 2, 4\) query heads a KV head, got 8"):
-        triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25, 1, 16,
-                                    simt=True)
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -172,10 +163,9 @@ def test_split_decode_combines_partials_exactly(num_splits):
     triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
-    for min_split_len, simt in itertools.product((0, 32), (False, True)):
-        # each sequence split evenly, or in parts of at least 32 keys; with tensor cores or without
+    for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
         got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          num_splits, 16, partial_out, partial_lse, min_split_len, simt=simt)
+                                          num_splits, 16, partial_out, partial_lse, min_split_len)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
@@ -185,9 +175,8 @@ def test_split_decode_combines_partials_exactly(num_splits):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["dot", "simt"])
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [0, 37, 20]), ([21, 3], [0, 40])])
-def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens, kernel):
+def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens):
     """Slots of a sequence's blocks past its length (free, or an earlier owner's, here NaN) share
     its key tiles but must weigh nothing, in decode and in prefill."""
     inputs, q, k, v, cache = make_batch(query_lens, context_lens, 16, 2, 16, 2, seed=3)
@@ -196,7 +185,7 @@ def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens, 
         for pos in range(context_lens[row]):  # keep the cached context, poison the rest
             slot = int(inputs.block_tables[row, pos // 16]) * 16 + pos % 16
             poisoned[:, slot // 16, slot % 16] = cache[:, slot // 16, slot % 16]
-    backend = TritonAttention(decode_kernel=kernel)
+    backend = TritonAttention()
     got = backend.forward(q, k, v, poisoned, backend.build_metadata(inputs), 0.3)
     _, expected, _, _ = run_both(inputs, q, k, v, cache)  # the torch backend on the clean cache
     assert not got.isnan().any()
@@ -225,8 +214,7 @@ def test_mixed_decode_and_prefill_chunks_match_torch():
     assert_matches_torch(inputs, q, k, v, cache)
 
 
-@pytest.mark.parametrize("kernel", ["dot", "simt"])
-def test_cuda_graph_padding_rows_store_nothing_and_output_zeros(kernel):
+def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
     inputs, q, k, v, cache = make_batch([1, 1], [20, 44], 16, 2, 16, 2, seed=4)
     _, expected, _, expected_cache = run_both(inputs, q, k, v, cache)
     # pad to 4 rows as the decode graphs do: seq_lens 0, slot -1, any block table
@@ -238,7 +226,7 @@ def test_cuda_graph_padding_rows_store_nothing_and_output_zeros(kernel):
         block_tables=torch.cat([inputs.block_tables, inputs.block_tables[:1].expand(pad, -1)]),
         slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)]),
         max_query_len=1, max_seq_len=256, is_decode=True, block_size=16)
-    backend = TritonAttention(min_split_len=16, decode_kernel=kernel)
+    backend = TritonAttention(min_split_len=16)
     padded_cache = cache.clone()
     got = backend.forward(torch.cat([q, torch.randn_like(q)]), torch.cat([k, torch.randn_like(k)]),
                           torch.cat([v, torch.randn_like(v)]), padded_cache, backend.build_metadata(padded), 0.3)
@@ -257,8 +245,6 @@ def test_validate_names_unsupported_settings():
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonAttention(decode_order="shortest")
-    with pytest.raises(ValueError, match=r"decode_kernel must be one of \['dot', 'simt'\], got 'wgmma'"):
-        TritonAttention(decode_kernel="wgmma")
 
 
 def test_greedy_generate_with_triton_equals_torch(checkpoint):

@@ -14,7 +14,6 @@ from inferlab.core.hookspecs import hookimpl
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
-DECODE_KERNELS = ("dot", "simt")
 
 
 def import_kernels(backend: str):
@@ -57,10 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # The decode kernel's products: "dot" (tensor cores, the heads padded to 16 rows) or "simt"
-    # (float32 products and sums in registers; K/V tiles never pass through shared memory), a
-    # candidate for 1, 2 or 4 query heads a KV head (others take "dot"), not yet measured on a GPU.
-    decode_kernel: str = "dot"
 
 
 @dataclass(slots=True)
@@ -87,8 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 decode_kernel: str = TritonAttentionOptions.decode_kernel):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -103,15 +97,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("decode_kernel", decode_kernel, DECODE_KERNELS)):
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.decode_kernel = decode_kernel
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -161,11 +153,10 @@ class TritonAttention:
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
             if self.decode_order == "longest_first":
                 metadata.seq_order = kernels.longest_first(inputs.seq_lens)
-        simt = self.decode_kernel == "simt" and q.shape[1] // kv_cache.shape[3] in kernels.SIMT_GROUPS
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, simt)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

@@ -64,21 +64,6 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _tile_kv_offsets(cols, end, block_table, kv_head, cache_stride_slot, cache_stride_head, dims,
-                     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True):
-    """The offsets of key rows `cols` of one KV head in a layer's K (or V) cache [slots, ...], each
-    gathered through the block table, and which of them exist (< end). MASKED=False: the caller
-    knows all do, so the block-table load is unmasked."""
-    col_mask = cols < end
-    if MASKED:
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-    else:
-        block_ids = tl.load(block_table + cols // BLOCK_SIZE)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-    return slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :], col_mask
-
-
-@triton.jit
 def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head,
                  cache_stride_slot, cache_stride_head, scale_log2, dims,
                  BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
@@ -88,8 +73,13 @@ def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_pt
     updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r].
     MASKED=False: the caller knows every row sees every column (all < end, none past a row's
     position), so no mask is computed or applied."""
-    kv_offsets, col_mask = _tile_kv_offsets(cols, end, block_table, kv_head, cache_stride_slot, cache_stride_head,
-                                            dims, BLOCK_SIZE, MASKED)
+    if MASKED:
+        col_mask = cols < end
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+    else:
+        block_ids = tl.load(block_table + cols // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
     if MASKED:
         k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
     else:
@@ -171,24 +161,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-@triton.jit
-def _decode_program_keys(seq_lens_ptr, seq_order_ptr, num_splits, min_split_len, BLOCK_N: tl.constexpr,
-                         ORDERED: tl.constexpr):
-    """A decode program's KV head, split, sequence and its keys [start, end): the grid is (KV heads
-    x splits, sequences), the sequences in seq_order's order with ORDERED; each split takes an equal
-    part of the sequence's keys, in whole tiles and at least min_split_len of them."""
-    kv_head = tl.program_id(0) // num_splits
-    split = tl.program_id(0) % num_splits
-    seq = tl.program_id(1)
-    if ORDERED:
-        seq = tl.load(seq_order_ptr + seq)
-    seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    start = split * split_len
-    return kv_head, split, seq, start, tl.minimum(start + split_len, seq_len)
-
-
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr, seq_order_ptr,
@@ -211,8 +183,16 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
     last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
     pdl.wait_for_inputs(PDL)
-    kv_head, split, seq, start, end = _decode_program_keys(seq_lens_ptr, seq_order_ptr, num_splits, min_split_len,
-                                                           BLOCK_N, ORDERED)
+    kv_head = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
 
     head_offsets = tl.arange(0, BLOCK_H)
     head_mask = head_offsets < GROUP
@@ -240,104 +220,6 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
         partial = seq * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
         tl.store(partial_out_ptr + partial[:, None] + dims[None, :], out, mask=head_mask[:, None])
         tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
-
-
-SIMT_GROUPS = (1, 2, 4)
-# A key slot of the simt kernel that has seen no key yet: finite, so exp2(slot max - this) is 0, not NaN.
-NO_KEY: tl.constexpr = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _simt_head_step(q_h, k, v, acc, m, l, col_mask):
-    """One query head's online softmax over one K/V tile [BLOCK_N, D], kept per key slot: row r of
-    the tile updates its own running max m[r], sum l[r] and accumulator acc[r, :], so nothing
-    crosses threads but the q.k sum over head_dim."""
-    scores = tl.where(col_mask, tl.sum(k * q_h[None, :], 1), float("-inf"))
-    m_new = tl.maximum(m, scores)
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new)
-    return acc * alpha[:, None] + v * p[:, None], m_new, l * alpha + p
-
-
-@triton.jit
-def _simt_head_store(acc, m, l, head, dims, out_row, partial_row, lse_row, out_stride_head, partial_stride_head,
-                     lse_stride_head, SINGLE_SPLIT: tl.constexpr):
-    """Combines one head's key slots (each weighted by its share of the softmax) and stores the
-    output into out_row (the sequence's output), or the split's normalized partial and its
-    log2-sum-exp into partial_row and lse_row (the sequence's and split's)."""
-    top = tl.max(m, 0)
-    weights = tl.exp2(m - top)
-    total = tl.sum(l * weights, 0)
-    has_keys = total > 0
-    out = tl.sum(acc * weights[:, None], 0) / tl.where(has_keys, total, 1.0)
-    if SINGLE_SPLIT:
-        tl.store(out_row + head * out_stride_head + dims, out.to(out_row.dtype.element_ty))
-    else:
-        lse = tl.where(has_keys, top + tl.log2(tl.where(has_keys, total, 1.0)), float("-inf"))
-        tl.store(partial_row + head * partial_stride_head + dims, out)
-        tl.store(lse_row + head * lse_stride_head, lse)
-
-
-@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
-def _decode_split_simt_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                              seq_lens_ptr, block_tables_ptr, seq_order_ptr,
-                              scale_log2, num_splits, min_split_len,
-                              q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                              cache_stride_slot, cache_stride_head, block_tables_stride,
-                              partial_stride_seq, partial_stride_head, partial_stride_split,
-                              lse_stride_seq, lse_stride_head,
-                              GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                              SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
-    """_decode_split_kernel's work without tensor cores, for GROUP 1, 2 or 4 query heads a KV head:
-    q.k and p.v are float32 products in registers, so K/V tiles go from memory to registers as in
-    a plain read, and no MMA pads the heads to 16 rows. Each head keeps a running max, sum and
-    accumulator per key slot of the tile (every thread works on its own rows, no cross-warp
-    reduction in the loop); the slots are combined once, at the end. The heads are unrolled."""
-    pdl.wait_for_inputs(PDL)
-    kv_head, split, seq, start, end = _decode_program_keys(seq_lens_ptr, seq_order_ptr, num_splits, min_split_len,
-                                                           BLOCK_N, ORDERED)
-
-    dims = tl.arange(0, HEAD_DIM)
-    head = kv_head * GROUP
-    q_row = q_ptr + seq * q_stride_token + dims
-    q0 = tl.load(q_row + head * q_stride_head).to(tl.float32) * scale_log2
-    acc0 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    m0 = tl.full([BLOCK_N], NO_KEY, dtype=tl.float32)
-    l0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if GROUP > 1:
-        q1 = tl.load(q_row + (head + 1) * q_stride_head).to(tl.float32) * scale_log2
-        acc1, m1, l1 = acc0, m0, l0
-    if GROUP > 2:
-        q2 = tl.load(q_row + (head + 2) * q_stride_head).to(tl.float32) * scale_log2
-        q3 = tl.load(q_row + (head + 3) * q_stride_head).to(tl.float32) * scale_log2
-        acc2, m2, l2 = acc0, m0, l0
-        acc3, m3, l3 = acc0, m0, l0
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    for tile_start in range(start, end, BLOCK_N):
-        kv_offsets, col_mask = _tile_kv_offsets(tile_start + tl.arange(0, BLOCK_N), end, block_table, kv_head,
-                                                cache_stride_slot, cache_stride_head, dims, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(tl.float32)
-        acc0, m0, l0 = _simt_head_step(q0, k, v, acc0, m0, l0, col_mask)
-        if GROUP > 1:
-            acc1, m1, l1 = _simt_head_step(q1, k, v, acc1, m1, l1, col_mask)
-        if GROUP > 2:
-            acc2, m2, l2 = _simt_head_step(q2, k, v, acc2, m2, l2, col_mask)
-            acc3, m3, l3 = _simt_head_step(q3, k, v, acc3, m3, l3, col_mask)
-    out_row = out_ptr + seq * out_stride_token
-    partial_row = partial_out_ptr + seq * partial_stride_seq + split * partial_stride_split
-    lse_row = partial_lse_ptr + seq * lse_stride_seq + split
-    _simt_head_store(acc0, m0, l0, head, dims, out_row, partial_row, lse_row, out_stride_head, partial_stride_head,
-                     lse_stride_head, SINGLE_SPLIT)
-    if GROUP > 1:
-        _simt_head_store(acc1, m1, l1, head + 1, dims, out_row, partial_row, lse_row, out_stride_head,
-                         partial_stride_head, lse_stride_head, SINGLE_SPLIT)
-    if GROUP > 2:
-        _simt_head_store(acc2, m2, l2, head + 2, dims, out_row, partial_row, lse_row, out_stride_head,
-                         partial_stride_head, lse_stride_head, SINGLE_SPLIT)
-        _simt_head_store(acc3, m3, l3, head + 3, dims, out_row, partial_row, lse_row, out_stride_head,
-                         partial_stride_head, lse_stride_head, SINGLE_SPLIT)
 
 
 @triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
@@ -437,14 +319,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, simt: bool = False) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. simt: the kernel without tensor cores
-    (_decode_split_simt_kernel)."""
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -453,14 +334,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
-    if simt:
-        if group not in SIMT_GROUPS:
-            raise ValueError(f"the simt decode kernel serves {SIMT_GROUPS} query heads a KV head, got {group}")
-        kernel, options = _decode_split_simt_kernel, {}
-    else:
-        kernel = _decode_split_kernel
-        options = dict(BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), PRECISION=_precision(q.dtype))
-    kernel[(num_kv_heads * num_splits, num_seqs)](
+    _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
         scale * LOG2E, num_splits, min_split_len,
@@ -469,8 +343,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
         0 if single else partial_out.stride(2),
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=block_n, SINGLE_SPLIT=single,
-        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **options, **pdl.launch_options(q.device))
+        GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
