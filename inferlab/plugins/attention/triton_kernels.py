@@ -188,24 +188,20 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     sequence) items program_id, program_id + programs, ... in the same order: the kernel then
     holds at most that many program slots, so kernels on another stream can run beside it."""
     pdl.wait_for_inputs(PDL)
-    if not PERSISTENT:
-        _decode_item(tl.program_id(0), tl.program_id(1), q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-                     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, block_tables_ptr, seq_order_ptr,
-                     scale_log2, num_splits, min_split_len, q_stride_token, q_stride_head, out_stride_token,
-                     out_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
-                     partial_stride_seq, partial_stride_head, partial_stride_split, lse_stride_seq,
-                     lse_stride_head, GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, PRECISION, SINGLE_SPLIT,
-                     ORDERED)
-    else:
-        items_per_seq = NUM_KV_HEADS * num_splits
-        for item in range(tl.program_id(0), items_per_seq * num_seqs, tl.num_programs(0)):
-            _decode_item(item % items_per_seq, item // items_per_seq, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-                         partial_out_ptr, partial_lse_ptr, seq_lens_ptr, block_tables_ptr, seq_order_ptr,
-                         scale_log2, num_splits, min_split_len, q_stride_token, q_stride_head, out_stride_token,
-                         out_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
-                         partial_stride_seq, partial_stride_head, partial_stride_split, lse_stride_seq,
-                         lse_stride_head, GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, PRECISION, SINGLE_SPLIT,
-                         ORDERED)
+    items_per_seq = NUM_KV_HEADS * num_splits
+    if PERSISTENT:
+        first, stride = tl.program_id(0), tl.num_programs(0)
+        last = items_per_seq * num_seqs
+    else:  # one item
+        first, stride = tl.program_id(1) * items_per_seq + tl.program_id(0), 1
+        last = first + 1
+    for item in range(first, last, stride):
+        _decode_item(item % items_per_seq, item // items_per_seq, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, block_tables_ptr, seq_order_ptr, scale_log2,
+                     num_splits, min_split_len, q_stride_token, q_stride_head, out_stride_token, out_stride_head,
+                     cache_stride_slot, cache_stride_head, block_tables_stride, partial_stride_seq,
+                     partial_stride_head, partial_stride_split, lse_stride_seq, lse_stride_head,
+                     GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, PRECISION, SINGLE_SPLIT, ORDERED)
 
 
 @triton.jit
