@@ -504,9 +504,7 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
                                seq_lens=seq_lens, context_lens=seq_lens - 1, block_tables=tables, slot_mapping=slots,
                                max_query_len=1, max_seq_len=4096, is_decode=True, block_size=BLOCK_SIZE)
 
-    def chain(lens, first_seq=0, side: torch.cuda.Stream | None = None):
-        if side is not None:
-            return two_batch_chain(lens, first_seq, side)
+    def chain(lens, first_seq=0):
         inputs = inputs_for(lens, first_seq)
         hidden = torch.randn(len(lens), HIDDEN, dtype=torch.bfloat16, device="cuda")
         positions = (inputs.seq_lens - 1).long()
@@ -517,80 +515,6 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
             for layer, kv in zip(stack, caches):
                 h, residual = layer(positions, h, residual, kv, rotary, metadata)
             return h
-        return run
-
-    def two_batch_chain(lens, first_seq, side):
-        """The batch as two micro-batches (every other sequence): each one's attention runs on the
-        current stream while the other's o_proj, MLP and next qkv run on `side`, layer by layer."""
-        parts = [lens[0::2], lens[1::2]]
-        inputs = [inputs_for(parts[0], first_seq), inputs_for(parts[1], first_seq + len(parts[0]))]
-        hiddens = [torch.randn(len(p), HIDDEN, dtype=torch.bfloat16, device="cuda") for p in parts]
-        positions = [(i.seq_lens - 1).long() for i in inputs]
-
-        def run():
-            main = torch.cuda.current_stream()
-            metadata = [backend.build_metadata(i) for i in inputs]
-            state = [[h, None] for h in hiddens]  # per micro-batch: hidden (or q, or attention out), residual
-            keep = []  # every tensor lives to the end, so none is reused while the other stream reads it
-
-            def pre(n, b):
-                layer, (h, r) = stack[n], state[b]
-                x, r = (layer.input_layernorm(h), h) if r is None else layer.input_layernorm(h, r)
-                attn = layer.self_attn
-                qkv = attn.qkv_proj(x)
-                q, k = attn.qk_norm_rope(qkv, positions[b], attn.q_norm.weight, attn.k_norm.weight, rotary.cos_sin,
-                                         attn.q_norm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                         attn.kv_store_target(caches[n], metadata[b]))
-                state[b] = [q, r]
-                keep.extend((x, qkv, q, k))
-
-            def attend(n, b):
-                attn, (q, r) = stack[n].self_attn, state[b]
-                out = backend.forward(q, None, None, caches[n], metadata[b], attn.scale)
-                state[b] = [out, r]
-                keep.append(out)
-
-            def post(n, b):
-                layer, (out, r) = stack[n], state[b]
-                attn = layer.self_attn
-                h = attn.o_proj(out.reshape(-1, attn.num_heads * attn.head_dim))
-                h, r = layer.post_attention_layernorm(h, r)
-                h = layer.mlp(h)
-                state[b] = [h, r]
-                keep.extend((h, r))
-
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                pre(0, 0)
-            main.wait_stream(side)
-            attend(0, 0)
-            a_done = main.record_event()
-            with torch.cuda.stream(side):
-                pre(0, 1)
-                b_ready = side.record_event()
-            last = len(stack) - 1
-            for n in range(len(stack)):
-                main.wait_event(b_ready)
-                attend(n, 1)
-                b_done = main.record_event()
-                with torch.cuda.stream(side):
-                    side.wait_event(a_done)
-                    post(n, 0)
-                    if n < last:
-                        pre(n + 1, 0)
-                    a_ready = side.record_event()
-                if n < last:
-                    main.wait_event(a_ready)
-                    attend(n + 1, 0)
-                    a_done = main.record_event()
-                with torch.cuda.stream(side):
-                    side.wait_event(b_done)
-                    post(n, 1)
-                    if n < last:
-                        pre(n + 1, 1)
-                    b_ready = side.record_event()
-            main.wait_stream(side)
-            return state[0][0], state[1][0]
         return run
     return stack, chain
 

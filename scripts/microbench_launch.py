@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,two_batch] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -26,10 +26,7 @@ CUDA graph.
 - attention_chain: the decoder stack under several attention decode plans (tile, programs a
   multiprocessor, shortest split, order): attention between the other kernels, not back to back.
 - split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
-  replaced (32- or 64-column blocks, K in 2 or 4 parts).
-- two_batch: the decoder stack over two micro-batches, one's attention on the main stream beside
-  the other's o_proj, MLP and next qkv on a second stream, layer by layer; attention persistent
-  at 0 (off) to 3 programs a multiprocessor, so the GEMMs find room beside it."""
+  replaced (32- or 64-column blocks, K in 2 or 4 parts)."""
 import argparse
 import itertools
 import json
@@ -230,29 +227,6 @@ def microbatch_bench(rates, results):
                                                    for k, v in line.items() if k not in ("batch", "floor_us"))
               + f"; floor {line['floor_us']:.0f}", flush=True)
         results["microbatch"].append(line)
-
-
-def two_batch_bench(rates, results):
-    print("\n== decoder stack, two micro-batches: one's attention beside the other's GEMMs (µs; % against one) ==")
-    side_streams = {"equal": torch.cuda.Stream(), "side_high": torch.cuda.Stream(priority=-1)}
-    for gemm_tokens in (64, 256):
-        stack, chain = decoder_stack(LAYERS, triton_gemm_tokens=gemm_tokens)
-        backend = stack[0].self_attn.backend
-        for t, lens in picked_batches((256, 192, 128, 64)):
-            line = {"batch": len(lens), "triton_gemm_tokens": gemm_tokens,
-                    "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-            for persistent in (0, 1, 2, 3):
-                backend.decode_persistent_per_sm = persistent
-                line[f"one p{persistent}"] = graph_time_us(chain(lens), reps=2, replays=7)
-                for kind, side in side_streams.items():
-                    line[f"two {kind} p{persistent}"] = graph_time_us(chain(lens, side=side), reps=2, replays=7)
-            backend.decode_persistent_per_sm = 0
-            base = line["one p0"]
-            print(f"  batch {len(lens):>3} triton_gemm_tokens {gemm_tokens}: floor {line['floor_us']:.0f}; " +
-                  "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)" for k, v in line.items()
-                            if k not in ("batch", "floor_us", "triton_gemm_tokens")), flush=True)
-            results["two_batch"].append(line)
-        del stack, chain
 
 
 # operation -> the (path from a decoder layer, attribute) callables that freezing it replaces
@@ -474,8 +448,7 @@ def main():
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "two_batch": two_batch_bench}
+             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

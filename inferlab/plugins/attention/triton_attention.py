@@ -56,10 +56,6 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # 0: one decode program per (sequence, KV head, split). N > 0: a persistent grid of N programs a
-    # multiprocessor that loop over those items, so the kernel holds at most N program slots per
-    # multiprocessor and kernels on another stream (a second micro-batch's GEMMs) can run beside it.
-    decode_persistent_per_sm: int = 0
 
 
 @dataclass(slots=True)
@@ -86,8 +82,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 decode_persistent_per_sm: int = TritonAttentionOptions.decode_persistent_per_sm):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -102,15 +97,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("decode_persistent_per_sm", decode_persistent_per_sm, range(0, 65))):
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.decode_persistent_per_sm = decode_persistent_per_sm
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
@@ -163,16 +156,7 @@ class TritonAttention:
         return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order, self._persistent_programs(q.device))
-
-
-    def _persistent_programs(self, device: torch.device) -> int:
-        if not self.decode_persistent_per_sm:
-            return 0
-        if device.type != "cuda":
-            return self.decode_persistent_per_sm * 2  # the interpreter: a few programs, each looping
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return self.decode_persistent_per_sm * self.kernels.num_multiprocessors(index)
+                                    self.decode_num_stages, metadata.seq_order)
 
 
 @hookimpl

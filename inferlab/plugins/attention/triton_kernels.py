@@ -22,8 +22,8 @@ MIN_DOT_ROWS = 16
 # Integer arguments that change from step to step are not specialized on (== 1, divisible by 16):
 # otherwise each new combination would compile a kernel variant in the middle of a run.
 PREFILL_RUNTIME_INTS = ["block_tables_stride"]
-DECODE_RUNTIME_INTS = ["num_splits", "min_split_len", "num_seqs", "block_tables_stride", "partial_stride_seq",
-                       "partial_stride_head", "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
+DECODE_RUNTIME_INTS = ["num_splits", "min_split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
+                       "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
 REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
 
 
@@ -164,15 +164,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                          seq_lens_ptr, block_tables_ptr, seq_order_ptr,
-                         scale_log2, num_splits, min_split_len, num_seqs,
+                         scale_log2, num_splits, min_split_len,
                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
                          cache_stride_slot, cache_stride_head, block_tables_stride,
                          partial_stride_seq, partial_stride_head, partial_stride_split,
                          lse_stride_seq, lse_stride_head,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                         PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -182,41 +181,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     The grid is (KV heads x splits, sequences), so the GPU starts all of a sequence's programs
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
-    last wave, so the multiprocessors finish together instead of waiting on one long sequence.
-
-    PERSISTENT: the grid is (programs,) instead, each program taking the (KV head x split,
-    sequence) items program_id, program_id + programs, ... in the same order: the kernel then
-    holds at most that many program slots, so kernels on another stream can run beside it."""
+    last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
     pdl.wait_for_inputs(PDL)
-    items_per_seq = NUM_KV_HEADS * num_splits
-    if PERSISTENT:
-        first, stride = tl.program_id(0), tl.num_programs(0)
-        last = items_per_seq * num_seqs
-    else:  # one item
-        first, stride = tl.program_id(1) * items_per_seq + tl.program_id(0), 1
-        last = first + 1
-    for item in range(first, last, stride):
-        _decode_item(item % items_per_seq, item // items_per_seq, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-                     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, block_tables_ptr, seq_order_ptr, scale_log2,
-                     num_splits, min_split_len, q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                     cache_stride_slot, cache_stride_head, block_tables_stride, partial_stride_seq,
-                     partial_stride_head, partial_stride_split, lse_stride_seq, lse_stride_head,
-                     GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, PRECISION, SINGLE_SPLIT, ORDERED)
-
-
-@triton.jit
-def _decode_item(head_split, seq_index, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                 seq_lens_ptr, block_tables_ptr, seq_order_ptr, scale_log2, num_splits, min_split_len,
-                 q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                 cache_stride_slot, cache_stride_head, block_tables_stride,
-                 partial_stride_seq, partial_stride_head, partial_stride_split, lse_stride_seq, lse_stride_head,
-                 GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr):
-    """_decode_split_kernel's work for one item: KV head x split head_split of the seq_index-th
-    sequence (in seq_order's order with ORDERED)."""
-    kv_head = head_split // num_splits
-    split = head_split % num_splits
-    seq = seq_index
+    kv_head = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
     if ORDERED:
         seq = tl.load(seq_order_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
@@ -326,7 +295,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
 
 
 @functools.lru_cache(maxsize=None)
-def num_multiprocessors(device_index: int) -> int:
+def _num_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -338,7 +307,7 @@ def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_spli
     num_seqs = q.shape[0]
     if q.device.type == "cuda":
         index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        target_programs = programs_per_sm * num_multiprocessors(index)
+        target_programs = programs_per_sm * _num_multiprocessors(index)
     else:
         target_programs = 4  # the interpreter: a few splits, so the tests exercise the reduction
     wanted = -(-target_programs // max(1, num_seqs * num_kv_heads))
@@ -350,14 +319,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
                  block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
                  partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
                  min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None, programs: int = 0) -> torch.Tensor:
+                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing. programs > 0: a persistent grid of at most that many
-    programs, which leaves the rest of the GPU to kernels on other streams."""
+    sequences in; it changes only the timing."""
     num_seqs, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -366,13 +334,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
-    persistent = programs > 0
-    grid = (max(1, min(programs, num_kv_heads * num_splits * num_seqs)),) if persistent else \
-        (num_kv_heads * num_splits, num_seqs)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
-        scale * LOG2E, num_splits, min_split_len, num_seqs,
+        scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
@@ -380,8 +345,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
         GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, NUM_KV_HEADS=num_kv_heads, PERSISTENT=persistent, num_warps=num_warps,
-        num_stages=num_stages, **pdl.launch_options(q.device))
+        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_lse,
