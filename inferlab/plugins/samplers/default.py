@@ -19,7 +19,7 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     x = x ^ (x >> 13)
     x = (x * 0xC2B2AE35) & MASK32
     x = x ^ (x >> 16)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
@@ -50,9 +50,9 @@ class DefaultSampler:
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         if params.all_greedy:
             return logits.argmax(dim=-1)
-        sampling = params.temperatures > 0
         temperatures = params.temperatures
         if params.any_top_k or params.any_top_p or params.any_min_p:
+            sampling = temperatures > 0
             inverse = 1.0 / torch.where(sampling, temperatures, 1.0)
             logits = filter_logits(logits.float() * inverse[:, None], params)
             temperatures = sampling.float()  # already scaled; 0 keeps greedy rows greedy
