@@ -86,7 +86,8 @@ def workload_decode_batches(every: int):
         yield t, prompt_lens[active] + t
 
 
-def attention_bench(rates, results, every: int = 40, quick: bool = False, warps: tuple[int, ...] = (4, 8)):
+def attention_bench(rates, results, every: int = 40, quick: bool = False, warps: tuple[int, ...] = (4, 8),
+                    stages: tuple[int, ...] = (2, 3, 4), tiles: tuple[int, ...] = (64, 128)):
     """The split decode kernel over the bench workload's own decode batches (every `every` steps),
     for each kernel configuration and split plan; flash-attn's paged decode beside it. The total
     over the sampled steps says which configuration serves the whole run best."""
@@ -102,7 +103,7 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
     if quick:  # the default tile: the split plan and the order
         configs = list(itertools.product((128,), (4,), (3,), (4, 8, 12, 16, 24), ("batch", "longest_first")))
     else:  # tiles, warps and stages (2 or 3 programs a multiprocessor fit at 64 keys and 2-3 stages)
-        configs = list(itertools.product((64, 128), warps, (2, 3, 4), (4, 8, 16), ("longest_first",)))
+        configs = list(itertools.product(tiles, warps, stages, (4, 8, 16), ("longest_first",)))
     totals = {c: 0.0 for c in configs}
     flash_total = floor_total = 0.0
     print(f"\n== decode attention over the workload's decode batches, every {every} steps (µs) ==")
@@ -626,7 +627,10 @@ def main():
                         help="attention: sweep only the split plan and order; prefill: whole-group programs, 2 stages")
     parser.add_argument("--warps", default="4,8",
                         help="warps a program to sweep in attention (without --quick) and prefill, comma-separated")
+    parser.add_argument("--stages", default="2,3,4", help="attention (without --quick): pipeline stages to sweep")
+    parser.add_argument("--tiles", default="64,128", help="attention (without --quick): keys a tile to sweep")
     args = parser.parse_args()
+    ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
     results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": [],
@@ -636,8 +640,11 @@ def main():
              "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
-            if part in ("attention", "prefill"):
-                parts[part](rates, results, quick=args.quick, warps=tuple(int(w) for w in args.warps.split(",")))
+            if part == "attention":
+                attention_bench(rates, results, quick=args.quick, warps=ints(args.warps), stages=ints(args.stages),
+                                tiles=ints(args.tiles))
+            elif part == "prefill":
+                prefill_bench(rates, results, quick=args.quick, warps=ints(args.warps))
             else:
                 parts[part](rates, results)
     if args.out:
