@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -26,7 +26,9 @@ CUDA graph.
 - attention_chain: the decoder stack under several attention decode plans (tile, programs a
   multiprocessor, shortest split, order): attention between the other kernels, not back to back.
 - split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
-  replaced (32- or 64-column blocks, K in 2 or 4 parts)."""
+  replaced (32- or 64-column blocks, K in 2 or 4 parts).
+- barrier: a grid-wide barrier inside one persistent kernel (what a layer's kernel boundary would
+  cost in a single decode-layer kernel) against a boundary between tiny kernels, plain and PDL."""
 import argparse
 import itertools
 import json
@@ -358,6 +360,55 @@ def split_k_plans_bench(rates, results):
         split_k_kernel.plan = original
 
 
+@triton.jit
+def _grid_barrier_kernel(counter_ptr, out_ptr, rounds):
+    """Every program passes `rounds` grid-wide barriers: one thread arrives by an atomic add
+    (release), then polls the count (acquire) until all programs of this round have arrived. All
+    programs must be resident at once (the grid at most the GPU's capacity)."""
+    programs = tl.num_programs(0)
+    seen = 0
+    for r in range(rounds):
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        target = (r + 1) * programs
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    tl.store(out_ptr + tl.program_id(0), seen)
+
+
+@triton.jit
+def _tiny_kernel(out_ptr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + tl.program_id(0), tl.program_id(0))
+
+
+def barrier_bench(rates, results):
+    """What a layer boundary would cost inside one persistent kernel (a grid-wide barrier) against
+    between kernels (a chain of tiny kernels in a graph, plain and with PDL), per boundary."""
+    print("\n== a grid-wide barrier against a kernel boundary (µs each, 280 in a row) ==")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.zeros(4 * sms, dtype=torch.int32, device="cuda")
+    for per_sm in (1, 2):
+        programs = per_sm * sms
+
+        def barriers():
+            counter.zero_()
+            _grid_barrier_kernel[(programs,)](counter, out, 280, num_warps=4)
+        line = {"programs": programs, "barrier_us": graph_time_us(barriers, reps=1, replays=11) / 280}
+        assert int(out[0]) == 280 * programs, (int(out[0]), 280 * programs)
+        for use_pdl in (False, True):
+            def kernels():
+                for _ in range(280):
+                    _tiny_kernel[(programs,)](out, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+            line["pdl_kernel_us" if use_pdl else "kernel_us"] = graph_time_us(kernels, reps=1, replays=11) / 280
+        print(f"  {programs} programs: barrier {line['barrier_us']:.2f}, kernel boundary {line['kernel_us']:.2f}, "
+              f"with PDL {line['pdl_kernel_us']:.2f}", flush=True)
+        results["barrier"].append(line)
+
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -448,7 +499,8 @@ def main():
     parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench}
+             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
+             "barrier": barrier_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
