@@ -46,6 +46,7 @@ from microbench_gpu import HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
+from inferlab.plugins.pdl import wait_for_inputs  # noqa: E402
 
 LAYERS = 28
 SHAPES = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, NUM_HEADS * HEAD_DIM),
@@ -73,9 +74,7 @@ def _norm_kernel(x_ptr, weight_ptr, out_ptr, next_ptr, next_bytes, width, eps, B
         share = tl.cdiv(next_bytes, tl.num_programs(0) * CHUNK * THREADS) * CHUNK * THREADS
         for start in range(row * share, tl.minimum((row + 1) * share, next_bytes), CHUNK * THREADS):
             l2_prefetch(next_ptr, start, next_bytes, CHUNK, THREADS)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
@@ -104,9 +103,7 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: t
             slab = BLOCK_N * K * 2
             for start in range(pid_n * slab, (pid_n + 1) * slab, CHUNK * THREADS):
                 l2_prefetch(w_ptr, start, (pid_n + 1) * slab, CHUNK, THREADS)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -378,9 +375,7 @@ def _grid_barrier_kernel(counter_ptr, out_ptr, rounds):
 
 @triton.jit
 def _tiny_kernel(out_ptr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(PDL)
     tl.store(out_ptr + tl.program_id(0), tl.program_id(0))
 
 
