@@ -9,6 +9,8 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   when it imports. Floor: the batch's K/V bytes over the measured bandwidth.
 - linear: the four projections of a Qwen3-0.6B layer and the LM head at decode batch sizes, through
   cuBLAS and cuBLASLt. Floor: the larger of weight bytes over bandwidth and FLOPs over the matmul rate.
+- cublaslt: every algorithm cuBLASLt's heuristic offers for the projections and LM head cuBLAS runs at
+  decode batches, against F.linear (which runs the heuristic's first).
 - linear_candidates: split-K Triton GEMMs (pointer loads, TMA descriptors) against cuBLAS, each
   weight one of a ring of 28 as in the model.
 - wide_tiles: qkv and gate_up at 128 and 256 tokens, cuBLAS against the engine's Triton GEMM over
@@ -25,6 +27,7 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   two halves on two streams (could two micro-batches hide each other's small kernels?).
 Prints tables; --out writes them as JSON."""
 import argparse
+import ctypes
 import itertools
 import json
 import os
@@ -196,6 +199,149 @@ def linear_bench(rates, results):
             print(f"  {name:<8} {library:<8} " + "  ".join(line))
     torch.backends.cuda.preferred_blas_library(default)
 
+
+
+class CublasLt:
+    """Just enough of cuBLASLt through ctypes to list the algorithms its heuristic offers for a bf16
+    y[m, n] = x[m, k] @ w[n, k].T and to run any one of them (torch runs only the first)."""
+
+    class Algo(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+    class Heuristic(ctypes.Structure):
+        _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                    ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+    BF16, F32, COMPUTE_32F, DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 14, 0, 68, 3, 4, 1
+    WORKSPACE = 32 << 20
+
+    def __init__(self):
+        import glob
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        names = ["libcublasLt.so.13", "libcublasLt.so.12"] + sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib",
+                                                                                            "libcublasLt.so*")))
+        for name in names:
+            try:
+                self.lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise OSError(f"libcublasLt not found (tried {names})")
+        v = ctypes.c_void_p
+        self.lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(v), ctypes.c_int, ctypes.c_uint64,
+                                                        ctypes.c_uint64, ctypes.c_int64]
+        self.lib.cublasLtMatmulDescSetAttribute.argtypes = [v, ctypes.c_int, v, ctypes.c_size_t]
+        self.lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [v, ctypes.c_int, v, ctypes.c_size_t]
+        self.lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [v, v, v, v, v, v, v, ctypes.c_int, v,
+                                                            ctypes.POINTER(ctypes.c_int)]
+        self.lib.cublasLtMatmul.argtypes = [v, v, v, v, v, v, v, v, v, v, v, v, v, v, ctypes.c_size_t, v]
+        self.lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [v, ctypes.c_int, v, ctypes.c_size_t,
+                                                                  ctypes.POINTER(ctypes.c_size_t)]
+        self.handle = v()
+        self._check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace = torch.empty(self.WORKSPACE, dtype=torch.uint8, device="cuda")
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._shapes = {}
+
+    @staticmethod
+    def _check(status, what):
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cublasStatus {status}")
+
+    def _layout(self, rows, cols, ld):
+        layout = ctypes.c_void_p()
+        self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), self.BF16, rows, cols, ld), "layout")
+        return layout
+
+    def _descriptors(self, m, n, k):
+        """Column-major view of the row-major product: y.T [n, m] = w [n, k] (stored as k x n, transposed)
+        times x.T [k, m]."""
+        if (m, n, k) not in self._shapes:
+            desc = ctypes.c_void_p()
+            self._check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), self.COMPUTE_32F, self.F32), "desc")
+            for attr, op in ((self.DESC_TRANSA, 1), (self.DESC_TRANSB, 0)):
+                value = ctypes.c_int32(op)
+                self._check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), 4), "trans")
+            self._shapes[m, n, k] = (desc, self._layout(k, n, k), self._layout(k, m, k), self._layout(n, m, n))
+        return self._shapes[m, n, k]
+
+    def algorithms(self, m, n, k, count=64):
+        """The heuristic's algorithms for this shape, best guess first (the first is torch's)."""
+        desc, a, b, c = self._descriptors(m, n, k)
+        pref = ctypes.c_void_p()
+        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        size = ctypes.c_uint64(self.WORKSPACE)
+        self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, self.PREF_MAX_WORKSPACE, ctypes.byref(size), 8),
+                    "workspace")
+        results = (self.Heuristic * count)()
+        found = ctypes.c_int(0)
+        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, count, results,
+                                                            ctypes.byref(found)), "heuristic")
+        self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [results[i] for i in range(found.value) if results[i].state == 0]
+
+    def describe(self, heuristic):
+        """The algorithm's id, tile, split-K, stages and cluster shape ids, and the heuristic's waves."""
+        fields = []
+        for name, attr in (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6), ("cluster", 8)):
+            value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(heuristic.algo), attr,
+                                                                   ctypes.byref(value), 4, ctypes.byref(written))
+            fields.append(f"{name}{value.value if status == 0 else '?'}")
+        return " ".join(fields) + f" waves{heuristic.waves:.2f}"
+
+    def matmul(self, x, w, y, heuristic):
+        m, k = x.shape
+        n = w.shape[0]
+        desc, a, b, c = self._descriptors(m, n, k)
+        self._check(self.lib.cublasLtMatmul(
+            self.handle, desc, ctypes.byref(self.alpha), w.data_ptr(), a, x.data_ptr(), b, ctypes.byref(self.beta),
+            y.data_ptr(), c, y.data_ptr(), c, ctypes.byref(heuristic.algo), self.workspace.data_ptr(),
+            min(heuristic.workspace_size, self.WORKSPACE), torch.cuda.current_stream().cuda_stream), "matmul")
+        return y
+
+
+def cublaslt_bench(rates, results):
+    """Every algorithm cuBLASLt's heuristic offers for the decode projections cuBLAS runs in the model
+    (qkv and gate_up above 64 tokens, the LM head at every batch), timed over the ring of 28 cold
+    weights in one graph, against torch's F.linear (the heuristic's first). Is a better algorithm
+    than the one torch runs there to be had?"""
+    print("\n== cuBLASLt's heuristic algorithms against F.linear, cold weights (µs a GEMM) ==")
+    lt = CublasLt()
+    shapes = {"qkv": (4096, HIDDEN, (64, 96, 128, 160, 192, 224, 256)),
+              "gate_up": (2 * INTER, HIDDEN, (64, 96, 128, 160, 192, 224, 256)),
+              "o": (HIDDEN, 2048, (64, 128, 256)), "down": (HIDDEN, INTER, (64, 128, 256)),
+              "lm_head": (VOCAB, HIDDEN, (1, 16, 32, 64, 128, 192, 256))}
+    for name, (n, k, batches) in shapes.items():
+        weights = weight_ring(n, k, 2 if name == "lm_head" else 28)
+        for m in batches:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            reference = F.linear(x, weights[0])
+            torch_us = cublas_ring_us(x, weights)
+            floor = gemm_floor_us(rates, m, n, k)
+            timed = []
+            for rank, heuristic in enumerate(lt.algorithms(m, n, k)):
+                try:
+                    lt.matmul(x, weights[0], y, heuristic)
+                    err = (y.float() - reference.float()).abs().max().item()
+                    us = graph_time_us(lambda: [lt.matmul(x, w, y, heuristic) for w in weights], reps=1,
+                                       replays=11) / len(weights)
+                except RuntimeError as e:
+                    print(f"    skip {name} M={m} algorithm {rank}: {e}")
+                    continue
+                timed.append((us, rank, lt.describe(heuristic), err))
+            timed.sort()
+            first = next((t for t in timed if t[1] == 0), None)
+            results.setdefault("cublaslt", []).append({
+                "layer": name, "m": m, "torch_us": torch_us, "floor_us": floor,
+                "algorithms": [{"us": us, "rank": rank, "config": config, "max_err": err}
+                               for us, rank, config, err in timed]})
+            best = "  ".join(f"#{rank} {us:.2f} ({config}, err {err:.3f})" for us, rank, config, err in timed[:3])
+            print(f"  {name:<8} M={m:<4} F.linear {torch_us:6.2f}  heuristic #0 "
+                  f"{first[0] if first else float('nan'):6.2f}  of {len(timed)}, best: {best}  floor {floor:.2f}",
+                  flush=True)
 
 @triton.jit
 def _splitk_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, stride_ys,
@@ -637,7 +783,8 @@ def main():
                "overlap": [], "sampling": []}
     parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
              "wide_tiles": wide_tiles_bench, "prefill": prefill_bench, "elementwise": elementwise_bench,
-             "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench}
+             "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench,
+             "cublaslt": cublaslt_bench}
     with torch.inference_mode():
         for part in args.only.split(","):
             if part == "attention":

@@ -23,6 +23,18 @@ ONE_MINUS_HALF_ULP: tl.constexpr = tl.constexpr(1.0 - 2.0 ** -24)
 
 
 @triton.jit
+def gumbel_noise(x, FAST_LOG: tl.constexpr):
+    """-log(-log(u)) for the uniform u = (top 23 bits of the 32-bit hash x + 0.5) / 2^23."""
+    # u without an int-to-float conversion (a quarter-rate instruction, like the two logs):
+    # 1.m as float bits, minus 1 - 2^-24, exact
+    u = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - ONE_MINUS_HALF_ULP
+    if FAST_LOG:
+        return -LN2 * libdevice.fast_log2f(-LN2 * libdevice.fast_log2f(u))
+    else:
+        return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, best_ptr, index_ptr,
                           vocab_size, chunk_size, num_chunks, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
                           PDL: tl.constexpr):
@@ -51,13 +63,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps
         x = x ^ (x >> 13)
         x = x * 0xC2B2AE35
         x = x ^ (x >> 16)
-        # (top 23 bits + 0.5) / 2^23 without an int-to-float conversion (a quarter-rate
-        # instruction, like the two logs): 1.m as float bits, minus 1 - 2^-24, exact
-        u = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - ONE_MINUS_HALF_ULP
-        if FAST_LOG:
-            gumbel = -LN2 * libdevice.fast_log2f(-LN2 * libdevice.fast_log2f(u))
-        else:
-            gumbel = -tl.log(-tl.log(u))
+        gumbel = gumbel_noise(x, FAST_LOG)
         score = tl.where(greedy, logit, logit * inv_t + gumbel)
         score = tl.where(valid, score, float("-inf"))
         better = score > best
