@@ -5,8 +5,9 @@ instead of a dozen elementwise passes over [batch, vocab] in torch.
 Compiled, the two logs of the Gumbel noise are the GPU's approximate log2 (one instruction each):
 Triton's accurate log takes about twenty instructions, and with two of them a row element the
 kernel was bound by arithmetic, not by reading the logits (107 µs for 256 rows of 151,936 on an
-H200, where torch's plain argmax takes 54 µs). The noise then differs from the torch reference in
-the last bits, which moves a token only at a near-tie. Under Triton's interpreter (CPU tests),
+H200, where torch's plain argmax takes 54 µs). The noise then differs from the torch reference by
+at most about 6e-6 (near u = 1 the inner log takes a series, see gumbel_noise), which moves a token
+only at a near-tie. Under Triton's interpreter (CPU tests),
 which lacks the fast log, the kernel takes the exact one and matches the reference token for token.
 """
 
@@ -29,7 +30,13 @@ def gumbel_noise(x, FAST_LOG: tl.constexpr):
     # 1.m as float bits, minus 1 - 2^-24, exact
     u = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - ONE_MINUS_HALF_ULP
     if FAST_LOG:
-        return -LN2 * libdevice.fast_log2f(-LN2 * libdevice.fast_log2f(u))
+        # The fast log2's absolute error (about 2^-22) swamps log(u) for u near 1, where the largest
+        # noise comes from (it read 18.6 for 16.6 at the top). Below 2^-7, -log(1 - t) takes its
+        # series t + t^2/2 + t^3/3 instead (t = 1 - u is exact there): every one of the 2^23 values
+        # is then within 6e-6 of float64 (BENCHMARKS.md item 72).
+        t = 1.0 - u
+        minus_log_u = tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -LN2 * libdevice.fast_log2f(u))
+        return -LN2 * libdevice.fast_log2f(minus_log_u)
     else:
         return -tl.log(-tl.log(u))
 
