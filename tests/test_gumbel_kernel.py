@@ -85,10 +85,10 @@ NOISE_CHECK = textwrap.dedent("""
     out = torch.empty(n, device="cuda")
     noise_kernel[(n // 1024,)](out, BLOCK=1024)
     u = (torch.arange(n, device="cuda", dtype=torch.float64) + 0.5) / n
-    error = (out.double() + torch.log2(-torch.log2(u))).abs()
+    error = (out.double() + torch.log(-torch.log(u))).abs()
     assert torch.isfinite(out).all()
     assert error.max().item() < 1e-5, (error.max().item(), u[error.argmax()].item())
-    assert out.argmax().item() == n - 1, out.topk(3)  # the top uniform draws the largest noise
+    assert abs(out[-1].item() - 16.6355) < 1e-3, out[-1].item()  # the largest noise the kernel can draw
     print("ok")
 """)
 
@@ -97,7 +97,7 @@ NOISE_CHECK = textwrap.dedent("""
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_noise_is_close_to_exact_for_every_uniform(tmp_path):
     """The hash's top 23 bits give 2^23 possible uniforms: the compiled noise (fast logs) of every
-    one is finite and within 1e-5 of -log2(-log2(u)) in float64, the top of the range included. (A
+    one is finite and within 1e-5 of -log(-log(u)) in float64, the top of the range included. (A
     script file of its own: Triton compiles from a kernel's source, and this file imports no triton.)"""
     script = tmp_path / "noise_check.py"
     script.write_text(NOISE_CHECK)

@@ -8,9 +8,6 @@ from inferlab.core.hookspecs import hookimpl
 MASK32 = 0xFFFFFFFF
 
 
-LOG2E = 1.4426950408889634
-
-
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniforms in (0, 1), [N, vocab], from a 32-bit integer hash of (seed, step, token index):
     the same seed and step give the same noise on any device and in any batch."""
@@ -67,12 +64,11 @@ class DefaultSampler:
 
 def gumbel_argmax_reference(logits, temperatures, seeds, steps) -> torch.Tensor:
     """argmax(logits / T + Gumbel(seed, step)) per row, plain argmax where T == 0 (the fused CUDA
-    kernel computes the same). In log2 units, as the kernel: logits * log2(e) / T - log2(-log2(u))
-    is that score over ln 2 plus a constant, so its argmax is the same token."""
+    kernel computes the same)."""
     sampling = temperatures > 0
-    scale = 1.0 / torch.where(sampling, temperatures, 1.0) * LOG2E
-    noise = -torch.log2(-torch.log2(counter_uniform(seeds, steps, logits.shape[-1])))
-    sampled = (logits.float() * scale[:, None] + noise).argmax(dim=-1)
+    inverse = 1.0 / torch.where(sampling, temperatures, 1.0)
+    gumbel = -torch.log(-torch.log(counter_uniform(seeds, steps, logits.shape[-1])))
+    sampled = (logits.float() * inverse[:, None] + gumbel).argmax(dim=-1)
     return torch.where(sampling, sampled, logits.argmax(dim=-1))
 
 

@@ -6,7 +6,7 @@ Compiled, the two logs of the Gumbel noise are the GPU's approximate log2 (one i
 Triton's accurate log takes about twenty instructions, and with two of them a row element the
 kernel was bound by arithmetic, not by reading the logits (107 µs for 256 rows of 151,936 on an
 H200, where torch's plain argmax takes 54 µs). The noise then differs from the torch reference by
-at most about 1e-5 (near u = 1 the inner log takes a series, see gumbel_noise), which moves a token
+at most about 6e-6 (near u = 1 the inner log takes a series, see gumbel_noise), which moves a token
 only at a near-tie. Under Triton's interpreter (CPU tests),
 which lacks the fast log, the kernel takes the exact one and matches the reference token for token.
 """
@@ -19,29 +19,26 @@ from triton.language.extra import libdevice
 from inferlab.plugins import pdl
 from inferlab.plugins.pdl import INTERPRETED
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 ONE_MINUS_HALF_ULP: tl.constexpr = tl.constexpr(1.0 - 2.0 ** -24)
 
 
 @triton.jit
 def gumbel_noise(x, FAST_LOG: tl.constexpr):
-    """Gumbel noise in log2 units, -log2(-log2(u)), for the uniform u = (top 23 bits of the 32-bit
-    hash x + 0.5) / 2^23: the natural -log(-log(u)) over ln 2, plus a constant. With the logits
-    scaled by log2(e) / T, the argmax is the natural one's, and neither log needs a multiply by ln 2."""
+    """-log(-log(u)) for the uniform u = (top 23 bits of the 32-bit hash x + 0.5) / 2^23."""
     # u without an int-to-float conversion (a quarter-rate instruction, like the two logs):
     # 1.m as float bits, minus 1 - 2^-24, exact
     u = ((x >> 9) | 0x3F800000).to(tl.float32, bitcast=True) - ONE_MINUS_HALF_ULP
     if FAST_LOG:
-        # The fast log2's absolute error (about 2^-22) swamps log2(u) for u near 1, where the
-        # largest noise comes from (in natural units it read 18.6 for 16.6 at the top). Below
-        # t = 1 - u = 2^-7 (t exact there), -log2(u) takes its series log2(e) (t + t^2/2 + t^3/3):
-        # every one of the 2^23 values is then within 1e-5 of float64 (BENCHMARKS.md item 72).
+        # The fast log2's absolute error (about 2^-22) swamps log(u) for u near 1, where the largest
+        # noise comes from (it read 18.6 for 16.6 at the top). Below 2^-7, -log(1 - t) takes its
+        # series t + t^2/2 + t^3/3 instead (t = 1 - u is exact there): every one of the 2^23 values
+        # is then within 6e-6 of float64 (BENCHMARKS.md item 72).
         t = 1.0 - u
-        minus_log2_u = tl.where(t < 0.0078125, t * (LOG2E + t * (LOG2E / 2 + t * (LOG2E / 3))),
-                                -libdevice.fast_log2f(u))
-        return -libdevice.fast_log2f(minus_log2_u)
+        minus_log_u = tl.where(t < 0.0078125, t * (1.0 + t * (0.5 + t * 0.33333334)), -LN2 * libdevice.fast_log2f(u))
+        return -LN2 * libdevice.fast_log2f(minus_log_u)
     else:
-        return -tl.log2(-tl.log2(u))
+        return -tl.log(-tl.log(u))
 
 
 @triton.jit
@@ -54,7 +51,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     greedy = temperature == 0
-    scale = 1.0 / tl.where(greedy, 1.0, temperature) * LOG2E  # log2 units, see gumbel_noise
+    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     # low 32 bits of seed and step, as the torch reference masks them
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     step = tl.load(steps_ptr + row).to(tl.uint32)
@@ -74,7 +71,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps
         x = x * 0xC2B2AE35
         x = x ^ (x >> 16)
         gumbel = gumbel_noise(x, FAST_LOG)
-        score = tl.where(greedy, logit, logit * scale + gumbel)
+        score = tl.where(greedy, logit, logit * inv_t + gumbel)
         score = tl.where(valid, score, float("-inf"))
         better = score > best
         best = tl.where(better, score, best)
