@@ -325,6 +325,7 @@ class ModelRunner:
         self._sampling_cache = (key, tensors)
         return tensors
 
+
 class StepHandle:
     """A launched step. tokens() waits for its samples; placeholders() names them before they
     exist, so the engine can schedule the next step while this one runs on the device."""
