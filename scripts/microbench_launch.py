@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -27,6 +27,8 @@ CUDA graph.
   multiprocessor, shortest split, order): attention between the other kernels, not back to back.
 - split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
   replaced (32- or 64-column blocks, K in 2 or 4 parts).
+- side_prefetch: the decoder stack with a side stream that asks L2 for the layer's gate_up and down
+  weights (and the next layer's qkv) once its attention is done, a few kernels before they are read.
 - barrier: a grid-wide barrier inside one persistent kernel (what a layer's kernel boundary would
   cost in a single decode-layer kernel) against a boundary between tiny kernels, plain and PDL."""
 import argparse
@@ -404,6 +406,79 @@ def barrier_bench(rates, results):
         results["barrier"].append(line)
 
 
+@triton.jit
+def _prefetch_kernel(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
+    """Each program asks L2 for its share of total_bytes from ptr, then exits."""
+    share = tl.cdiv(total_bytes, tl.num_programs(0) * CHUNK * THREADS) * CHUNK * THREADS
+    pid = tl.program_id(0)
+    for start in range(pid * share, tl.minimum((pid + 1) * share, total_bytes), CHUNK * THREADS):
+        l2_prefetch(ptr, start, total_bytes, CHUNK, THREADS)
+
+
+def side_prefetch_bench(rates, results):
+    """The decoder stack with a side stream that, once a layer's attention is done (just before its
+    o_proj), asks L2 for weights the layer's later GEMMs read: the GEMMs after attention are
+    latency-bound at decode batches (their weights stream at about a third of the bandwidth), so a
+    prefetch issued a few kernels ahead could use the idle bandwidth. The side stream's kernel is
+    one warp a multiprocessor and returns at once; the stream joins the main one at the end."""
+    print("\n== decoder stack, weights asked of L2 from a side stream after attention (µs; % against none) ==")
+    stack, chain = decoder_stack(LAYERS)
+    side = torch.cuda.Stream()
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def prefetch(weight):
+        _prefetch_kernel[(programs,)](weight, weight.numel() * weight.element_size(), CHUNK=4096, THREADS=32,
+                                      num_warps=1)
+
+    def targets(i, plan):
+        layer, after = stack[i], stack[i + 1] if i + 1 < len(stack) else None
+        weights = [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+        if plan == "gate_up, down, next qkv" and after is not None:
+            weights.append(after.self_attn.qkv_proj.weight)
+        return weights
+
+    def hook(plan):
+        undo = []
+        for i, layer in enumerate(stack):
+            o_proj = layer.self_attn.o_proj
+            original = o_proj.forward
+            weights = targets(i, plan)
+
+            def forward(x, _original=original, _weights=weights):
+                side.wait_stream(torch.cuda.current_stream())  # after the layer's attention
+                with torch.cuda.stream(side):
+                    for w in _weights:
+                        prefetch(w)
+                return _original(x)
+            o_proj.forward = forward
+            undo.append(o_proj)
+        return undo
+
+    def joined(run):
+        def call():
+            out = run()
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        return call
+
+    plans = ["none", "gate_up, down", "gate_up, down, next qkv"]
+    for t, lens in picked_batches():
+        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
+        for round_ in range(2):
+            for plan in plans:
+                undo = hook(plan) if plan != "none" else []
+                try:
+                    us = graph_time_us(joined(chain(lens)), reps=2, replays=9)
+                finally:
+                    for module in undo:
+                        del module.forward  # the class's method again
+                line.setdefault(plan, []).append(us)
+        base = min(line["none"])
+        print(f"  batch {len(lens):>3}: " + "; ".join(
+            f"{plan} " + "/".join(f"{v:6.0f}" for v in line[plan]) + f" ({100 * (min(line[plan]) - base) / base:+.1f}%)"
+            for plan in plans) + f"; floor {line['floor_us']:.0f}", flush=True)
+        results["side_prefetch"].append(line)
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -495,7 +570,7 @@ def main():
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
              "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "barrier": barrier_bench}
+             "barrier": barrier_bench, "side_prefetch": side_prefetch_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
