@@ -479,6 +479,7 @@ def side_prefetch_bench(rates, results):
             for plan in plans) + f"; floor {line['floor_us']:.0f}", flush=True)
         results["side_prefetch"].append(line)
 
+
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
