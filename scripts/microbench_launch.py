@@ -446,6 +446,7 @@ def side_prefetch_bench(rates, results):
 
             def forward(x, _original=original, _weights=weights):
                 side.wait_stream(torch.cuda.current_stream())  # after the layer's attention
+                forked[0] = True
                 with torch.cuda.stream(side):
                     for w in _weights:
                         prefetch(w)
@@ -454,10 +455,14 @@ def side_prefetch_bench(rates, results):
             undo.append(o_proj)
         return undo
 
+    forked = [False]
+
     def joined(run):
         def call():
             out = run()
-            torch.cuda.current_stream().wait_stream(side)
+            if forked[0]:  # join only a stream this run forked (a capture may not wait on outside work)
+                torch.cuda.current_stream().wait_stream(side)
+                forked[0] = False
             return out
         return call
 
