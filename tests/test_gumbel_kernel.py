@@ -69,7 +69,6 @@ def test_compiled_kernel_matches_reference_on_gpu():
         assert (got == want).float().mean().item() > 0.99, (got != want).sum()
 
 
-
 NOISE_CHECK = textwrap.dedent("""
     import torch
     import triton

@@ -7,8 +7,8 @@ Triton's accurate log takes about twenty instructions, and with two of them a ro
 kernel was bound by arithmetic, not by reading the logits (107 µs for 256 rows of 151,936 on an
 H200, where torch's plain argmax takes 54 µs). The noise then differs from the torch reference by
 at most about 6e-6 (near u = 1 the inner log takes a series, see gumbel_noise), which moves a token
-only at a near-tie. Under Triton's interpreter (CPU tests),
-which lacks the fast log, the kernel takes the exact one and matches the reference token for token.
+only at a near-tie. Under Triton's interpreter (CPU tests), which lacks the fast log, the kernel
+takes the exact one and matches the reference token for token.
 """
 
 import torch
