@@ -205,10 +205,7 @@ class CublasLt:
     """Just enough of cuBLASLt through ctypes to list the algorithms its heuristic offers for a bf16
     y[m, n] = x[m, k] @ w[n, k].T and to run any one of them (torch runs only the first)."""
 
-    class Algo(ctypes.Structure):
-        _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-    class Heuristic(ctypes.Structure):
+    class Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t; algo is the opaque cublasLtMatmulAlgo_t
         _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
                     ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
