@@ -200,7 +200,6 @@ def linear_bench(rates, results):
     torch.backends.cuda.preferred_blas_library(default)
 
 
-
 class CublasLt:
     """Just enough of cuBLASLt through ctypes to list the algorithms its heuristic offers for a bf16
     y[m, n] = x[m, k] @ w[n, k].T and to run any one of them (torch runs only the first)."""
