@@ -339,6 +339,7 @@ def cublaslt_bench(rates, results):
                   f"{first[0] if first else float('nan'):6.2f}  of {len(timed)}, best: {best}  floor {floor:.2f}",
                   flush=True)
 
+
 @triton.jit
 def _splitk_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, stride_ys,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
