@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch,split_k_stages] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -27,8 +27,6 @@ CUDA graph.
   multiprocessor, shortest split, order): attention between the other kernels, not back to back.
 - split_k_plans: the decoder stack with o_proj's and down_proj's split-K plan above 64 tokens
   replaced (32- or 64-column blocks, K in 2 or 4 parts).
-- split_k_stages: the decoder stack with our Triton GEMM (split-K and unsplit) pipelined 4 to 10
-  stages deep, so more of each program's weight is in flight.
 - side_prefetch: the decoder stack with a side stream that asks L2 for the layer's gate_up and down
   weights (and the next layer's qkv) once its attention is done, a few kernels before they are read.
 - barrier: a grid-wide barrier inside one persistent kernel (what a layer's kernel boundary would
@@ -408,32 +406,6 @@ def barrier_bench(rates, results):
         results["barrier"].append(line)
 
 
-def split_k_stages_bench(rates, results):
-    """The decoder stack with our Triton GEMM's pipeline deeper (split_k_kernel.NUM_STAGES, capped by
-    its shared-memory budget): at 4 stages a program keeps 3 K steps of its weight in flight, 24 KB
-    for qkv's 32-column blocks, with about one program a multiprocessor; a GEMM of 8-12 K steps then
-    streams its weight at what 24 KB a multiprocessor in flight allows, not at the bandwidth."""
-    from inferlab.plugins.models import split_k_kernel
-    print("\n== decoder stack, split-K/Triton GEMM pipeline stages (µs; % against 4) ==")
-    stack, chain = decoder_stack(LAYERS)
-    default = split_k_kernel.NUM_STAGES
-    settings = (4, 6, 8, 10)
-    try:
-        for t, lens in picked_batches():
-            line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
-            for round_ in range(2):
-                for stages in settings:
-                    split_k_kernel.NUM_STAGES = stages
-                    line.setdefault(str(stages), []).append(graph_time_us(chain(lens), reps=2, replays=9))
-            base = min(line["4"])
-            print(f"  batch {len(lens):>3}: " + "; ".join(
-                f"{s} stages " + "/".join(f"{v:6.0f}" for v in line[str(s)])
-                + f" ({100 * (min(line[str(s)]) - base) / base:+.1f}%)" for s in settings)
-                + f"; floor {line['floor_us']:.0f}", flush=True)
-            results["split_k_stages"].append(line)
-    finally:
-        split_k_kernel.NUM_STAGES = default
-
 @triton.jit
 def _prefetch_kernel(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
     """Each program asks L2 for its share of total_bytes from ptr, then exits."""
@@ -604,8 +576,7 @@ def main():
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
              "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "barrier": barrier_bench, "side_prefetch": side_prefetch_bench,
-             "split_k_stages": split_k_stages_bench}
+             "barrier": barrier_bench, "side_prefetch": side_prefetch_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

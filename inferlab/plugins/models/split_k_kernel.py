@@ -121,17 +121,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: Sp
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
         _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
                               BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
-                              num_warps=4, num_stages=num_stages(block_m, tiling, x.element_size()),
-                              **pdl.launch_options(x.device))
+                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
     return out
-
-
-# Pipeline stages: Triton keeps NUM_STAGES - 1 K steps of x and the weight in flight in shared
-# memory (NUM_STAGES with wgmma tiles), as far as SHARED_MEMORY_BUDGET holds them.
-NUM_STAGES = 4
-SHARED_MEMORY_BUDGET = 200 * 1024
-
-
-def num_stages(block_m: int, tiling: SplitKPlan, element_size: int) -> int:
-    per_stage = (block_m + tiling.block_n) * tiling.block_k * element_size
-    return max(2, min(NUM_STAGES, SHARED_MEMORY_BUDGET // per_stage))
