@@ -69,13 +69,21 @@ def l2_prefetch(base_ptr, first_byte, end_byte, CHUNK: tl.constexpr, N: tl.const
 
 
 @triton.jit
+def l2_prefetch_share(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
+    """Ask L2 for this program's share of total_bytes from ptr: the grid's programs split it in
+    whole CHUNK * THREADS pieces."""
+    share = tl.cdiv(total_bytes, tl.num_programs(0) * CHUNK * THREADS) * CHUNK * THREADS
+    pid = tl.program_id(0)
+    for start in range(pid * share, tl.minimum((pid + 1) * share, total_bytes), CHUNK * THREADS):
+        l2_prefetch(ptr, start, total_bytes, CHUNK, THREADS)
+
+
+@triton.jit
 def _norm_kernel(x_ptr, weight_ptr, out_ptr, next_ptr, next_bytes, width, eps, BLOCK: tl.constexpr,
                  PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr):
     row = tl.program_id(0)
     if PREFETCH:  # this program's share of the next GEMM's weight
-        share = tl.cdiv(next_bytes, tl.num_programs(0) * CHUNK * THREADS) * CHUNK * THREADS
-        for start in range(row * share, tl.minimum((row + 1) * share, next_bytes), CHUNK * THREADS):
-            l2_prefetch(next_ptr, start, next_bytes, CHUNK, THREADS)
+        l2_prefetch_share(next_ptr, next_bytes, CHUNK, THREADS)
     wait_for_inputs(PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -409,10 +417,7 @@ def barrier_bench(rates, results):
 @triton.jit
 def _prefetch_kernel(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
     """Each program asks L2 for its share of total_bytes from ptr, then exits."""
-    share = tl.cdiv(total_bytes, tl.num_programs(0) * CHUNK * THREADS) * CHUNK * THREADS
-    pid = tl.program_id(0)
-    for start in range(pid * share, tl.minimum((pid + 1) * share, total_bytes), CHUNK * THREADS):
-        l2_prefetch(ptr, start, total_bytes, CHUNK, THREADS)
+    l2_prefetch_share(ptr, total_bytes, CHUNK, THREADS)
 
 
 def side_prefetch_bench(rates, results):
@@ -437,14 +442,17 @@ def side_prefetch_bench(rates, results):
             weights.append(after.self_attn.qkv_proj.weight)
         return weights
 
+    forked = [False]
+
     def hook(plan):
+        """Each layer's o_proj first forks the side stream and prefetches there; what unfreeze
+        undoes."""
         undo = []
         for i, layer in enumerate(stack):
             o_proj = layer.self_attn.o_proj
-            original = o_proj.forward
             weights = targets(i, plan)
 
-            def forward(x, _original=original, _weights=weights):
+            def forward(x, _original=o_proj.forward, _weights=weights):
                 side.wait_stream(torch.cuda.current_stream())  # after the layer's attention
                 forked[0] = True
                 with torch.cuda.stream(side):
@@ -452,10 +460,8 @@ def side_prefetch_bench(rates, results):
                         prefetch(w)
                 return _original(x)
             o_proj.forward = forward
-            undo.append(o_proj)
+            undo.append((o_proj, "forward", None))  # a method: the class's again
         return undo
-
-    forked = [False]
 
     def joined(run):
         def call():
@@ -475,8 +481,7 @@ def side_prefetch_bench(rates, results):
                 try:
                     us = graph_time_us(joined(chain(lens)), reps=2, replays=9)
                 finally:
-                    for module in undo:
-                        del module.forward  # the class's method again
+                    unfreeze(undo)
                 line.setdefault(plan, []).append(us)
         base = min(line["none"])
         print(f"  batch {len(lens):>3}: " + "; ".join(

@@ -332,7 +332,7 @@ class StepHandle:
 
     def __init__(self, num_seqs: int, sample_rows: list[int], sampled: torch.Tensor | None,
                  copy_stream: torch.cuda.Stream | None = None):
-        """copy_stream: where the samples go to the host (default: the current stream), so the
+        """copy_stream: for samples on a CUDA device, the stream they go to the host on, so the
         compute stream moves on to the next step without waiting for the copy."""
         self.num_seqs = num_seqs
         self.sample_rows = sample_rows
@@ -340,9 +340,7 @@ class StepHandle:
         self.host = None
         if sampled is not None and sampled.is_cuda:
             self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            compute = torch.cuda.current_stream(sampled.device)
-            copy_stream = copy_stream or compute
-            copy_stream.wait_stream(compute)  # the samples are written
+            copy_stream.wait_stream(torch.cuda.current_stream(sampled.device))  # the samples are written
             with torch.cuda.stream(copy_stream):
                 self.host.copy_(sampled, non_blocking=True)
                 self.ready = torch.cuda.Event()
