@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.core import pdl
 
 
 @triton.jit
