@@ -505,7 +505,7 @@ def pdl_library_bench(rates, results):
             run()
         torch.cuda.synchronize()
         graphs, outs, linked = {}, {}, []
-        for mode in ("plain", "linked"):
+        for mode in ("plain", "linked", "plain again"):
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(graph):
                 outs[mode] = [run() for _ in range(2)][-1]
@@ -516,18 +516,22 @@ def pdl_library_bench(rates, results):
         line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth),
                 "linked": {name: linked.count(name) for name in sorted(set(linked))}}
         for _ in range(3):
-            for mode, graph in graphs.items():
-                line.setdefault(f"{mode}_us", []).append(replay_time_us(graph, replays=9) / 2)
-        graphs["plain"].replay()
-        torch.cuda.synchronize()
-        plain = outs["plain"].clone()
-        graphs["linked"].replay()
-        torch.cuda.synchronize()
-        line["equal"] = bool(torch.equal(plain, outs["linked"]))
+            for mode in ("plain", "linked"):
+                line.setdefault(f"{mode}_us", []).append(replay_time_us(graphs[mode], replays=9) / 2)
+        replayed = []
+        for mode in ("plain", "plain", "linked", "plain again"):
+            graphs[mode].replay()
+            torch.cuda.synchronize()
+            replayed.append(outs[mode].float().clone())
+        line["plain_repeats"] = bool(torch.equal(replayed[0], replayed[1]))  # is the stack deterministic?
+        line["second_plain_equal"] = bool(torch.equal(replayed[1], replayed[3]))  # and across captures?
+        line["equal"] = bool(torch.equal(replayed[1], replayed[2]))
+        line["max_abs_diff"] = (replayed[1] - replayed[2]).abs().max().item()
         base, new = min(line["plain_us"]), min(line["linked_us"])
         print(f"  batch {len(lens):>3}: plain " + "/".join(f"{v:6.0f}" for v in line["plain_us"])
               + "; linked " + "/".join(f"{v:6.0f}" for v in line["linked_us"])
-              + f" ({100 * (new - base) / base:+.1f}%); floor {line['floor_us']:.0f}; outputs equal: {line['equal']}; "
+              + f" ({100 * (new - base) / base:+.1f}%); floor {line['floor_us']:.0f}; plain repeats itself: "
+              + f"{line['plain_repeats']}, a second capture equal: {line['second_plain_equal']}; linked equal to plain: {line['equal']} (max diff {line['max_abs_diff']:.3g}); "
               + f"{len(linked)} edges into {line['linked']}", flush=True)
         results["pdl_library"].append(line)
 
