@@ -438,7 +438,7 @@ def wide_tiles_bench(rates, results):
     (split_k_kernel, unsplit, launched with PDL as in the model) over larger tiles than its
     64-row default: BLOCK_M 64/128, BLOCK_N 64/128, 4 or 8 warps, 3 or 4 stages. Each weight one
     of a ring of 28, so every GEMM reads it from memory, one after another as in a layer chain."""
-    from inferlab.core import pdl
+    from inferlab.plugins import pdl
     from inferlab.plugins.models import split_k_kernel
     print("\n== wide GEMMs at 128-256 tokens, cold weights: cuBLAS against Triton tiles (µs a GEMM) ==")
     ring = 28

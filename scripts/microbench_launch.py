@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch,pdl_library] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -29,8 +29,6 @@ CUDA graph.
   replaced (32- or 64-column blocks, K in 2 or 4 parts).
 - side_prefetch: the decoder stack with a side stream that asks L2 for the layer's gate_up and down
   weights (and the next layer's qkv) once its attention is done, a few kernels before they are read.
-- pdl_library: the decoder stack's graph with the edges into cuBLAS's GEMM kernels made
-  programmatic (pdl.link_library_kernels, as the decode graphs do) against the plain graph.
 - barrier: a grid-wide barrier inside one persistent kernel (what a layer's kernel boundary would
   cost in a single decode-layer kernel) against a boundary between tiny kernels, plain and PDL."""
 import argparse
@@ -50,7 +48,7 @@ from microbench_gpu import HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
-from inferlab.core.pdl import wait_for_inputs  # noqa: E402
+from inferlab.plugins.pdl import wait_for_inputs  # noqa: E402
 
 LAYERS = 28
 SHAPES = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, NUM_HEADS * HEAD_DIM),
@@ -492,50 +490,6 @@ def side_prefetch_bench(rates, results):
         results["side_prefetch"].append(line)
 
 
-def pdl_library_bench(rates, results):
-    """The decoder stack's graph with the edges into cuBLAS's kernels (qkv and gate_up above 64
-    tokens) made programmatic, as the decode graphs make them, against the plain graph, in turn.
-    Both replay the same kernels, so their outputs must be equal."""
-    from inferlab.core import pdl
-    print("\n== decoder stack, cuBLAS's kernels joined to the PDL chain (µs; linked against plain) ==")
-    _, chain = decoder_stack(LAYERS)
-    for t, lens in picked_batches((256, 192, 128, 80, 64)):
-        run = chain(lens)
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        graphs, outs, linked = {}, {}, []
-        for mode in ("plain", "linked", "plain again"):
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph):
-                outs[mode] = [run() for _ in range(2)][-1]
-            if mode == "linked":
-                linked = pdl.link_library_kernels(graph)
-            graph.instantiate()
-            graphs[mode] = graph
-        line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth),
-                "linked": {name: linked.count(name) for name in sorted(set(linked))}}
-        for _ in range(3):
-            for mode in ("plain", "linked"):
-                line.setdefault(f"{mode}_us", []).append(replay_time_us(graphs[mode], replays=9) / 2)
-        replayed = []
-        for mode in ("plain", "plain", "linked", "plain again"):
-            graphs[mode].replay()
-            torch.cuda.synchronize()
-            replayed.append(outs[mode].float().clone())
-        line["plain_repeats"] = bool(torch.equal(replayed[0], replayed[1]))  # is the stack deterministic?
-        line["second_plain_equal"] = bool(torch.equal(replayed[1], replayed[3]))  # and across captures?
-        line["equal"] = bool(torch.equal(replayed[1], replayed[2]))
-        line["max_abs_diff"] = (replayed[1] - replayed[2]).abs().max().item()
-        base, new = min(line["plain_us"]), min(line["linked_us"])
-        print(f"  batch {len(lens):>3}: plain " + "/".join(f"{v:6.0f}" for v in line["plain_us"])
-              + "; linked " + "/".join(f"{v:6.0f}" for v in line["linked_us"])
-              + f" ({100 * (new - base) / base:+.1f}%); floor {line['floor_us']:.0f}; plain repeats itself: "
-              + f"{line['plain_repeats']}, a second capture equal: {line['second_plain_equal']}; linked equal to plain: {line['equal']} (max diff {line['max_abs_diff']:.3g}); "
-              + f"{len(linked)} edges into {line['linked']}", flush=True)
-        results["pdl_library"].append(line)
-
-
 def chain_bench(rates, results):
     print("\n== 280 RMSNorm kernels in a row (µs a kernel) ==")
     w = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -627,7 +581,7 @@ def main():
              "split_k": split_k_bench,
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
              "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "barrier": barrier_bench, "side_prefetch": side_prefetch_bench, "pdl_library": pdl_library_bench}
+             "barrier": barrier_bench, "side_prefetch": side_prefetch_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

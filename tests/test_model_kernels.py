@@ -339,9 +339,8 @@ def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default
 
 def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
     """Kernels launch with programmatic dependent launch on CUDA devices of compute capability 9.0
-    or more, compiled, unless INFERLAB_PDL=0; never on CPU or under the interpreter. Decode graphs
-    link cuBLAS's kernels into that chain wherever it is on, unless INFERLAB_PDL_LIBRARY=0."""
-    from inferlab.core import pdl
+    or more, compiled, unless INFERLAB_PDL=0; never on CPU or under the interpreter."""
+    from inferlab.plugins import pdl
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
@@ -358,11 +357,6 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
         capability["value"] = cap
         assert pdl.enabled(cuda) is expected, (env_pdl, interpret, cap)
         assert pdl.launch_options(cuda) == ({"PDL": True, "launch_pdl": True} if expected else {"PDL": False})
-        # decode graphs join cuBLAS's kernels to the PDL chain where our kernels are in it, unless switched off
-        monkeypatch.delenv("INFERLAB_PDL_LIBRARY", raising=False)
-        assert pdl.links_library_kernels(cuda) is expected
-        monkeypatch.setenv("INFERLAB_PDL_LIBRARY", "0")
-        assert pdl.links_library_kernels(cuda) is False
 
     try:
         check(None, "0", (9, 0), True)
@@ -372,6 +366,5 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
         check(None, "0", (8, 0), False)
         assert pdl.enabled(torch.device("cpu")) is False
         assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
-        assert pdl.links_library_kernels(torch.device("cpu")) is False
     finally:
         pdl._enabled.cache_clear()  # the real device's answer, for the tests after this one

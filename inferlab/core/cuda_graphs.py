@@ -57,9 +57,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, model, backend, kv_caches):
-        from inferlab.core import pdl  # Triton: imported where it runs
-        link = pdl.links_library_kernels(self.hidden.device)
-        linked = 0
         pool = None
         for batch in reversed(self.batch_sizes):  # largest first, so the smaller ones fit in its pool
             inputs = self._inputs(batch)
@@ -67,22 +64,13 @@ class DecodeGraphs:
             # a plain run first: compiles Triton kernels and settles allocations outside the capture
             self.hidden[:batch] = model(*args, backend.build_metadata(inputs))
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph(keep_graph=link)
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
                 self.hidden[:batch] = model(*args, backend.build_metadata(inputs))
-            if link:  # cuBLAS's kernels join the PDL chain before the graph is instantiated
-                try:
-                    linked += len(pdl.link_library_kernels(graph))
-                except RuntimeError as e:  # a driver without the calls: the plain edges stay
-                    log.warning("decode graphs: cuBLAS kernels keep plain edges: %s", e)
-                    link = False
-                graph.instantiate()
             if pool is None:
                 pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize()
-        if linked:
-            log.info("decode graphs: %d edges into cuBLAS kernels made programmatic", linked)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs,
             last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.core import pdl
-from inferlab.core.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
+from inferlab.plugins import pdl
+from inferlab.plugins.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
 
 # Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
 MIN_DOT_ROWS = 16

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.core import pdl
+from inferlab.plugins import pdl
 
 
 @triton.jit

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from inferlab.core import pdl
-from inferlab.core.pdl import INTERPRETED
+from inferlab.plugins import pdl
+from inferlab.plugins.pdl import INTERPRETED
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 ONE_MINUS_HALF_ULP: tl.constexpr = tl.constexpr(1.0 - 2.0 ** -24)
