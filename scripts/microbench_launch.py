@@ -31,8 +31,9 @@ CUDA graph.
   weights (and the next layer's qkv) once its attention is done, a few kernels before they are read.
 - barrier: a grid-wide barrier inside one persistent kernel (what a layer's kernel boundary would
   cost in a single decode-layer kernel) against a boundary between tiny kernels, plain and PDL.
-- persistent_chain: a layer's four GEMMs, 28 layers, as kernels with PDL against one persistent
-  kernel with grid-wide barriers, the next GEMM's weight asked of L2 ahead or not."""
+- persistent_chain: a layer's four GEMMs and two partial sums, 28 layers, as kernels with PDL
+  against one persistent kernel with grid-wide barriers, the next GEMM's weight asked of L2 ahead
+  or not."""
 import argparse
 import itertools
 import json
@@ -423,14 +424,12 @@ def _prefetch_kernel(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexp
 
 
 @triton.jit
-def _chain_phase(x_ptr, x_stride, x_part_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                 X_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, first_item, item_step):
-    """One GEMM of the persistent_chain part: out[split] = x @ w.T over K's split-th part, in the
-    (column block, split, row block) items first_item, first_item + item_step, ... The input x is
-    the sum of X_PARTS partials (the previous GEMM's split), as the model's norm kernel sums them.
-    Activations are read from L2 (.cg): another program wrote them, after a barrier in the
-    persistent kernel."""
+def _chain_phase(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, first_item, item_step):
+    """One GEMM of the persistent_chain part, split_k_kernel's tiles: out[split] = x @ w.T over K's
+    split-th part, for the (column block, split, row block) items first_item, first_item +
+    item_step, ... Activations are read from L2 (.cg): in the persistent kernel another program
+    wrote them, before a barrier."""
     n_blocks = N // BLOCK_N
     items = n_blocks * SPLIT * tl.cdiv(M, BLOCK_M)
     k_per_split = K // SPLIT
@@ -444,14 +443,24 @@ def _chain_phase(x_ptr, x_stride, x_part_stride, w_ptr, out_ptr, M, N: tl.conste
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + rows[:, None] * x_stride + ks[None, :]
-            a = tl.load(a_ptrs, mask=row_mask, other=0.0, cache_modifier=".cg")
-            for part in tl.static_range(1, X_PARTS):
-                a += tl.load(a_ptrs + part * x_part_stride, mask=row_mask, other=0.0, cache_modifier=".cg")
+            a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0,
+                        cache_modifier=".cg")
             w = tl.load(w_ptr + cols[:, None] * K + ks[None, :])
-            acc += tl.dot(a.to(w.dtype), tl.trans(w))
+            acc += tl.dot(a, tl.trans(w))
         out = out_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _chain_sum(parts_ptr, out_ptr, M, N: tl.constexpr, SPLIT: tl.constexpr, first_row, row_step):
+    """The rows first_row, first_row + row_step, ... of a split GEMM's partials summed into out, as
+    the model's add + RMSNorm kernel sums them (without the norm)."""
+    cols = tl.arange(0, N)
+    for row in range(first_row, M, row_step):
+        total = tl.zeros([N], tl.float32)
+        for part in tl.static_range(SPLIT):
+            total += tl.load(parts_ptr + (part * M + row) * N + cols, cache_modifier=".cg")
+        tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -487,25 +496,32 @@ def _chain_barrier(counter_ptr, target):
 
 
 @triton.jit
-def _chain_phase_kernel(x_ptr, x_stride, x_part_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                        X_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT: tl.constexpr, PDL: tl.constexpr):
+def _chain_phase_kernel(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                        PDL: tl.constexpr):
     """One GEMM of the chain as its own kernel, one item a program."""
     wait_for_inputs(PDL)
-    _chain_phase(x_ptr, x_stride, x_part_stride, w_ptr, out_ptr, M, N, K, X_PARTS, BLOCK_M, BLOCK_N, BLOCK_K,
-                 SPLIT, tl.program_id(0), tl.num_programs(0))
+    _chain_phase(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, tl.program_id(0),
+                 tl.num_programs(0))
 
 
 @triton.jit
-def _persistent_chain_kernel(qkv_ptr, o_ptr, gu_ptr, d_ptr, w_o, w_gu, w_d, w_qkv, counter_ptr, M, layers,
+def _chain_sum_kernel(parts_ptr, out_ptr, M, N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """One partial sum of the chain as its own kernel, one row a program."""
+    wait_for_inputs(PDL)
+    _chain_sum(parts_ptr, out_ptr, M, N, SPLIT, tl.program_id(0), tl.num_programs(0))
+
+
+@triton.jit
+def _persistent_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_d, w_qkv, counter_ptr, M, layers,
                              N_QKV: tl.constexpr, N_O: tl.constexpr, K_O: tl.constexpr, N_GU: tl.constexpr,
                              K_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                              BN_O: tl.constexpr, S_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
                              S_D: tl.constexpr, BN_QKV: tl.constexpr, PREFETCH: tl.constexpr):
-    """The whole chain (o, gate_up, down, qkv; layers times) in one kernel, a grid-wide barrier
-    where the chain of kernels has a kernel boundary. With PREFETCH each program first asks L2
-    for its share of the next GEMM's weight, so those bytes stream while this GEMM and the barrier
-    run."""
+    """The whole chain (o, its sum, gate_up, down, its sum, qkv; layers times) in one kernel, a
+    grid-wide barrier where the chain of kernels has a kernel boundary. With PREFETCH each program
+    first asks L2 for its share of the next GEMM's weight, so those bytes stream while this GEMM
+    and the barrier run."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     size_o, size_gu, size_d, size_qkv = N_O * K_O, N_GU * N_O, N_O * K_D, N_QKV * N_O
     rounds = 0
@@ -516,39 +532,44 @@ def _persistent_chain_kernel(qkv_ptr, o_ptr, gu_ptr, d_ptr, w_o, w_gu, w_d, w_qk
         wqkv = w_qkv + layer * size_qkv
         if PREFETCH:
             _chain_prefetch(wgu, M, N_GU, N_O, BLOCK_M, BN_GU, 1, pid, programs)
-        _chain_phase(qkv_ptr, N_QKV, 0, wo, o_ptr, M, N_O, K_O, 1, BLOCK_M, BN_O, BLOCK_K, S_O, pid, programs)
+        _chain_phase(qkv_ptr, N_QKV, wo, o_ptr, M, N_O, K_O, BLOCK_M, BN_O, BLOCK_K, S_O, pid, programs)
+        rounds += 1
+        _chain_barrier(counter_ptr, rounds * programs)
+        _chain_sum(o_ptr, h_ptr, M, N_O, S_O, pid, programs)
         rounds += 1
         _chain_barrier(counter_ptr, rounds * programs)
         if PREFETCH:
             _chain_prefetch(wd, M, N_O, K_D, BLOCK_M, BN_D, S_D, pid, programs)
-        _chain_phase(o_ptr, N_O, M * N_O, wgu, gu_ptr, M, N_GU, N_O, S_O, BLOCK_M, BN_GU, BLOCK_K, 1, pid, programs)
+        _chain_phase(h_ptr, N_O, wgu, gu_ptr, M, N_GU, N_O, BLOCK_M, BN_GU, BLOCK_K, 1, pid, programs)
         rounds += 1
         _chain_barrier(counter_ptr, rounds * programs)
         if PREFETCH:
             _chain_prefetch(wqkv, M, N_QKV, N_O, BLOCK_M, BN_QKV, 1, pid, programs)
-        _chain_phase(gu_ptr, N_GU, 0, wd, d_ptr, M, N_O, K_D, 1, BLOCK_M, BN_D, BLOCK_K, S_D, pid, programs)
+        _chain_phase(gu_ptr, N_GU, wd, d_ptr, M, N_O, K_D, BLOCK_M, BN_D, BLOCK_K, S_D, pid, programs)
+        rounds += 1
+        _chain_barrier(counter_ptr, rounds * programs)
+        _chain_sum(d_ptr, h_ptr, M, N_O, S_D, pid, programs)
         rounds += 1
         _chain_barrier(counter_ptr, rounds * programs)
         if PREFETCH:
             if layer + 1 < layers:
                 _chain_prefetch(wo + size_o, M, N_O, K_O, BLOCK_M, BN_O, S_O, pid, programs)
-        _chain_phase(d_ptr, N_O, M * N_O, wqkv, qkv_ptr, M, N_QKV, N_O, S_D, BLOCK_M, BN_QKV, BLOCK_K, 1, pid,
-                     programs)
+        _chain_phase(h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, pid, programs)
         rounds += 1
         _chain_barrier(counter_ptr, rounds * programs)
 
 
-def persistent_chain_bench(rates, results, stages: int = 3):
-    """A decode layer's four GEMMs (o, gate_up, down, qkv; each one's input the previous one's
-    output, split-K partials summed on load), 28 layers of distinct weights: as a chain of kernels
-    launched with PDL, one item a program, against one persistent kernel whose programs take the
-    same items in turn with a grid-wide barrier between GEMMs, without and with the next GEMM's
-    weight asked of L2 ahead. Same tiles, same arithmetic (the outputs must agree bit for bit), so
-    the difference is kernel boundaries against barriers and weights streamed ahead: the question
-    whether a persistent decode-layer kernel could win back the GEMMs' fixed costs (item 70
-    measured the barrier alone)."""
+def persistent_chain_bench(rates, results, stages: int = 4):
+    """A decode layer's four GEMMs and the sums of the two split ones' partials (o, sum, gate_up,
+    down, sum, qkv; each one's input the previous one's output, split_k_kernel's tiles and plans),
+    28 layers of distinct weights: as a chain of kernels launched with PDL, one item a program,
+    against one persistent kernel whose programs take the same items in turn with a grid-wide
+    barrier between steps, without and with the next GEMM's weight asked of L2 ahead. Same tiles,
+    same arithmetic (the outputs must agree bit for bit), so the difference is kernel boundaries
+    against barriers and weights streamed ahead: whether a persistent decode-layer kernel could win
+    back the GEMMs' fixed costs (item 70 measured the barrier alone)."""
     from inferlab.plugins.models import split_k_kernel
-    print("\n== a layer's four GEMMs: kernels with PDL against one persistent kernel (µs a layer) ==")
+    print("\n== a layer's GEMMs and partial sums: kernels with PDL against one persistent kernel (µs a layer) ==")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n_qkv, k_o = SHAPES["qkv"][0], SHAPES["o"][1]
     n_o, n_gu, k_d = HIDDEN, 2 * INTER, INTER
@@ -568,28 +589,34 @@ def persistent_chain_bench(rates, results, stages: int = 3):
         def fresh():
             bufs["qkv"] = qkv0.clone()
             bufs["o"] = torch.empty(plan_o.split, m, n_o, dtype=torch.float32, device="cuda")
+            bufs["h"] = torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda")
             bufs["gu"] = torch.empty(m, n_gu, dtype=torch.bfloat16, device="cuda")
             bufs["d"] = torch.empty(plan_d.split, m, n_o, dtype=torch.float32, device="cuda")
 
-        def phase(x, x_stride, x_part_stride, w, out, n, k, x_parts, bn, split, pdl):
+        def gemm(x, x_stride, w, out, n, k, bn, split, pdl):
             items = n // bn * split * triton.cdiv(m, block_m)
-            _chain_phase_kernel[(items,)](x, x_stride, x_part_stride, w, out, m, N=n, K=k, X_PARTS=x_parts,
-                                          BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=block_k, SPLIT=split, PDL=pdl,
-                                          num_warps=4, num_stages=stages, launch_pdl=pdl)
+            _chain_phase_kernel[(items,)](x, x_stride, w, out, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=bn,
+                                          BLOCK_K=block_k, SPLIT=split, PDL=pdl, num_warps=4, num_stages=stages,
+                                          launch_pdl=pdl)
+
+        def partial_sum(parts, split, pdl):
+            _chain_sum_kernel[(m,)](parts, bufs["h"], m, N=n_o, SPLIT=split, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
         def kernels(pdl=True, layers=LAYERS):
             b = bufs
             for layer in range(layers):
-                phase(b["qkv"], n_qkv, 0, w_o[layer], b["o"], n_o, k_o, 1, plan_o.block_n, plan_o.split, pdl)
-                phase(b["o"], n_o, m * n_o, w_gu[layer], b["gu"], n_gu, n_o, plan_o.split, bn_gu, 1, pdl)
-                phase(b["gu"], n_gu, 0, w_d[layer], b["d"], n_o, k_d, 1, plan_d.block_n, plan_d.split, pdl)
-                phase(b["d"], n_o, m * n_o, w_qkv[layer], b["qkv"], n_qkv, n_o, plan_d.split, bn_qkv, 1, pdl)
+                gemm(b["qkv"], n_qkv, w_o[layer], b["o"], n_o, k_o, plan_o.block_n, plan_o.split, pdl)
+                partial_sum(b["o"], plan_o.split, pdl)
+                gemm(b["h"], n_o, w_gu[layer], b["gu"], n_gu, n_o, bn_gu, 1, pdl)
+                gemm(b["gu"], n_gu, w_d[layer], b["d"], n_o, k_d, plan_d.block_n, plan_d.split, pdl)
+                partial_sum(b["d"], plan_d.split, pdl)
+                gemm(b["h"], n_o, w_qkv[layer], b["qkv"], n_qkv, n_o, bn_qkv, 1, pdl)
 
         def persistent(programs, prefetch, layers=LAYERS):
             b = bufs
             counter.zero_()
             return _persistent_chain_kernel[(programs,)](
-                b["qkv"], b["o"], b["gu"], b["d"], w_o, w_gu, w_d, w_qkv, counter, m, layers,
+                b["qkv"], b["o"], b["h"], b["gu"], b["d"], w_o, w_gu, w_d, w_qkv, counter, m, layers,
                 N_QKV=n_qkv, N_O=n_o, K_O=k_o, N_GU=n_gu, K_D=k_d, BLOCK_M=block_m, BLOCK_K=block_k,
                 BN_O=plan_o.block_n, S_O=plan_o.split, BN_GU=bn_gu, BN_D=plan_d.block_n, S_D=plan_d.split,
                 BN_QKV=bn_qkv, PREFETCH=prefetch, num_warps=4, num_stages=stages)
@@ -605,8 +632,8 @@ def persistent_chain_bench(rates, results, stages: int = 3):
             torch.cuda.synchronize()
             for name, value in expected.items():
                 assert torch.equal(bufs[name], value), (m, prefetch, name, (bufs[name] - value).abs().max())
-        assert int(counter) == 8 * sms, int(counter)
-        resident = min(228 * 1024 // max(compiled.metadata.shared, 1), 65536 // (compiled.n_regs * 128), 4)
+        assert int(counter) == 12 * sms, int(counter)
+        resident = min(228 * 1024 // max(compiled.metadata.shared, 1), 65536 // (compiled.n_regs * 128), 3)
         floor = max(weight_bytes / rates.bandwidth, 2 * m * weight_bytes / 2 / rates.matmul_rate) * 1e6
         fresh()
         line = {"m": m, "floor_us": floor, "shared": compiled.metadata.shared, "regs": compiled.n_regs,
@@ -616,7 +643,7 @@ def persistent_chain_bench(rates, results, stages: int = 3):
             for prefetch in (False, True):
                 line[f"persistent_{per_sm}_sm{'_prefetch' if prefetch else ''}_us"] = graph_time_us(
                     lambda: persistent(per_sm * sms, prefetch), reps=1, replays=11) / LAYERS
-                assert int(counter) == 4 * LAYERS * per_sm * sms, int(counter)  # no barrier gave up
+                assert int(counter) == 6 * LAYERS * per_sm * sms, int(counter)  # no barrier gave up
         print(f"  M={m:<4} " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us"))
               + f" (shared {line['shared']} B, {line['regs']} registers)", flush=True)
         results["persistent_chain"].append(line)
