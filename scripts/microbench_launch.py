@@ -424,31 +424,41 @@ def _prefetch_kernel(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexp
 
 
 @triton.jit
+def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, item, PRE_K: tl.constexpr, w_pre):
+    """One item (column block, split, row block) of a GEMM of the persistent_chain part, split_k_kernel's
+    tiles: out[split] = x @ w.T over K's split-th part. With PRE_K, the weight's first PRE_K columns
+    are already in registers (w_pre): one dot over them, then the rest of K in BLOCK_K steps.
+    Activations are read from L2 (.cg): in the persistent kernel another program wrote them, before
+    a barrier."""
+    n_blocks = N // BLOCK_N
+    split = (item // n_blocks) % SPLIT
+    rows = item // (n_blocks * SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = item % n_blocks * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows[:, None] < M
+    k_first = split * (K // SPLIT)
+    if PRE_K > 0:
+        pre = k_first + tl.arange(0, PRE_K)
+        a_pre = tl.load(x_ptr + rows[:, None] * x_stride + pre[None, :], mask=row_mask, other=0.0,
+                        cache_modifier=".cg")
+        acc = tl.dot(a_pre, tl.trans(w_pre))
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_first + PRE_K, k_first + K // SPLIT, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptr + cols[:, None] * K + ks[None, :])
+        acc += tl.dot(a, tl.trans(w))
+    out = out_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def _chain_phase(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, first_item, item_step):
-    """One GEMM of the persistent_chain part, split_k_kernel's tiles: out[split] = x @ w.T over K's
-    split-th part, for the (column block, split, row block) items first_item, first_item +
-    item_step, ... Activations are read from L2 (.cg): in the persistent kernel another program
-    wrote them, before a barrier."""
-    n_blocks = N // BLOCK_N
-    items = n_blocks * SPLIT * tl.cdiv(M, BLOCK_M)
-    k_per_split = K // SPLIT
-    for item in range(first_item, items, item_step):
-        pid_n = item % n_blocks
-        split = (item // n_blocks) % SPLIT
-        pid_m = item // (n_blocks * SPLIT)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows[:, None] < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0,
-                        cache_modifier=".cg")
-            w = tl.load(w_ptr + cols[:, None] * K + ks[None, :])
-            acc += tl.dot(a, tl.trans(w))
-        out = out_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    """A GEMM's items first_item, first_item + item_step, ... (_chain_item)."""
+    for item in range(first_item, N // BLOCK_N * SPLIT * tl.cdiv(M, BLOCK_M), item_step):
+        _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, item, 0, 0)
 
 
 @triton.jit
@@ -575,29 +585,10 @@ def _chain_preload(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.const
 def _chain_phase_preloaded(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                            PRE_K: tl.constexpr, w_pre, item):
-    """_chain_phase for one item whose weight's first PRE_K columns are already in registers
-    (w_pre, loaded before the barrier): one dot over them, then the rest of K in BLOCK_K steps."""
-    n_blocks = N // BLOCK_N
-    if item < n_blocks * SPLIT * tl.cdiv(M, BLOCK_M):
-        pid_n = item % n_blocks
-        split = (item // n_blocks) % SPLIT
-        pid_m = item // (n_blocks * SPLIT)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows[:, None] < M
-        k_first = split * (K // SPLIT)
-        pre = k_first + tl.arange(0, PRE_K)
-        a_pre = tl.load(x_ptr + rows[:, None] * x_stride + pre[None, :], mask=row_mask, other=0.0,
-                        cache_modifier=".cg")
-        acc = tl.dot(a_pre, tl.trans(w_pre))
-        for k0 in range(k_first + PRE_K, k_first + K // SPLIT, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], mask=row_mask, other=0.0,
-                        cache_modifier=".cg")
-            w = tl.load(w_ptr + cols[:, None] * K + ks[None, :])
-            acc += tl.dot(a, tl.trans(w))
-        out = out_ptr + (split * M + rows)[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+    """A GEMM's one item for this program, if it has one, its weight's first PRE_K columns
+    preloaded (w_pre)."""
+    if item < N // BLOCK_N * SPLIT * tl.cdiv(M, BLOCK_M):
+        _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, item, PRE_K, w_pre)
 
 
 @triton.jit
