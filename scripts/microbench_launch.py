@@ -492,10 +492,12 @@ def _chain_prefetch(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _chain_barrier(counter_ptr, target):
-    """A grid-wide barrier: the program's threads meet, one arrives (release, so their writes go
-    with it) and polls (acquire) until the count reaches target. Gives up after 2^22 polls (a grid
-    larger than what is resident would otherwise hang; the results check then fails)."""
+def _chain_barrier(counter_ptr, rounds, programs):
+    """Barrier number rounds + 1 of a grid of programs; returns rounds + 1. The program's threads
+    meet, one arrives (release, so their writes go with it) and polls (acquire) until every
+    program has arrived. Gives up after 2^22 polls (a grid larger than what is resident would
+    otherwise hang; the results check then fails)."""
+    target = (rounds + 1) * programs
     tl.debug_barrier()
     seen = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
     polls = 0
@@ -503,6 +505,7 @@ def _chain_barrier(counter_ptr, target):
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         polls += 1
     tl.debug_barrier()
+    return rounds + 1
 
 
 @triton.jit
@@ -543,30 +546,24 @@ def _persistent_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
         if PREFETCH:
             _chain_prefetch(wgu, M, N_GU, N_O, BLOCK_M, BN_GU, 1, pid, programs)
         _chain_phase(qkv_ptr, N_QKV, wo, o_ptr, M, N_O, K_O, BLOCK_M, BN_O, BLOCK_K, S_O, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_sum(o_ptr, h_ptr, M, N_O, S_O, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         if PREFETCH:
             _chain_prefetch(wd, M, N_O, K_D, BLOCK_M, BN_D, S_D, pid, programs)
         _chain_phase(h_ptr, N_O, wgu, gu_ptr, M, N_GU, N_O, BLOCK_M, BN_GU, BLOCK_K, 1, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         if PREFETCH:
             _chain_prefetch(wqkv, M, N_QKV, N_O, BLOCK_M, BN_QKV, 1, pid, programs)
         _chain_phase(gu_ptr, N_GU, wd, d_ptr, M, N_O, K_D, BLOCK_M, BN_D, BLOCK_K, S_D, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_sum(d_ptr, h_ptr, M, N_O, S_D, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         if PREFETCH:
             if layer + 1 < layers:
                 _chain_prefetch(wo + size_o, M, N_O, K_O, BLOCK_M, BN_O, S_O, pid, programs)
         _chain_phase(h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
 
 
 @triton.jit
@@ -614,27 +611,21 @@ def _preloading_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
         wqkv = w_qkv + layer * size_qkv
         _chain_phase_preloaded(qkv_ptr, N_QKV, wo, o_ptr, M, N_O, K_O, BLOCK_M, BN_O, BLOCK_K, S_O, PK_O, pre_o, pid)
         pre_gu = _chain_preload(wgu, M, N_GU, N_O, BLOCK_M, BN_GU, 1, PK_GU, pid, True)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_sum(o_ptr, h_ptr, M, N_O, S_O, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_phase_preloaded(h_ptr, N_O, wgu, gu_ptr, M, N_GU, N_O, BLOCK_M, BN_GU, BLOCK_K, 1, PK_GU, pre_gu, pid)
         pre_d = _chain_preload(wd, M, N_O, K_D, BLOCK_M, BN_D, S_D, PK_D, pid, True)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_phase_preloaded(gu_ptr, N_GU, wd, d_ptr, M, N_O, K_D, BLOCK_M, BN_D, BLOCK_K, S_D, PK_D, pre_d, pid)
         pre_qkv = _chain_preload(wqkv, M, N_QKV, N_O, BLOCK_M, BN_QKV, 1, PK_QKV, pid, True)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_sum(d_ptr, h_ptr, M, N_O, S_D, pid, programs)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
         _chain_phase_preloaded(h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, PK_QKV,
                                pre_qkv, pid)
         pre_o = _chain_preload(wo + size_o, M, N_O, K_O, BLOCK_M, BN_O, S_O, PK_O, pid, layer + 1 < layers)
-        rounds += 1
-        _chain_barrier(counter_ptr, rounds * programs)
+        rounds = _chain_barrier(counter_ptr, rounds, programs)
 
 
 def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int = 32768):
