@@ -33,7 +33,8 @@ CUDA graph.
   cost in a single decode-layer kernel) against a boundary between tiny kernels, plain and PDL.
 - persistent_chain: a layer's four GEMMs and two partial sums, 28 layers, as kernels with PDL
   against one persistent kernel with grid-wide barriers, the next GEMM's weight asked of L2 ahead
-  or not."""
+  or not, and (up to 64 rows) one that holds the start of its next weight slab in registers
+  across the barrier."""
 import argparse
 import itertools
 import json
