@@ -60,16 +60,22 @@ SHAPES = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDD
 
 
 @triton.jit
+def bulk_prefetch_l2(byte_ptrs, sizes):
+    """Ask L2 for sizes[i] bytes (a multiple of 16; none where 0) from each int8 pointer byte_ptrs[i],
+    without waiting for them: one cp.async.bulk.prefetch an element."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf_p; setp.ne.u32 pf_p, $2, 0; @pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [byte_ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def l2_prefetch(base_ptr, first_byte, end_byte, CHUNK: tl.constexpr, N: tl.constexpr):
     """Ask L2 for N chunks of CHUNK bytes from base + first_byte, stopping at end_byte, without
     waiting for them (one cp.async.bulk.prefetch per chunk; N at least the program's threads, so
     no chunk is asked for twice)."""
     offsets = first_byte + tl.arange(0, N).to(tl.int64) * CHUNK
     sizes = tl.minimum(tl.maximum(end_byte - offsets, 0), CHUNK).to(tl.int32)
-    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + offsets
-    tl.inline_asm_elementwise(
-        "{ .reg .pred pf_p; setp.ne.u32 pf_p, $2, 0; @pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+    bulk_prefetch_l2(base_ptr.to(tl.pointer_type(tl.int8)) + offsets, sizes)
 
 
 @triton.jit
@@ -372,19 +378,29 @@ def split_k_plans_bench(rates, results):
 
 
 @triton.jit
+def grid_barrier(counter_ptr, rounds, programs):
+    """Barrier number rounds + 1 of a grid of programs; returns rounds + 1. The program's threads
+    meet, one arrives (release, so their writes go with it) and polls (acquire) until every
+    program has arrived. All programs must be resident at once; it gives up after 2^22 polls (a
+    grid larger than what is resident would otherwise hang; the caller's count check then fails)."""
+    target = (rounds + 1) * programs
+    tl.debug_barrier()
+    seen = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
+    polls = 0
+    while (seen < target) & (polls < 4194304):
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    tl.debug_barrier()
+    return rounds + 1
+
+
+@triton.jit
 def _grid_barrier_kernel(counter_ptr, out_ptr, rounds):
-    """Every program passes `rounds` grid-wide barriers: one thread arrives by an atomic add
-    (release), then polls the count (acquire) until all programs of this round have arrived. All
-    programs must be resident at once (the grid at most the GPU's capacity)."""
+    """Every program passes `rounds` grid-wide barriers, then stores the count it sees."""
     programs = tl.num_programs(0)
-    seen = 0
     for r in range(rounds):
-        tl.atomic_add(counter_ptr, 1, sem="release")
-        target = (r + 1) * programs
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-        while seen < target:
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    tl.store(out_ptr + tl.program_id(0), seen)
+        grid_barrier(counter_ptr, r, programs)
+    tl.store(out_ptr + tl.program_id(0), tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu"))
 
 
 @triton.jit
@@ -425,6 +441,19 @@ def _prefetch_kernel(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constexp
 
 
 @triton.jit
+def _chain_items(M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """How many items (column block, split, row block) a GEMM of the persistent_chain part has."""
+    return N // BLOCK_N * SPLIT * tl.cdiv(M, BLOCK_M)
+
+
+@triton.jit
+def _chain_slab(item, N: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Which split of K and which weight rows (output columns) item reads."""
+    n_blocks = N // BLOCK_N
+    return (item // n_blocks) % SPLIT, item % n_blocks * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, item, PRE_K: tl.constexpr, w_pre):
     """One item (column block, split, row block) of a GEMM of the persistent_chain part, split_k_kernel's
@@ -432,10 +461,8 @@ def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.const
     are already in registers (w_pre): one dot over them, then the rest of K in BLOCK_K steps.
     Activations are read from L2 (.cg): in the persistent kernel another program wrote them, before
     a barrier."""
-    n_blocks = N // BLOCK_N
-    split = (item // n_blocks) % SPLIT
-    rows = item // (n_blocks * SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = item % n_blocks * BLOCK_N + tl.arange(0, BLOCK_N)
+    split, cols = _chain_slab(item, N, BLOCK_N, SPLIT)
+    rows = item // (N // BLOCK_N * SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows[:, None] < M
     k_first = split * (K // SPLIT)
     if PRE_K > 0:
@@ -458,7 +485,7 @@ def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.const
 def _chain_phase(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, first_item, item_step):
     """A GEMM's items first_item, first_item + item_step, ... (_chain_item)."""
-    for item in range(first_item, N // BLOCK_N * SPLIT * tl.cdiv(M, BLOCK_M), item_step):
+    for item in range(first_item, _chain_items(M, N, BLOCK_M, BLOCK_N, SPLIT), item_step):
         _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, item, 0, 0)
 
 
@@ -479,34 +506,11 @@ def _chain_prefetch(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.cons
                     SPLIT: tl.constexpr, first_item, item_step):
     """Ask L2 for the weight rows this program's items of a later _chain_phase will read: one
     cp.async.bulk.prefetch a row segment, without waiting for it."""
-    n_blocks = N // BLOCK_N
-    items = n_blocks * SPLIT * tl.cdiv(M, BLOCK_M)
     k_per_split = K // SPLIT
-    for item in range(first_item, items, item_step):
-        split = (item // n_blocks) % SPLIT
-        cols = (item % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ptrs = (w_ptr + cols.to(tl.int64) * K + split * k_per_split).to(tl.pointer_type(tl.int8))
-        sizes = tl.full([BLOCK_N], k_per_split * 2, tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred pf_p; setp.ne.u32 pf_p, $2, 0; @pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _chain_barrier(counter_ptr, rounds, programs):
-    """Barrier number rounds + 1 of a grid of programs; returns rounds + 1. The program's threads
-    meet, one arrives (release, so their writes go with it) and polls (acquire) until every
-    program has arrived. Gives up after 2^22 polls (a grid larger than what is resident would
-    otherwise hang; the results check then fails)."""
-    target = (rounds + 1) * programs
-    tl.debug_barrier()
-    seen = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
-    polls = 0
-    while (seen < target) & (polls < 4194304):
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
-    tl.debug_barrier()
-    return rounds + 1
+    for item in range(first_item, _chain_items(M, N, BLOCK_M, BLOCK_N, SPLIT), item_step):
+        split, cols = _chain_slab(item, N, BLOCK_N, SPLIT)
+        bulk_prefetch_l2((w_ptr + cols.to(tl.int64) * K + split * k_per_split).to(tl.pointer_type(tl.int8)),
+                         tl.full([BLOCK_N], k_per_split * 2, tl.int32))
 
 
 @triton.jit
@@ -547,33 +551,31 @@ def _persistent_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
         if PREFETCH:
             _chain_prefetch(wgu, M, N_GU, N_O, BLOCK_M, BN_GU, 1, pid, programs)
         _chain_phase(qkv_ptr, N_QKV, wo, o_ptr, M, N_O, K_O, BLOCK_M, BN_O, BLOCK_K, S_O, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_sum(o_ptr, h_ptr, M, N_O, S_O, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         if PREFETCH:
             _chain_prefetch(wd, M, N_O, K_D, BLOCK_M, BN_D, S_D, pid, programs)
         _chain_phase(h_ptr, N_O, wgu, gu_ptr, M, N_GU, N_O, BLOCK_M, BN_GU, BLOCK_K, 1, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         if PREFETCH:
             _chain_prefetch(wqkv, M, N_QKV, N_O, BLOCK_M, BN_QKV, 1, pid, programs)
         _chain_phase(gu_ptr, N_GU, wd, d_ptr, M, N_O, K_D, BLOCK_M, BN_D, BLOCK_K, S_D, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_sum(d_ptr, h_ptr, M, N_O, S_D, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         if PREFETCH:
             if layer + 1 < layers:
                 _chain_prefetch(wo + size_o, M, N_O, K_O, BLOCK_M, BN_O, S_O, pid, programs)
         _chain_phase(h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
 
 
 @triton.jit
 def _chain_preload(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, PRE_K: tl.constexpr, item, valid):
     """The first PRE_K columns of item's weight slab, into registers (zeros where not valid)."""
-    n_blocks = N // BLOCK_N
-    split = (item // n_blocks) % SPLIT
-    cols = (item % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split, cols = _chain_slab(item, N, BLOCK_N, SPLIT)
     ks = split * (K // SPLIT) + tl.arange(0, PRE_K)
     mask = (cols[:, None] < N) & valid
     return tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=mask, other=0.0)
@@ -585,7 +587,7 @@ def _chain_phase_preloaded(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, 
                            PRE_K: tl.constexpr, w_pre, item):
     """A GEMM's one item for this program, if it has one, its weight's first PRE_K columns
     preloaded (w_pre)."""
-    if item < N // BLOCK_N * SPLIT * tl.cdiv(M, BLOCK_M):
+    if item < _chain_items(M, N, BLOCK_M, BLOCK_N, SPLIT):
         _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, item, PRE_K, w_pre)
 
 
@@ -612,21 +614,21 @@ def _preloading_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
         wqkv = w_qkv + layer * size_qkv
         _chain_phase_preloaded(qkv_ptr, N_QKV, wo, o_ptr, M, N_O, K_O, BLOCK_M, BN_O, BLOCK_K, S_O, PK_O, pre_o, pid)
         pre_gu = _chain_preload(wgu, M, N_GU, N_O, BLOCK_M, BN_GU, 1, PK_GU, pid, True)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_sum(o_ptr, h_ptr, M, N_O, S_O, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_phase_preloaded(h_ptr, N_O, wgu, gu_ptr, M, N_GU, N_O, BLOCK_M, BN_GU, BLOCK_K, 1, PK_GU, pre_gu, pid)
         pre_d = _chain_preload(wd, M, N_O, K_D, BLOCK_M, BN_D, S_D, PK_D, pid, True)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_phase_preloaded(gu_ptr, N_GU, wd, d_ptr, M, N_O, K_D, BLOCK_M, BN_D, BLOCK_K, S_D, PK_D, pre_d, pid)
         pre_qkv = _chain_preload(wqkv, M, N_QKV, N_O, BLOCK_M, BN_QKV, 1, PK_QKV, pid, True)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_sum(d_ptr, h_ptr, M, N_O, S_D, pid, programs)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_phase_preloaded(h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, PK_QKV,
                                pre_qkv, pid)
         pre_o = _chain_preload(wo + size_o, M, N_O, K_O, BLOCK_M, BN_O, S_O, PK_O, pid, layer + 1 < layers)
-        rounds = _chain_barrier(counter_ptr, rounds, programs)
+        rounds = grid_barrier(counter_ptr, rounds, programs)
 
 
 def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int = 32768):
