@@ -2,7 +2,7 @@
 launch (PDL), L2 weight prefetch and micro-batches on streams would win back, each replayed from a
 CUDA graph.
 
-    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch,persistent_chain] [--out results.json]
+    python scripts/microbench_launch.py [--only gaps,chain,prefetch,gemm,split_k,microbatch,triton_gemm,ablation,attention_chain,split_k_plans,barrier,side_prefetch,persistent_chain,stream_chain] [--out results.json]
 
 - gaps: microbench_gpu.decoder_stack's 28 layers over workload decode batches: the graph's time
   against the sum of its kernels' durations (torch.profiler), so the time between kernels shows.
@@ -34,8 +34,12 @@ CUDA graph.
 - persistent_chain: a layer's four GEMMs and two partial sums, 28 layers, as kernels with PDL
   against one persistent kernel with grid-wide barriers, the next GEMM's weight asked of L2 ahead
   or not, and (up to 64 rows) one that holds the start of its next weight slab in registers
-  across the barrier."""
+  across the barrier.
+- stream_chain: the same GEMMs (no split, so no partial sums) in one persistent CUDA kernel
+  (scripts/stream_chain.cu, built with nvcc) whose producer warp streams the weights into shared
+  memory ahead of the grid barriers, up to 64 rows."""
 import argparse
+import ctypes
 import itertools
 import json
 import os
@@ -752,6 +756,92 @@ def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int =
         results["persistent_chain"].append(line)
 
 
+def build_stream_chain():
+    """scripts/stream_chain.cu compiled with nvcc into a temporary shared library, loaded by ctypes."""
+    import shutil
+    import subprocess
+    import tempfile
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_chain.cu")
+    library = os.path.join(tempfile.mkdtemp(), "libstream_chain.so")
+    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", library, source],
+                   check=True)
+    lib = ctypes.CDLL(library)
+    lib.stream_chain_launch.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_void_p] + [ctypes.c_int] * 9 + [
+        ctypes.c_void_p]
+    lib.stream_chain_launch.restype = ctypes.c_int
+    lib.stream_chain_shared_bytes.argtypes = [ctypes.c_int]
+    lib.stream_chain_shared_bytes.restype = ctypes.c_int
+    return lib
+
+
+def stream_chain_bench(rates, results):
+    """A layer's four GEMMs (o, gate_up, down, qkv; each one's input the previous one's output), 28
+    layers of distinct weights, in one persistent CUDA kernel (scripts/stream_chain.cu) whose producer
+    warp streams each block's weight slabs into a ring of shared-memory stages without ever waiting
+    for a grid barrier, so weights flow across GEMM and layer boundaries while the consumers wait
+    for their activations. Item 80's persistent Triton kernel and chain of kernels (the
+    persistent_chain part; run it in the same call to compare) keep every weight load behind the
+    barrier that publishes its activations. Whole K an item, so no split partials to sum: 4
+    barriers a layer. Results are checked against torch in float32 with bf16 intermediates
+    (another summation order, so not bit for bit) and for run-to-run equality."""
+    print("\n== a layer's GEMMs in one CUDA kernel, weights streamed ahead of the barriers (µs a layer) ==")
+    lib = build_stream_chain()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n_qkv, k_o = SHAPES["qkv"][0], SHAPES["o"][1]
+    n_o, n_gu, k_d = HIDDEN, 2 * INTER, INTER
+
+    def ring(n, k):
+        return torch.randn(LAYERS, n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+    w_o, w_gu, w_d, w_qkv = ring(n_o, k_o), ring(n_gu, n_o), ring(n_o, k_d), ring(n_qkv, n_o)
+    weight_bytes = sum(w[0].numel() * 2 for w in (w_o, w_gu, w_d, w_qkv))
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for m in (64, 32, 16, 8):
+        qkv0 = torch.randn(m, n_qkv, dtype=torch.bfloat16, device="cuda")
+        bufs = {"qkv": qkv0.clone(), "h1": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda"),
+                "gu": torch.empty(m, n_gu, dtype=torch.bfloat16, device="cuda"),
+                "h2": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda")}
+
+        def launch(stages, layers=LAYERS, blocks=sms):
+            counter.zero_()
+            err = lib.stream_chain_launch(
+                w_o.data_ptr(), w_gu.data_ptr(), w_d.data_ptr(), w_qkv.data_ptr(), bufs["qkv"].data_ptr(),
+                bufs["h1"].data_ptr(), bufs["gu"].data_ptr(), bufs["h2"].data_ptr(), counter.data_ptr(), m, layers,
+                n_qkv, k_o, n_o, n_gu, k_d, blocks, stages, torch.cuda.current_stream().cuda_stream)
+            assert err == 0, f"stream_chain_launch returned {err}"
+
+        # Two layers against torch: float32 products of the bf16 operands, rounded to bf16 between GEMMs.
+        ref = {"qkv": qkv0.clone()}
+        for layer in range(2):
+            ref["h1"] = (ref["qkv"][:, :k_o].float() @ w_o[layer].float().T).bfloat16()
+            ref["gu"] = (ref["h1"].float() @ w_gu[layer].float().T).bfloat16()
+            ref["h2"] = (ref["gu"][:, :k_d].float() @ w_d[layer].float().T).bfloat16()
+            ref["qkv"] = (ref["h2"].float() @ w_qkv[layer].float().T).bfloat16()
+        outputs = []
+        for stages in (4, 12):
+            bufs["qkv"].copy_(qkv0)
+            launch(stages, layers=2)
+            torch.cuda.synchronize()
+            assert int(counter) == 8 * sms, int(counter)
+            outputs.append({k: v.clone() for k, v in bufs.items()})
+        errors = {k: ((outputs[0][k].float() - v.float()).abs().max() / v.float().abs().max()).item()
+                  for k, v in ref.items()}
+        same = all(torch.equal(outputs[0][k], outputs[1][k]) for k in bufs)
+        print(f"  M={m:<3} against torch (largest difference / largest value): "
+              + ", ".join(f"{k} {e:.1e}" for k, e in errors.items()) + f"; 4 and 12 stages equal: {same}", flush=True)
+        assert max(errors.values()) < 2e-2 and same, (errors, same)
+        floor = weight_bytes / rates.bandwidth * 1e6
+        line = {"m": m, "floor_us": floor, "max_rel_err": max(errors.values())}
+        for stages in (4, 8, 12):
+            bufs["qkv"].copy_(qkv0)
+            line[f"stages_{stages}_us"] = graph_time_us(lambda: launch(stages), reps=1, replays=11) / LAYERS
+            assert int(counter) == 4 * LAYERS * sms, int(counter)  # every barrier was met
+            line[f"shared_{stages}"] = lib.stream_chain_shared_bytes(stages)
+        print(f"  M={m:<3} floor {floor:.2f}, " + ", ".join(
+            f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us") and k != "floor_us"), flush=True)
+        results["stream_chain"].append(line)
+
+
 def side_prefetch_bench(rates, results):
     """The decoder stack with a side stream that, once a layer's attention is done (just before its
     o_proj), asks L2 for weights the layer's later GEMMs read: the GEMMs after attention are
@@ -914,7 +1004,7 @@ def main():
              "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
              "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
              "barrier": barrier_bench, "side_prefetch": side_prefetch_bench,
-             "persistent_chain": persistent_chain_bench}
+             "persistent_chain": persistent_chain_bench, "stream_chain": stream_chain_bench}
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):

@@ -1,0 +1,288 @@
+// A decode layer's four GEMMs (o, gate_up, down, qkv; each one's input the previous one's output),
+// `layers` times over distinct weights, in one persistent kernel whose weight stream never waits
+// for the activations: measurement only, for microbench_launch.py's stream_chain part.
+//
+// Item 80 found that a persistent Triton kernel with grid barriers gains little over a chain of
+// kernels, and that asking L2 or registers for the next weight ahead loses. Both kept every load
+// of a weight behind the barrier that publishes the activations it is multiplied with. Here one
+// producer warp a block copies the block's weight slabs, in the order the block will use them,
+// into a ring of shared-memory stages (cp.async.bulk, completion on an mbarrier) and never takes
+// part in the grid barriers: it runs ahead of the compute by as many stages as the ring holds,
+// across GEMM and layer boundaries. Eight consumer warps multiply (mma.sync m16n8k16, fp32
+// accumulation), reduce their K parts in a fixed order and meet the other blocks at a grid barrier
+// after each GEMM. Weights do not depend on activations, so the only thing the barrier delays is
+// arithmetic on data already on chip.
+//
+// An item is 8 output columns (8 weight rows) over the whole of K; a stage is those rows' next
+// 1,024 K elements (16 KB). Block b takes items b, b + gridDim.x, ... of each GEMM. Rows of x past
+// M are zeros (M up to 16 a 16-row mma tile; up to 64 rows).
+//
+// Build: nvcc -O3 -arch=sm_90a -shared -Xcompiler -fPIC -o libstream_chain.so stream_chain.cu
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int kChunkK = 1024;                  // K elements of a weight row in one stage
+constexpr int kRows = 8;                       // output columns an item computes (mma's n)
+constexpr int kStageBytes = kRows * kChunkK * 2;
+constexpr int kConsumerWarps = 8;
+constexpr int kWarpK = kChunkK / kConsumerWarps;  // a consumer warp's K part of a stage
+constexpr int kSteps = kWarpK / 16;              // mma k steps a warp does a stage
+constexpr int kThreads = (kConsumerWarps + 1) * 32;
+
+struct Gemm {
+  const __nv_bfloat16* x;  // [M, k] with row stride x_stride
+  int x_stride;
+  const __nv_bfloat16* w;  // [layers, n, k]
+  __nv_bfloat16* out;      // [M, n]
+  int n, k;
+};
+
+struct Chain {
+  Gemm g[4];  // o, gate_up, down, qkv
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// A wait that never ends is a bug in this file: trap, so the caller gets an error, not a hang.
+constexpr unsigned kPatience = 1u << 26;
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  for (unsigned tries = 0;; ++tries) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (tries == kPatience) __trap();
+  }
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// The consumer warps' own barrier (named barrier 1): the producer warp never joins it.
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
+}
+
+// Every block's consumers have stored their part of a GEMM before any reads the next one's input.
+__device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
+  consumers_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    unsigned seen;
+    for (unsigned tries = 0;; ++tries) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen >= target) break;
+      if (tries == kPatience) __trap();
+    }
+  }
+  consumers_sync();
+}
+
+// x's two bf16 at (row, col), col even, from L2 (another block wrote them before the barrier).
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* x, int stride, int row, int col, int rows) {
+  if (row >= rows) return 0u;
+  return __ldcg(reinterpret_cast<const unsigned*>(x + static_cast<size_t>(row) * stride + col));
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int NSTAGES>
+struct Shared {
+  alignas(128) unsigned char stage[NSTAGES][kStageBytes];
+  float4 partial[kConsumerWarps][4][32];  // a warp's accumulators, up to 4 row tiles
+  uint64_t full[NSTAGES];
+  uint64_t empty[NSTAGES];
+};
+
+template <int MT, int NSTAGES>
+__global__ void __launch_bounds__(kThreads, 1)
+    stream_chain_kernel(Chain chain, int rows, int layers, unsigned* counter) {
+  extern __shared__ __align__(128) unsigned char raw[];
+  auto& sh = *reinterpret_cast<Shared<NSTAGES>*>(raw);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NSTAGES; ++s) {
+      mbar_init(&sh.full[s], 1);                // the producer's expect_tx arrival
+      mbar_init(&sh.empty[s], kConsumerWarps);  // one arrival a consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == kConsumerWarps) {  // the producer: the block's weight slabs, in order of use
+    if (lane != 0) return;
+    uint32_t it = 0;
+    for (int layer = 0; layer < layers; ++layer) {
+      for (int p = 0; p < 4; ++p) {
+        const Gemm& g = chain.g[p];
+        const __nv_bfloat16* w = g.w + static_cast<size_t>(layer) * g.n * g.k;
+        for (int item = blockIdx.x; item < g.n / kRows; item += gridDim.x) {
+          for (int c = 0; c < g.k / kChunkK; ++c, ++it) {
+            const int s = it % NSTAGES;
+            mbar_wait(&sh.empty[s], ((it / NSTAGES) & 1) ^ 1);
+            mbar_expect_bytes(&sh.full[s], kStageBytes);
+            for (int r = 0; r < kRows; ++r)
+              bulk_copy(sh.stage[s] + r * kChunkK * 2,
+                        w + static_cast<size_t>(item * kRows + r) * g.k + c * kChunkK, kChunkK * 2,
+                        &sh.full[s]);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // The consumers. mma fragment coordinates: group g = lane / 4 (a row of A, a column of B and
+  // D), quad q = lane % 4 (two neighbouring K elements of A and B, two columns of D).
+  const int g = lane / 4, q = lane % 4;
+  uint32_t it = 0;
+  unsigned barriers = 0;
+  for (int layer = 0; layer < layers; ++layer) {
+    for (int p = 0; p < 4; ++p) {
+      const Gemm& gm = chain.g[p];
+      for (int item = blockIdx.x; item < gm.n / kRows; item += gridDim.x) {
+        float acc[MT][4] = {};
+        for (int c = 0; c < gm.k / kChunkK; ++c, ++it) {
+          const int k0 = c * kChunkK + warp * kWarpK;
+          uint32_t a[kSteps][MT][4];
+#pragma unroll
+          for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const int col = k0 + ks * 16 + q * 2, row = mt * 16 + g;
+              a[ks][mt][0] = load_pair(gm.x, gm.x_stride, row, col, rows);
+              a[ks][mt][1] = load_pair(gm.x, gm.x_stride, row + 8, col, rows);
+              a[ks][mt][2] = load_pair(gm.x, gm.x_stride, row, col + 8, rows);
+              a[ks][mt][3] = load_pair(gm.x, gm.x_stride, row + 8, col + 8, rows);
+            }
+          const int s = it % NSTAGES;
+          mbar_wait(&sh.full[s], (it / NSTAGES) & 1);
+          const unsigned char* wrow = sh.stage[s] + g * kChunkK * 2 + (warp * kWarpK + q * 2) * 2;
+#pragma unroll
+          for (int ks = 0; ks < kSteps; ++ks) {
+            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(wrow + ks * 32);
+            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(wrow + ks * 32 + 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma(acc[mt], a[ks][mt], b0, b1);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&sh.empty[s]);
+        }
+        // The warps' K parts summed in warp order, so the result does not depend on timing.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          sh.partial[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+        consumers_sync();
+        if (threadIdx.x < MT * 32) {
+          const int mt = threadIdx.x / 32, l = threadIdx.x % 32;
+          float4 sum = sh.partial[0][mt][l];
+          for (int w = 1; w < kConsumerWarps; ++w) {
+            const float4 v = sh.partial[w][mt][l];
+            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+          }
+          const int row = mt * 16 + l / 4, col = item * kRows + (l % 4) * 2;
+          if (row < rows)
+            *reinterpret_cast<__nv_bfloat162*>(gm.out + static_cast<size_t>(row) * gm.n + col) =
+                __floats2bfloat162_rn(sum.x, sum.y);
+          if (row + 8 < rows)
+            *reinterpret_cast<__nv_bfloat162*>(gm.out + static_cast<size_t>(row + 8) * gm.n + col) =
+                __floats2bfloat162_rn(sum.z, sum.w);
+        }
+        consumers_sync();
+      }
+      grid_sync(counter, ++barriers * gridDim.x);
+    }
+  }
+}
+
+template <int MT, int NSTAGES>
+int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, cudaStream_t stream) {
+  const int bytes = sizeof(Shared<NSTAGES>);
+  auto kernel = stream_chain_kernel<MT, NSTAGES>;
+  static bool configured = false;  // once, before any graph capture (the first call is never captured)
+  if (!configured) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  kernel<<<blocks, kThreads, bytes, stream>>>(chain, rows, layers, counter);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory the kernel takes at `stages` stages (for the caller's report).
+int stream_chain_shared_bytes(int stages) {
+  switch (stages) {
+    case 4: return sizeof(Shared<4>);
+    case 8: return sizeof(Shared<8>);
+    case 12: return sizeof(Shared<12>);
+  }
+  return -1;
+}
+
+// qkv [rows, n_qkv] is the chain's input and its output; o's input is its first k_o columns. Returns a
+// cudaError_t (0 on success); -1 for rows or stages it was not built for. Every block must be
+// resident at once (blocks at most the multiprocessor count): the grid barrier waits for all.
+int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, const void* w_qkv, void* qkv,
+                        void* h1, void* gu, void* h2, unsigned* counter, int rows, int layers, int n_qkv,
+                        int k_o, int hidden, int n_gu, int k_d, int blocks, int stages, void* stream) {
+  using bf = __nv_bfloat16;
+  Chain chain;
+  chain.g[0] = {static_cast<const bf*>(qkv), n_qkv, static_cast<const bf*>(w_o), static_cast<bf*>(h1), hidden, k_o};
+  chain.g[1] = {static_cast<const bf*>(h1), hidden, static_cast<const bf*>(w_gu), static_cast<bf*>(gu), n_gu, hidden};
+  chain.g[2] = {static_cast<const bf*>(gu), n_gu, static_cast<const bf*>(w_d), static_cast<bf*>(h2), hidden, k_d};
+  chain.g[3] = {static_cast<const bf*>(h2), hidden, static_cast<const bf*>(w_qkv), static_cast<bf*>(qkv), n_qkv, hidden};
+  for (const Gemm& g : chain.g)
+    if (g.k % kChunkK != 0 || g.n % kRows != 0) return -1;
+  auto s = static_cast<cudaStream_t>(stream);
+  const int mt = (rows + 15) / 16;
+#define STREAM_CHAIN_CASE(MT_, ST_) \
+  if (mt == MT_ && stages == ST_) return launch<MT_, ST_>(chain, rows, layers, counter, blocks, s);
+  STREAM_CHAIN_CASE(1, 4) STREAM_CHAIN_CASE(1, 8) STREAM_CHAIN_CASE(1, 12)
+  STREAM_CHAIN_CASE(2, 4) STREAM_CHAIN_CASE(2, 8) STREAM_CHAIN_CASE(2, 12)
+  STREAM_CHAIN_CASE(4, 4) STREAM_CHAIN_CASE(4, 8) STREAM_CHAIN_CASE(4, 12)
+#undef STREAM_CHAIN_CASE
+  return -1;
+}
+
+}  // extern "C"
