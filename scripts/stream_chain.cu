@@ -25,7 +25,11 @@ namespace {
 
 constexpr int kChunkK = 1024;                  // K elements of a weight row in one stage
 constexpr int kRows = 8;                       // output columns an item computes (mma's n)
-constexpr int kStageBytes = kRows * kChunkK * 2;
+// A stage's weight rows lie kRowPitch bytes apart: 32 bytes of padding a row put the 8 rows' reads
+// of one mma step (8 bytes a thread, at 32-byte steps within a row) on distinct banks.
+constexpr int kRowPitch = kChunkK * 2 + 32;
+constexpr int kStageBytes = kRows * kRowPitch;
+constexpr int kStageDataBytes = kRows * kChunkK * 2;
 constexpr int kConsumerWarps = 8;
 constexpr int kWarpK = kChunkK / kConsumerWarps;  // a consumer warp's K part of a stage
 constexpr int kSteps = kWarpK / 16;              // mma k steps a warp does a stage
@@ -52,7 +56,7 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 }
 
 // A wait that never ends is a bug in this file: trap, so the caller gets an error, not a hang.
-constexpr unsigned kPatience = 1u << 26;
+constexpr unsigned kPatience = 1u << 22;
 
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   for (unsigned tries = 0;; ++tries) {
@@ -109,10 +113,15 @@ __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
   consumers_sync();
 }
 
-// x's two bf16 at (row, col), col even, from L2 (another block wrote them before the barrier).
-__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* x, int stride, int row, int col, int rows) {
-  if (row >= rows) return 0u;
-  return __ldcg(reinterpret_cast<const unsigned*>(x + static_cast<size_t>(row) * stride + col));
+// x's four bf16 at (row, col), col a multiple of 4, from L2: another block wrote them before the
+// barrier. volatile, so the compiler keeps the load after the barrier's (__ldcg may be hoisted).
+__device__ __forceinline__ uint2 load_quad(const __nv_bfloat16* x, int stride, int row, int col, int rows) {
+  uint2 v = make_uint2(0u, 0u);
+  if (row < rows)
+    asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(x + static_cast<size_t>(row) * stride + col));
+  return v;
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -157,9 +166,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < g.k / kChunkK; ++c, ++it) {
             const int s = it % NSTAGES;
             mbar_wait(&sh.empty[s], ((it / NSTAGES) & 1) ^ 1);
-            mbar_expect_bytes(&sh.full[s], kStageBytes);
+            mbar_expect_bytes(&sh.full[s], kStageDataBytes);
             for (int r = 0; r < kRows; ++r)
-              bulk_copy(sh.stage[s] + r * kChunkK * 2,
+              bulk_copy(sh.stage[s] + r * kRowPitch,
                         w + static_cast<size_t>(item * kRows + r) * g.k + c * kChunkK, kChunkK * 2,
                         &sh.full[s]);
           }
@@ -170,37 +179,44 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // The consumers. mma fragment coordinates: group g = lane / 4 (a row of A, a column of B and
-  // D), quad q = lane % 4 (two neighbouring K elements of A and B, two columns of D).
+  // D), quad q = lane % 4. K is permuted inside each 16-wide mma step, the same way for x and the
+  // weight (a dot product does not care): the mma's K elements 2q, 2q+1 are the step's 4q, 4q+1 and
+  // its 2q+8, 2q+9 are 4q+2, 4q+3, so a thread's A pair registers and B registers are each one
+  // 8-byte load.
   const int g = lane / 4, q = lane % 4;
   uint32_t it = 0;
   unsigned barriers = 0;
+  uint2 a[kSteps][MT][2];  // x at rows g and g + 8 of each 16-row tile, the warp's K part of a stage
   for (int layer = 0; layer < layers; ++layer) {
     for (int p = 0; p < 4; ++p) {
       const Gemm& gm = chain.g[p];
+      const int chunks = gm.k / kChunkK;
+      auto load_x = [&](int c) {
+        const int k0 = c * kChunkK + warp * kWarpK + q * 4;
+#pragma unroll
+        for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            a[ks][mt][0] = load_quad(gm.x, gm.x_stride, mt * 16 + g, k0 + ks * 16, rows);
+            a[ks][mt][1] = load_quad(gm.x, gm.x_stride, mt * 16 + g + 8, k0 + ks * 16, rows);
+          }
+      };
+      if (chunks == 1) load_x(0);  // every item of this GEMM multiplies the same x
       for (int item = blockIdx.x; item < gm.n / kRows; item += gridDim.x) {
         float acc[MT][4] = {};
-        for (int c = 0; c < gm.k / kChunkK; ++c, ++it) {
-          const int k0 = c * kChunkK + warp * kWarpK;
-          uint32_t a[kSteps][MT][4];
-#pragma unroll
-          for (int ks = 0; ks < kSteps; ++ks)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const int col = k0 + ks * 16 + q * 2, row = mt * 16 + g;
-              a[ks][mt][0] = load_pair(gm.x, gm.x_stride, row, col, rows);
-              a[ks][mt][1] = load_pair(gm.x, gm.x_stride, row + 8, col, rows);
-              a[ks][mt][2] = load_pair(gm.x, gm.x_stride, row, col + 8, rows);
-              a[ks][mt][3] = load_pair(gm.x, gm.x_stride, row + 8, col + 8, rows);
-            }
+        for (int c = 0; c < chunks; ++c, ++it) {
+          if (chunks > 1) load_x(c);
           const int s = it % NSTAGES;
           mbar_wait(&sh.full[s], (it / NSTAGES) & 1);
-          const unsigned char* wrow = sh.stage[s] + g * kChunkK * 2 + (warp * kWarpK + q * 2) * 2;
+          const unsigned char* wrow = sh.stage[s] + g * kRowPitch + (warp * kWarpK + q * 4) * 2;
 #pragma unroll
           for (int ks = 0; ks < kSteps; ++ks) {
-            const uint32_t b0 = *reinterpret_cast<const uint32_t*>(wrow + ks * 32);
-            const uint32_t b1 = *reinterpret_cast<const uint32_t*>(wrow + ks * 32 + 16);
+            const uint2 b = *reinterpret_cast<const uint2*>(wrow + ks * 32);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma(acc[mt], a[ks][mt], b0, b1);
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint32_t frag[4] = {a[ks][mt][0].x, a[ks][mt][1].x, a[ks][mt][0].y, a[ks][mt][1].y};
+              mma(acc[mt], frag, b.x, b.y);
+            }
           }
           __syncwarp();
           if (lane == 0) mbar_arrive(&sh.empty[s]);
@@ -234,7 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int MT, int NSTAGES>
 int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, cudaStream_t stream) {
-  const int bytes = sizeof(Shared<NSTAGES>);
+  // At least 116 KB, so that two blocks never share a multiprocessor while another has none.
+  const int bytes = sizeof(Shared<NSTAGES>) > 116 * 1024 ? sizeof(Shared<NSTAGES>) : 116 * 1024;
   auto kernel = stream_chain_kernel<MT, NSTAGES>;
   static bool configured = false;  // once, before any graph capture (the first call is never captured)
   if (!configured) {
