@@ -47,6 +47,10 @@ struct Chain {
   Gemm g[4];  // o, gate_up, down, qkv
 };
 
+// Diagnostic modes (results are wrong under them; they show where the time goes).
+constexpr int kNoBarriers = 1;  // blocks do not meet between GEMMs
+constexpr int kNoXLoads = 2;    // x taken as zeros, not read from L2
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -142,7 +146,7 @@ struct Shared {
 
 template <int MT, int NSTAGES>
 __global__ void __launch_bounds__(kThreads, 1)
-    stream_chain_kernel(Chain chain, int rows, int layers, unsigned* counter) {
+    stream_chain_kernel(Chain chain, int rows, int layers, unsigned* counter, int mode) {
   extern __shared__ __align__(128) unsigned char raw[];
   auto& sh = *reinterpret_cast<Shared<NSTAGES>*>(raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -192,6 +196,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Gemm& gm = chain.g[p];
       const int chunks = gm.k / kChunkK;
       auto load_x = [&](int c) {
+        if (mode & kNoXLoads) {
+#pragma unroll
+          for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) a[ks][mt][0] = a[ks][mt][1] = make_uint2(0u, 0u);
+          return;
+        }
         const int k0 = c * kChunkK + warp * kWarpK + q * 4;
 #pragma unroll
         for (int ks = 0; ks < kSteps; ++ks)
@@ -243,13 +254,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         consumers_sync();
       }
-      grid_sync(counter, ++barriers * gridDim.x);
+      if (!(mode & kNoBarriers)) grid_sync(counter, ++barriers * gridDim.x);
     }
   }
 }
 
 template <int MT, int NSTAGES>
-int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, cudaStream_t stream) {
+int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, int mode, cudaStream_t stream) {
   // At least 116 KB, so that two blocks never share a multiprocessor while another has none.
   const int bytes = sizeof(Shared<NSTAGES>) > 116 * 1024 ? sizeof(Shared<NSTAGES>) : 116 * 1024;
   auto kernel = stream_chain_kernel<MT, NSTAGES>;
@@ -259,7 +270,7 @@ int launch(const Chain& chain, int rows, int layers, unsigned* counter, int bloc
     if (err != cudaSuccess) return static_cast<int>(err);
     configured = true;
   }
-  kernel<<<blocks, kThreads, bytes, stream>>>(chain, rows, layers, counter);
+  kernel<<<blocks, kThreads, bytes, stream>>>(chain, rows, layers, counter, mode);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -278,11 +289,12 @@ int stream_chain_shared_bytes(int stages) {
 }
 
 // qkv [rows, n_qkv] is the chain's input and its output; o's input is its first k_o columns. Returns a
-// cudaError_t (0 on success); -1 for rows or stages it was not built for. Every block must be
+// cudaError_t (0 on success); -1 for rows or stages it was not built for. mode: 0, or the
+// diagnostic kNoBarriers | kNoXLoads. Every block must be
 // resident at once (blocks at most the multiprocessor count): the grid barrier waits for all.
 int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, const void* w_qkv, void* qkv,
                         void* h1, void* gu, void* h2, unsigned* counter, int rows, int layers, int n_qkv,
-                        int k_o, int hidden, int n_gu, int k_d, int blocks, int stages, void* stream) {
+                        int k_o, int hidden, int n_gu, int k_d, int blocks, int stages, int mode, void* stream) {
   using bf = __nv_bfloat16;
   Chain chain;
   chain.g[0] = {static_cast<const bf*>(qkv), n_qkv, static_cast<const bf*>(w_o), static_cast<bf*>(h1), hidden, k_o};
@@ -294,7 +306,7 @@ int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, cons
   auto s = static_cast<cudaStream_t>(stream);
   const int mt = (rows + 15) / 16;
 #define STREAM_CHAIN_CASE(MT_, ST_) \
-  if (mt == MT_ && stages == ST_) return launch<MT_, ST_>(chain, rows, layers, counter, blocks, s);
+  if (mt == MT_ && stages == ST_) return launch<MT_, ST_>(chain, rows, layers, counter, blocks, mode, s);
   STREAM_CHAIN_CASE(1, 4) STREAM_CHAIN_CASE(1, 8) STREAM_CHAIN_CASE(1, 12)
   STREAM_CHAIN_CASE(2, 4) STREAM_CHAIN_CASE(2, 8) STREAM_CHAIN_CASE(2, 12)
   STREAM_CHAIN_CASE(4, 4) STREAM_CHAIN_CASE(4, 8) STREAM_CHAIN_CASE(4, 12)
