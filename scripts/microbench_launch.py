@@ -823,14 +823,14 @@ def stream_chain_bench(rates, results):
             torch.cuda.synchronize()
             assert int(counter) == 8 * sms, int(counter)
             outputs.append({k: v.clone() for k, v in bufs.items()})
-        errors = {k: ((outputs[0][k].float() - v.float()).abs().max() / v.float().abs().max()).item()
-                  for k, v in ref.items()}
+        errors = {k: max(((out[k].float() - v.float()).abs().max() / v.float().abs().max()).item()
+                         for out in outputs) for k, v in ref.items()}
 
-        def differing(a, b):  # elements that differ between two runs, and where the first few are
-            where = (a["qkv"] != b["qkv"]).nonzero().tolist()
-            return {k: int((a[k] != b[k]).sum()) for k in a} | {"qkv_at": where[:4]}
+        def differing(a, b):  # elements that differ between two runs, and where the first few of h1 are
+            where = (a["h1"] != b["h1"]).nonzero().tolist()
+            return {k: int((a[k] != b[k]).sum()) for k in a} | {"h1_at": where[:6]}
         repeat, restaged = differing(outputs[0], outputs[1]), differing(outputs[0], outputs[2])
-        print(f"  M={m:<3} against torch (largest difference / largest value): "
+        print(f"  M={m:<3} against torch (largest difference / largest value, any plan): "
               + ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
               + f"; elements that differ, 4 stages twice: {repeat}; 4 and 12 stages: {restaged}", flush=True)
         assert max(errors.values()) < 2e-2, errors

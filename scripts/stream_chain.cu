@@ -190,47 +190,64 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane / 4, q = lane % 4;
   uint32_t it = 0;
   unsigned barriers = 0;
-  uint2 a[kSteps][MT][2];  // x at rows g and g + 8 of each 16-row tile, the warp's K part of a stage
+  // x at rows g and g + 8 of each 16-row tile over the warp's K part of a stage, for up to kHeld
+  // stages: with one row tile all of a GEMM's x (K up to 3 stages) is loaded at once after the
+  // barrier, so its L2 latency is paid once a GEMM, not once a stage.
+  constexpr int kHeld = MT == 1 ? 3 : 1;
+  uint2 a[kHeld][kSteps][MT][2];
   for (int layer = 0; layer < layers; ++layer) {
     for (int p = 0; p < 4; ++p) {
       const Gemm& gm = chain.g[p];
       const int chunks = gm.k / kChunkK;
-      auto load_x = [&](int c) {
-        if (mode & kNoXLoads) {
-#pragma unroll
-          for (int ks = 0; ks < kSteps; ++ks)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) a[ks][mt][0] = a[ks][mt][1] = make_uint2(0u, 0u);
-          return;
-        }
+      auto load_x = [&](int c, uint2 (&dst)[kSteps][MT][2]) {
         const int k0 = c * kChunkK + warp * kWarpK + q * 4;
 #pragma unroll
         for (int ks = 0; ks < kSteps; ++ks)
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            a[ks][mt][0] = load_quad(gm.x, gm.x_stride, mt * 16 + g, k0 + ks * 16, rows);
-            a[ks][mt][1] = load_quad(gm.x, gm.x_stride, mt * 16 + g + 8, k0 + ks * 16, rows);
-          }
-      };
-      if (chunks == 1) load_x(0);  // every item of this GEMM multiplies the same x
-      for (int item = blockIdx.x; item < gm.n / kRows; item += gridDim.x) {
-        float acc[MT][4] = {};
-        for (int c = 0; c < chunks; ++c, ++it) {
-          if (chunks > 1) load_x(c);
-          const int s = it % NSTAGES;
-          mbar_wait(&sh.full[s], (it / NSTAGES) & 1);
-          const unsigned char* wrow = sh.stage[s] + g * kRowPitch + (warp * kWarpK + q * 4) * 2;
-#pragma unroll
-          for (int ks = 0; ks < kSteps; ++ks) {
-            const uint2 b = *reinterpret_cast<const uint2*>(wrow + ks * 32);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint32_t frag[4] = {a[ks][mt][0].x, a[ks][mt][1].x, a[ks][mt][0].y, a[ks][mt][1].y};
-              mma(acc[mt], frag, b.x, b.y);
+            if (mode & kNoXLoads) {
+              dst[ks][mt][0] = dst[ks][mt][1] = make_uint2(0u, 0u);
+            } else {
+              dst[ks][mt][0] = load_quad(gm.x, gm.x_stride, mt * 16 + g, k0 + ks * 16, rows);
+              dst[ks][mt][1] = load_quad(gm.x, gm.x_stride, mt * 16 + g + 8, k0 + ks * 16, rows);
             }
           }
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&sh.empty[s]);
+      };
+      // The next stage of the ring times src into acc, then the stage goes back to the producer.
+      auto take_stage = [&](const uint2 (&src)[kSteps][MT][2], float (&acc)[MT][4]) {
+        const int s = it % NSTAGES;
+        mbar_wait(&sh.full[s], (it / NSTAGES) & 1);
+        const unsigned char* wrow = sh.stage[s] + g * kRowPitch + (warp * kWarpK + q * 4) * 2;
+#pragma unroll
+        for (int ks = 0; ks < kSteps; ++ks) {
+          const uint2 b = *reinterpret_cast<const uint2*>(wrow + ks * 32);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint32_t frag[4] = {src[ks][mt][0].x, src[ks][mt][1].x, src[ks][mt][0].y, src[ks][mt][1].y};
+            mma(acc[mt], frag, b.x, b.y);
+          }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sh.empty[s]);
+        ++it;
+      };
+      const bool held = chunks <= kHeld;  // then every item of this GEMM reuses the loaded x
+      if (held) {
+#pragma unroll
+        for (int c = 0; c < kHeld; ++c)
+          if (c < chunks) load_x(c, a[c]);
+      }
+      for (int item = blockIdx.x; item < gm.n / kRows; item += gridDim.x) {
+        float acc[MT][4] = {};
+        if (held) {
+#pragma unroll
+          for (int c = 0; c < kHeld; ++c)
+            if (c < chunks) take_stage(a[c], acc);
+        } else {
+          for (int c = 0; c < chunks; ++c) {
+            load_x(c, a[0]);
+            take_stage(a[0], acc);
+          }
         }
         // The warps' K parts summed in warp order, so the result does not depend on timing.
 #pragma unroll
