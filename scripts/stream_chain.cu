@@ -136,14 +136,10 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The most items a block takes of one GEMM (gate_up's 768 over 132 blocks): their accumulators stay in
-// registers until the GEMM's end, so the warps' K parts are summed once a GEMM, not once an item.
-constexpr int kMaxItems = 6;
-
-template <int MT, int NSTAGES>
+template <int NSTAGES>
 struct Shared {
   alignas(128) unsigned char stage[NSTAGES][kStageBytes];
-  float4 partial[kConsumerWarps][kMaxItems][MT][32];  // each warp's accumulators
+  float4 partial[kConsumerWarps][4][32];  // a warp's accumulators, up to 4 row tiles
   uint64_t full[NSTAGES];
   uint64_t empty[NSTAGES];
 };
@@ -152,7 +148,7 @@ template <int MT, int NSTAGES>
 __global__ void __launch_bounds__(kThreads, 1)
     stream_chain_kernel(Chain chain, int rows, int layers, unsigned* counter, int mode) {
   extern __shared__ __align__(128) unsigned char raw[];
-  auto& sh = *reinterpret_cast<Shared<MT, NSTAGES>*>(raw);
+  auto& sh = *reinterpret_cast<Shared<NSTAGES>*>(raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < NSTAGES; ++s) {
@@ -241,48 +237,40 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < kHeld; ++c)
           if (c < chunks) load_x(c, a[c]);
       }
-      const int items = (gm.n / kRows - blockIdx.x + gridDim.x - 1) / gridDim.x;  // this block's
-      if (items > kMaxItems) __trap();
-      float acc[kMaxItems][MT][4] = {};
-#pragma unroll
-      for (int i = 0; i < kMaxItems; ++i) {
-        if (i >= items) break;
+      for (int item = blockIdx.x; item < gm.n / kRows; item += gridDim.x) {
+        float acc[MT][4] = {};
         if (held) {
 #pragma unroll
           for (int c = 0; c < kHeld; ++c)
-            if (c < chunks) take_stage(a[c], acc[i]);
+            if (c < chunks) take_stage(a[c], acc);
         } else {
           for (int c = 0; c < chunks; ++c) {
             load_x(c, a[0]);
-            take_stage(a[0], acc[i]);
+            take_stage(a[0], acc);
           }
         }
-      }
-      // The warps' K parts summed in warp order, so the result does not depend on timing.
+        // The warps' K parts summed in warp order, so the result does not depend on timing.
 #pragma unroll
-      for (int i = 0; i < kMaxItems; ++i)
-        if (i < items)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-            sh.partial[warp][i][mt][lane] = make_float4(acc[i][mt][0], acc[i][mt][1], acc[i][mt][2], acc[i][mt][3]);
-      consumers_sync();
-      for (int idx = threadIdx.x; idx < items * MT * 32; idx += kConsumerWarps * 32) {
-        const int i = idx / (MT * 32), mt = idx / 32 % MT, l = idx % 32;
-        float4 sum = sh.partial[0][i][mt][l];
-        for (int w = 1; w < kConsumerWarps; ++w) {
-          const float4 v = sh.partial[w][i][mt][l];
-          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+        for (int mt = 0; mt < MT; ++mt)
+          sh.partial[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+        consumers_sync();
+        if (threadIdx.x < MT * 32) {
+          const int mt = threadIdx.x / 32, l = threadIdx.x % 32;
+          float4 sum = sh.partial[0][mt][l];
+          for (int w = 1; w < kConsumerWarps; ++w) {
+            const float4 v = sh.partial[w][mt][l];
+            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+          }
+          const int row = mt * 16 + l / 4, col = item * kRows + (l % 4) * 2;
+          if (row < rows)
+            *reinterpret_cast<__nv_bfloat162*>(gm.out + static_cast<size_t>(row) * gm.n + col) =
+                __floats2bfloat162_rn(sum.x, sum.y);
+          if (row + 8 < rows)
+            *reinterpret_cast<__nv_bfloat162*>(gm.out + static_cast<size_t>(row + 8) * gm.n + col) =
+                __floats2bfloat162_rn(sum.z, sum.w);
         }
-        const int row = mt * 16 + l / 4, col = (blockIdx.x + i * gridDim.x) * kRows + (l % 4) * 2;
-        if (row < rows)
-          *reinterpret_cast<__nv_bfloat162*>(gm.out + static_cast<size_t>(row) * gm.n + col) =
-              __floats2bfloat162_rn(sum.x, sum.y);
-        if (row + 8 < rows)
-          *reinterpret_cast<__nv_bfloat162*>(gm.out + static_cast<size_t>(row + 8) * gm.n + col) =
-              __floats2bfloat162_rn(sum.z, sum.w);
+        consumers_sync();
       }
-      // partial is next written after the grid barrier's first consumers_sync (or, without barriers, this one).
-      if (mode & kNoBarriers) consumers_sync();
       if (!(mode & kNoBarriers)) grid_sync(counter, ++barriers * gridDim.x);
     }
   }
@@ -291,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <int MT, int NSTAGES>
 int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, int mode, cudaStream_t stream) {
   // At least 116 KB, so that two blocks never share a multiprocessor while another has none.
-  const int bytes = sizeof(Shared<MT, NSTAGES>) > 116 * 1024 ? sizeof(Shared<MT, NSTAGES>) : 116 * 1024;
+  const int bytes = sizeof(Shared<NSTAGES>) > 116 * 1024 ? sizeof(Shared<NSTAGES>) : 116 * 1024;
   auto kernel = stream_chain_kernel<MT, NSTAGES>;
   static bool configured = false;  // once, before any graph capture (the first call is never captured)
   if (!configured) {
@@ -307,16 +295,13 @@ int launch(const Chain& chain, int rows, int layers, unsigned* counter, int bloc
 
 extern "C" {
 
-// The plans built (row tiles, stages; shared memory holds at most 227 KB) and the shared memory each
-// takes; -1 for a plan not built.
-#define STREAM_CHAIN_PLANS(X) X(1, 4) X(1, 8) X(1, 12) X(2, 4) X(2, 8) X(4, 4)
-
-int stream_chain_shared_bytes(int rows, int stages) {
-  const int mt = (rows + 15) / 16;
-#define STREAM_CHAIN_BYTES(MT_, ST_) \
-  if (mt == MT_ && stages == ST_) return sizeof(Shared<MT_, ST_>);
-  STREAM_CHAIN_PLANS(STREAM_CHAIN_BYTES)
-#undef STREAM_CHAIN_BYTES
+// Shared memory the kernel takes at `stages` stages (for the caller's report).
+int stream_chain_shared_bytes(int stages) {
+  switch (stages) {
+    case 4: return sizeof(Shared<4>);
+    case 8: return sizeof(Shared<8>);
+    case 12: return sizeof(Shared<12>);
+  }
   return -1;
 }
 
@@ -339,7 +324,9 @@ int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, cons
   const int mt = (rows + 15) / 16;
 #define STREAM_CHAIN_CASE(MT_, ST_) \
   if (mt == MT_ && stages == ST_) return launch<MT_, ST_>(chain, rows, layers, counter, blocks, mode, s);
-  STREAM_CHAIN_PLANS(STREAM_CHAIN_CASE)
+  STREAM_CHAIN_CASE(1, 4) STREAM_CHAIN_CASE(1, 8) STREAM_CHAIN_CASE(1, 12)
+  STREAM_CHAIN_CASE(2, 4) STREAM_CHAIN_CASE(2, 8) STREAM_CHAIN_CASE(2, 12)
+  STREAM_CHAIN_CASE(4, 4) STREAM_CHAIN_CASE(4, 8) STREAM_CHAIN_CASE(4, 12)
 #undef STREAM_CHAIN_CASE
   return -1;
 }
