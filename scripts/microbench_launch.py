@@ -767,7 +767,7 @@ def build_stream_chain():
     subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", library, source],
                    check=True)
     lib = ctypes.CDLL(library)
-    lib.stream_chain_launch.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 10 + [ctypes.c_void_p]
+    lib.stream_chain_launch.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 10 + [ctypes.c_void_p] * 2
     lib.stream_chain_launch.restype = ctypes.c_int
     lib.stream_chain_shared_bytes.argtypes = [ctypes.c_int]
     lib.stream_chain_shared_bytes.restype = ctypes.c_int
@@ -795,6 +795,7 @@ def stream_chain_bench(rates, results):
     w_o, w_gu, w_d, w_qkv = ring(n_o, k_o), ring(n_gu, n_o), ring(n_o, k_d), ring(n_qkv, n_o)
     weight_bytes = sum(w[0].numel() * 2 for w in (w_o, w_gu, w_d, w_qkv))
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    scratch = torch.randn(sms, 64, 6144, dtype=torch.bfloat16, device="cuda")  # each block's own x (diagnostic)
     for m in (64, 32, 16, 8):
         qkv0 = torch.randn(m, n_qkv, dtype=torch.bfloat16, device="cuda")
         bufs = {"qkv": qkv0.clone(), "h1": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda"),
@@ -806,7 +807,8 @@ def stream_chain_bench(rates, results):
             err = lib.stream_chain_launch(
                 w_o.data_ptr(), w_gu.data_ptr(), w_d.data_ptr(), w_qkv.data_ptr(), bufs["qkv"].data_ptr(),
                 bufs["h1"].data_ptr(), bufs["gu"].data_ptr(), bufs["h2"].data_ptr(), counter.data_ptr(), m, layers,
-                n_qkv, k_o, n_o, n_gu, k_d, blocks, stages, mode, torch.cuda.current_stream().cuda_stream)
+                n_qkv, k_o, n_o, n_gu, k_d, blocks, stages, mode, scratch.data_ptr(),
+                torch.cuda.current_stream().cuda_stream)
             assert err == 0, f"stream_chain_launch returned {err}"
 
         # Two layers against torch: float32 products of the bf16 operands, rounded to bf16 between GEMMs.
@@ -842,8 +844,9 @@ def stream_chain_bench(rates, results):
             line[f"stages_{stages}_us"] = graph_time_us(lambda: launch(stages), reps=1, replays=11) / LAYERS
             assert int(counter) == 4 * LAYERS * sms, int(counter)  # every barrier was met
             line[f"shared_{stages}"] = lib.stream_chain_shared_bytes(stages)
-        # Where the time goes (wrong results): without the grid barriers, without x's loads, without both.
-        for name, mode in (("no_barriers", 1), ("no_x_loads", 2), ("neither", 3)):
+        # Where the time goes (wrong results): without the grid barriers, without x's loads, without both;
+        # each block reading x from its own copy, not all blocks the same lines at once.
+        for name, mode in (("no_barriers", 1), ("no_x_loads", 2), ("neither", 3), ("private_x", 4)):
             line[f"{name}_us"] = graph_time_us(lambda: launch(8, mode=mode), reps=1, replays=11) / LAYERS
         print(f"  M={m:<3} floor {floor:.2f}, " + ", ".join(
             f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us") and k != "floor_us"), flush=True)

@@ -50,6 +50,8 @@ struct Chain {
 // Diagnostic modes (results are wrong under them; they show where the time goes).
 constexpr int kNoBarriers = 1;  // blocks do not meet between GEMMs
 constexpr int kNoXLoads = 2;    // x taken as zeros, not read from L2
+constexpr int kPrivateX = 4;    // each block reads x from its own copy (scratch), not all from one
+constexpr int kScratchRows = 64, kScratchStride = 6144;  // a block's copy in scratch
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -146,7 +148,8 @@ struct Shared {
 
 template <int MT, int NSTAGES>
 __global__ void __launch_bounds__(kThreads, 1)
-    stream_chain_kernel(Chain chain, int rows, int layers, unsigned* counter, int mode) {
+    stream_chain_kernel(Chain chain, int rows, int layers, unsigned* counter, int mode,
+                        const __nv_bfloat16* scratch) {
   extern __shared__ __align__(128) unsigned char raw[];
   auto& sh = *reinterpret_cast<Shared<NSTAGES>*>(raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -199,6 +202,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int p = 0; p < 4; ++p) {
       const Gemm& gm = chain.g[p];
       const int chunks = gm.k / kChunkK;
+      const bool private_x = mode & kPrivateX;
+      const __nv_bfloat16* x =
+          private_x ? scratch + static_cast<size_t>(blockIdx.x) * kScratchRows * kScratchStride : gm.x;
+      const int x_stride = private_x ? kScratchStride : gm.x_stride;
       auto load_x = [&](int c, uint2 (&dst)[kSteps][MT][2]) {
         const int k0 = c * kChunkK + warp * kWarpK + q * 4;
 #pragma unroll
@@ -208,8 +215,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (mode & kNoXLoads) {
               dst[ks][mt][0] = dst[ks][mt][1] = make_uint2(0u, 0u);
             } else {
-              dst[ks][mt][0] = load_quad(gm.x, gm.x_stride, mt * 16 + g, k0 + ks * 16, rows);
-              dst[ks][mt][1] = load_quad(gm.x, gm.x_stride, mt * 16 + g + 8, k0 + ks * 16, rows);
+              dst[ks][mt][0] = load_quad(x, x_stride, mt * 16 + g, k0 + ks * 16, rows);
+              dst[ks][mt][1] = load_quad(x, x_stride, mt * 16 + g + 8, k0 + ks * 16, rows);
             }
           }
       };
@@ -277,7 +284,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <int MT, int NSTAGES>
-int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, int mode, cudaStream_t stream) {
+int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, int mode,
+           const __nv_bfloat16* scratch, cudaStream_t stream) {
   // At least 116 KB, so that two blocks never share a multiprocessor while another has none.
   const int bytes = sizeof(Shared<NSTAGES>) > 116 * 1024 ? sizeof(Shared<NSTAGES>) : 116 * 1024;
   auto kernel = stream_chain_kernel<MT, NSTAGES>;
@@ -287,7 +295,7 @@ int launch(const Chain& chain, int rows, int layers, unsigned* counter, int bloc
     if (err != cudaSuccess) return static_cast<int>(err);
     configured = true;
   }
-  kernel<<<blocks, kThreads, bytes, stream>>>(chain, rows, layers, counter, mode);
+  kernel<<<blocks, kThreads, bytes, stream>>>(chain, rows, layers, counter, mode, scratch);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -307,11 +315,12 @@ int stream_chain_shared_bytes(int stages) {
 
 // qkv [rows, n_qkv] is the chain's input and its output; o's input is its first k_o columns. Returns a
 // cudaError_t (0 on success); -1 for rows or stages it was not built for. mode: 0, or the
-// diagnostic kNoBarriers | kNoXLoads. Every block must be
+// diagnostics kNoBarriers | kNoXLoads | kPrivateX (scratch: blocks x 64 x 6144 bf16, for kPrivateX). Every block must be
 // resident at once (blocks at most the multiprocessor count): the grid barrier waits for all.
 int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, const void* w_qkv, void* qkv,
                         void* h1, void* gu, void* h2, unsigned* counter, int rows, int layers, int n_qkv,
-                        int k_o, int hidden, int n_gu, int k_d, int blocks, int stages, int mode, void* stream) {
+                        int k_o, int hidden, int n_gu, int k_d, int blocks, int stages, int mode,
+                        const void* scratch, void* stream) {
   using bf = __nv_bfloat16;
   Chain chain;
   chain.g[0] = {static_cast<const bf*>(qkv), n_qkv, static_cast<const bf*>(w_o), static_cast<bf*>(h1), hidden, k_o};
@@ -323,7 +332,7 @@ int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, cons
   auto s = static_cast<cudaStream_t>(stream);
   const int mt = (rows + 15) / 16;
 #define STREAM_CHAIN_CASE(MT_, ST_) \
-  if (mt == MT_ && stages == ST_) return launch<MT_, ST_>(chain, rows, layers, counter, blocks, mode, s);
+  if (mt == MT_ && stages == ST_) return launch<MT_, ST_>(chain, rows, layers, counter, blocks, mode, static_cast<const bf*>(scratch), s);
   STREAM_CHAIN_CASE(1, 4) STREAM_CHAIN_CASE(1, 8) STREAM_CHAIN_CASE(1, 12)
   STREAM_CHAIN_CASE(2, 4) STREAM_CHAIN_CASE(2, 8) STREAM_CHAIN_CASE(2, 12)
   STREAM_CHAIN_CASE(4, 4) STREAM_CHAIN_CASE(4, 8) STREAM_CHAIN_CASE(4, 12)
