@@ -13,6 +13,10 @@
 // after each GEMM. Weights do not depend on activations, so the only thing the barrier delays is
 // arithmetic on data already on chip.
 //
+// Measured (BENCHMARKS.md, item 81): no faster than the Triton chain of kernels. Without barriers
+// and activation loads the weight stream runs near its floor; what costs is each GEMM's wait for
+// every block's part of the previous one and its read of all of it from L2.
+//
 // An item is 8 output columns (8 weight rows) over the whole of K; a stage is those rows' next
 // 1,024 K elements (16 KB). Block b takes items b, b + gridDim.x, ... of each GEMM. Rows of x past
 // M are zeros (M up to 16 a 16-row mma tile; up to 64 rows).
