@@ -56,6 +56,8 @@ constexpr int kNoBarriers = 1;  // blocks do not meet between GEMMs
 constexpr int kNoXLoads = 2;    // x taken as zeros, not read from L2
 constexpr int kPrivateX = 4;    // each block reads x from its own copy (scratch), not all from one
 constexpr int kScratchRows = 64, kScratchStride = 6144;  // a block's copy in scratch
+constexpr int kFenceAfterBarrier = 8;  // every consumer thread fences (acquire, GPU scope) after a grid barrier
+constexpr int kArriveAfterReads = 16;  // a stage goes back only once its shared-memory reads have returned
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -229,15 +231,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % NSTAGES;
         mbar_wait(&sh.full[s], (it / NSTAGES) & 1);
         const unsigned char* wrow = sh.stage[s] + g * kRowPitch + (warp * kWarpK + q * 4) * 2;
+        uint32_t seen = 0;
 #pragma unroll
         for (int ks = 0; ks < kSteps; ++ks) {
           const uint2 b = *reinterpret_cast<const uint2*>(wrow + ks * 32);
+          seen ^= b.x ^ b.y;
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const uint32_t frag[4] = {src[ks][mt][0].x, src[ks][mt][1].x, src[ks][mt][0].y, src[ks][mt][1].y};
             mma(acc[mt], frag, b.x, b.y);
           }
         }
+        if (mode & kArriveAfterReads) asm volatile("" ::"r"(seen) : "memory");
         __syncwarp();
         if (lane == 0) mbar_arrive(&sh.empty[s]);
         ++it;
@@ -283,6 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         consumers_sync();
       }
       if (!(mode & kNoBarriers)) grid_sync(counter, ++barriers * gridDim.x);
+      if (mode & kFenceAfterBarrier) asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
   }
 }
