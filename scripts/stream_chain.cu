@@ -56,8 +56,6 @@ constexpr int kNoBarriers = 1;  // blocks do not meet between GEMMs
 constexpr int kNoXLoads = 2;    // x taken as zeros, not read from L2
 constexpr int kPrivateX = 4;    // each block reads x from its own copy (scratch), not all from one
 constexpr int kScratchRows = 64, kScratchStride = 6144;  // a block's copy in scratch
-constexpr int kFenceAfterBarrier = 8;  // every consumer thread fences (acquire, GPU scope) after a grid barrier
-constexpr int kArriveAfterReads = 16;  // a stage goes back only once its shared-memory reads have returned
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -110,7 +108,11 @@ __device__ __forceinline__ void consumers_sync() {
 }
 
 // Every block's consumers have stored their part of a GEMM before any reads the next one's input.
+// Each thread fences its own stores before the barrier and orders its own loads after it, rather
+// than relying on thread 0's fence covering the block's other threads (call G of item 81 saw two
+// runs of one plan differ once; not reproduced since, with or without these fences).
 __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
   consumers_sync();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -123,6 +125,7 @@ __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
     }
   }
   consumers_sync();
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // x's four bf16 at (row, col), col a multiple of 4, from L2: another block wrote them before the
@@ -242,7 +245,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             mma(acc[mt], frag, b.x, b.y);
           }
         }
-        if (mode & kArriveAfterReads) asm volatile("" ::"r"(seen) : "memory");
+        // The stage goes back only once its reads have returned (an asm that uses what they read).
+        asm volatile("" ::"r"(seen) : "memory");
         __syncwarp();
         if (lane == 0) mbar_arrive(&sh.empty[s]);
         ++it;
@@ -288,7 +292,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         consumers_sync();
       }
       if (!(mode & kNoBarriers)) grid_sync(counter, ++barriers * gridDim.x);
-      if (mode & kFenceAfterBarrier) asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
   }
 }
