@@ -56,6 +56,7 @@ constexpr int kNoBarriers = 1;  // blocks do not meet between GEMMs
 constexpr int kNoXLoads = 2;    // x taken as zeros, not read from L2
 constexpr int kPrivateX = 4;    // each block reads x from its own copy (scratch), not all from one
 constexpr int kScratchRows = 64, kScratchStride = 6144;  // a block's copy in scratch
+constexpr int kProxyFence = 8;  // the producer orders the consumers' reads of a stage before refilling it
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -182,6 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < g.k / kChunkK; ++c, ++it) {
             const int s = it % NSTAGES;
             mbar_wait(&sh.empty[s], ((it / NSTAGES) & 1) ^ 1);
+            if (mode & kProxyFence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             mbar_expect_bytes(&sh.full[s], kStageDataBytes);
             for (int r = 0; r < kRows; ++r)
               bulk_copy(sh.stage[s] + r * kRowPitch,
@@ -234,19 +236,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % NSTAGES;
         mbar_wait(&sh.full[s], (it / NSTAGES) & 1);
         const unsigned char* wrow = sh.stage[s] + g * kRowPitch + (warp * kWarpK + q * 4) * 2;
-        uint32_t seen = 0;
 #pragma unroll
         for (int ks = 0; ks < kSteps; ++ks) {
           const uint2 b = *reinterpret_cast<const uint2*>(wrow + ks * 32);
-          seen ^= b.x ^ b.y;
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const uint32_t frag[4] = {src[ks][mt][0].x, src[ks][mt][1].x, src[ks][mt][0].y, src[ks][mt][1].y};
             mma(acc[mt], frag, b.x, b.y);
           }
         }
-        // The stage goes back only once its reads have returned (an asm that uses what they read).
-        asm volatile("" ::"r"(seen) : "memory");
         __syncwarp();
         if (lane == 0) mbar_arrive(&sh.empty[s]);
         ++it;
