@@ -56,7 +56,6 @@ constexpr int kNoBarriers = 1;  // blocks do not meet between GEMMs
 constexpr int kNoXLoads = 2;    // x taken as zeros, not read from L2
 constexpr int kPrivateX = 4;    // each block reads x from its own copy (scratch), not all from one
 constexpr int kScratchRows = 64, kScratchStride = 6144;  // a block's copy in scratch
-constexpr int kProxyFence = 8;  // the producer orders the consumers' reads of a stage before refilling it
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -110,8 +109,7 @@ __device__ __forceinline__ void consumers_sync() {
 
 // Every block's consumers have stored their part of a GEMM before any reads the next one's input.
 // Each thread fences its own stores before the barrier and orders its own loads after it, rather
-// than relying on thread 0's fence covering the block's other threads (call G of item 81 saw two
-// runs of one plan differ once; not reproduced since, with or without these fences).
+// than relying on thread 0's fence covering the block's other threads.
 __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
   consumers_sync();
@@ -183,7 +181,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < g.k / kChunkK; ++c, ++it) {
             const int s = it % NSTAGES;
             mbar_wait(&sh.empty[s], ((it / NSTAGES) & 1) ^ 1);
-            if (mode & kProxyFence) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            // The consumers read the stage with ordinary loads (the generic proxy); the refill is
+            // the async proxy's. Without this fence a refill could land before their reads: 4 and 5
+            // runs in 150 at 32 rows and 4 stages gave a few wrong weight columns (item 81).
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             mbar_expect_bytes(&sh.full[s], kStageDataBytes);
             for (int r = 0; r < kRows; ++r)
               bulk_copy(sh.stage[s] + r * kRowPitch,
