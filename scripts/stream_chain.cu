@@ -107,11 +107,9 @@ __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
 }
 
-// Every block's consumers have stored their part of a GEMM before any reads the next one's input.
-// Each thread fences its own stores before the barrier and orders its own loads after it, rather
-// than relying on thread 0's fence covering the block's other threads.
+// Every block's consumers have stored their part of a GEMM before any reads the next one's input
+// (cooperative groups' pattern: the block meets, one thread releases and acquires for it).
 __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
   consumers_sync();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -124,7 +122,6 @@ __device__ __forceinline__ void grid_sync(unsigned* counter, unsigned target) {
     }
   }
   consumers_sync();
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 // x's four bf16 at (row, col), col a multiple of 4, from L2: another block wrote them before the
