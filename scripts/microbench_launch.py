@@ -785,8 +785,8 @@ def stream_chain_bench(rates, results):
     persistent_chain part; run it in the same call to compare) keep every weight load behind the
     barrier that publishes its activations. Whole K an item, so no split partials to sum: 4
     barriers a layer. Results are checked against torch in float32 with bf16 intermediates
-    (another summation order, so not bit for bit); the elements that differ between two runs of one
-    plan and between ring depths are reported (item 81 saw them differ once)."""
+    (another summation order, so not bit for bit); the runs of a plan that differ from its first, of
+    50 repeats, and whether two ring depths agree bit for bit, are reported."""
     print("\n== a layer's GEMMs in one CUDA kernel, weights streamed ahead of the barriers (µs a layer) ==")
     lib = build_stream_chain()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -821,27 +821,29 @@ def stream_chain_bench(rates, results):
             ref["gu"] = (ref["h1"].float() @ w_gu[layer].float().T).bfloat16()
             ref["h2"] = (ref["gu"][:, :k_d].float() @ w_d[layer].float().T).bfloat16()
             ref["qkv"] = (ref["h2"].float() @ w_qkv[layer].float().T).bfloat16()
-        outputs = []
-        for stages in (4, 4, 12):
+
+        def two_layers(stages):
             bufs["qkv"].copy_(qkv0)
             launch(stages, layers=2)
             torch.cuda.synchronize()
             assert int(counter) == 8 * sms, int(counter)
-            outputs.append({k: v.clone() for k, v in bufs.items()})
+            return {k: v.clone() for k, v in bufs.items()}
+        # Each plan against torch, then run again 50 times: a race between the stages' refill and
+        # their reads showed as a few runs in a hundred with wrong weight columns (item 81).
+        first = {stages: two_layers(stages) for stages in (4, 12)}
         errors = {k: max(((out[k].float() - v.float()).abs().max() / v.float().abs().max()).item()
-                         for out in outputs) for k, v in ref.items()}
-
-        def differing(a, b):  # elements that differ between two runs, and where the first few of h1 are
-            where = (a["h1"] != b["h1"]).nonzero().tolist()
-            return {k: int((a[k] != b[k]).sum()) for k in a} | {"h1_at": where[:6]}
-        repeat, restaged = differing(outputs[0], outputs[1]), differing(outputs[0], outputs[2])
+                         for out in first.values()) for k, v in ref.items()}
+        differing_runs = {stages: sum(any(not torch.equal(out[k], first[stages][k]) for k in bufs)
+                                      for out in (two_layers(stages) for _ in range(50))) for stages in first}
+        plans_agree = all(torch.equal(first[4][k], first[12][k]) for k in bufs)
         print(f"  M={m:<3} against torch (largest difference / largest value, any plan): "
               + ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
-              + f"; elements that differ, 4 stages twice: {repeat}; 4 and 12 stages: {restaged}", flush=True)
+              + f"; of 50 repeats, differing from the first: {differing_runs}; 4 and 12 stages agree: {plans_agree}",
+              flush=True)
         assert max(errors.values()) < 2e-2, errors
         floor = weight_bytes / rates.bandwidth * 1e6
-        line = {"m": m, "floor_us": floor, "max_rel_err": max(errors.values()), "differ_repeat": repeat,
-                "differ_stages": restaged}
+        line = {"m": m, "floor_us": floor, "max_rel_err": max(errors.values()), "differing_repeats": differing_runs,
+                "plans_agree": plans_agree}
         for stages in (4, 8, 12):
             bufs["qkv"].copy_(qkv0)
             line[f"stages_{stages}_us"] = graph_time_us(lambda: launch(stages), reps=1, replays=11) / LAYERS
