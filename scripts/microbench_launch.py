@@ -637,6 +637,17 @@ def _preloading_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
         rounds = grid_barrier(counter_ptr, rounds, programs)
 
 
+def chain_weights():
+    """The GEMM chain parts' shapes (n_qkv, k_o, n_o, n_gu, k_d) and weights: o, gate_up, down and qkv,
+    each a ring of LAYERS distinct bf16 matrices [n, k], so every layer's weight comes from memory."""
+    n_qkv, k_o = SHAPES["qkv"][0], SHAPES["o"][1]
+    n_o, n_gu, k_d = HIDDEN, 2 * INTER, INTER
+
+    def ring(n, k):
+        return torch.randn(LAYERS, n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+    return (n_qkv, k_o, n_o, n_gu, k_d), (ring(n_o, k_o), ring(n_gu, n_o), ring(n_o, k_d), ring(n_qkv, n_o))
+
+
 def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int = 32768):
     """A decode layer's four GEMMs and the sums of the two split ones' partials (o, sum, gate_up,
     down, sum, qkv; each one's input the previous one's output, split_k_kernel's tiles and plans),
@@ -652,12 +663,7 @@ def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int =
     from inferlab.plugins.models import split_k_kernel
     print("\n== a layer's GEMMs and partial sums: kernels with PDL against one persistent kernel (µs a layer) ==")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n_qkv, k_o = SHAPES["qkv"][0], SHAPES["o"][1]
-    n_o, n_gu, k_d = HIDDEN, 2 * INTER, INTER
-
-    def ring(n, k):
-        return torch.randn(LAYERS, n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
-    w_o, w_gu, w_d, w_qkv = ring(n_o, k_o), ring(n_gu, n_o), ring(n_o, k_d), ring(n_qkv, n_o)
+    (n_qkv, k_o, n_o, n_gu, k_d), (w_o, w_gu, w_d, w_qkv) = chain_weights()
     weight_bytes = sum(w[0].numel() * 2 for w in (w_o, w_gu, w_d, w_qkv))
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     for m in (256, 128, 64, 32, 8):
@@ -790,12 +796,7 @@ def stream_chain_bench(rates, results):
     print("\n== a layer's GEMMs in one CUDA kernel, weights streamed ahead of the barriers (µs a layer) ==")
     lib = build_stream_chain()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n_qkv, k_o = SHAPES["qkv"][0], SHAPES["o"][1]
-    n_o, n_gu, k_d = HIDDEN, 2 * INTER, INTER
-
-    def ring(n, k):
-        return torch.randn(LAYERS, n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
-    w_o, w_gu, w_d, w_qkv = ring(n_o, k_o), ring(n_gu, n_o), ring(n_o, k_d), ring(n_qkv, n_o)
+    (n_qkv, k_o, n_o, n_gu, k_d), (w_o, w_gu, w_d, w_qkv) = chain_weights()
     weight_bytes = sum(w[0].numel() * 2 for w in (w_o, w_gu, w_d, w_qkv))
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     scratch = torch.randn(sms, 64, 6144, dtype=torch.bfloat16, device="cuda")  # each block's own x (diagnostic)
