@@ -322,10 +322,11 @@ int stream_chain_shared_bytes(int stages) {
   return -1;
 }
 
-// qkv [rows, n_qkv] is the chain's input and its output; o's input is its first k_o columns. Returns a
-// cudaError_t (0 on success); -1 for rows or stages it was not built for. mode: 0, or the
-// diagnostics kNoBarriers | kNoXLoads | kPrivateX (scratch: blocks x 64 x 6144 bf16, for kPrivateX). Every block must be
-// resident at once (blocks at most the multiprocessor count): the grid barrier waits for all.
+// qkv [rows, n_qkv] is the chain's input and its output; o's input is its first k_o columns.
+// Returns a cudaError_t (0 on success); -1 for rows or stages it was not built for. mode: 0, or
+// the diagnostics kNoBarriers | kNoXLoads | kPrivateX (scratch: blocks x 64 x 6144 bf16, read
+// under kPrivateX). Every block must be resident at once (blocks at most the multiprocessor
+// count): the grid barrier waits for all.
 int stream_chain_launch(const void* w_o, const void* w_gu, const void* w_d, const void* w_qkv, void* qkv,
                         void* h1, void* gu, void* h2, unsigned* counter, int rows, int layers, int n_qkv,
                         int k_o, int hidden, int n_gu, int k_d, int blocks, int stages, int mode,
