@@ -806,12 +806,12 @@ def stream_chain_bench(rates, results):
                 "gu": torch.empty(m, n_gu, dtype=torch.bfloat16, device="cuda"),
                 "h2": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda")}
 
-        def launch(stages, layers=LAYERS, blocks=sms, mode=0):
+        def launch(stages, layers=LAYERS, mode=0):  # one block a multiprocessor, all resident
             counter.zero_()
             err = lib.stream_chain_launch(
                 w_o.data_ptr(), w_gu.data_ptr(), w_d.data_ptr(), w_qkv.data_ptr(), bufs["qkv"].data_ptr(),
                 bufs["h1"].data_ptr(), bufs["gu"].data_ptr(), bufs["h2"].data_ptr(), counter.data_ptr(), m, layers,
-                n_qkv, k_o, n_o, n_gu, k_d, blocks, stages, mode, scratch.data_ptr(),
+                n_qkv, k_o, n_o, n_gu, k_d, sms, stages, mode, scratch.data_ptr(),
                 torch.cuda.current_stream().cuda_stream)
             assert err == 0, f"stream_chain_launch returned {err}"
 
