@@ -292,11 +292,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// The dynamic shared memory a launch asks for: at least 116 KB, so that two blocks never share a
+// multiprocessor while another has none.
+template <int NSTAGES>
+constexpr int shared_bytes() {
+  return sizeof(Shared<NSTAGES>) > 116 * 1024 ? sizeof(Shared<NSTAGES>) : 116 * 1024;
+}
+
 template <int MT, int NSTAGES>
 int launch(const Chain& chain, int rows, int layers, unsigned* counter, int blocks, int mode,
            const __nv_bfloat16* scratch, cudaStream_t stream) {
-  // At least 116 KB, so that two blocks never share a multiprocessor while another has none.
-  const int bytes = sizeof(Shared<NSTAGES>) > 116 * 1024 ? sizeof(Shared<NSTAGES>) : 116 * 1024;
+  const int bytes = shared_bytes<NSTAGES>();
   auto kernel = stream_chain_kernel<MT, NSTAGES>;
   static bool configured = false;  // once, before any graph capture (the first call is never captured)
   if (!configured) {
@@ -312,12 +318,12 @@ int launch(const Chain& chain, int rows, int layers, unsigned* counter, int bloc
 
 extern "C" {
 
-// Shared memory the kernel takes at `stages` stages (for the caller's report).
+// The shared memory a launch at `stages` stages asks for a block (for the caller's report).
 int stream_chain_shared_bytes(int stages) {
   switch (stages) {
-    case 4: return sizeof(Shared<4>);
-    case 8: return sizeof(Shared<8>);
-    case 12: return sizeof(Shared<12>);
+    case 4: return shared_bytes<4>();
+    case 8: return shared_bytes<8>();
+    case 12: return shared_bytes<12>();
   }
   return -1;
 }
