@@ -30,7 +30,8 @@ class ModelCost:
     attention_flops_per_pair: float  # QK^T and PV for one (query, key) pair over all layers
 
 
-def model_cost(hf_config, dtype: torch.dtype) -> ModelCost:
+def model_cost(hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> ModelCost:
+    """The costs of a model whose weights are in dtype and K/V cache in kv_cache_dtype (default dtype)."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
@@ -41,7 +42,7 @@ def model_cost(hf_config, dtype: torch.dtype) -> ModelCost:
     size = torch.tensor([], dtype=dtype).element_size()
     return ModelCost(
         weight_bytes=params * size,
-        kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * size,
+        kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * (kv_cache_dtype or dtype).itemsize,
         flops_per_token=2.0 * (c.num_hidden_layers * per_layer + head),
         head_flops_per_token=2.0 * head,
         attention_flops_per_pair=4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim)

@@ -109,7 +109,7 @@ def run_one(args) -> dict:
     llm = LLM(args.model_dir, attention=args.attention, enforce_eager=enforce_eager, max_model_len=4096,
               device=args.device, overlap_scheduling=args.overlap == "overlap",
               model_options={"torch_compile": args.compile == "compile", **options["model"]},
-              attention_options=options["attention"],
+              attention_options=options["attention"], **options.get("engine", {}),
               **({"dtype": "bfloat16"} if args.device != "cpu" else {}))
     init_seconds = time.perf_counter() - start
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
@@ -141,9 +141,11 @@ def run_one(args) -> dict:
         raise RuntimeError(f"generated {generated} tokens, the workload asked for {output_tokens}")
     s = llm.stats
     floor = workload_floor([len(p) for p in prompts], [p.max_tokens for p in params],
-                           model_cost(llm.hf_config, llm.runner.dtype), device_rates(llm.runner.device, llm.runner.dtype))
+                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype),
+                           device_rates(llm.runner.device, llm.runner.dtype))
     return {
         "attention": llm.runner.backend.name, "cuda_graphs": llm.runner.decode_graphs is not None,
+        "kv_cache_dtype": str(llm.runner.kv_cache_dtype).replace("torch.", ""),
         "overlap": llm.overlap, "torch_compile": args.compile == "compile", "runs_seconds": runs,
         # kernel variants (Triton specializations, torch.compile graphs) first built inside a timed run
         "compiled_during_runs": compiles,
@@ -240,24 +242,25 @@ def run_in_subprocess(combo: str, args) -> dict:
     return record
 
 
-COMBO_FORM = "ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile][:m.OPTION=VALUE][:a.OPTION=VALUE]"
+COMBO_FORM = "ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile][:m.OPTION=VALUE][:a.OPTION=VALUE][:e.SETTING=VALUE]"
 
 
 def parse_combo(combo: str) -> tuple[str, str, str, str, dict]:
-    """COMBO_FORM: overlap and compile by default; m.* and a.* set model and attention options
-    (VALUE is read as JSON when it parses, e.g. 128 or false, else as a string)."""
+    """COMBO_FORM: overlap and compile by default; m.* and a.* set model and attention options, e.*
+    engine settings (e.kv_cache_dtype=fp8); VALUE is read as JSON when it parses, e.g. 128 or false,
+    else as a string."""
     parts = combo.split(":")
     attention, graphs = parts[0], parts[1] if len(parts) > 1 else "graphs"
     flags = [p for p in parts[2:] if "=" not in p]
     overlap = next((p for p in flags if p in ("overlap", "sync")), "overlap")
     compile_ = next((p for p in flags if p in ("compile", "nocompile")), "compile")
     unknown = [p for p in flags if p not in ("overlap", "sync", "compile", "nocompile")]
-    options = {"model": {}, "attention": {}}
+    options = {"model": {}, "attention": {}, "engine": {}}
     for part in parts[2:]:
         if "=" not in part:
             continue
         key, value = part.split("=", 1)
-        kind = {"m": "model", "a": "attention"}.get(key.split(".", 1)[0])
+        kind = {"m": "model", "a": "attention", "e": "engine"}.get(key.split(".", 1)[0])
         if kind is None or "." not in key:
             unknown.append(part)
             continue
@@ -279,7 +282,7 @@ def print_table(records: list[dict]) -> None:
     for r in records:
         flags = f"{'on' if r['cuda_graphs'] else 'off':<6} {'on' if r['overlap'] else 'off':<7} {'on' if r['torch_compile'] else 'off':<7}"
         options = r.get("options") or {}
-        extra = " ".join(f"{kind[0]}.{k}={v}" for kind in ("model", "attention") for k, v in options.get(kind, {}).items())
+        extra = " ".join(f"{kind[0]}.{k}={v}" for kind in ("model", "attention", "engine") for k, v in options.get(kind, {}).items())
         if r["ok"]:
             print(f"{r['attention']:<11} {flags} {r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} "
                   f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok {extra}")

@@ -105,15 +105,17 @@ def main():
     parser.add_argument("--model-option", action="append", default=[], help="KEY=JSON, passed in model_options")
     parser.add_argument("--attention-option", action="append", default=[], help="KEY=JSON, passed in attention_options")
     parser.add_argument("--model-dir", default="/tmp/inferlab-bench-qwen3-0.6b-random")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto or fp8")
     args = parser.parse_args()
     import json
     parse = lambda items: {k: json.loads(v) for k, v in (i.split("=", 1) for i in items)}  # noqa: E731
     build_checkpoint(args.model_dir, QWEN3_0_6B["num_hidden_layers"])
     llm = LLM(args.model_dir, attention=args.attention, max_model_len=4096, dtype="bfloat16",
+              kv_cache_dtype=args.kv_cache_dtype,
               model_options=parse(args.model_option), attention_options=parse(args.attention_option))
     prompts, params = workload(256, 1024, 1024)
     rates = device_rates(llm.runner.device, llm.runner.dtype)
-    cost = model_cost(llm.hf_config, llm.runner.dtype)
+    cost = model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     if not args.no_timeline:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: every shape compiled, every graph used

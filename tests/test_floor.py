@@ -20,6 +20,12 @@ def test_qwen3_06b_cost():
     assert cost.head_flops_per_token == 2 * 151936 * 1024
 
 
+def test_an_fp8_kv_cache_halves_the_kv_bytes_only():
+    bf16, fp8 = model_cost(QWEN3_06B, torch.bfloat16), model_cost(QWEN3_06B, torch.bfloat16, torch.float8_e4m3fn)
+    assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert (fp8.weight_bytes, fp8.flops_per_token) == (bf16.weight_bytes, bf16.flops_per_token)
+
+
 def test_prefill_pays_the_lm_head_once_a_request():
     cost = model_cost(QWEN3_06B, torch.bfloat16)
     rates = DeviceRates("x", 1e12, 1e15)

@@ -84,11 +84,11 @@ class RecordingSampler:
         return torch.tensor([self.forced[key] for key in keys], device=logits.device)
 
 
-def run_engine(path, workload, attention, block_size, enforce_eager, sampler=None):
+def run_engine(path, workload, attention, block_size, enforce_eager, sampler=None, kv_cache_dtype="auto"):
     """Token ids generated for both request groups (the second after the first, so that it hits
     the prefix cache), in order."""
     llm = LLM(path, attention=attention, kvcache_block_size=block_size, enforce_eager=enforce_eager,
-              num_kvcache_blocks=CACHE_TOKENS // block_size, **ENGINE)
+              num_kvcache_blocks=CACHE_TOKENS // block_size, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     try:
         assert llm.runner.backend.name == attention
         assert (llm.runner.decode_graphs is not None) == (not enforce_eager and llm.runner.backend.supports_cuda_graphs)
@@ -165,6 +165,41 @@ def test_greedy_generations_agree(model_path, workload, reference, attention, bl
     print(f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'}: "
           f"{len(got_tokens) - len(diverged)}/{len(got_tokens)} identical; near-tie divergences "
           f"(seed, token, margin, bound): {diverged}")
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(model_path, workload, reference):
+    """The torch backend over an fp8 cache, forced along the bf16 reference's tokens."""
+    sampler = RecordingSampler(reference[1])
+    run_engine(model_path, workload, "torch", 256, True, sampler, kv_cache_dtype="fp8")
+    return sampler.logits
+
+
+@pytest.mark.parametrize("enforce_eager", GRAPHS)
+@pytest.mark.parametrize("block_size", [256, 16])
+def test_fp8_cache_logits_match_torch_backend(model_path, workload, reference, fp8_reference, block_size,
+                                              enforce_eager):
+    """kv_cache_dtype=fp8: the triton backend (its kernels store and read fp8) against the torch
+    backend over an fp8 cache, as tight as in bf16; and how far fp8 moves the logits from bf16."""
+    expected, forced, _ = reference
+    sampler = RecordingSampler(forced)
+    run_engine(model_path, workload, "triton", block_size, enforce_eager, sampler, kv_cache_dtype="fp8")
+    first, second = workload
+    prompt_steps = {(p.seed, len(prompt)) for prompt, p in first + second}
+    errors = logits_errors(sampler.logits, fp8_reference, prompt_steps)
+    from_bf16 = logits_errors(fp8_reference, expected, prompt_steps)
+    for phase in errors:
+        print(f"fp8 triton block {block_size} {'eager' if enforce_eager else 'graphs'} {phase}: relative logits "
+              f"error vs torch fp8 max {max(errors[phase]):.4f}; torch fp8 vs torch bf16 max "
+              f"{max(from_bf16[phase]):.4f} mean {sum(from_bf16[phase]) / len(from_bf16[phase]):.4f}")
+    assert max(max(v) for v in errors.values()) <= LOGITS_RTOL
+    assert max(max(v) for v in from_bf16.values()) <= 0.15  # fp8's own rounding, not a misread cache
+
+
+@needs_flash_attn
+def test_flash_attn_refuses_an_fp8_cache_and_says_why(model_path):
+    with pytest.raises(ValueError, match=r"flash-attn needs the KV cache in the model's dtype"):
+        LLM(model_path, attention="flash_attn", kv_cache_dtype="fp8", **ENGINE)
 
 
 def test_auto_picks_triton(model_path, caplog):

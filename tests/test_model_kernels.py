@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
+from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.plugins.models import rms_norm_kernel, split_k_kernel  # noqa: E402
 from inferlab.core.parallel import TPGroup  # noqa: E402
 from inferlab.plugins.models.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -67,15 +68,19 @@ def test_kernel_matches_unfused_norms_and_rotary(num_tokens, num_heads, num_kv_h
     assert torch.equal(qkv, before)  # the input (and so v, read from it later) is untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-def test_kernel_stores_k_and_v_in_their_cache_slots(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.float32, FP8),
+                                               pytest.param(torch.bfloat16, None, marks=pytest.mark.gpu),
+                                               pytest.param(torch.bfloat16, FP8, marks=pytest.mark.gpu)])
+def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
+    """Into a cache of the model's dtype, or an fp8 one (rounded as to_cache_dtype rounds)."""
+    cache_dtype = cache_dtype or dtype
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
     torch.manual_seed(0)
     qkv = (torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE) * 3).to(dtype)
     q_weight, k_weight = (torch.rand(2, head_dim, device=DEVICE) + 0.5).to(dtype)
     positions = torch.tensor([7, 0, 33, 2], device=DEVICE)
     rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
-    cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
     slots = torch.tensor([5, -1, 40, 16], device=DEVICE)  # -1: a padding row, stores nothing
     q, k = qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
                         kv_store=(cache[0], cache[1], slots))
@@ -86,9 +91,9 @@ def test_kernel_stores_k_and_v_in_their_cache_slots(dtype):
     expected = torch.zeros_like(cache)
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            expected[0].view(-1, num_kv_heads, head_dim)[slot] = want_k[token]
-            expected[1].view(-1, num_kv_heads, head_dim)[slot] = want_v[token]
-    assert torch.equal(cache, expected)
+            expected[0].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_k[token], cache_dtype)
+            expected[1].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_v[token], cache_dtype)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     with pytest.raises(ValueError, match="kv_store caches must be contiguous"):
         qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
                      kv_store=(cache[0].transpose(0, 1), cache[1], slots))

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.batch import AttentionInputs  # noqa: E402
 from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
+from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
 from inferlab.plugins.attention.torch_sdpa import TorchAttention  # noqa: E402
 from inferlab.plugins.attention.triton_attention import TritonAttention  # noqa: E402
@@ -73,6 +74,8 @@ def assert_matches_torch(inputs, q, k, v, cache, backend=None):
     """The triton backend's output and stored cache against the torch backend's."""
     got, expected, got_cache, expected_cache = run_both(inputs, q, k, v, cache, backend=backend)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    if cache.dtype == FP8:  # compared bit for bit (assert_close takes no float8)
+        got_cache, expected_cache = got_cache.view(torch.uint8), expected_cache.view(torch.uint8)
     torch.testing.assert_close(got_cache, expected_cache, rtol=0, atol=0)
 
 
@@ -235,19 +238,66 @@ def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
     torch.testing.assert_close(padded_cache, expected_cache, rtol=0, atol=0)
 
 
+def fp8_probe_values() -> torch.Tensor:
+    """Values where rounding to float8_e4m3fn is easy to get wrong: every finite fp8 value, the
+    midpoints between neighbours (ties go to the even one), the floats just beside them (a carry
+    into the exponent at the top of each binade), subnormals, and values past 448 (saturate)."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    grid = grid[~grid.isnan()].unique()
+    mids = (grid[:-1] + grid[1:]) / 2
+    beside = torch.cat([torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))])
+    extremes = torch.tensor([449.0, 464.0, 480.0, 1e6, -1e6, 3e-3, -1e-3, 1e-30, 2.0 ** -10, 0.0, -0.0])
+    gen = torch.Generator().manual_seed(0)
+    return torch.cat([grid, mids, beside, extremes, torch.randn(512, generator=gen) * 4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_into_an_fp8_cache_rounds_as_torch_bit_for_bit(dtype):
+    num_kv_heads, head_dim = 2, 16
+    values = fp8_probe_values().to(dtype)
+    num_tokens = -(-values.numel() // (num_kv_heads * head_dim))
+    padded = torch.zeros(num_tokens * num_kv_heads * head_dim, dtype=dtype)
+    padded[:values.numel()] = values
+    k = padded.view(num_tokens, num_kv_heads, head_dim).to(DEVICE)
+    v = -k.flip(0)
+    cache = torch.zeros(2, -(-num_tokens // 16), 16, num_kv_heads, head_dim, dtype=FP8, device=DEVICE)
+    slots = torch.arange(num_tokens, device=DEVICE)
+    triton_kernels.store_kv(k, v, cache, slots)
+    for got, want in ((cache[0], k), (cache[1], v)):
+        got = got.view(-1, num_kv_heads, head_dim)[:num_tokens]
+        assert torch.equal(got.view(torch.uint8), to_cache_dtype(want, FP8).view(torch.uint8))
+    assert not cache.float().isnan().any()  # past 448 saturates: a plain cast would give NaN
+
+
+FP8_CASES = [pytest.param([5, 21, 1], [0, 3, 40], id="prefill"), pytest.param([1, 1, 1, 1], [0, 37, 95, 16], id="decode"),
+             pytest.param([1, 9, 1], [30, 12, 0], id="mixed")]
+
+
+@pytest.mark.parametrize("query_lens,context_lens", FP8_CASES)
+def test_attention_over_an_fp8_cache_matches_torch(query_lens, context_lens):
+    """The kernels read fp8 K/V back in q's dtype, as the torch backend does; both store the new
+    tokens' K/V rounded the same way. Cached values of a few units exercise the whole fp8 range."""
+    inputs, q, k, v, cache = make_batch(query_lens, context_lens, 16, 2, 32, 2, seed=5)
+    assert_matches_torch(inputs, q, k * 3, v * 3, to_cache_dtype(cache * 3, FP8))
+
+
 def test_validate_names_unsupported_settings():
-    reasons = TritonAttention.validate(DEVICE, torch.int8, 24, 48)
+    reasons = TritonAttention.validate(DEVICE, torch.int8, 24, 48, torch.int8)
     assert any("dtype" in r for r in reasons)
     assert any("block size must be a power of two >= 16, got 24" in r for r in reasons)
     assert any("head_dim must be a power of two" in r for r in reasons)
-    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32) == []
+    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, torch.float32) == []
+    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, FP8) == []
+    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, torch.float16) == [
+        "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"]
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonAttention(decode_order="shortest")
 
 
-def test_greedy_generate_with_triton_equals_torch(checkpoint):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_greedy_generate_with_triton_equals_torch(checkpoint, kv_cache_dtype):
     # small chunks force mixed prefill/decode steps; the second call reuses the first's prefix blocks
     path = checkpoint("gqa4-untied")
     prompt = "The quick brown fox jumps over the lazy dog. A paged cache keeps keys"
@@ -255,7 +305,8 @@ def test_greedy_generate_with_triton_equals_torch(checkpoint):
     results = {}
     for attention in ("torch", "triton"):
         llm = LLM(path, attention=attention, device=str(DEVICE), dtype="float32", kvcache_block_size=16,
-                  max_model_len=128, max_num_batched_tokens=24, num_kvcache_blocks=64)
+                  max_model_len=128, max_num_batched_tokens=24, num_kvcache_blocks=64, kv_cache_dtype=kv_cache_dtype)
+        assert llm.runner.kv_cache.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
         first = llm.generate([prompt, "Hello, world!"], params, use_tqdm=False)
         second = llm.generate([prompt + " and values in blocks."], params, use_tqdm=False)
         results[attention] = [o["token_ids"] for o in first + second]

@@ -1,6 +1,8 @@
 """Engine settings: nano-vllm's, plus the device, the dtype and the plugin choices."""
 from dataclasses import dataclass, field, fields
 
+from inferlab.core.kv_cache_dtype import KV_CACHE_DTYPES
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -19,6 +21,7 @@ class EngineConfig:
     overlap_scheduling: bool | None = None  # None: on for CUDA, where the CPU can run ahead of the GPU
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": the checkpoint's on GPU, float32 on CPU
+    kv_cache_dtype: str = "auto"  # "auto": dtype's; "fp8": float8 e4m3 (inferlab/core/kv_cache_dtype.py)
     seed: int = 0  # draws the seeds of requests that bring none
     cpu_kv_cache_gib: float = 1.0  # KV budget on CPU when num_kvcache_blocks is -1
     scheduler: str = "fcfs"
@@ -46,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_kwargs(cls, model_path: str | None, kwargs: dict) -> "EngineConfig":

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
 from inferlab.core.cuda_graphs import DecodeGraphs
+from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
 
@@ -50,6 +51,7 @@ class ModelRunner:
         if self.device.type == "cuda" and tp_group.size > 1:
             self.device = torch.device("cuda", tp_group.rank)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf_config.vocab_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -84,10 +86,10 @@ class ModelRunner:
             self.num_kv_blocks = int(counts.item())
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_kv_blocks, self.block_size,
-                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        log.info("KV cache: %d blocks of %d tokens in %s (%.2f GiB)", self.num_kv_blocks, self.block_size,
+                 str(self.kv_cache_dtype).replace("torch.", ""), self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.decode_graphs = self._capture_decode_graphs(hf_config)
 
     def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
@@ -113,14 +115,15 @@ class ModelRunner:
                 if self.config.attention != "auto":
                     raise PluginError(f"attention backend {name!r} cannot be used: {e}") from e
                 continue
-            problems = backend.validate(self.device, self.dtype, self.block_size, head_dim)
+            problems = backend.validate(self.device, self.dtype, self.block_size, head_dim, self.kv_cache_dtype)
             if not problems:
                 if reasons:
                     log.warning("attention=auto chose %r; skipped: %s", name, "; ".join(reasons))
                 return backend
             reasons.append(f"{name}: {'; '.join(problems)}")
         raise ValueError(f"no attention backend can serve device={self.device.type}, dtype={self.dtype}, "
-                         f"block size={self.block_size}, head_dim={head_dim}: " + " | ".join(reasons))
+                         f"kv_cache_dtype={self.kv_cache_dtype}, block size={self.block_size}, head_dim={head_dim}: "
+                         + " | ".join(reasons))
 
     @staticmethod
     def _model_for(registry: PluginRegistry, hf_config) -> str:
@@ -134,7 +137,7 @@ class ModelRunner:
 
     def _kv_block_bytes(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * self.kv_cache_dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kvcache_blocks > 0:
@@ -181,7 +184,7 @@ class ModelRunner:
         num_blocks = sum(-(-n // self.block_size) for n in lengths)
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
-        cache = torch.zeros((num_layers, *shape), dtype=self.dtype, device=self.device)
+        cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
         seqs, next_block = [], 0
         for n in lengths:
             seq = Sequence([0] * n, SamplingParams(temperature=0))

@@ -85,8 +85,11 @@ class AttentionBackend(Protocol):
     supports_cuda_graphs: ClassVar[bool]
 
     @classmethod
-    def validate(cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
-        """The reasons this backend cannot serve that configuration; empty when it can."""
+    def validate(cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int,
+                 kv_cache_dtype: torch.dtype) -> list[str]:
+        """The reasons this backend cannot serve that configuration; empty when it can. dtype is the
+        model's (q, k, v and the output); kv_cache_dtype the cache's: dtype itself, or
+        torch.float8_e4m3fn (engine kv_cache_dtype=fp8, stored as inferlab.core.kv_cache_dtype says)."""
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor, K and V together."""

@@ -39,8 +39,11 @@ class FlashAttention:
         self.kernels = import_kernels(self.name)
 
     @classmethod
-    def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
+    def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
         reasons = []
+        if kv_cache_dtype != dtype:  # flash-attn 2 reads a cache of the query's dtype only
+            reasons.append(f"flash-attn needs the KV cache in the model's dtype {dtype}, got {kv_cache_dtype} "
+                           "(use attention='triton' for kv_cache_dtype=fp8)")
         if device.type != "cuda":
             reasons.append(f"flash-attn runs on CUDA devices only, got {device.type!r}")
         else:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
+from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype
 
 
 @dataclass(slots=True)
@@ -27,8 +28,10 @@ class TorchAttention:
             raise TypeError(f"the torch backend takes no options, got {sorted(options)}")
 
     @classmethod
-    def validate(cls, device, dtype, block_size, head_dim) -> list[str]:
+    def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
         reasons = []
+        if kv_cache_dtype not in (dtype, FP8):
+            reasons.append(f"kv_cache_dtype must be the model's dtype or {FP8}, got {kv_cache_dtype}")
         if block_size < 16 or block_size & (block_size - 1):
             reasons.append(f"block size must be a power of two >= 16, got {block_size}")
         return reasons
@@ -56,12 +59,12 @@ class TorchAttention:
         inputs = metadata.inputs
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-        k_cache.view(-1, num_kv_heads, head_dim)[inputs.slot_mapping] = k
-        v_cache.view(-1, num_kv_heads, head_dim)[inputs.slot_mapping] = v
+        k_cache.view(-1, num_kv_heads, head_dim)[inputs.slot_mapping] = to_cache_dtype(k, k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[inputs.slot_mapping] = to_cache_dtype(v, v_cache.dtype)
         batch, max_q = inputs.num_seqs, inputs.max_query_len
-        # gather each sequence's blocks into a contiguous [B, H, max_k, D] context
-        keys = k_cache[inputs.block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[inputs.block_tables].flatten(1, 2).transpose(1, 2)
+        # gather each sequence's blocks into a contiguous [B, H, max_k, D] context, in q's dtype
+        keys = k_cache[inputs.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = v_cache[inputs.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         queries = q.new_zeros(batch, max_q, q.shape[1], head_dim)
         queries[metadata.token_seq, metadata.token_row] = q
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=metadata.mask,

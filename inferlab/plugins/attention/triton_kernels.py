@@ -1,6 +1,7 @@
 """Triton kernels over the paged KV cache, shared by the triton and flash_attn backends.
 
-Cache layout (one layer): [2, num_blocks, block_size, num_kv_heads, head_dim], K then V. Token j of
+Cache layout (one layer): [2, num_blocks, block_size, num_kv_heads, head_dim], K then V, in the
+model's dtype or float8_e4m3fn (inferlab.core.kv_cache_dtype; read back in q's dtype). Token j of
 a sequence lives in slot block_table[j // block_size] * block_size + j % block_size. The kernels
 gather block ids per token, so any power-of-two block size works with any tile size.
 
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
+from inferlab.plugins.cache_store import cache_value
 from inferlab.plugins.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
 
 # Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
@@ -40,8 +42,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     mask = offsets < ROW
     k = tl.load(k_ptr + token * k_stride_token + offsets, mask=mask)
     v = tl.load(v_ptr + token * v_stride_token + offsets, mask=mask)
-    tl.store(k_cache_ptr + slot * cache_stride_slot + offsets, k, mask=mask)
-    tl.store(v_cache_ptr + slot * cache_stride_slot + offsets, v, mask=mask)
+    tl.store(k_cache_ptr + slot * cache_stride_slot + offsets, cache_value(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + slot * cache_stride_slot + offsets, cache_value(v, v_cache_ptr), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -80,10 +82,11 @@ def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_pt
         block_ids = tl.load(block_table + cols // BLOCK_SIZE)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
     kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+    # an fp8 cache is read back in q's dtype (a no-op for a cache of q's dtype)
     if MASKED:
-        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
     else:
-        k = tl.load(k_cache_ptr + kv_offsets)
+        k = tl.load(k_cache_ptr + kv_offsets).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
         if CAUSAL:
@@ -96,9 +99,9 @@ def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_pt
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
     else:
-        v = tl.load(v_cache_ptr + kv_offsets)
+        v = tl.load(v_cache_ptr + kv_offsets).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from inferlab.plugins import pdl
+from inferlab.plugins.cache_store import cache_value
 
 
 @triton.jit
@@ -61,11 +62,11 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
         store_k = (is_k & (slot >= 0))[:, None]
         store_v = (is_v & (slot >= 0))[:, None]
         k_dst = k_cache_ptr + row + k_heads[:, None] * (2 * HALF) + dims[None, :]
-        tl.store(k_dst, o1, mask=store_k)
-        tl.store(k_dst + HALF, o2, mask=store_k)
+        tl.store(k_dst, cache_value(o1, k_cache_ptr), mask=store_k)
+        tl.store(k_dst + HALF, cache_value(o2, k_cache_ptr), mask=store_k)
         v_dst = v_cache_ptr + row + (k_heads - NUM_KV_HEADS)[:, None] * (2 * HALF) + dims[None, :]
-        tl.store(v_dst, x1.to(dtype), mask=store_v)
-        tl.store(v_dst + HALF, x2.to(dtype), mask=store_v)
+        tl.store(v_dst, cache_value(x1.to(dtype), v_cache_ptr), mask=store_v)
+        tl.store(v_dst + HALF, cache_value(x2.to(dtype), v_cache_ptr), mask=store_v)
     else:
         k_dst = k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF) + k_heads[:, None] * (2 * HALF) + dims[None, :]
         tl.store(k_dst, o1, mask=is_k[:, None])
