@@ -40,9 +40,10 @@ def model_cost(hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None
     tied = bool(getattr(c, "tie_word_embeddings", False))
     params = c.num_hidden_layers * per_layer + head * (1 if tied else 2)
     size = torch.tensor([], dtype=dtype).element_size()
+    kv_size = (kv_cache_dtype or dtype).itemsize
     return ModelCost(
         weight_bytes=params * size,
-        kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * (kv_cache_dtype or dtype).itemsize,
+        kv_bytes_per_token=2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * kv_size,
         flops_per_token=2.0 * (c.num_hidden_layers * per_layer + head),
         head_flops_per_token=2.0 * head,
         attention_flops_per_pair=4.0 * c.num_hidden_layers * c.num_attention_heads * head_dim)

@@ -89,7 +89,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         log.info("KV cache: %d blocks of %d tokens in %s (%.2f GiB)", self.num_kv_blocks, self.block_size,
-                 str(self.kv_cache_dtype).replace("torch.", ""), self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+                 str(self.kv_cache_dtype).replace("torch.", ""),
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.decode_graphs = self._capture_decode_graphs(hf_config)
 
     def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:

@@ -80,7 +80,8 @@ class AttentionBackend(Protocol):
     Optional: a backend whose cache holds K and V as contiguous [num_blocks, block_size, Hkv, D]
     arrays may define kv_store_target(kv_cache, metadata) -> (k_cache, v_cache, slot_mapping).
     A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
-    e.g. from a kernel it runs anyway) and call forward with k = v = None."""
+    e.g. from a kernel it runs anyway), converted to the cache's dtype as
+    inferlab.core.kv_cache_dtype.to_cache_dtype does, and call forward with k = v = None."""
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
 

@@ -71,8 +71,8 @@ class TritonAttentionMetadata:
 
 class TritonAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
-    torch backend's, in the model's dtype or fp8 (engine kv_cache_dtype). Options (TritonAttentionOptions): prefill tile sizes block_m/block_n; for
-    decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
+    torch backend's, in the model's dtype or fp8 (engine kv_cache_dtype). Options
+    (TritonAttentionOptions): prefill tile sizes block_m/block_n; for decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
     one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
     aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
