@@ -114,6 +114,15 @@ def test_seeded_sampling_equals_one_rank(engine, request):
     assert llm.generate(prompts, params, use_tqdm=False) == one_rank.generate(prompts, params, use_tqdm=False)
 
 
+def test_an_fp8_cache_on_two_ranks_equals_one_rank(checkpoint):
+    """Each rank holds its KV heads' share of the cache in fp8, rounded as on one rank."""
+    fp8 = {**SETTINGS, "kv_cache_dtype": "fp8"}
+    prompts = prompts_of([3, 17, 40])
+    with LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, **fp8) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert outputs == LLM(checkpoint("gqa2-tied"), **fp8).generate(prompts, GREEDY, use_tqdm=False)
+
+
 def test_two_engines_at_once(tied, untied, hf_greedy):
     """Each engine has its own store port and group: their steps interleave freely."""
     assert tied.runner.store.port != untied.runner.store.port
