@@ -55,17 +55,51 @@ def _load_tile(ptr, offsets, mask, dtype, MODE: tl.constexpr):
 
 
 @triton.jit
+def _program(seq_lens_ptr, tables_ptr, tables_stride, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+             HEAD_DIM: tl.constexpr):
+    """What a program serves: one KV head (its GROUP query heads, padded to BLOCK_H rows) of one
+    sequence, with that sequence's length and block table."""
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_H)
+    table = tables_ptr + seq.to(tl.int64) * tables_stride
+    return kv_head, seq, tl.load(seq_lens_ptr + seq), rows, kv_head * GROUP + rows, tl.arange(0, HEAD_DIM), table
+
+
+@triton.jit
+def _gathered_offsets(table, start, seq_len, kv_head, dims, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The cache offsets of keys start..start+BLOCK_N of one KV head, each key's block looked up, as
+    the engine's kernel does; and which of them the sequence has."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_mask = cols < seq_len
+    blocks = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
+    offsets = ((blocks * BLOCK_SIZE + cols % BLOCK_SIZE)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
+               + kv_head * HEAD_DIM + dims[None, :])
+    return offsets, col_mask
+
+
+@triton.jit
+def _softmax_step(scores, m_i, l_i, KEYS_AXIS: tl.constexpr):
+    """One online-softmax step over a tile of scores whose keys run along KEYS_AXIS: the tile's
+    probabilities, the factor that rescales what came before, and the new running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(scores, KEYS_AXIS))
+    if KEYS_AXIS == 1:
+        p = tl.exp2(scores - m_new[:, None])
+    else:
+        p = tl.exp2(scores - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, KEYS_AXIS)
+
+
+@triton.jit
 def operands_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scale_log2, tables_stride,
                     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, F16: tl.constexpr,
                     K_MODE: tl.constexpr, V_MODE: tl.constexpr):
     """One split of the engine's decode: one sequence, one KV head, all its keys."""
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    kv_head, seq, seq_len, rows, heads, dims, table = _program(seq_lens_ptr, tables_ptr, tables_stride, GROUP,
+                                                               BLOCK_H, HEAD_DIM)
     q_offsets = seq * (NUM_KV_HEADS * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=(rows < GROUP)[:, None], other=0.0)
     dtype = tl.float16 if F16 else q.dtype
@@ -73,22 +107,14 @@ def operands_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scal
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    table = tables_ptr + seq.to(tl.int64) * tables_stride
     for start in range(0, seq_len, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < seq_len
-        blocks = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
-        offsets = ((blocks * BLOCK_SIZE + cols % BLOCK_SIZE)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
-                   + kv_head * HEAD_DIM + dims[None, :])
+        offsets, col_mask = _gathered_offsets(table, start, seq_len, kv_head, dims, BLOCK_N, BLOCK_SIZE,
+                                              NUM_KV_HEADS, HEAD_DIM)
         k = _load_tile(k_ptr, offsets, col_mask[:, None], dtype, K_MODE)
         scores = tl.where(col_mask[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, 1)
         v = _load_tile(v_ptr, offsets, col_mask[:, None], dtype, V_MODE)
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
-        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[:, None])
 
@@ -98,12 +124,8 @@ def swap_ab_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scale
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, F16: tl.constexpr):
     """operands_kernel with both products transposed: [keys, heads] scores, a [dims, heads] output."""
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    kv_head, seq, seq_len, rows, heads, dims, table = _program(seq_lens_ptr, tables_ptr, tables_stride, GROUP,
+                                                               BLOCK_H, HEAD_DIM)
     q_offsets = seq * (NUM_KV_HEADS * GROUP * HEAD_DIM) + heads[None, :] * HEAD_DIM + dims[:, None]
     q_t = tl.load(q_ptr + q_offsets, mask=(rows < GROUP)[None, :], other=0.0)
     dtype = tl.float16 if F16 else q_t.dtype
@@ -111,22 +133,14 @@ def swap_ab_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scale
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_t = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
-    table = tables_ptr + seq.to(tl.int64) * tables_stride
     for start in range(0, seq_len, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < seq_len
-        blocks = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
-        offsets = ((blocks * BLOCK_SIZE + cols % BLOCK_SIZE)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
-                   + kv_head * HEAD_DIM + dims[None, :])
+        offsets, col_mask = _gathered_offsets(table, start, seq_len, kv_head, dims, BLOCK_N, BLOCK_SIZE,
+                                              NUM_KV_HEADS, HEAD_DIM)
         k = tl.load(k_ptr + offsets, mask=col_mask[:, None], other=0.0).to(dtype)
         scores_t = tl.where(col_mask[:, None], tl.dot(k, q_t) * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores_t, 0))
-        p_t = tl.exp2(scores_t - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p_t, 0)
+        p_t, alpha, m_i, l_i = _softmax_step(scores_t, m_i, l_i, 0)
         v = tl.load(v_ptr + offsets, mask=col_mask[:, None], other=0.0).to(dtype)
         acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(dtype))
-        m_i = m_new
     out_t = acc_t / tl.where(l_i > 0, l_i, 1.0)[None, :]
     tl.store(out_ptr + q_offsets, out_t.to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[None, :])
 
@@ -137,19 +151,14 @@ def v_transposed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, 
                         BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, V_T: tl.constexpr):
     """operands_kernel with each tile inside one cache block (BLOCK_SIZE % BLOCK_N == 0: one block
     id a tile, so the addresses are plainly contiguous). V_T: V is [block, Hkv, D, BLOCK_SIZE]."""
-    kv_head = tl.program_id(0)
-    seq = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    kv_head, seq, seq_len, rows, heads, dims, table = _program(seq_lens_ptr, tables_ptr, tables_stride, GROUP,
+                                                               BLOCK_H, HEAD_DIM)
     keys = tl.arange(0, BLOCK_N)
     q_offsets = seq * (NUM_KV_HEADS * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=(rows < GROUP)[:, None], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    table = tables_ptr + seq.to(tl.int64) * tables_stride
     for start in range(0, seq_len, BLOCK_N):
         base = tl.load(table + start // BLOCK_SIZE).to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM)
         within = start % BLOCK_SIZE + keys
@@ -157,10 +166,7 @@ def v_transposed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, 
         row_offsets = base + within[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_ptr + row_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
         scores = tl.where(col_mask[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, 1)
         if V_T:
             v_t = tl.load(v_ptr + base + kv_head * (HEAD_DIM * BLOCK_SIZE) + dims[:, None] * BLOCK_SIZE + within[None, :],
                           mask=col_mask[None, :], other=0.0).to(q.dtype)
@@ -168,7 +174,6 @@ def v_transposed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, 
         else:
             v = tl.load(v_ptr + row_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[:, None])
 
