@@ -18,6 +18,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else FP8
 
 
+def kv_cache_dtype_problems(model_dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> list[str]:
+    """For a backend's validate: why it cannot hold that cache, when it reads caches of the model's
+    dtype and fp8 (stored as to_cache_dtype stores them)."""
+    if kv_cache_dtype in (model_dtype, FP8):
+        return []
+    return [f"kv_cache_dtype must be the model's dtype or {FP8}, got {kv_cache_dtype}"]
+
+
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x as stored in a cache of cache_dtype: fp8 rounds to nearest even and saturates (a plain
     cast would turn values past 448 into NaN)."""

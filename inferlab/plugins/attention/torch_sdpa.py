@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
-from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype
+from inferlab.core.kv_cache_dtype import kv_cache_dtype_problems, to_cache_dtype
 
 
 @dataclass(slots=True)
@@ -29,9 +29,7 @@ class TorchAttention:
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
-        reasons = []
-        if kv_cache_dtype not in (dtype, FP8):
-            reasons.append(f"kv_cache_dtype must be the model's dtype or {FP8}, got {kv_cache_dtype}")
+        reasons = kv_cache_dtype_problems(dtype, kv_cache_dtype)
         if block_size < 16 or block_size & (block_size - 1):
             reasons.append(f"block size must be a power of two >= 16, got {block_size}")
         return reasons

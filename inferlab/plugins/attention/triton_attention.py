@@ -10,7 +10,7 @@ import torch
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
-from inferlab.core.kv_cache_dtype import FP8
+from inferlab.core.kv_cache_dtype import FP8, kv_cache_dtype_problems
 
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,8 +72,9 @@ class TritonAttentionMetadata:
 class TritonAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
     torch backend's, in the model's dtype or fp8 (engine kv_cache_dtype). Options
-    (TritonAttentionOptions): prefill tile sizes block_m/block_n; for decode the tile decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys
-    one split of a sequence takes) and decode_programs_per_sm (how many programs the split plan
+    (TritonAttentionOptions): prefill tile sizes block_m/block_n; for decode the tile
+    decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys one split of a
+    sequence takes) and decode_programs_per_sm (how many programs the split plan
     aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
     name = "triton"
     supports_cuda_graphs = True
@@ -115,11 +116,11 @@ class TritonAttention:
         reasons = kernel_mode_problems(kernels, device)
         if dtype not in DTYPES:
             reasons.append(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
-        if kv_cache_dtype not in (dtype, FP8):
-            reasons.append(f"kv_cache_dtype must be the model's dtype or {FP8}, got {kv_cache_dtype}")
-        elif kv_cache_dtype == FP8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            reasons.append(f"an fp8 KV cache needs compute capability 8.9 or more (Ada, Hopper), "
-                           f"got {torch.cuda.get_device_capability(device)}")
+        reasons += kv_cache_dtype_problems(dtype, kv_cache_dtype)
+        if kv_cache_dtype == FP8 and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 9):
+                reasons.append(f"an fp8 KV cache needs compute capability 8.9 or more (Ada, Hopper), got {capability}")
         if not kernels.is_power_of_two(block_size, 16):
             reasons.append(f"block size must be a power of two >= 16, got {block_size}")
         if not kernels.is_power_of_two(head_dim, 16) or head_dim > 256:
