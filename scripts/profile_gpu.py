@@ -1,18 +1,24 @@
 """Where the bench workload's time goes on the GPU.
 
-    python scripts/profile_gpu.py [--attention triton] [--steps 30] [--no-timeline] [--no-kernels]
+    python scripts/profile_gpu.py [--attention triton] [--steps 30] [--no-timeline] [--no-kernels] [--runs 1]
 
 1. Timeline: the whole workload once (after a warm-up run), with CUDA events around every step's
    launch. Steps are grouped (prefill/mixed, then decode by batch size); each group gets its wall
    time, the GPU's busy time (launch to launch-end events), the GPU's idle time between steps
    (where the CPU bounds the run) and its floor (weights + the batch's K/V over the measured
    bandwidth; FLOPs over the matmul rate for prefill).
+   With --runs N the timeline repeats N times, one line a run: where a slow run's time went (GPU
+   busy or idle, which steps), the garbage collector's pauses inside it, and the GPU's clocks,
+   power and throttle reasons over it (nvidia-smi, sampled every 50 ms).
 2. Kernels: torch.profiler's top CUDA kernels over a window of decode steps at full batch and
    again once the batch has fallen to --small-batch sequences.
 Uses the bench checkpoint and workload of scripts/bench_gpu.py."""
 import argparse
+import gc
 import os
+import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -58,6 +64,74 @@ def timeline(llm, prompts, params):
         r["gpu_ms"] = r["start"].elapsed_time(r["end"])
         r["idle_ms"] = records[i - 1]["end"].elapsed_time(r["start"]) if i else 0.0
     return records, wall
+
+
+class GcPauses:
+    """The garbage collector's collections and pause time, by generation, since the last reset."""
+
+    def __init__(self):
+        self.reset()
+        gc.callbacks.append(self._callback)
+
+    def reset(self):
+        self.collections, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
+class GpuSampler:
+    """nvidia-smi's SM clock, power, temperature and throttle reasons every 50 ms, in a thread;
+    samples(t0, t1) returns those taken between two perf_counter times. Empty without nvidia-smi."""
+
+    FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self):
+        self.rows, self.process = [], None
+        try:
+            self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                             "-lms", "50", "-i", str(torch.cuda.current_device())],
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.rows.append((time.perf_counter(), float(parts[0]), float(parts[1]), float(parts[2]), parts[3]))
+            except (ValueError, IndexError):  # a field this driver does not report
+                continue
+
+    def samples(self, t0, t1):
+        return [r for r in self.rows if t0 <= r[0] <= t1]
+
+    def close(self):
+        if self.process is not None:
+            self.process.terminate()
+
+
+def describe_run(i, records, wall, gc_pauses, gpu_samples):
+    """One line: the run's wall, GPU busy and idle time, its busiest step groups, GC and clocks."""
+    busy = sum(r["gpu_ms"] for r in records) / 1e3
+    idle = sum(r["idle_ms"] for r in records) / 1e3
+    prefill = sum(r["gpu_ms"] for r in records if not r["decode"]) / 1e3
+    worst_idle = max(r["idle_ms"] for r in records)
+    line = (f"run {i}: wall {wall:.3f} s, GPU busy {busy:.3f} s (prefill {prefill:.3f}, decode {busy - prefill:.3f}), "
+            f"idle {idle:.3f} s (longest gap {worst_idle:.1f} ms); GC collections {gc_pauses.collections}, "
+            f"pauses {[round(s * 1e3, 1) for s in gc_pauses.seconds]} ms")
+    if gpu_samples:
+        clocks = [s[1] for s in gpu_samples]
+        reasons = sorted({s[4] for s in gpu_samples})
+        line += (f"; SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz (mean {sum(clocks) / len(clocks):.0f}), "
+                 f"power mean {sum(s[2] for s in gpu_samples) / len(gpu_samples):.0f} W, "
+                 f"temperature {max(s[3] for s in gpu_samples):.0f} C max, throttle reasons {reasons}")
+    print(line, flush=True)
 
 
 def summarize(records, wall, cost, rates):
@@ -106,6 +180,7 @@ def main():
     parser.add_argument("--attention-option", action="append", default=[], help="KEY=JSON, passed in attention_options")
     parser.add_argument("--model-dir", default="/tmp/inferlab-bench-qwen3-0.6b-random")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype: auto or fp8")
+    parser.add_argument("--runs", type=int, default=1, help="timeline runs, one summary line each (slow-run hunting)")
     args = parser.parse_args()
     import json
     parse = lambda items: {k: json.loads(v) for k, v in (i.split("=", 1) for i in items)}  # noqa: E731
@@ -119,10 +194,19 @@ def main():
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     if not args.no_timeline:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: every shape compiled, every graph used
-        records, wall = timeline(llm, prompts, params)
-        print(f"\n== timeline: {args.attention}, {len(records)} steps, {wall:.3f} s, "
-              f"{sum(p.max_tokens for p in params) / wall:.0f} output tok/s ==")
-        summarize(records, wall, cost, rates)
+        gc_pauses, sampler = GcPauses(), GpuSampler() if args.runs > 1 else None
+        for i in range(1, args.runs + 1):
+            gc_pauses.reset()
+            t0 = time.perf_counter()
+            records, wall = timeline(llm, prompts, params)
+            if i == 1:
+                print(f"\n== timeline: {args.attention}, {len(records)} steps, {wall:.3f} s, "
+                      f"{sum(p.max_tokens for p in params) / wall:.0f} output tok/s ==")
+                summarize(records, wall, cost, rates)
+            if args.runs > 1:
+                describe_run(i, records, wall, gc_pauses, sampler.samples(t0, time.perf_counter()))
+        if sampler is not None:
+            sampler.close()
     if args.no_kernels:
         return
     llm.reset_prefix_cache()
