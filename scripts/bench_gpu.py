@@ -12,6 +12,7 @@ max_model_len 4096; a warm-up generate first, then --warmup-runs untimed passes 
 workload (1 by default). Output tokens/s = sum(max_tokens) / generate time, the median of --repeats.
 """
 import argparse
+import gc
 import json
 import os
 import random
@@ -84,6 +85,79 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
     return path
 
 
+class GcPauses:
+    """The garbage collector's collections and pause time, by generation, since the last reset."""
+
+    def __init__(self):
+        self.reset()
+        gc.callbacks.append(self._callback)
+
+    def reset(self):
+        self.collections, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], None
+
+    def summary(self) -> dict:
+        return {"gc_collections": list(self.collections), "gc_pause_ms": [round(s * 1e3, 1) for s in self.seconds]}
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
+class GpuSampler:
+    """nvidia-smi's SM clock, power, temperature and throttle reasons every 50 ms, in a thread;
+    samples(t0, t1) returns those taken between two perf_counter times. Empty without nvidia-smi."""
+
+    FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self, device_index: int = 0):
+        self.rows, self.process = [], None
+        try:
+            self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                             "-lms", "50", "-i", str(device_index)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.rows.append((time.perf_counter(), float(parts[0]), float(parts[1]), float(parts[2]), parts[3]))
+            except (ValueError, IndexError):  # a field this driver does not report
+                continue
+
+    def samples(self, t0, t1):
+        return [r for r in self.rows if t0 <= r[0] <= t1]
+
+    def summary(self, t0, t1) -> dict:
+        """Mean and lowest SM clock, mean power, hottest temperature and the throttle reasons seen."""
+        rows = self.samples(t0, t1)
+        if not rows:
+            return {}
+        clocks = [r[1] for r in rows]
+        return {"sm_clock_mhz_mean": sum(clocks) / len(clocks), "sm_clock_mhz_min": min(clocks),
+                "power_w_mean": sum(r[2] for r in rows) / len(rows), "temperature_c_max": max(r[3] for r in rows),
+                "throttle_reasons": sorted({r[4] for r in rows})}
+
+    def close(self):
+        if self.process is not None:
+            self.process.terminate()
+
+
+
+def describe_conditions(conditions: dict) -> str:
+    """GcPauses.summary and GpuSampler.summary as one line."""
+    line = f"GC collections {conditions['gc_collections']}, pauses {conditions['gc_pause_ms']} ms"
+    if "sm_clock_mhz_mean" in conditions:
+        line += (f"; SM clock mean {conditions['sm_clock_mhz_mean']:.0f} MHz (lowest {conditions['sm_clock_mhz_min']:.0f}), "
+                 f"power mean {conditions['power_w_mean']:.0f} W, temperature {conditions['temperature_c_max']:.0f} C max, "
+                 f"throttle reasons {conditions['throttle_reasons']}")
+    return line
+
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     """nano-vllm bench.py's requests, drawn in its order from random.seed(0)."""
     from inferlab import SamplingParams
@@ -123,17 +197,34 @@ def run_one(args) -> dict:
         torch.cuda.synchronize()
     stats_before = (llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens,
                     llm.stats.prefill_seconds, llm.stats.decode_seconds, llm.stats.wait_seconds)
-    runs, compiles = [], []
+    runs, compiles, conditions = [], [], []
+    # what each run ran under, to tell a slow run's cause (BENCHMARKS.md items 28 and 84): the engine's
+    # step and wait times, the garbage collector's pauses, the GPU's clocks and throttle reasons
+    gc_pauses = GcPauses()
+    sampler = GpuSampler(torch.cuda.current_device()) if torch.cuda.is_available() else None
     for _ in range(args.repeats):
         llm.reset_prefix_cache()  # every run prefills its prompts, as the first did
         before = compiled_variants()
+        s = llm.stats
+        steps_before = (s.prefill_seconds, s.decode_seconds, s.wait_seconds)
+        gc_pauses.reset()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        runs.append(end - start)
         after = compiled_variants()
         compiles.append({name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)})
-        print(f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s"
+        conditions.append({"prefill_step_seconds": s.prefill_seconds - steps_before[0],
+                           "decode_step_seconds": s.decode_seconds - steps_before[1],
+                           "wait_seconds": s.wait_seconds - steps_before[2],
+                           **gc_pauses.summary(), **(sampler.summary(start, end) if sampler else {})})
+        c = conditions[-1]
+        print(f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s; steps: prefill "
+              f"{c['prefill_step_seconds']:.3f} s, decode {c['decode_step_seconds']:.3f} s, waiting on the GPU "
+              f"{c['wait_seconds']:.3f} s; {describe_conditions(c)}"
               + (f"; compiled during the run: {compiles[-1]}" if compiles[-1] else ""), flush=True)
+    if sampler:
+        sampler.close()
     seconds = statistics.median(runs)
     output_tokens = sum(p.max_tokens for p in params)
     generated = sum(len(o["token_ids"]) for o in outputs)
@@ -149,6 +240,7 @@ def run_one(args) -> dict:
         "overlap": llm.overlap, "torch_compile": args.compile == "compile", "runs_seconds": runs,
         # kernel variants (Triton specializations, torch.compile graphs) first built inside a timed run
         "compiled_during_runs": compiles,
+        "run_conditions": conditions,
         "output_tokens": output_tokens, "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
         "output_tok_per_s": output_tokens / seconds, "init_seconds": init_seconds,
         **floor, "percent_of_floor": 100 * floor["floor_seconds"] / seconds,

@@ -14,17 +14,14 @@
    again once the batch has fallen to --small-batch sequences.
 Uses the bench checkpoint and workload of scripts/bench_gpu.py."""
 import argparse
-import gc
 import os
-import subprocess
 import sys
-import threading
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import QWEN3_0_6B, build_checkpoint, workload  # noqa: E402
+from bench_gpu import QWEN3_0_6B, GcPauses, GpuSampler, build_checkpoint, describe_conditions, workload  # noqa: E402
 
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.floor import device_rates, model_cost  # noqa: E402
@@ -66,73 +63,14 @@ def timeline(llm, prompts, params):
     return records, wall
 
 
-class GcPauses:
-    """The garbage collector's collections and pause time, by generation, since the last reset."""
-
-    def __init__(self):
-        self.reset()
-        gc.callbacks.append(self._callback)
-
-    def reset(self):
-        self.collections, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], None
-
-    def _callback(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self.collections[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self._start
-
-
-class GpuSampler:
-    """nvidia-smi's SM clock, power, temperature and throttle reasons every 50 ms, in a thread;
-    samples(t0, t1) returns those taken between two perf_counter times. Empty without nvidia-smi."""
-
-    FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-
-    def __init__(self):
-        self.rows, self.process = [], None
-        try:
-            self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
-                                             "-lms", "50", "-i", str(torch.cuda.current_device())],
-                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                self.rows.append((time.perf_counter(), float(parts[0]), float(parts[1]), float(parts[2]), parts[3]))
-            except (ValueError, IndexError):  # a field this driver does not report
-                continue
-
-    def samples(self, t0, t1):
-        return [r for r in self.rows if t0 <= r[0] <= t1]
-
-    def close(self):
-        if self.process is not None:
-            self.process.terminate()
-
-
-def describe_run(i, records, wall, gc_pauses, gpu_samples):
-    """One line: the run's wall, GPU busy and idle time, its busiest step groups, GC and clocks."""
+def describe_run(i, records, wall, conditions):
+    """One line: the run's wall, GPU busy and idle time, then its GC pauses and GPU clocks."""
     busy = sum(r["gpu_ms"] for r in records) / 1e3
     idle = sum(r["idle_ms"] for r in records) / 1e3
     prefill = sum(r["gpu_ms"] for r in records if not r["decode"]) / 1e3
     worst_idle = max(r["idle_ms"] for r in records)
-    line = (f"run {i}: wall {wall:.3f} s, GPU busy {busy:.3f} s (prefill {prefill:.3f}, decode {busy - prefill:.3f}), "
-            f"idle {idle:.3f} s (longest gap {worst_idle:.1f} ms); GC collections {gc_pauses.collections}, "
-            f"pauses {[round(s * 1e3, 1) for s in gc_pauses.seconds]} ms")
-    if gpu_samples:
-        clocks = [s[1] for s in gpu_samples]
-        reasons = sorted({s[4] for s in gpu_samples})
-        line += (f"; SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz (mean {sum(clocks) / len(clocks):.0f}), "
-                 f"power mean {sum(s[2] for s in gpu_samples) / len(gpu_samples):.0f} W, "
-                 f"temperature {max(s[3] for s in gpu_samples):.0f} C max, throttle reasons {reasons}")
-    print(line, flush=True)
-
+    print(f"run {i}: wall {wall:.3f} s, GPU busy {busy:.3f} s (prefill {prefill:.3f}, decode {busy - prefill:.3f}), "
+          f"idle {idle:.3f} s (longest gap {worst_idle:.1f} ms); {describe_conditions(conditions)}", flush=True)
 
 def summarize(records, wall, cost, rates):
     def floor_ms(r):
@@ -194,7 +132,7 @@ def main():
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     if not args.no_timeline:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: every shape compiled, every graph used
-        gc_pauses, sampler = GcPauses(), GpuSampler() if args.runs > 1 else None
+        gc_pauses, sampler = GcPauses(), GpuSampler(torch.cuda.current_device()) if args.runs > 1 else None
         for i in range(1, args.runs + 1):
             gc_pauses.reset()
             t0 = time.perf_counter()
@@ -204,7 +142,7 @@ def main():
                       f"{sum(p.max_tokens for p in params) / wall:.0f} output tok/s ==")
                 summarize(records, wall, cost, rates)
             if args.runs > 1:
-                describe_run(i, records, wall, gc_pauses, sampler.samples(t0, time.perf_counter()))
+                describe_run(i, records, wall, {**gc_pauses.summary(), **sampler.summary(t0, time.perf_counter())})
         if sampler is not None:
             sampler.close()
     if args.no_kernels:
