@@ -1,5 +1,6 @@
-"""The engine under stress on CPU: abort, KeyboardInterrupt, KV exhaustion (preemption) and
-requests larger than the whole cache."""
+"""The engine under stress on CPU: abort, KeyboardInterrupt, KV exhaustion (preemption),
+requests larger than the whole cache, and the garbage collector's pauses."""
+import gc
 import random
 
 import pytest
@@ -186,3 +187,58 @@ def test_seeds_do_not_depend_on_which_requests_fit(path):
     roomy_cache = make_llm(path, num_kvcache_blocks=16).generate(prompts, params, use_tqdm=False)
     assert small_cache[1]["finish_reason"] == "error" and roomy_cache[1]["finish_reason"] == "length"
     assert [small_cache[i]["token_ids"] for i in (0, 2)] == [roomy_cache[i]["token_ids"] for i in (0, 2)]
+
+
+# -- garbage collection -----------------------------------------------------------------------
+
+def tracked_ids() -> set[int]:
+    """ids of the objects in the collector's generations (frozen ones are in none)."""
+    return {id(o) for o in gc.get_objects()}
+
+
+def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, reference, monkeypatch):
+    """A full collection inside generate walks only what the call creates (BENCHMARKS.md item 85):
+    older objects are frozen while it runs, and are collectable again when it returns or raises."""
+    llm = make_llm(path, num_kvcache_blocks=16)
+    older = [[]]  # a tracked container made before the call
+    real_step, during = llm.step, []
+
+    def step():
+        if not during:
+            newer = [[]]
+            ids = tracked_ids()
+            during.append((gc.get_freeze_count() > 0, id(older) in ids, id(newer) in ids))
+        return real_step()
+    monkeypatch.setattr(llm, "step", step)
+    prompts = prompts_of([9, 30], seed=4)
+    assert gc.get_freeze_count() == 0
+    assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
+    assert during == [(True, False, True)]  # older frozen, the call's own objects not
+    assert gc.get_freeze_count() == 0 and id(older) in tracked_ids()
+
+    def failing_step():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+
+
+def test_generate_leaves_a_callers_freeze_alone(path, reference, monkeypatch):
+    llm = make_llm(path, num_kvcache_blocks=16)
+    older, made_during = [[]], []
+    real_step = llm.step
+
+    def step():
+        made_during.append([])
+        return real_step()
+    monkeypatch.setattr(llm, "step", step)
+    gc.freeze()
+    try:
+        prompts = prompts_of([12], seed=5)
+        assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
+        ids = tracked_ids()
+        assert id(older) not in ids  # the caller's freeze still holds
+        assert id(made_during[0]) in ids  # and the call froze nothing of its own
+    finally:
+        gc.unfreeze()

@@ -8,6 +8,7 @@ becomes, within seconds, a TensorParallelError naming the rank and why, and ever
 down. No shared memory is used, and the rendezvous port is picked free by the OS, so any number
 of engines can run at once in one process."""
 import datetime
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -428,6 +429,11 @@ def worker_main(rank: int, size: int, backend: str, store_port: int, conn: Conne
         group = make_group(backend, store, rank, size)
         runner = ModelRunner(config, hf_config, model_path, worker_registry(entries, failures), TPGroup(rank, size, group))
         conn.send_bytes(pickle.dumps(("ready", runner.num_kv_blocks)))
+        # This process lives for one engine: its start-up objects are frozen for good, so a full
+        # garbage collection in the step loop (a pause every rank would wait for) walks only
+        # what came after (BENCHMARKS.md item 85)
+        gc.collect()
+        gc.freeze()
         while (payload := conn.recv_bytes()) != STOP:
             runner.follow(pickle.loads(payload))
             conn.send_bytes(STOP)
