@@ -198,22 +198,29 @@ def tracked_ids() -> set[int]:
 
 def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, reference, monkeypatch):
     """A full collection inside generate walks only what the call creates (BENCHMARKS.md item 85):
-    older objects are frozen while it runs, and are collectable again when it returns or raises."""
+    older objects are frozen from its first step (checking the prompts) to its last (building the
+    outputs), and are collectable again when it returns or raises."""
     llm = make_llm(path, num_kvcache_blocks=16)
     older = [[]]  # a tracked container made before the call
-    real_step, during = llm.step, []
+    seen = {}
 
-    def step():
-        if not during:
-            newer = [[]]
-            ids = tracked_ids()
-            during.append((gc.get_freeze_count() > 0, id(older) in ids, id(newer) in ids))
-        return real_step()
-    monkeypatch.setattr(llm, "step", step)
+    def recording(name):
+        real = getattr(llm, name)
+
+        def wrapper(*args):
+            if name not in seen:
+                newer = [[]]
+                ids = tracked_ids()
+                seen[name] = (gc.get_freeze_count() > 0, id(older) in ids, id(newer) in ids)
+            return real(*args)
+        monkeypatch.setattr(llm, name, wrapper)
+    for name in ("make_sequence", "step", "output"):
+        recording(name)
     prompts = prompts_of([9, 30], seed=4)
     assert gc.get_freeze_count() == 0
     assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
-    assert during == [(True, False, True)]  # older frozen, the call's own objects not
+    # older frozen, the call's own objects not
+    assert seen == {name: (True, False, True) for name in ("make_sequence", "step", "output")}
     assert gc.get_freeze_count() == 0 and id(older) in tracked_ids()
 
     def failing_step():
@@ -221,6 +228,9 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
     monkeypatch.setattr(llm, "step", failing_step)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
     assert gc.get_freeze_count() == 0
 
 

@@ -3,6 +3,7 @@ import gc
 import logging
 import os
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -34,6 +35,23 @@ class EngineStats:
     num_preemptions: int = 0  # the scheduler's count: sequences evicted to be recomputed when KV ran out
     num_aborted_requests: int = 0
     num_failed_requests: int = 0  # answered with an error result (too large for the whole cache)
+
+
+@contextmanager
+def older_objects_frozen():
+    """Freezes every object the garbage collector tracks for the length of the block, unfreezing
+    them after. A full collection walks every tracked object (torch, Triton, compiled graphs: about
+    250 ms on the bench's host) while the GPU idles; one came every few bench runs (BENCHMARKS.md
+    item 85). Inside the block, collections walk only what the block creates. Unfrozen after, so
+    nothing the collector would free is kept. A caller's own freeze is theirs to manage."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LLMEngine:
@@ -244,6 +262,10 @@ class LLMEngine:
         in input order. Invalid input raises before anything is queued. A request too large for the
         whole KV cache gets {"finish_reason": "error", "error": why} and no tokens while the others
         run, unless raise_on_error, which raises for it too."""
+        with older_objects_frozen():
+            return self._generate(prompts, sampling_params, use_tqdm, raise_on_error)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, raise_on_error: bool) -> list[dict]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         if sampling_params is None:
@@ -272,14 +294,6 @@ class LLMEngine:
             self._add(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
-        # A full garbage collection walks every object the process tracks (torch, Triton, compiled
-        # graphs: 245 ms on the bench's host), and the GPU idles until it ends; one came every few
-        # bench runs (BENCHMARKS.md item 85). So what exists before this call is frozen while it runs:
-        # collections then walk only what the call creates. Unfrozen after, so nothing is kept that
-        # would otherwise be freed. A caller's own freeze is theirs to manage.
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
         try:
             while any(not s.is_finished or s.token_ids[-1] < 0 for s in seqs):
                 start = perf_counter()
@@ -298,8 +312,6 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-            if freeze:
-                gc.unfreeze()
         return [self.output(r) if isinstance(r, Sequence) else self.error_output(r) for r in results]
 
     # -- lifetime -----------------------------------------------------------------------------
