@@ -265,7 +265,9 @@ class LLMEngine:
         """Generates for every prompt; returns [{"text", "token_ids", "finish_reason", "num_preemptions"}]
         in input order. Invalid input raises before anything is queued. A request too large for the
         whole KV cache gets {"finish_reason": "error", "error": why} and no tokens while the others
-        run, unless raise_on_error, which raises for it too."""
+        run, unless raise_on_error, which raises for it too. Objects older than the call are frozen
+        from the garbage collector while it runs (older_objects_frozen; a loop over step() can take
+        the same context)."""
         with older_objects_frozen():
             return self._generate(prompts, sampling_params, use_tqdm, raise_on_error)
 
