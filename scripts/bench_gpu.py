@@ -114,9 +114,12 @@ class GpuSampler:
 
     def __init__(self, device_index: int = 0):
         self.rows, self.process = [], None
+        # nvidia-smi counts every GPU, torch only the visible ones (CUDA_VISIBLE_DEVICES: indices or UUIDs)
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        gpu = visible[device_index] if device_index < len(visible) else str(device_index)
         try:
             self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
-                                             "-lms", "50", "-i", str(device_index)],
+                                             "-lms", "50", "-i", gpu],
                                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             return
@@ -148,7 +151,6 @@ class GpuSampler:
             self.process.terminate()
 
 
-
 def describe_conditions(conditions: dict) -> str:
     """GcPauses.summary and GpuSampler.summary as one line."""
     line = f"GC collections {conditions['gc_collections']}, pauses {conditions['gc_pause_ms']} ms"
@@ -157,6 +159,7 @@ def describe_conditions(conditions: dict) -> str:
                  f"power mean {conditions['power_w_mean']:.0f} W, temperature {conditions['temperature_c_max']:.0f} C max, "
                  f"throttle reasons {conditions['throttle_reasons']}")
     return line
+
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     """nano-vllm bench.py's requests, drawn in its order from random.seed(0)."""
@@ -198,7 +201,7 @@ def run_one(args) -> dict:
     stats_before = (llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens,
                     llm.stats.prefill_seconds, llm.stats.decode_seconds, llm.stats.wait_seconds)
     runs, compiles, conditions = [], [], []
-    # what each run ran under, to tell a slow run's cause (BENCHMARKS.md items 28 and 84): the engine's
+    # what each run ran under, to tell a slow run's cause (BENCHMARKS.md items 28, 84, 85): the engine's
     # step and wait times, the garbage collector's pauses, the GPU's clocks and throttle reasons
     gc_pauses = GcPauses()
     sampler = GpuSampler(torch.cuda.current_device()) if torch.cuda.is_available() else None

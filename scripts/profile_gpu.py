@@ -72,6 +72,7 @@ def describe_run(i, records, wall, conditions):
     print(f"run {i}: wall {wall:.3f} s, GPU busy {busy:.3f} s (prefill {prefill:.3f}, decode {busy - prefill:.3f}), "
           f"idle {idle:.3f} s (longest gap {worst_idle:.1f} ms); {describe_conditions(conditions)}", flush=True)
 
+
 def summarize(records, wall, cost, rates):
     def floor_ms(r):
         if r["decode"]:

@@ -38,7 +38,8 @@ class EngineStats:
 
 
 # What the interpreter itself keeps frozen (375 tuples on Python 3.12, none on 3.11 or 3.13): more than
-# this at a generate call means its caller froze objects
+# this at a generate call means its caller froze objects (a freeze made before importing inferlab
+# counts as the interpreter's, and generate unfreezes it)
 FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
@@ -57,6 +58,7 @@ def older_objects_frozen():
         yield
     finally:
         gc.unfreeze()
+
 
 class LLMEngine:
     """LLM(model_path, **settings): nano-vllm's settings, plus device, dtype and plugin names
