@@ -49,7 +49,8 @@ def older_objects_frozen():
     them after. A full collection walks every tracked object (torch, Triton, compiled graphs: about
     250 ms on the bench's host) while the GPU idles; one came every few bench runs (BENCHMARKS.md
     item 85). Inside the block, collections walk only what the block creates. Unfrozen after, so
-    nothing the collector would free is kept. A caller's own freeze is theirs to manage."""
+    cyclic garbage older than the block waits for its end, no longer. A caller's own freeze is
+    theirs to manage."""
     if gc.get_freeze_count() > FROZEN_AT_IMPORT:
         yield
         return
