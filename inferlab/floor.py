@@ -39,7 +39,7 @@ def model_cost(hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None
     head = c.vocab_size * c.hidden_size
     tied = bool(getattr(c, "tie_word_embeddings", False))
     params = c.num_hidden_layers * per_layer + head * (1 if tied else 2)
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     kv_size = (kv_cache_dtype or dtype).itemsize
     return ModelCost(
         weight_bytes=params * size,
