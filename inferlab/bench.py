@@ -108,7 +108,8 @@ def floor_figures(llm, prompts, outputs, wall: float) -> dict:
     """The workload's hardware floor on this device (inferlab.floor) and how close the run came."""
     from inferlab.floor import device_rates, model_cost, workload_floor
     floor = workload_floor([len(p) for p in prompts], [len(o["token_ids"]) for o in outputs],
-                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype),
+                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype,
+                                      llm.config.tensor_parallel_size),
                            device_rates(llm.runner.device, llm.runner.dtype))
     return {**floor, "percent_of_floor": 100 * floor["floor_seconds"] / wall}
 

@@ -235,12 +235,14 @@ def run_one(args) -> dict:
         raise RuntimeError(f"generated {generated} tokens, the workload asked for {output_tokens}")
     s = llm.stats
     floor = workload_floor([len(p) for p in prompts], [p.max_tokens for p in params],
-                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype),
+                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype,
+                                      llm.config.tensor_parallel_size),
                            device_rates(llm.runner.device, llm.runner.dtype))
     return {
         "attention": llm.runner.backend.name, "cuda_graphs": llm.runner.decode_graphs is not None,
         "kv_cache_dtype": str(llm.runner.kv_cache_dtype).replace("torch.", ""),
-        "overlap": llm.overlap, "torch_compile": args.compile == "compile", "runs_seconds": runs,
+        "overlap": llm.overlap, "torch_compile": args.compile == "compile",
+        "tensor_parallel_size": llm.config.tensor_parallel_size, "runs_seconds": runs,
         # kernel variants (Triton specializations, torch.compile graphs) first built inside a timed run
         "compiled_during_runs": compiles,
         "run_conditions": conditions,

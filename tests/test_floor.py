@@ -26,6 +26,24 @@ def test_an_fp8_kv_cache_halves_the_kv_bytes_only():
     assert (fp8.weight_bytes, fp8.flops_per_token) == (bf16.weight_bytes, bf16.flops_per_token)
 
 
+def test_a_tensor_parallel_rank_holds_its_share():
+    """Every cost of Qwen3-0.6B divides evenly over 2 ranks; over 16 ranks (8 KV heads) each rank
+    keeps a replica of one KV head, so its K/V share stops shrinking at 8."""
+    one = model_cost(QWEN3_06B, torch.bfloat16)
+    two = model_cost(QWEN3_06B, torch.bfloat16, tensor_parallel_size=2)
+    assert (2 * two.weight_bytes, 2 * two.kv_bytes_per_token) == (one.weight_bytes, one.kv_bytes_per_token)
+    assert 2 * two.flops_per_token == one.flops_per_token
+    assert 2 * two.attention_flops_per_pair == one.attention_flops_per_pair
+    eight = model_cost(QWEN3_06B, torch.bfloat16, tensor_parallel_size=8)
+    sixteen = model_cost(QWEN3_06B, torch.bfloat16, tensor_parallel_size=16)
+    assert sixteen.kv_bytes_per_token == eight.kv_bytes_per_token == one.kv_bytes_per_token // 8
+    assert 2 * sixteen.attention_flops_per_pair == eight.attention_flops_per_pair
+    # a vocabulary that does not divide is padded, as VocabParallelEmbedding pads it
+    odd = model_cost(Qwen3Config(**{**QWEN3_06B.to_dict(), "vocab_size": 151937}), torch.bfloat16,
+                     tensor_parallel_size=2)
+    assert odd.head_flops_per_token == 2 * 75969 * 1024
+
+
 def test_prefill_pays_the_lm_head_once_a_request():
     cost = model_cost(QWEN3_06B, torch.bfloat16)
     rates = DeviceRates("x", 1e12, 1e15)
