@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -333,3 +334,34 @@ def test_workers_end_with_their_process(ending, checkpoint, tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_graphs_are_released_before_the_group_is_aborted_and_a_stuck_abort_is_left_behind(monkeypatch, caplog):
+    """NCCL's abort spins until every CUDA graph that captured the communicator's collectives is
+    destroyed (seen on two H200s): rank 0 destroys its graphs first, and an abort that still
+    cannot finish costs ABORT_GRACE_S, not a hung program."""
+    from inferlab.core import workers
+    order = []
+
+    class Graphs:
+        def release(self):
+            order.append("release graphs")
+
+    class Group:
+        def abort(self):
+            order.append("abort")
+
+    class StuckGroup:
+        def abort(self):
+            order.append("abort stuck")
+            threading.Event().wait()
+
+    graphs = [Graphs()]
+    workers.shutdown_workers([], [], [], [Group()], graphs, grace=0.0)
+    assert order == ["release graphs", "abort"] and graphs == []
+    monkeypatch.setattr(workers, "ABORT_GRACE_S", 0.2)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="inferlab"):
+        workers.shutdown_workers([], [], [], [StuckGroup()], [], grace=0.0)
+    assert time.monotonic() - started < 2
+    assert "abort did not finish within 0.2 s; leaving it behind" in caplog.text

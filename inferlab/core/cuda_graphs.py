@@ -72,6 +72,15 @@ class DecodeGraphs:
             self.graphs[batch] = graph
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Destroys the graphs now, whoever still refers to this object. NCCL counts every graph
+        that captured one of its collectives and will not finish tearing down (or aborting) the
+        communicator until each is destroyed: tensor-parallel rank 0 releases its graphs first."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.batch_sizes = [0]  # run() finds no graph for any batch: it returns None, the eager path
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs,
             last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states [B, hidden] of a decode batch, or None when no graph fits it. With

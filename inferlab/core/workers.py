@@ -37,6 +37,7 @@ TIMEOUT = datetime.timedelta(minutes=5)
 FAILURE_GRACE_S = 3.0  # after a failure, how long rank 0 waits for the other ranks to report theirs
 FAILURE_SETTLE_S = 0.3  # once one rank has failed, how long to wait for the reports it triggers
 SHUTDOWN_GRACE_S = 5.0  # how long workers get to exit on request before they are terminated
+ABORT_GRACE_S = 10.0  # how long rank 0 waits for its communicator's abort before leaving it behind
 WORKER_KINDS = ("model", "attention", "sampler")  # the plugins a worker's ModelRunner builds
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 STOP = b""  # rank 0 -> worker: exit; worker -> rank 0: the step is done
@@ -101,10 +102,11 @@ class Workers:
         self.conns: list[Connection] = []
         self.watch_stops: list[Connection] = []  # wakes the NCCL watchdog when closing
         self.groups: list = []  # rank 0's process group, released after the workers stop
+        self.decode_graphs: list = []  # rank 0's CUDA graphs, destroyed before its group is aborted
         self.failures: dict[int, str] = {}  # rank -> what happened to it, once known
         self.raised: dict[int, str] = {}  # rank -> "Type: message" of the exception it reported
         self._finalizer = weakref.finalize(self, shutdown_workers, self.processes, self.conns, self.watch_stops,
-                                           self.groups)
+                                           self.groups, self.decode_graphs)
         try:
             for rank in range(1, size):
                 ours, theirs = context.Pipe(duplex=True)
@@ -214,7 +216,7 @@ class Workers:
 
 
 def shutdown_workers(processes: list[mp.Process], conns: list[Connection], watch_stops: list[Connection],
-                     groups: list, grace: float = SHUTDOWN_GRACE_S) -> None:
+                     groups: list, decode_graphs: list, grace: float = SHUTDOWN_GRACE_S) -> None:
     for stop in watch_stops:  # the deaths that follow are expected
         stop.close()
     for conn in conns:
@@ -235,11 +237,28 @@ def shutdown_workers(processes: list[mp.Process], conns: list[Connection], watch
             process.join()
     for conn in conns:
         conn.close()
+    for graphs in decode_graphs:  # NCCL's abort waits until no graph holds the communicator's collectives
+        graphs.release()
+    decode_graphs.clear()
     for group in groups:  # its peers are gone: abort rather than finalize (which would wait for them)
+        abort_group(group)
+
+
+def abort_group(group) -> None:
+    """Aborts rank 0's communicator in a thread and waits at most ABORT_GRACE_S: an abort that
+    cannot finish (a CUDA graph that captured its collectives still alive) must not hang the
+    user's program; it is logged and left behind."""
+    def abort():
         try:
             group.abort()
         except RuntimeError as e:
             log.warning("releasing the tensor-parallel group failed: %s", e)
+    thread = threading.Thread(target=abort, name="inferlab-tp-abort", daemon=True)
+    thread.start()
+    thread.join(ABORT_GRACE_S)
+    if thread.is_alive():
+        log.warning("the tensor-parallel group's abort did not finish within %g s; leaving it behind",
+                    ABORT_GRACE_S)
 
 
 def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
@@ -282,6 +301,8 @@ class TensorParallelRunner(ModelRunner):
             self.group = self._join_group(backend, size)
             self.workers.groups.append(self.group)
             super().__init__(config, hf_config, model_path, registry, TPGroup(0, size, self.group))
+            if self.decode_graphs is not None:
+                self.workers.decode_graphs.append(self.decode_graphs)
             counts = self.workers.receive("ready")
             if any(count != self.num_kv_blocks for count in counts):  # the ranks agreed on a minimum
                 raise RuntimeError(f"the ranks hold different numbers of KV blocks: {[self.num_kv_blocks, *counts]}")
