@@ -312,36 +312,78 @@ def _decode_stream_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    # Each iteration loads the next tile (q, K, V) before it computes this one, so a tile's loads
+    # are in flight while the previous one is computed, across items too (Triton's pipeliner does
+    # not pipeline these gathered loads: the kernels' shared memory holds one tile).
+    q_next, k_next, v_next, mask_next = _load_stream_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, tile, seq_len, first < last,
+        q_stride_token, q_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
+        GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
     for t in range(first, last):
-        heads = kv_head * GROUP + head_offsets
-        q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-                    mask=head_mask[:, None], other=0.0)
-        block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile * BLOCK_N + tl.arange(0, BLOCK_N), seq_len, 0,
-                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
-                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
+        q, k, v, col_mask = q_next, k_next, v_next, mask_next
+        cur_seq, cur_head = seq, kv_head
         item_end = tile == seq_tiles - 1
+        # step to the next tile (the next KV head's first, or the next sequence's) and load it
+        tile = tl.where(item_end, 0, tile + 1)
+        next_seq = item_end & (kv_head == NUM_KV_HEADS - 1)
+        kv_head = tl.where(item_end, tl.where(next_seq, 0, kv_head + 1), kv_head)
+        seq = seq + next_seq.to(tl.int32)
+        # past the last sequence only after the run's last tile: read a real row, load nothing
+        seq_len = tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1))
+        seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+        q_next, k_next, v_next, mask_next = _load_stream_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, tile, seq_len, t + 1 < last,
+            q_stride_token, q_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
+            GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+        heads = cur_head * GROUP + head_offsets
         if item_end | (t == last - 1):
             out = acc / l_i[:, None]  # a piece has at least one key: l_i > 0
             if piece_from_start & item_end:
-                tl.store(out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
+                tl.store(out_ptr + cur_seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
             else:
-                slot = (seq * NUM_KV_HEADS + kv_head + program) * GROUP + head_offsets
+                slot = (cur_seq * NUM_KV_HEADS + cur_head + program) * GROUP + head_offsets
                 tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
                 tl.store(partial_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_mask)
             m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        # step to the next tile: the next KV head's first, or the next sequence's
         piece_from_start = piece_from_start | item_end
-        tile = tl.where(item_end, 0, tile + 1)
-        next_seq = item_end & (kv_head == NUM_KV_HEADS - 1)
-        kv_head = tl.where(item_end, tl.where(next_seq, 0, kv_head + 1), kv_head)
-        if next_seq:
-            seq += 1
-            seq_len = tl.load(seq_lens_ptr + seq)
-            seq_tiles = tl.cdiv(seq_len, BLOCK_N)
+
+
+@triton.jit
+def _load_stream_tile(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, tile, seq_len, valid,
+                      q_stride_token, q_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
+                      GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """q's rows for one (sequence, KV head) and one tile of its K and V, in q's dtype, with the
+    tile's column mask; nothing is read where valid is false."""
+    head_offsets = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + head_offsets
+    # valid as a vector: the interpreter takes no scalar in a mask
+    head_mask = (head_offsets < GROUP) & (tl.zeros([BLOCK_H], tl.int32) + valid.to(tl.int32) != 0)
+    q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
+                mask=head_mask[:, None], other=0.0)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = (cols < seq_len) & (tl.zeros([BLOCK_N], tl.int32) + valid.to(tl.int32) != 0)
+    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
+    block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
+    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
+    return q, k, v, col_mask
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
