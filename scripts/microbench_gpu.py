@@ -90,13 +90,10 @@ def workload_decode_batches(every: int):
 
 
 def attention_bench(rates, results, every: int = 40, quick: bool = False, warps: tuple[int, ...] = (4, 8),
-                    stages: tuple[int, ...] = (2, 3, 4), tiles: tuple[int, ...] = (64, 128),
-                    stream: bool = False):
+                    stages: tuple[int, ...] = (2, 3, 4), tiles: tuple[int, ...] = (64, 128)):
     """The split decode kernel over the bench workload's own decode batches (every `every` steps),
     for each kernel configuration and split plan; flash-attn's paged decode beside it. The total
-    over the sampled steps says which configuration serves the whole run best. stream: the
-    backend's default split plan against the stream schedule (persistent programs over one stream
-    of key tiles) over tiles, warps, stages and 1-4 programs a multiprocessor."""
+    over the sampled steps says which configuration serves the whole run best."""
     from inferlab.plugins.attention import triton_kernels as tk
     try:
         from flash_attn import flash_attn_with_kvcache
@@ -106,10 +103,7 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    if stream:  # the default split plan, then the stream schedule's configurations
-        configs = [(128, 4, 3, 8, "longest_first")] + list(itertools.product(tiles, warps, stages, (1, 2, 3, 4),
-                                                                              ("stream",)))
-    elif quick:  # the default tile: the split plan and the order
+    if quick:  # the default tile: the split plan and the order
         configs = list(itertools.product((128,), (4,), (3,), (4, 8, 12, 16, 24), ("batch", "longest_first")))
     else:  # tiles, warps and stages (2 or 3 programs a multiprocessor fit at 64 keys and 2-3 stages)
         configs = list(itertools.product(tiles, warps, stages, (4, 8, 16), ("longest_first",)))
@@ -132,26 +126,6 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
         line = {}
         for config in configs:
             block_n, warps, stages, per_sm, order = config
-            if order == "stream":
-                programs = per_sm * tk.num_multiprocessors(q.device)
-                plan, partial_out, partial_lse = tk.stream_scratch(q, NUM_KV_HEADS, programs)
-
-                def fn(block_n=block_n, warps=warps, stages=stages, plan=plan, partial_out=partial_out,
-                       partial_lse=partial_lse, programs=programs):
-                    tk.stream_plan(seq_lens, plan, NUM_KV_HEADS, block_n, programs)
-                    tk.paged_decode_stream(q, cache, out, seq_lens, tables, scale, block_n, plan, partial_out,
-                                           partial_lse, warps, stages)
-                try:
-                    us = graph_time_us(fn, reps=10, replays=7)
-                except Exception as e:
-                    us = float("inf")
-                    print(f"  skip {config}: {type(e).__name__}: {str(e)[:200]}")
-                totals[config] += us
-                line[config] = us
-                results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
-                                             "stages": stages, "programs_per_sm": per_sm, "order": order,
-                                             "us": us, "floor_us": floor_us})
-                continue
             splits = tk.decode_splits(q, NUM_KV_HEADS, 4096, 256, per_sm)
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
             partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
@@ -178,12 +152,6 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
         best = min(line, key=line.get)
         print(f"  step {t:>4}: batch {batch:>3}, {int(lens.sum()):>6} keys, floor {floor_us:6.1f}; best {best} "
               f"{line[best]:6.1f} ({100 * floor_us / line[best]:.0f}%)")
-    if stream:  # registers and shared memory decide how many programs fit a multiprocessor
-        for kernel in (tk._decode_split_kernel, tk._decode_stream_kernel):
-            for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
-                meta = compiled.metadata
-                print(f"  {kernel.__name__}: warps {meta.num_warps} stages {meta.num_stages} "
-                      f"registers {compiled.n_regs} shared {meta.shared} B", flush=True)
     ranked = sorted(totals, key=totals.get)
     print(f"sum over the sampled steps: floor {floor_total:.0f} µs" +
           (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
@@ -804,8 +772,6 @@ def main():
                         help="warps a program to sweep in attention (without --quick) and prefill, comma-separated")
     parser.add_argument("--stages", default="2,3,4", help="attention (without --quick): pipeline stages to sweep")
     parser.add_argument("--tiles", default="64,128", help="attention (without --quick): keys a tile to sweep")
-    parser.add_argument("--stream", action="store_true",
-                        help="attention: the default split plan against the stream schedule's configurations")
     args = parser.parse_args()
     ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
@@ -820,7 +786,7 @@ def main():
         for part in args.only.split(","):
             if part == "attention":
                 attention_bench(rates, results, quick=args.quick, warps=ints(args.warps), stages=ints(args.stages),
-                                tiles=ints(args.tiles), stream=args.stream)
+                                tiles=ints(args.tiles))
             elif part == "prefill":
                 prefill_bench(rates, results, quick=args.quick, warps=ints(args.warps))
             else:

@@ -149,32 +149,12 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("order", ["longest_first", "batch", "stream"])
+@pytest.mark.parametrize("order", ["longest_first", "batch"])
 @pytest.mark.parametrize("block_size,group,head_dim,context_lens", DECODE_CASES)
 def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    backend = (TritonAttention(decode_schedule="stream", decode_programs_per_sm=1) if order == "stream"
-               else TritonAttention(decode_order=order))
-    assert_matches_torch(inputs, q, k, v, cache, backend=backend)
-
-
-# (programs, key tile): one program for everything; runs that cut items, several cuts in one item;
-# more programs than tiles (the last ones have nothing to do)
-@pytest.mark.parametrize("num_programs,block_n", [(1, 16), (3, 16), (5, 16), (7, 32), (40, 16)])
-@pytest.mark.parametrize("group", [1, 2, 4])
-def test_stream_decode_combines_pieces_exactly(num_programs, block_n, group):
-    context_lens = [130, 9, 300, 0, 47]  # a first token (one key) among them
-    inputs, q, k, v, cache = make_batch([1] * 5, context_lens, 16, 2, 16, group, seed=2)
-    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
-    plan, partial_out, partial_lse = triton_kernels.stream_scratch(q, 2, num_programs)
-    triton_kernels.stream_plan(inputs.seq_lens, plan, 2, block_n, num_programs)
-    tiles = [2 * -(-(n + 1) // block_n) for n in context_lens]
-    assert plan.tolist() == [sum(tiles[:i]) for i in range(5)] + [sum(tiles), -(-sum(tiles) // num_programs)]
-    got = triton_kernels.paged_decode_stream(q, cache, torch.full_like(q, float("nan")), inputs.seq_lens,
-                                             inputs.block_tables, 0.25, block_n, plan, partial_out, partial_lse)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -208,11 +188,11 @@ def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens):
         for pos in range(context_lens[row]):  # keep the cached context, poison the rest
             slot = int(inputs.block_tables[row, pos // 16]) * 16 + pos % 16
             poisoned[:, slot // 16, slot % 16] = cache[:, slot // 16, slot % 16]
+    backend = TritonAttention()
+    got = backend.forward(q, k, v, poisoned, backend.build_metadata(inputs), 0.3)
     _, expected, _, _ = run_both(inputs, q, k, v, cache)  # the torch backend on the clean cache
-    for backend in (TritonAttention(), TritonAttention(decode_schedule="stream", decode_programs_per_sm=1)):
-        got = backend.forward(q, k, v, poisoned.clone(), backend.build_metadata(inputs), 0.3)
-        assert not got.isnan().any()
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_longest_first_orders_by_length_then_batch_position():
@@ -237,8 +217,7 @@ def test_mixed_decode_and_prefill_chunks_match_torch():
     assert_matches_torch(inputs, q, k, v, cache)
 
 
-@pytest.mark.parametrize("schedule", ["split", "stream"])
-def test_cuda_graph_padding_rows_store_nothing_and_output_zeros(schedule):
+def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
     inputs, q, k, v, cache = make_batch([1, 1], [20, 44], 16, 2, 16, 2, seed=4)
     _, expected, _, expected_cache = run_both(inputs, q, k, v, cache)
     # pad to 4 rows as the decode graphs do: seq_lens 0, slot -1, any block table
@@ -250,7 +229,7 @@ def test_cuda_graph_padding_rows_store_nothing_and_output_zeros(schedule):
         block_tables=torch.cat([inputs.block_tables, inputs.block_tables[:1].expand(pad, -1)]),
         slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)]),
         max_query_len=1, max_seq_len=256, is_decode=True, block_size=16)
-    backend = TritonAttention(min_split_len=16, decode_schedule=schedule, decode_programs_per_sm=1)
+    backend = TritonAttention(min_split_len=16)
     padded_cache = cache.clone()
     got = backend.forward(torch.cat([q, torch.randn_like(q)]), torch.cat([k, torch.randn_like(k)]),
                           torch.cat([v, torch.randn_like(v)]), padded_cache, backend.build_metadata(padded), 0.3)
@@ -315,8 +294,6 @@ def test_validate_names_unsupported_settings():
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonAttention(decode_order="shortest")
-    with pytest.raises(ValueError, match=r"decode_schedule must be one of \['split', 'stream'\], got 'persistent'"):
-        TritonAttention(decode_schedule="persistent")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

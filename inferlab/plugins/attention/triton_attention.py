@@ -15,7 +15,6 @@ from inferlab.core.kv_cache_dtype import FP8, kv_cache_dtype_problems
 KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
-DECODE_SCHEDULES = ("split", "stream")
 
 
 def import_kernels(backend: str):
@@ -58,18 +57,13 @@ class TritonAttentionOptions:
     # The order the GPU starts the decode programs in: "longest_first" (sorted by length, so the
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
-    # How decode programs share the keys: "split" (a program per sequence, KV head and split of the
-    # sequence) or "stream" (decode_programs_per_sm persistent programs a multiprocessor, each an
-    # equal run of all (sequence, KV head) key tiles; decode_order does not apply).
-    decode_schedule: str = "split"
 
 
 @dataclass(slots=True)
 class TritonAttentionMetadata:
     inputs: AttentionInputs
     # Decode plan and scratch, made by the first layer's forward and reused by the others.
-    num_splits: int = 0  # split schedule; -1 once the stream schedule's plan is made
-    stream_plan: torch.Tensor | None = None  # int32 [B + 2], the stream schedule's plan
+    num_splits: int = 0
     partial_out: torch.Tensor | None = None  # float32 [B, H, splits, D]
     partial_lse: torch.Tensor | None = None  # float32 [B, H, splits]
     seq_order: torch.Tensor | None = None  # int32 [B], the order decode programs start in
@@ -90,8 +84,7 @@ class TritonAttention:
                  decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
                  decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
                  decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order,
-                 decode_schedule: str = TritonAttentionOptions.decode_schedule):
+                 decode_order: str = TritonAttentionOptions.decode_order):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -106,15 +99,13 @@ class TritonAttention:
         for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
                                        ("decode_num_stages", decode_num_stages, range(1, 9)),
                                        ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS),
-                                       ("decode_schedule", decode_schedule, DECODE_SCHEDULES)):
+                                       ("decode_order", decode_order, DECODE_ORDERS)):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
-        self.decode_schedule = decode_schedule
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
@@ -159,8 +150,6 @@ class TritonAttention:
         if not inputs.is_decode:
             return kernels.paged_prefill(q, kv_cache, out, inputs.query_start_loc, inputs.seq_lens,
                                          inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
-        if self.decode_schedule == "stream":
-            return self._decode_stream(q, kv_cache, out, metadata, scale)
         if metadata.num_splits == 0:
             num_seqs, num_heads, head_dim = q.shape
             metadata.num_splits = kernels.decode_splits(q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
@@ -175,21 +164,6 @@ class TritonAttention:
                                     metadata.num_splits, self.decode_block_n, metadata.partial_out,
                                     metadata.partial_lse, self.min_split_len, self.decode_num_warps,
                                     self.decode_num_stages, metadata.seq_order)
-
-
-    def _decode_stream(self, q, kv_cache, out, metadata: TritonAttentionMetadata, scale):
-        kernels, inputs = self.kernels, metadata.inputs
-        num_kv_heads = kv_cache.shape[3]
-        if metadata.num_splits == 0:  # the first layer plans the step for all of them
-            num_programs = self.decode_programs_per_sm * kernels.num_multiprocessors(q.device)
-            metadata.stream_plan, metadata.partial_out, metadata.partial_lse = kernels.stream_scratch(
-                q, num_kv_heads, num_programs)
-            kernels.stream_plan(inputs.seq_lens, metadata.stream_plan, num_kv_heads, self.decode_block_n,
-                                num_programs)
-            metadata.num_splits = -1
-        return kernels.paged_decode_stream(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
-                                           self.decode_block_n, metadata.stream_plan, metadata.partial_out,
-                                           metadata.partial_lse, self.decode_num_warps, self.decode_num_stages)
 
 
 @hookimpl

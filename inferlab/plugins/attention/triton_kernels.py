@@ -26,7 +26,6 @@ MIN_DOT_ROWS = 16
 PREFILL_RUNTIME_INTS = ["block_tables_stride"]
 DECODE_RUNTIME_INTS = ["num_splits", "min_split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
                        "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
-STREAM_RUNTIME_INTS = ["num_seqs", "block_tables_stride"]
 REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
 
 
@@ -252,183 +251,6 @@ def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     tl.store(out_ptr + seq * out_stride_token + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _stream_plan_kernel(seq_lens_ptr, plan_ptr, num_seqs, num_programs,
-                        NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, SEQS_POW2: tl.constexpr,
-                        PDL: tl.constexpr):
-    """plan[s]: the first of sequence s's tiles in the stream (its KV heads' tiles one after the
-    other); plan[num_seqs]: the stream's length; plan[num_seqs + 1]: the tiles each program takes."""
-    pdl.wait_for_inputs(PDL)
-    seqs = tl.arange(0, SEQS_POW2)
-    lens = tl.load(seq_lens_ptr + seqs, mask=seqs < num_seqs, other=0)
-    tiles = tl.cdiv(lens, BLOCK_N) * NUM_KV_HEADS
-    tl.store(plan_ptr + seqs, tl.cumsum(tiles, 0) - tiles, mask=seqs < num_seqs)
-    total = tl.sum(tiles, 0)
-    tl.store(plan_ptr + num_seqs, total)
-    tl.store(plan_ptr + num_seqs + 1, tl.maximum(tl.cdiv(total, num_programs), 1))
-
-
-@triton.jit(do_not_specialize=STREAM_RUNTIME_INTS)
-def _decode_stream_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                          seq_lens_ptr, block_tables_ptr, plan_ptr,
-                          scale_log2, num_seqs,
-                          q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                          cache_stride_slot, cache_stride_head, block_tables_stride,
-                          GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SEQS_POW2: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Persistent decode over one stream of key tiles: every (sequence, KV head) item's tiles in
-    batch order, cut into equal runs, one run a program. A program's loop goes from item to item
-    without draining its load pipeline, so no program starts cold more than once and all finish
-    together, whatever the lengths. A piece of a run that covers a whole item writes its output;
-    a piece of an item cut between programs writes a normalized partial and its log2-sum-exp to
-    slot item + program (unique: each cut adds one piece), for _stream_reduce_kernel.
-
-    Rows with no keys (CUDA-graph padding) must come last in the batch: the loop steps from a
-    sequence to the next, and only padding follows the stream's last tile."""
-    pdl.wait_for_inputs(PDL)
-    program = tl.program_id(0)
-    total = tl.load(plan_ptr + num_seqs)
-    run = tl.load(plan_ptr + num_seqs + 1)
-    first = program * run
-    last = tl.minimum(first + run, total)
-    if first >= last:
-        return
-    # the sequence holding tile `first`: the last whose first tile is at or before it (the last of
-    # equal starts, so a row without keys is never chosen)
-    seqs = tl.arange(0, SEQS_POW2)
-    starts = tl.load(plan_ptr + seqs, mask=seqs < num_seqs, other=total)
-    seq = tl.sum((starts <= first).to(tl.int32), 0) - 1
-    seq_len = tl.load(seq_lens_ptr + seq)
-    seq_tiles = tl.cdiv(seq_len, BLOCK_N)
-    offset = first - tl.load(plan_ptr + seq)
-    kv_head = offset // seq_tiles
-    tile = offset % seq_tiles
-    piece_from_start = tile == 0
-
-    head_offsets = tl.arange(0, BLOCK_H)
-    head_mask = head_offsets < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    # Each iteration loads the next tile (q, K, V) before it computes this one, so a tile's loads
-    # are in flight while the previous one is computed, across items too (Triton's pipeliner does
-    # not pipeline these gathered loads: the kernels' shared memory holds one tile).
-    q_next, k_next, v_next, mask_next = _load_stream_tile(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, tile, seq_len, first < last,
-        q_stride_token, q_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
-        GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
-    for t in range(first, last):
-        q, k, v, col_mask = q_next, k_next, v_next, mask_next
-        cur_seq, cur_head = seq, kv_head
-        item_end = tile == seq_tiles - 1
-        # step to the next tile (the next KV head's first, or the next sequence's) and load it
-        tile = tl.where(item_end, 0, tile + 1)
-        next_seq = item_end & (kv_head == NUM_KV_HEADS - 1)
-        kv_head = tl.where(item_end, tl.where(next_seq, 0, kv_head + 1), kv_head)
-        seq = seq + next_seq.to(tl.int32)
-        # past the last sequence only after the run's last tile: read a real row, load nothing
-        seq_len = tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1))
-        seq_tiles = tl.cdiv(seq_len, BLOCK_N)
-        q_next, k_next, v_next, mask_next = _load_stream_tile(
-            q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, tile, seq_len, t + 1 < last,
-            q_stride_token, q_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
-            GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(col_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-        heads = cur_head * GROUP + head_offsets
-        if item_end | (t == last - 1):
-            out = acc / l_i[:, None]  # a piece has at least one key: l_i > 0
-            if piece_from_start & item_end:
-                tl.store(out_ptr + cur_seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-            else:
-                slot = (cur_seq * NUM_KV_HEADS + cur_head + program) * GROUP + head_offsets
-                tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
-                tl.store(partial_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_mask)
-            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        piece_from_start = piece_from_start | item_end
-
-
-@triton.jit
-def _load_stream_tile(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, tile, seq_len, valid,
-                      q_stride_token, q_stride_head, cache_stride_slot, cache_stride_head, block_tables_stride,
-                      GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """q's rows for one (sequence, KV head) and one tile of its K and V, in q's dtype, with the
-    tile's column mask; nothing is read where valid is false."""
-    head_offsets = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + head_offsets
-    # valid as a vector: the interpreter takes no scalar in a mask
-    head_mask = (head_offsets < GROUP) & (tl.zeros([BLOCK_H], tl.int32) + valid.to(tl.int32) != 0)
-    q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-                mask=head_mask[:, None], other=0.0)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = (cols < seq_len) & (tl.zeros([BLOCK_N], tl.int32) + valid.to(tl.int32) != 0)
-    block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    block_ids = tl.load(block_table + cols // BLOCK_SIZE, mask=col_mask, other=0)
-    slots = block_ids.to(tl.int64) * BLOCK_SIZE + cols % BLOCK_SIZE
-    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
-    k = tl.load(k_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=col_mask[:, None], other=0.0).to(q.dtype)
-    return q, k, v, col_mask
-
-
-@triton.jit(do_not_specialize=["num_seqs"])
-def _stream_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr, plan_ptr, num_seqs,
-                          out_stride_token, out_stride_head,
-                          GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """One (sequence, KV head) item of _decode_stream_kernel: combines its pieces if it was cut
-    between programs, weighting each by its share of the softmax; writes zeros for a row without
-    keys; else leaves the output its one program wrote."""
-    pdl.wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    head_offsets = tl.arange(0, BLOCK_H)
-    head_mask = head_offsets < GROUP
-    heads = kv_head * GROUP + head_offsets
-    dims = tl.arange(0, HEAD_DIM)
-    out_offsets = seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
-    seq_tiles = tl.cdiv(tl.load(seq_lens_ptr + seq), BLOCK_N)
-    if seq_tiles == 0:
-        tl.store(out_ptr + out_offsets, tl.zeros([BLOCK_H, HEAD_DIM], out_ptr.dtype.element_ty),
-                 mask=head_mask[:, None])
-        return
-    run = tl.load(plan_ptr + num_seqs + 1)
-    first = tl.load(plan_ptr + seq) + kv_head * seq_tiles
-    first_program = first // run
-    last_program = (first + seq_tiles - 1) // run
-    if first_program == last_program:
-        return
-    lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for program in range(first_program, last_program + 1):
-        slot = (seq * NUM_KV_HEADS + kv_head + program) * GROUP + head_offsets
-        lse = tl.load(partial_lse_ptr + slot, mask=head_mask, other=0.0)
-        part = tl.load(partial_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)
-        new_max = tl.maximum(lse_max, lse)
-        rescale = tl.exp2(lse_max - new_max)
-        weight = tl.exp2(lse - new_max)
-        acc = acc * rescale[:, None] + part * weight[:, None]
-        total = total * rescale + weight
-        lse_max = new_max
-    tl.store(out_ptr + out_offsets, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-
-
 LOG2E = 1.4426950408889634
 # The most query rows (tokens x heads) one prefill program holds: its float32 accumulator is
 # rows x head_dim, and beyond 128 x 128 it no longer fits four warps' registers.
@@ -478,13 +300,6 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
 @functools.lru_cache(maxsize=None)
 def _num_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessors; 4 in the interpreter (a few programs, so tests cut items)."""
-    if device.type != "cuda":
-        return 4
-    return _num_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_split_len: int,
@@ -542,56 +357,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
             partial_lse.stride(0), partial_lse.stride(1), num_splits,
             SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4, **pdl.launch_options(q.device))
-    return out
-
-
-def stream_scratch(q: torch.Tensor, num_kv_heads: int, num_programs: int):
-    """(plan, partial_out, partial_lse) for paged_decode_stream over q's batch: the plan int32
-    [B + 2]; the partials float32, one slot a piece (B x KV heads items, at most one cut a program)."""
-    num_seqs, num_heads, head_dim = q.shape
-    group = num_heads // num_kv_heads
-    slots = num_seqs * num_kv_heads + num_programs
-    return (torch.empty(num_seqs + 2, dtype=torch.int32, device=q.device),
-            torch.empty(slots, group, head_dim, dtype=torch.float32, device=q.device),
-            torch.empty(slots, group, dtype=torch.float32, device=q.device))
-
-
-def stream_plan(seq_lens: torch.Tensor, plan: torch.Tensor, num_kv_heads: int, block_n: int,
-                num_programs: int) -> torch.Tensor:
-    """Fills plan (from stream_scratch) for the batch's seq_lens, on the device (a CUDA graph replays it)."""
-    num_seqs = seq_lens.shape[0]
-    _stream_plan_kernel[(1,)](seq_lens, plan, num_seqs, num_programs, NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n,
-                              SEQS_POW2=triton.next_power_of_2(max(1, num_seqs)), **pdl.launch_options(seq_lens.device))
-    return plan
-
-
-def paged_decode_stream(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
-                        block_tables: torch.Tensor, scale: float, block_n: int, plan: torch.Tensor,
-                        partial_out: torch.Tensor, partial_lse: torch.Tensor, num_warps: int = 4,
-                        num_stages: int = 3) -> torch.Tensor:
-    """paged_decode's result by a persistent kernel of partial_out.shape[0] - B x KV heads programs
-    over one stream of key tiles (see _decode_stream_kernel), then a combine of the items cut between
-    programs. plan, partial_out and partial_lse come from stream_scratch, plan filled by stream_plan."""
-    num_seqs, num_heads, head_dim = q.shape
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    num_programs = partial_out.shape[0] - num_seqs * num_kv_heads
-    if num_seqs == 0:
-        return out
-    block_h = max(MIN_DOT_ROWS, triton.next_power_of_2(group))
-    _decode_stream_kernel[(num_programs,)](
-        q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables, plan,
-        scale * LOG2E, num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_H=block_h, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_N=block_n, SEQS_POW2=triton.next_power_of_2(num_seqs), PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
-    _stream_reduce_kernel[(num_seqs, num_kv_heads)](
-        out, partial_out, partial_lse, seq_lens, plan, num_seqs, out.stride(0), out.stride(1),
-        GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_H=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        BLOCK_N=block_n, num_warps=4, **pdl.launch_options(q.device))
     return out
 
 
