@@ -23,6 +23,18 @@ def test_outputs_in_input_order_with_per_prompt_params(llm):
         assert out["text"] == llm.tokenizer.decode(out["token_ids"])
 
 
+def test_outputs_are_built_as_requests_finish(llm, monkeypatch):
+    # a finished request's text is decoded while the device computes the others' tokens
+    build = llm.output
+    still_running = []
+    monkeypatch.setattr(llm, "output", lambda seq: still_running.append(not llm.scheduler.is_finished()) or build(seq))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 9)]
+    outputs = llm.generate([[1, 2, 3], [4, 5, 6]], params, use_tqdm=False)
+    assert still_running == [True, False]
+    assert [len(o["token_ids"]) for o in outputs] == [2, 9]
+    assert all(o["text"] == llm.tokenizer.decode(o["token_ids"]) for o in outputs)
+
+
 def test_string_prompt_equals_its_token_ids(llm):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ids = llm.tokenizer.encode("The quick brown fox")
