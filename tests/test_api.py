@@ -1,5 +1,6 @@
 """The nano-vllm-compatible surface: LLM(path, **settings).generate(prompts, params, use_tqdm)."""
 import pytest
+import torch
 
 from inferlab import LLM, SamplingParams
 
@@ -73,7 +74,9 @@ def test_embedded_default_model_runs():
     llm = LLM(kvcache_block_size=16, num_kvcache_blocks=32)
     out = llm.generate(["Hello, world!"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 5 and isinstance(out["text"], str)
-    assert llm.runner.device.type == "cpu" and llm.runner.dtype.is_floating_point
+    # the default device: CUDA where there is one (this file also runs on the GPU machine)
+    assert llm.runner.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert llm.runner.dtype.is_floating_point
 
 
 def test_embedded_model_is_built_deterministically(tmp_path):
