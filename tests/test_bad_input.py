@@ -35,6 +35,8 @@ def still_works(llm, reference):
     ([5, 10**6], r"outside the vocabulary: ids must be in \[0, "),
     ([5, -1], "outside the vocabulary"),
     ([[1, 2]], "string or a list of token ids"),
+    ([1, True], "string or a list of token ids"),  # a bool is an int to Python, not a token id
+    ([1, 2.0], "string or a list of token ids"),
 ])
 def test_bad_prompts(llm, reference, prompt, match):
     with pytest.raises((ValueError, TypeError), match=match):
