@@ -19,7 +19,7 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
   tiles, warps and stages, and flash-attn's varlen.
 - elementwise: q/k norm + rotary, SiLU*mul and the residual add + RMSNorm, each as our Triton
   kernel and through torch.compile.
-- sampling: the sampler's Gumbel-max kernel against an argmax over the same logits, and candidates.
+- sampling: the sampler's kernels against an argmax over the same logits, and their block sizes, warps, chunks.
 - read_bandwidth: how fast the GPU reads memory without writing it back, against the floor's
   device-to-device copy: contiguous spans, and the decode kernel's pattern (one KV head's 256-byte
   rows, 2 KB apart in the paged cache), over tile sizes, warps and stages. Attention's headroom.
@@ -567,40 +567,51 @@ def elementwise_bench(rates, results):
 
 
 def sampling_bench(rates, results):
-    """The sampler's Gumbel-max kernel over bf16 logits at decode batch sizes, against torch's
-    argmax over the same logits (a read of them and little else) and the logits' bytes over the
-    bandwidth; and its variants: exact or fast logs, block sizes, warps, chunks a row."""
-    from inferlab.plugins.samplers import gumbel_kernel
-    print("\n== Gumbel-max sampling over [batch, vocab] bf16 logits (µs) ==")
+    """The sampler's kernels over bf16 logits at decode batch sizes: as used, over block sizes,
+    warps and chunks a row; against the Gumbel-max kernel they replaced (while it is in the tree),
+    torch's argmax over the same logits (a read of them and little else) and the logits' bytes
+    over the bandwidth."""
+    import importlib.util
+
+    from inferlab.plugins.samplers import sampling_kernel as sk
+    gumbel = importlib.import_module("inferlab.plugins.samplers.gumbel_kernel") \
+        if importlib.util.find_spec("inferlab.plugins.samplers.gumbel_kernel") else None
+    print("\n== sampling over [batch, vocab] bf16 logits (µs) ==")
     for m in (256, 128, 32, 8):
         logits = torch.randn(m, VOCAB, dtype=torch.bfloat16, device="cuda")
         temperatures = torch.full((m,), 0.6, device="cuda")
         seeds = torch.randint(0, 2 ** 31, (m,), device="cuda")
         steps = torch.randint(0, 1000, (m,), device="cuda")
-        timings = {"kernel + finish (as used)": graph_time_us(lambda: gumbel_kernel.gumbel_argmax(logits, temperatures, seeds, steps)),
+        timings = {"as used": graph_time_us(lambda: sk.sample_tokens(logits, temperatures, seeds, steps)),
                    "torch argmax": graph_time_us(lambda: logits.argmax(dim=-1))}
-        reference = gumbel_kernel.gumbel_argmax(logits, temperatures, seeds, steps)
-        for kernel, block, warps, chunks in itertools.product(("exact", "fast"), (1024, 2048), (4, 8), (32, 64)):
+        if gumbel is not None:
+            timings["Gumbel-max (before)"] = graph_time_us(lambda: gumbel.gumbel_argmax(logits, temperatures, seeds, steps))
+        reference = sk.sample_tokens(logits, temperatures, seeds, steps)
+        for block, warps, chunks in itertools.product((1024, 2048), (4, 8), (16, 32, 64)):
             chunk_size = -(-VOCAB // chunks // block) * block
             num_chunks = -(-VOCAB // chunk_size)
-            best = torch.empty(m, num_chunks, dtype=torch.float32, device="cuda")
-            index = torch.empty(m, num_chunks, dtype=torch.int32, device="cuda")
+            chunk_max = torch.empty(m, num_chunks, dtype=torch.float32, device="cuda")
+            chunk_mass = torch.empty_like(chunk_max)
+            chunk_arg = torch.empty(m, num_chunks, dtype=torch.int32, device="cuda")
+            tokens = torch.empty(m, dtype=torch.int64, device="cuda")
 
             def run():
-                gumbel_kernel._gumbel_argmax_kernel[(m, num_chunks)](
-                    logits, logits.stride(0), temperatures, seeds, steps, best, index, VOCAB, chunk_size, num_chunks,
-                    BLOCK=block, FAST_LOG=kernel == "fast", PDL=False, num_warps=warps)
-            timings[f"{kernel} block {block} warps {warps} chunks {chunks}"] = graph_time_us(run)
-            if kernel == "exact" and block == 1024 and warps == 4 and chunks == 32:
-                run()
-                picked = index.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
-                timings["exact agrees with as used (rows)"] = float((picked == reference).sum())
+                sk._chunk_mass_kernel[(m, num_chunks)](logits, logits.stride(0), temperatures, chunk_max, chunk_mass,
+                                                       chunk_arg, VOCAB, chunk_size, num_chunks, BLOCK=block, PDL=False,
+                                                       num_warps=warps)
+                sk._pick_token_kernel[(m,)](logits, logits.stride(0), temperatures, seeds, steps, chunk_max, chunk_mass,
+                                            chunk_arg, tokens, VOCAB, chunk_size, num_chunks,
+                                            CHUNKS_POW2=triton.next_power_of_2(num_chunks), BLOCK=block, PDL=False,
+                                            num_warps=warps)
+            timings[f"block {block} warps {warps} chunks {chunks}"] = graph_time_us(run)
+            run()
+            timings[f"block {block} warps {warps} chunks {chunks}: rows as used"] = float((tokens == reference).sum())
         floor = m * VOCAB * 2 / rates.bandwidth * 1e6
-        ranked = sorted((k for k in timings if "block" in k), key=timings.get)
-        print(f"  batch {m}: floor {floor:.1f}; as used {timings['kernel + finish (as used)']:.1f}; torch argmax "
-              f"{timings['torch argmax']:.1f}; exact logs pick the same token in {timings['exact agrees with as used (rows)']:.0f} "
-              f"rows; best: "
-              + "; ".join(f"{k} {timings[k]:.1f}" for k in ranked[:4]) + f"; exact, as before {timings['exact block 1024 warps 4 chunks 32']:.1f}")
+        ranked = sorted((k for k in timings if k.startswith("block") and "rows" not in k), key=timings.get)
+        print(f"  batch {m}: floor {floor:.1f}; as used {timings['as used']:.1f}; "
+              + (f"Gumbel-max before {timings['Gumbel-max (before)']:.1f}; " if gumbel is not None else "")
+              + f"torch argmax {timings['torch argmax']:.1f}; best: "
+              + "; ".join(f"{k} {timings[k]:.1f} ({timings[k + ': rows as used']:.0f} rows as used)" for k in ranked[:4]))
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 

@@ -4,7 +4,7 @@ import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.batch import SamplingTensors
-from inferlab.plugins.samplers.default import DefaultSampler, counter_uniform, filter_logits
+from inferlab.plugins.samplers.default import DefaultSampler, filter_logits, inverse_transform_reference, row_uniform
 
 
 def tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, steps=None, vocab=8):
@@ -72,12 +72,25 @@ def test_samples_follow_the_distribution():
     assert torch.allclose(freq, PROBS[0], atol=0.015), freq
 
 
-def test_noise_depends_only_on_seed_and_step():
-    u = counter_uniform(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5]), 1000)
-    assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
-    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
-    alone = counter_uniform(torch.tensor([1]), torch.tensor([5]), 1000)
-    assert torch.equal(alone[0], u[0])
+def test_uniform_depends_only_on_seed_and_step():
+    u = row_uniform(torch.tensor([1, 2, 1, 1]), torch.tensor([5, 5, 5, 6]))
+    assert u[0] == u[2] and u[0] != u[1] and u[0] != u[3]
+    many = row_uniform(torch.full((20000,), 3), torch.arange(20000))
+    assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
+    assert torch.equal(many * (1 << 24), (many * (1 << 24)).round())  # 24 bits: exact in float32
+    assert row_uniform(torch.tensor([1]), torch.tensor([5])) == u[0]  # whatever else is in the batch
+
+
+def test_inverse_transform_picks_the_token_whose_share_holds_the_uniform():
+    """With four tokens of known shares, the drawn token is the one whose interval of the
+    cumulative distribution holds u, for every uniform the hash gives these steps."""
+    n = 2000
+    logits = LOGITS.expand(n, 4)
+    seeds, steps = torch.full((n,), 11), torch.arange(n)
+    out = inverse_transform_reference(logits, torch.ones(n), seeds, steps)
+    bounds = PROBS[0].double().cumsum(0)
+    want = torch.searchsorted(bounds, row_uniform(seeds, steps)[:, None], right=True).squeeze(1)
+    assert torch.equal(out, want)
 
 
 def test_seeded_request_reproducible_whatever_the_batch(checkpoint):

@@ -1,5 +1,6 @@
-"""Greedy, temperature, top-k, top-p and min-p sampling, vectorized over the batch (Gumbel-max:
-argmax of filtered logits / T plus Gumbel noise, so no per-row loop and no multinomial)."""
+"""Greedy, temperature, top-k, top-p and min-p sampling, vectorized over the batch: each row's
+token is drawn from softmax(filtered logits / T) by the inverse transform of one uniform, hashed
+from the request's seed and the step, so no per-row loop and no torch generator state."""
 import torch
 
 from inferlab.core.batch import SamplingTensors
@@ -8,18 +9,18 @@ from inferlab.core.hookspecs import hookimpl
 MASK32 = 0xFFFFFFFF
 
 
-def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniforms in (0, 1), [N, vocab], from a 32-bit integer hash of (seed, step, token index):
-    the same seed and step give the same noise on any device and in any batch."""
-    index = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    x = (seeds[:, None] * 0x9E3779B1 + steps[:, None] * 0x85EBCA77 + index[None, :] * 0xC2B2AE3D) & MASK32
+def row_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A uniform in [0, 1) per row from a 32-bit integer hash of (seed, step), 24 bits of it (exact
+    in float32): the same seed and step give the same uniform on any device and in any batch
+    (sampling_kernel.row_uniform computes the same)."""
+    x = (seeds * 0x9E3779B1 + steps * 0x85EBCA77) & MASK32
     # murmur3's finalizer; products wrap in int64 and the mask keeps the low 32 bits
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & MASK32
     x = x ^ (x >> 13)
     x = (x * 0xC2B2AE35) & MASK32
     x = x ^ (x >> 16)
-    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return (x >> 8).to(torch.float64) / (1 << 24)
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
@@ -57,19 +58,27 @@ class DefaultSampler:
             logits = filter_logits(logits.float() * inverse[:, None], params)
             temperatures = sampling.float()  # already scaled; 0 keeps greedy rows greedy
         if logits.is_cuda:
-            from inferlab.plugins.samplers.gumbel_kernel import gumbel_argmax
-            return gumbel_argmax(logits, temperatures, params.seeds, params.steps)
-        return gumbel_argmax_reference(logits, temperatures, params.seeds, params.steps)
+            from inferlab.plugins.samplers.sampling_kernel import sample_tokens
+            return sample_tokens(logits, temperatures, params.seeds, params.steps)
+        return inverse_transform_reference(logits, temperatures, params.seeds, params.steps)
 
 
-def gumbel_argmax_reference(logits, temperatures, seeds, steps) -> torch.Tensor:
-    """argmax(logits / T + Gumbel(seed, step)) per row, plain argmax where T == 0 (the fused CUDA
-    kernel computes the same)."""
+LOG2E = 1.4426950408889634
+
+
+def inverse_transform_reference(logits, temperatures, seeds, steps) -> torch.Tensor:
+    """Per row, the first token whose cumulative softmax(logits / T) mass (in float64) exceeds
+    row_uniform(seed, step) times the total; plain argmax where T == 0. The CUDA kernel
+    (sampling_kernel.sample_tokens) computes the same in float32."""
     sampling = temperatures > 0
-    inverse = 1.0 / torch.where(sampling, temperatures, 1.0)
-    gumbel = -torch.log(-torch.log(counter_uniform(seeds, steps, logits.shape[-1])))
-    sampled = (logits.float() * inverse[:, None] + gumbel).argmax(dim=-1)
-    return torch.where(sampling, sampled, logits.argmax(dim=-1))
+    x = logits.float() * (LOG2E / torch.where(sampling, temperatures, 1.0))[:, None]
+    mass = torch.exp2((x - x.max(dim=-1, keepdim=True).values).double())
+    cumulative = mass.cumsum(dim=-1)
+    target = row_uniform(seeds, steps).to(cumulative.device) * cumulative[:, -1]
+    sampled = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1)
+    # the target reaches the total only by rounding: never past the last token with mass
+    last = mass.shape[-1] - 1 - (mass > 0).flip(-1).int().argmax(dim=-1)
+    return torch.where(sampling, torch.minimum(sampled, last), logits.argmax(dim=-1))
 
 
 @hookimpl
