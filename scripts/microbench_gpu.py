@@ -587,31 +587,37 @@ def sampling_bench(rates, results):
         if gumbel is not None:
             timings["Gumbel-max (before)"] = graph_time_us(lambda: gumbel.gumbel_argmax(logits, temperatures, seeds, steps))
         reference = sk.sample_tokens(logits, temperatures, seeds, steps)
-        for block, warps, chunks in itertools.product((1024, 2048), (4, 8), (16, 32, 64)):
-            chunk_size = -(-VOCAB // chunks // block) * block
-            num_chunks = -(-VOCAB // chunk_size)
+        for chunk, block, chunk_warps, pick_warps in itertools.product((2048, 4096, 8192), (1024, 2048), (4, 8), (4, 8)):
+            if block > chunk:
+                continue
+            num_chunks = triton.cdiv(VOCAB, chunk)
             chunk_max = torch.empty(m, num_chunks, dtype=torch.float32, device="cuda")
             chunk_mass = torch.empty_like(chunk_max)
             chunk_arg = torch.empty(m, num_chunks, dtype=torch.int32, device="cuda")
             tokens = torch.empty(m, dtype=torch.int64, device="cuda")
 
-            def run():
+            def masses():
                 sk._chunk_mass_kernel[(m, num_chunks)](logits, logits.stride(0), temperatures, chunk_max, chunk_mass,
-                                                       chunk_arg, VOCAB, chunk_size, num_chunks, BLOCK=block, PDL=False,
-                                                       num_warps=warps)
+                                                       chunk_arg, VOCAB, CHUNK=chunk, BLOCK=block, PDL=False,
+                                                       num_warps=chunk_warps)
+
+            def pick():
                 sk._pick_token_kernel[(m,)](logits, logits.stride(0), temperatures, seeds, steps, chunk_max, chunk_mass,
-                                            chunk_arg, tokens, VOCAB, chunk_size, num_chunks,
-                                            CHUNKS_POW2=triton.next_power_of_2(num_chunks), BLOCK=block, PDL=False,
-                                            num_warps=warps)
-            timings[f"block {block} warps {warps} chunks {chunks}"] = graph_time_us(run)
-            run()
-            timings[f"block {block} warps {warps} chunks {chunks}: rows as used"] = float((tokens == reference).sum())
+                                            chunk_arg, tokens, VOCAB, num_chunks,
+                                            CHUNKS_POW2=triton.next_power_of_2(num_chunks), CHUNK=chunk, PDL=False,
+                                            num_warps=pick_warps)
+            name = f"chunk {chunk} block {block} warps {chunk_warps}/{pick_warps}"
+            timings[name] = graph_time_us(lambda: (masses(), pick()))
+            timings[name + ": masses"] = graph_time_us(masses)
+            timings[name + ": pick"] = graph_time_us(pick)
+            timings[name + ": rows as used"] = float((tokens == reference).sum())
         floor = m * VOCAB * 2 / rates.bandwidth * 1e6
-        ranked = sorted((k for k in timings if k.startswith("block") and "rows" not in k), key=timings.get)
+        ranked = sorted((k for k in timings if k.startswith("chunk") and ":" not in k), key=timings.get)
         print(f"  batch {m}: floor {floor:.1f}; as used {timings['as used']:.1f}; "
               + (f"Gumbel-max before {timings['Gumbel-max (before)']:.1f}; " if gumbel is not None else "")
               + f"torch argmax {timings['torch argmax']:.1f}; best: "
-              + "; ".join(f"{k} {timings[k]:.1f} ({timings[k + ': rows as used']:.0f} rows as used)" for k in ranked[:4]))
+              + "; ".join(f"{k} {timings[k]:.1f} (masses {timings[k + ': masses']:.1f}, pick {timings[k + ': pick']:.1f}, "
+                           f"{timings[k + ': rows as used']:.0f} rows as used)" for k in ranked[:4]))
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 

@@ -45,41 +45,53 @@ def row_uniform(seed, step):
     return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
+FLOAT32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+
+
 @triton.jit
-def _chunk_mass_kernel(logits_ptr, stride, temperatures_ptr, max_ptr, mass_ptr, argmax_ptr,
-                       vocab_size, chunk_size, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, chunk): the chunk's max of x, sum of 2^(x - max), and first argmax."""
+def _chunk_mass_kernel(logits_ptr, stride, temperatures_ptr, max_ptr, mass_ptr, argmax_ptr, vocab_size,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per (row, chunk of CHUNK entries): a sampled row's chunk maximum of x and sum of
+    2^(x - maximum); a greedy row's chunk maximum and its first index."""
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
     scale, greedy = _log2_scale(temperatures_ptr, row)
-    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_sum = tl.zeros([BLOCK], tl.float32)
-    lane_arg = tl.zeros([BLOCK], tl.int32)
-    chunk_start = chunk * chunk_size
-    chunk_end = tl.minimum(chunk_start + chunk_size, vocab_size)
-    for start in range(chunk_start, chunk_end, BLOCK):
-        index = start + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row * stride + index, mask=index < chunk_end, other=float("-inf")).to(tl.float32) * scale
-        # -inf (masked or filtered) adds nothing; a first finite x against -inf rescales a zero sum
-        d = tl.where(x > float("-inf"), x - lane_max, float("-inf"))
-        e = tl.exp2(-tl.abs(d))
-        higher = d > 0
-        lane_sum = tl.where(higher, lane_sum * e + 1.0, lane_sum + e)
-        lane_arg = tl.where(higher, index, lane_arg)  # strictly higher: a lane keeps its first maximum
-        lane_max = tl.maximum(lane_max, x)
-    top = tl.max(lane_max, axis=0)
-    weight = tl.where(lane_max > float("-inf"), tl.exp2(lane_max - top), 0.0)
-    tl.store(max_ptr + row * num_chunks + chunk, top)
-    tl.store(mass_ptr + row * num_chunks + chunk, tl.sum(lane_sum * weight, axis=0))
-    # lowest index among the maxima, as torch.argmax picks
-    tl.store(argmax_ptr + row * num_chunks + chunk, tl.min(tl.where(lane_max == top, lane_arg, vocab_size), axis=0))
+    # finite, so that -inf entries (masked or filtered) need no test: 2^-inf adds nothing
+    lane_max = tl.full([BLOCK], FLOAT32_LOWEST, tl.float32)
+    chunk_start = chunk * CHUNK
+    chunk_end = tl.minimum(chunk_start + CHUNK, vocab_size)
+    if greedy:
+        lane_arg = tl.zeros([BLOCK], tl.int32)
+        for start in range(chunk_start, chunk_end, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            x = tl.load(logits_ptr + row * stride + index, mask=index < chunk_end, other=float("-inf")).to(tl.float32)
+            lane_arg = tl.where(x > lane_max, index, lane_arg)  # strictly greater: a lane keeps its first maximum
+            lane_max = tl.maximum(lane_max, x)
+        top = tl.max(lane_max, axis=0)
+        tl.store(max_ptr + row * num_chunks + chunk, top)
+        # lowest index among the maxima, as torch.argmax picks
+        tl.store(argmax_ptr + row * num_chunks + chunk, tl.min(tl.where(lane_max == top, lane_arg, vocab_size), axis=0))
+    else:
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(chunk_start, chunk_end, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            x = tl.load(logits_ptr + row * stride + index, mask=index < chunk_end, other=float("-inf")).to(tl.float32) * scale
+            # one exp2 an element: below the lane's maximum e is x's share; above it, e rescales the sum
+            d = x - lane_max
+            e = tl.exp2(-tl.abs(d))
+            lane_sum = tl.where(d > 0, lane_sum * e + 1.0, lane_sum + e)
+            lane_max = tl.maximum(lane_max, x)
+        top = tl.max(lane_max, axis=0)
+        tl.store(max_ptr + row * num_chunks + chunk, top)
+        tl.store(mass_ptr + row * num_chunks + chunk, tl.sum(lane_sum * tl.exp2(lane_max - top), axis=0))
 
 
 @triton.jit
 def _pick_token_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, max_ptr, mass_ptr, argmax_ptr,
-                       out_ptr, vocab_size, chunk_size, num_chunks, CHUNKS_POW2: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       out_ptr, vocab_size, num_chunks, CHUNKS_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                       PDL: tl.constexpr):
     """One program a row: the sampled token (greedy rows: the first chunk's argmax among equal
     maxima, so torch.argmax's lowest index), as int64."""
     pdl.wait_for_inputs(PDL)
@@ -88,49 +100,40 @@ def _pick_token_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_pt
     chunks = tl.arange(0, CHUNKS_POW2)
     valid = chunks < num_chunks
     chunk_max = tl.load(max_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
-    chunk_mass = tl.load(mass_ptr + row * num_chunks + chunks, mask=valid, other=0.0)
-    chunk_arg = tl.load(argmax_ptr + row * num_chunks + chunks, mask=valid, other=0)
     top = tl.max(chunk_max, axis=0)
-    first_top = tl.min(tl.where(valid & (chunk_max == top), chunks, CHUNKS_POW2), axis=0)
-    greedy_token = tl.sum(tl.where(chunks == first_top, chunk_arg, 0), axis=0)
-
-    mass = tl.where(chunk_max > float("-inf"), chunk_mass * tl.exp2(chunk_max - top), 0.0)
-    cumulative = tl.cumsum(mass, axis=0)
-    target = row_uniform(tl.load(seeds_ptr + row), tl.load(steps_ptr + row)) * tl.sum(mass, axis=0)
-    chosen = tl.min(tl.where(valid & (cumulative > target), chunks, CHUNKS_POW2), axis=0)
-    # rounding can leave the target at the total: the last chunk with mass then
-    chosen = tl.where(chosen < CHUNKS_POW2, chosen, tl.max(tl.where(mass > 0, chunks, 0), axis=0))
-    remaining = target - tl.sum(tl.where(chunks < chosen, mass, 0.0), axis=0)
-
-    # the chosen chunk's running sum, in the same units, to where it passes what remains
-    start_of_chunk = chosen * chunk_size
-    end = tl.minimum(start_of_chunk + chunk_size, vocab_size)
-    found = tl.zeros([], tl.int32) + vocab_size
-    last_positive = tl.zeros([], tl.int32) - 1
-    running = tl.zeros([], tl.float32)
-    for start in range(start_of_chunk, end, BLOCK):
-        index = start + tl.arange(0, BLOCK)
-        in_chunk = index < end
+    if greedy:
+        first_top = tl.min(tl.where(valid & (chunk_max == top), chunks, CHUNKS_POW2), axis=0)
+        token = tl.load(argmax_ptr + row * num_chunks + first_top)
+    else:
+        chunk_mass = tl.load(mass_ptr + row * num_chunks + chunks, mask=valid, other=0.0)
+        mass = chunk_mass * tl.exp2(chunk_max - top)  # masked chunks: 0 * 2^-inf
+        target = row_uniform(tl.load(seeds_ptr + row), tl.load(steps_ptr + row)) * tl.sum(mass, axis=0)
+        chosen = tl.min(tl.where(valid & (tl.cumsum(mass, axis=0) > target), chunks, CHUNKS_POW2), axis=0)
+        # rounding can leave the target at the total: the last chunk with mass then
+        chosen = tl.where(chosen < CHUNKS_POW2, chosen, tl.max(tl.where(mass > 0, chunks, 0), axis=0))
+        remaining = target - tl.sum(tl.where(chunks < chosen, mass, 0.0), axis=0)
+        # the chosen chunk's running sum, in the same units, up to where it passes what remains
+        index = chosen * CHUNK + tl.arange(0, CHUNK)
+        in_chunk = index < vocab_size
         x = tl.load(logits_ptr + row * stride + index, mask=in_chunk, other=float("-inf")).to(tl.float32) * scale
-        e = tl.where(in_chunk, tl.exp2(x - top), 0.0)
-        passed = (running + tl.cumsum(e, axis=0) > remaining) & (e > 0)
-        found = tl.minimum(found, tl.min(tl.where(passed, index, vocab_size), axis=0))
-        last_positive = tl.maximum(last_positive, tl.max(tl.where(e > 0, index, -1), axis=0))
-        running += tl.sum(e, axis=0)
-    # the rescan's float32 sum may fall short of the chunk's: then its last token of nonzero mass
-    sampled = tl.where(found < vocab_size, found, last_positive)
-    tl.store(out_ptr + row, tl.where(greedy, greedy_token, sampled).to(tl.int64))
+        e = tl.exp2(x - top)
+        passed = (tl.cumsum(e, axis=0) > remaining) & (e > 0)
+        found = tl.min(tl.where(passed, index, vocab_size), axis=0)
+        # the rescan's float32 sum may fall short of the chunk's: then its last token with mass
+        token = tl.where(found < vocab_size, found, tl.max(tl.where(e > 0, index, -1), axis=0))
+    tl.store(out_ptr + row, token.to(tl.int64))
 
 
+CHUNK = 4096  # vocabulary entries a program: 38 a row for Qwen3's 151,936, enough to fill the GPU at a few rows
 BLOCK = 1024
-CHUNKS = 32  # per row: enough programs to fill the GPU even for a handful of rows
+CHUNK_WARPS = 4
+PICK_WARPS = 8
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """A token per row drawn from softmax(logits / T) by the uniform of (seed, step); argmax where T == 0."""
     rows, vocab_size = logits.shape
-    chunk_size = -(-vocab_size // CHUNKS // BLOCK) * BLOCK
-    num_chunks = -(-vocab_size // chunk_size)
+    num_chunks = triton.cdiv(vocab_size, CHUNK)
     chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_mass = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     chunk_arg = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
@@ -138,8 +141,8 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     if rows:
         options = pdl.launch_options(logits.device)
         _chunk_mass_kernel[(rows, num_chunks)](logits, logits.stride(0), temperatures, chunk_max, chunk_mass, chunk_arg,
-                                               vocab_size, chunk_size, num_chunks, BLOCK=BLOCK, **options)
+                                               vocab_size, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=CHUNK_WARPS, **options)
         _pick_token_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, steps, chunk_max, chunk_mass, chunk_arg,
-                                    tokens, vocab_size, chunk_size, num_chunks,
-                                    CHUNKS_POW2=triton.next_power_of_2(num_chunks), BLOCK=BLOCK, **options)
+                                    tokens, vocab_size, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks),
+                                    CHUNK=CHUNK, num_warps=PICK_WARPS, **options)
     return tokens
