@@ -567,15 +567,11 @@ def elementwise_bench(rates, results):
 
 
 def sampling_bench(rates, results):
-    """The sampler's kernels over bf16 logits at decode batch sizes: as used, over block sizes,
-    warps and chunks a row; against the Gumbel-max kernel they replaced (while it is in the tree),
-    torch's argmax over the same logits (a read of them and little else) and the logits' bytes
-    over the bandwidth."""
-    import importlib.util
-
+    """The sampler's kernels over bf16 logits at decode batch sizes: as used, and over chunk and
+    block sizes and warps; against torch's argmax over the same logits (a read of them and little
+    else) and the logits' bytes over the bandwidth. (The Gumbel-max kernel they replaced is timed
+    beside them in BENCHMARKS.md item 91.)"""
     from inferlab.plugins.samplers import sampling_kernel as sk
-    gumbel = importlib.import_module("inferlab.plugins.samplers.gumbel_kernel") \
-        if importlib.util.find_spec("inferlab.plugins.samplers.gumbel_kernel") else None
     print("\n== sampling over [batch, vocab] bf16 logits (µs) ==")
     for m in (256, 128, 32, 8):
         logits = torch.randn(m, VOCAB, dtype=torch.bfloat16, device="cuda")
@@ -584,8 +580,6 @@ def sampling_bench(rates, results):
         steps = torch.randint(0, 1000, (m,), device="cuda")
         timings = {"as used": graph_time_us(lambda: sk.sample_tokens(logits, temperatures, seeds, steps)),
                    "torch argmax": graph_time_us(lambda: logits.argmax(dim=-1))}
-        if gumbel is not None:
-            timings["Gumbel-max (before)"] = graph_time_us(lambda: gumbel.gumbel_argmax(logits, temperatures, seeds, steps))
         reference = sk.sample_tokens(logits, temperatures, seeds, steps)
         for chunk, block, chunk_warps, pick_warps in itertools.product((2048, 4096, 8192), (1024, 2048), (4, 8), (4, 8)):
             if block > chunk:
@@ -614,7 +608,6 @@ def sampling_bench(rates, results):
         floor = m * VOCAB * 2 / rates.bandwidth * 1e6
         ranked = sorted((k for k in timings if k.startswith("chunk") and ":" not in k), key=timings.get)
         print(f"  batch {m}: floor {floor:.1f}; as used {timings['as used']:.1f}; "
-              + (f"Gumbel-max before {timings['Gumbel-max (before)']:.1f}; " if gumbel is not None else "")
               + f"torch argmax {timings['torch argmax']:.1f}; best: "
               + "; ".join(f"{k} {timings[k]:.1f} (masses {timings[k + ': masses']:.1f}, pick {timings[k + ': pick']:.1f}, "
                            f"{timings[k + ': rows as used']:.0f} rows as used)" for k in ranked[:4]))
