@@ -7,6 +7,7 @@ from inferlab.core.batch import SamplingTensors
 from inferlab.core.hookspecs import hookimpl
 
 MASK32 = 0xFFFFFFFF
+LOG2E = 1.4426950408889634
 
 
 def row_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -61,9 +62,6 @@ class DefaultSampler:
             from inferlab.plugins.samplers.sampling_kernel import sample_tokens
             return sample_tokens(logits, temperatures, params.seeds, params.steps)
         return inverse_transform_reference(logits, temperatures, params.seeds, params.steps)
-
-
-LOG2E = 1.4426950408889634
 
 
 def inverse_transform_reference(logits, temperatures, seeds, steps) -> torch.Tensor:

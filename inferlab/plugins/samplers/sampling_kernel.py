@@ -36,8 +36,8 @@ def _log2_scale(temperatures_ptr, row):
 
 @triton.jit
 def row_uniform(seed, step):
-    """u in [0, 1) from the low 32 bits of seed and step (murmur3's finalizer over the same sum
-    as default.counter_uniform's token 0), with 24 bits: every value is exact in float32."""
+    """u in [0, 1) from the low 32 bits of seed and step (murmur3's finalizer), with 24 bits, so
+    every value is exact in float32: default.row_uniform computes the same on the host."""
     x = seed.to(tl.uint32) * 0x9E3779B1 + step.to(tl.uint32) * 0x85EBCA77
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
