@@ -608,7 +608,7 @@ def sampling_bench(rates, results):
         floor = m * VOCAB * 2 / rates.bandwidth * 1e6
         ranked = sorted((k for k in timings if k.startswith("chunk") and ":" not in k), key=timings.get)
         print(f"  batch {m}: floor {floor:.1f}; as used {timings['as used']:.1f}; "
-              + f"torch argmax {timings['torch argmax']:.1f}; best: "
+              f"torch argmax {timings['torch argmax']:.1f}; best: "
               + "; ".join(f"{k} {timings[k]:.1f} (masses {timings[k + ': masses']:.1f}, pick {timings[k + ': pick']:.1f}, "
                            f"{timings[k + ': rows as used']:.0f} rows as used)" for k in ranked[:4]))
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
