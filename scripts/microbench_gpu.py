@@ -61,6 +61,23 @@ def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
     return replay_time_us(graph, replays) / reps
 
 
+def event_time_us(fn, calls: int = 10, repeats: int = 3) -> float:
+    """Microseconds per fn() call, eagerly, between two events around `calls` calls; median of repeats.
+    For kernels a graph cannot capture; launch gaps count where the host is slower than the kernels."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def replay_time_us(graph, replays: int = 20) -> float:
     """Microseconds per replay of a captured CUDA graph, median of replays (after one untimed)."""
     graph.replay()
@@ -471,7 +488,7 @@ def wide_tiles_bench(rates, results):
 def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = (4, 8)):
     """The triton backend's paged prefill on a chunk like the bench's first steps (29 prompts of
     100..1024 tokens, no cached prefix), over tiles, warps and stages (quick: programs over the
-    whole group, 2 stages); flash-attn's varlen beside it."""
+    whole group, 2 stages); flash-attn's varlen and torch's own kernels beside it."""
     from inferlab.plugins.attention import triton_kernels as tk
     try:
         from flash_attn import flash_attn_varlen_func
@@ -521,14 +538,53 @@ def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = 
                                                           max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scale,
                                                           causal=True, block_table=tables), reps=5, replays=10)
         rows.append({"kernel": "flash_attn", "us": us})
+    rows += torch_prefill_rows(q, query_start, max_len, scale)
     rows.sort(key=lambda r: r["us"])
-    for r in rows[:8] + [r for r in rows[8:] if r["kernel"] == "flash_attn" or
+    for r in rows[:8] + [r for r in rows[8:] if r["kernel"] != "triton" or
                          (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) in
                          ((64, 64, 4, 2), (32, 32, 4, 2))]:  # the default before item 55 and after
-        name = "flash_attn" if r["kernel"] == "flash_attn" else \
-            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+        name = f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}" \
+            if r["kernel"] == "triton" else r["kernel"]
         print(f"  {name:<28} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
     results["prefill"] = rows
+
+
+def torch_prefill_rows(q, query_start, max_len, scale) -> list[dict]:
+    """torch's own varlen attention kernels on the same chunk, with K/V contiguous as a fresh prompt's
+    projection leaves them (no paged cache): its FlashAttention (GQA native) and cuDNN's. torch's
+    varlen_attn refuses GQA with cuDNN, so cuDNN also gets K/V expanded to every query head (the
+    expansion's copy timed in one row and not in the other)."""
+    rows = []
+    total = q.shape[0]
+    k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, dtype=q.dtype, device=q.device)
+    v = torch.randn_like(k)
+    group = NUM_HEADS // NUM_KV_HEADS
+    k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    candidates = {
+        "cudnn (kv heads)": lambda: torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, query_start, query_start, max_len, max_len, False, 0.0, True, False, scale=scale),
+        "cudnn (expanded kv)": lambda: torch.ops.aten._cudnn_attention_forward(
+            q, k_all, v_all, None, query_start, query_start, max_len, max_len, False, 0.0, True, False,
+            scale=scale),
+        "cudnn + expansion": lambda: torch.ops.aten._cudnn_attention_forward(
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), None, query_start,
+            query_start, max_len, max_len, False, 0.0, True, False, scale=scale),
+        "torch flash varlen (gqa)": lambda: torch.ops.aten._flash_attention_forward(
+            q, k, v, query_start, query_start, max_len, max_len, 0.0, True, False, scale=scale),
+    }
+    reference = candidates["torch flash varlen (gqa)"]()[0].float()
+    for name, fn in candidates.items():
+        try:
+            err = (fn()[0].float() - reference).abs().max().item()
+            # cuDNN's ragged path failed to capture in a graph (session 21), and a failed capture spoils the
+            # ones after it: cuDNN runs first, timed eagerly between events
+            us = event_time_us(fn) if name.startswith("cudnn") else graph_time_us(fn, reps=5, replays=10)
+        except Exception as e:  # not every torch build or GPU has each kernel
+            print(f"  skip {name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        print(f"  {name:<28} {us:>8.1f} µs (largest difference from torch's FlashAttention: {err:.3g})")
+        rows.append({"kernel": name, "us": us, "err": err})
+    return rows
 
 
 def elementwise_bench(rates, results):
