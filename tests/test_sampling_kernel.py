@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 # cumulative mass, as a fraction of the row's total (float32 sums over a chunk of a few thousand).
 CHECKS = textwrap.dedent("""
     import torch
-    from inferlab.plugins.samplers.default import LOG2E, inverse_transform_reference, row_uniform
+    from inferlab.plugins.samplers.default import inverse_transform_reference, relative_mass, row_uniform
     from inferlab.plugins.samplers.sampling_kernel import sample_tokens
 
     def check_tokens(logits, temperatures, seeds, steps, tolerance=1e-5):
@@ -27,8 +27,7 @@ CHECKS = textwrap.dedent("""
         assert got.dtype == torch.int64
         greedy = temperatures == 0
         assert torch.equal(got[greedy], want[greedy]), (got[greedy], want[greedy])
-        x = logits * (LOG2E / torch.where(greedy, 1.0, temperatures))[:, None]
-        mass = torch.exp2((x - x.max(-1, keepdim=True).values).double())
+        mass = relative_mass(logits, temperatures)
         cumulative = mass.cumsum(-1)
         total = cumulative[:, -1]
         target = row_uniform(seeds.cpu(), steps.cpu()) * total

@@ -64,13 +64,19 @@ class DefaultSampler:
         return inverse_transform_reference(logits, temperatures, params.seeds, params.steps)
 
 
+def relative_mass(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Per row, softmax(logits / T) up to its row's sum: 2^(x - max x) in float64, with
+    x = logits * log2(e) / T (T taken as 1 on greedy rows, where T == 0)."""
+    x = logits.float() * (LOG2E / torch.where(temperatures > 0, temperatures, 1.0))[:, None]
+    return torch.exp2((x - x.max(dim=-1, keepdim=True).values).double())
+
+
 def inverse_transform_reference(logits, temperatures, seeds, steps) -> torch.Tensor:
     """Per row, the first token whose cumulative softmax(logits / T) mass (in float64) exceeds
     row_uniform(seed, step) times the total; plain argmax where T == 0. The CUDA kernel
     (sampling_kernel.sample_tokens) computes the same in float32."""
     sampling = temperatures > 0
-    x = logits.float() * (LOG2E / torch.where(sampling, temperatures, 1.0))[:, None]
-    mass = torch.exp2((x - x.max(dim=-1, keepdim=True).values).double())
+    mass = relative_mass(logits, temperatures)
     cumulative = mass.cumsum(dim=-1)
     target = row_uniform(seeds, steps).to(cumulative.device) * cumulative[:, -1]
     sampled = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1)
