@@ -61,36 +61,32 @@ def graph_time_us(fn, reps: int = 20, replays: int = 20) -> float:
     return replay_time_us(graph, replays) / reps
 
 
+def median_event_us(fn, repeats: int) -> float:
+    """Microseconds of fn() between two CUDA events, median of repeats."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def event_time_us(fn, calls: int = 10, repeats: int = 3) -> float:
     """Microseconds per fn() call, eagerly, between two events around `calls` calls; median of repeats.
     For kernels a graph cannot capture; launch gaps count where the host is slower than the kernels."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    return median_event_us(lambda: [fn() for _ in range(calls)], repeats) / calls
 
 
 def replay_time_us(graph, replays: int = 20) -> float:
     """Microseconds per replay of a captured CUDA graph, median of replays (after one untimed)."""
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median_event_us(graph.replay, replays)
 
 
 def workload_decode_batches(every: int):
@@ -560,15 +556,14 @@ def torch_prefill_rows(q, query_start, max_len, scale) -> list[dict]:
     v = torch.randn_like(k)
     group = NUM_HEADS // NUM_KV_HEADS
     k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+    def cudnn(keys, values):
+        return torch.ops.aten._cudnn_attention_forward(q, keys, values, None, query_start, query_start, max_len, max_len,
+                                                       False, 0.0, True, False, scale=scale)
     candidates = {
-        "cudnn (kv heads)": lambda: torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, query_start, query_start, max_len, max_len, False, 0.0, True, False, scale=scale),
-        "cudnn (expanded kv)": lambda: torch.ops.aten._cudnn_attention_forward(
-            q, k_all, v_all, None, query_start, query_start, max_len, max_len, False, 0.0, True, False,
-            scale=scale),
-        "cudnn + expansion": lambda: torch.ops.aten._cudnn_attention_forward(
-            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), None, query_start,
-            query_start, max_len, max_len, False, 0.0, True, False, scale=scale),
+        "cudnn (kv heads)": lambda: cudnn(k, v),
+        "cudnn (expanded kv)": lambda: cudnn(k_all, v_all),
+        "cudnn + expansion": lambda: cudnn(k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)),
         "torch flash varlen (gqa)": lambda: torch.ops.aten._flash_attention_forward(
             q, k, v, query_start, query_start, max_len, max_len, 0.0, True, False, scale=scale),
     }
