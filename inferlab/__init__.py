@@ -1,4 +1,5 @@
 """inferlab: a small, fast LLM inference engine built from swappable plugins."""
+
 from inferlab.core.engine import LLMEngine
 from inferlab.core.sampling_params import SamplingParams
 

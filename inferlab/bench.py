@@ -6,6 +6,7 @@ each a max_tokens of randint(100, 1024); temperature 0.6, ignore_eos; one warm-u
 output tokens / wall time of one generate over all of them. bench.shared_prefix_len and
 bench.num_prefixes put one of a few shared prefixes before each prompt, for prefix-cache ablations.
 """
+
 import json
 import os
 import platform
@@ -27,31 +28,51 @@ def bench_workload(bench, vocab_size: int, max_model_len: int):
     vocabularies; clipping would make a tiny vocabulary's prompts runs of one token), and each
     request is cut to fit max_model_len: the prompt first, then max_tokens."""
     from inferlab.core.sampling_params import SamplingParams
+
     min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
     max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
-    problems = [message for bad, message in (
-        (bench.num_seqs < 1, f"bench.num_seqs must be >= 1, got {bench.num_seqs}"),
-        (not 1 <= bench.min_len <= bench.max_len, f"bench needs 1 <= min_len <= max_len, got {bench.min_len}, {bench.max_len}"),
-        (not 1 <= min_out <= max_out, f"bench needs 1 <= min_output_len <= max_output_len, got {min_out}, {max_out}"),
-        (bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}"),
-        (bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}"),
-    ) if bad]
+    problems = [
+        message
+        for bad, message in (
+            (bench.num_seqs < 1, f"bench.num_seqs must be >= 1, got {bench.num_seqs}"),
+            (
+                not 1 <= bench.min_len <= bench.max_len,
+                f"bench needs 1 <= min_len <= max_len, got {bench.min_len}, {bench.max_len}",
+            ),
+            (
+                not 1 <= min_out <= max_out,
+                f"bench needs 1 <= min_output_len <= max_output_len, got {min_out}, {max_out}",
+            ),
+            (bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}"),
+            (bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}"),
+        )
+        if bad
+    ]
     if problems:
         raise ValueError("; ".join(problems))
     rng = random.Random(bench.seed)  # the same stream as bench.py's random.seed(seed) + randint
-    prompts = [[rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(rng.randint(bench.min_len, bench.max_len))]
-               for _ in range(bench.num_seqs)]
+    prompts = [
+        [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(rng.randint(bench.min_len, bench.max_len))]
+        for _ in range(bench.num_seqs)
+    ]
     max_tokens = [rng.randint(min_out, max_out) for _ in range(bench.num_seqs)]
     if bench.shared_prefix_len:  # drawn after bench.py's numbers, which stay the same
-        prefixes = [[rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(bench.shared_prefix_len)]
-                    for _ in range(bench.num_prefixes)]
+        prefixes = [
+            [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(bench.shared_prefix_len)]
+            for _ in range(bench.num_prefixes)
+        ]
         prompts = [prefixes[rng.randrange(bench.num_prefixes)] + prompt for prompt in prompts]
     token_ids, params = [], []
     for prompt, num_tokens in zip(prompts, max_tokens):
-        prompt = [t % vocab_size for t in prompt[:max_model_len - 1]]
+        prompt = [t % vocab_size for t in prompt[: max_model_len - 1]]
         token_ids.append(prompt)
-        params.append(SamplingParams(temperature=bench.temperature, ignore_eos=bench.ignore_eos,
-                                     max_tokens=min(num_tokens, max_model_len - len(prompt))))
+        params.append(
+            SamplingParams(
+                temperature=bench.temperature,
+                ignore_eos=bench.ignore_eos,
+                max_tokens=min(num_tokens, max_model_len - len(prompt)),
+            )
+        )
     return token_ids, params
 
 
@@ -64,6 +85,7 @@ def resolved_plugins(llm) -> dict[str, str]:
         plugins["attention"] = type(backend).name
     if plugins["model"] == "auto":
         from inferlab.core.model_runner import ModelRunner
+
         plugins["model"] = ModelRunner._model_for(llm.registry, llm.hf_config)
     return plugins
 
@@ -72,6 +94,7 @@ def measure(llm, prompts, params, warmup: bool = True) -> dict:
     """Times one generate over the whole workload, after bench.py's warm-up generate."""
     from inferlab.core.engine import EngineStats
     from inferlab.core.sampling_params import SamplingParams
+
     if warmup:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     llm.stats = EngineStats()
@@ -107,10 +130,13 @@ def measure(llm, prompts, params, warmup: bool = True) -> dict:
 def floor_figures(llm, prompts, outputs, wall: float) -> dict:
     """The workload's hardware floor on this device (inferlab.floor) and how close the run came."""
     from inferlab.floor import device_rates, model_cost, workload_floor
-    floor = workload_floor([len(p) for p in prompts], [len(o["token_ids"]) for o in outputs],
-                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype,
-                                      llm.config.tensor_parallel_size),
-                           device_rates(llm.runner.device, llm.runner.dtype))
+
+    floor = workload_floor(
+        [len(p) for p in prompts],
+        [len(o["token_ids"]) for o in outputs],
+        model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype, llm.config.tensor_parallel_size),
+        device_rates(llm.runner.device, llm.runner.dtype),
+    )
     return {**floor, "percent_of_floor": 100 * floor["floor_seconds"] / wall}
 
 
@@ -121,10 +147,15 @@ def environment(llm) -> dict:
     else:
         device_name = platform.processor() or platform.machine()
     import inferlab
+
     return {
-        "device": str(device), "device_name": device_name, "dtype": str(getattr(llm.runner, "dtype", "")).replace("torch.", ""),
-        "torch_version": torch.__version__, "inferlab_version": inferlab.__version__,
-        "python_version": platform.python_version(), **git_state(),
+        "device": str(device),
+        "device_name": device_name,
+        "dtype": str(getattr(llm.runner, "dtype", "")).replace("torch.", ""),
+        "torch_version": torch.__version__,
+        "inferlab_version": inferlab.__version__,
+        "python_version": platform.python_version(),
+        **git_state(),
     }
 
 
@@ -135,8 +166,12 @@ def git_state() -> dict:
         return {"git_commit": None, "git_dirty": None}
     try:
         commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": None, "git_dirty": None}
     if commit.returncode != 0:
@@ -149,9 +184,11 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     run's output directory)."""
     from inferlab import LLM
     from inferlab.conf import PLUGIN_FIELDS, engine_arguments, flat_choices
+
     overrides = []
     if output_dir is None:
         from hydra.core.hydra_config import HydraConfig
+
         output_dir = HydraConfig.get().runtime.output_dir
         overrides = list(HydraConfig.get().overrides.task)
     model_path, settings = engine_arguments(cfg)
@@ -161,7 +198,9 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
         result = {
             **figures,
             "plugins": resolved_plugins(llm),
-            "plugin_options": {kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")},
+            "plugin_options": {
+                kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")
+            },
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in PLUGIN_FIELDS},
             "num_kvcache_blocks": llm.kv_cache.num_blocks,
             "model_path": llm.model_path,
@@ -177,10 +216,14 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     rate = lambda value: f"{value:.0f}" if value is not None else "-"  # noqa: E731
-    print(f"{figures['num_output_tokens']} output tokens in {figures['wall_time_s']:.2f} s: "
-          f"{figures['output_tokens_per_s']:.0f} tok/s (prefill {rate(figures['prefill_tokens_per_s'])} tok/s, "
-          f"decode {rate(figures['decode_tokens_per_s'])} tok/s, {figures['num_preemptions']} preemptions) -> {path}")
-    print(f"floor on this device: {figures['floor_seconds']:.3f} s ({figures['floor_output_tokens_per_s']:.0f} tok/s, "
-          f"{figures['bandwidth_GBps']:.0f} GB/s and {figures['matmul_TFLOPs']:.3g} TFLOP/s measured): "
-          f"this run reached {figures['percent_of_floor']:.1f}% of it")
+    print(
+        f"{figures['num_output_tokens']} output tokens in {figures['wall_time_s']:.2f} s: "
+        f"{figures['output_tokens_per_s']:.0f} tok/s (prefill {rate(figures['prefill_tokens_per_s'])} tok/s, "
+        f"decode {rate(figures['decode_tokens_per_s'])} tok/s, {figures['num_preemptions']} preemptions) -> {path}"
+    )
+    print(
+        f"floor on this device: {figures['floor_seconds']:.3f} s ({figures['floor_output_tokens_per_s']:.0f} tok/s, "
+        f"{figures['bandwidth_GBps']:.0f} GB/s and {figures['matmul_TFLOPs']:.3g} TFLOP/s measured): "
+        f"this run reached {figures['percent_of_floor']:.1f}% of it"
+    )
     return result

@@ -8,6 +8,7 @@
 Plugins installed in the environment are options of their kind's group, with their own
 parameters (`scheduler.<param>=...`); `inferlab-plugins` lists them.
 """
+
 import re
 import sys
 import time
@@ -30,6 +31,7 @@ def main() -> None:
 def run(cfg: DictConfig) -> None:
     if cfg.job.name == JobName.bench:
         from inferlab.bench import run_bench
+
         run_bench(cfg)
     else:
         generate(cfg)
@@ -38,6 +40,7 @@ def run(cfg: DictConfig) -> None:
 def generate(cfg: DictConfig) -> None:
     from inferlab import LLM, SamplingParams
     from inferlab.bench import resolved_plugins
+
     model_path, settings = engine_arguments(cfg)
     job = cfg.generate
     params = SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, ignore_eos=job.ignore_eos)
@@ -54,8 +57,10 @@ def generate(cfg: DictConfig) -> None:
     tokens = sum(len(o["token_ids"]) for o in outputs)
     prefill = stats.num_prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
     decode = stats.num_decode_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
-    print(f"{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.0f} tok/s "
-          f"(prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s)")
+    print(
+        f"{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.0f} tok/s "
+        f"(prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s)"
+    )
 
 
 def explain_unknown_choices(args: list[str], registry: PluginRegistry) -> None:
@@ -71,7 +76,11 @@ def explain_unknown_choices(args: list[str], registry: PluginRegistry) -> None:
         known = set(registry.names(kind)) | ({"auto"} if kind in AUTO_CHOICE_KINDS else set())
         for name in match[2].split(","):  # a sweep lists several
             if name not in known:
-                print(f"inferlab: no {kind} named {name!r} is registered; plugins that failed to load:", file=sys.stderr)
+                print(
+                    f"inferlab: no {kind} named {name!r} is registered; plugins that failed to load:", file=sys.stderr
+                )
                 for failure in registry.failures:
-                    print(f"  {failure.plugin!r} ({failure.distribution or 'registered by hand'}): {failure.reason}",
-                          file=sys.stderr)
+                    print(
+                        f"  {failure.plugin!r} ({failure.distribution or 'registered by hand'}): {failure.reason}",
+                        file=sys.stderr,
+                    )

@@ -8,6 +8,7 @@ With tensor parallelism the ranks work side by side, each on its share of the we
 FLOPs, so the floor is one rank's: its share over one device's rates. The collectives between
 the ranks are not counted; they are part of what an engine adds above the floor.
 """
+
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -34,8 +35,9 @@ class ModelCost:
     attention_flops_per_pair: float  # QK^T and PV for one (query, key) pair over all layers
 
 
-def model_cost(hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
-               tensor_parallel_size: int = 1) -> ModelCost:
+def model_cost(
+    hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, tensor_parallel_size: int = 1
+) -> ModelCost:
     """The costs, on one of `tensor_parallel_size` ranks, of a model whose weights are in dtype and
     K/V cache in kv_cache_dtype (default dtype). A rank holds its share of the attention heads, of
     the MLP's intermediate features and of the (padded) vocabulary; with fewer KV heads than ranks
@@ -44,8 +46,11 @@ def model_cost(hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     heads = c.num_attention_heads // ranks
     kv_heads = max(1, c.num_key_value_heads // ranks)
-    per_layer = (c.hidden_size * (heads + 2 * kv_heads) * head_dim + heads * head_dim * c.hidden_size
-                 + 3 * c.hidden_size * c.intermediate_size // ranks)
+    per_layer = (
+        c.hidden_size * (heads + 2 * kv_heads) * head_dim
+        + heads * head_dim * c.hidden_size
+        + 3 * c.hidden_size * c.intermediate_size // ranks
+    )
     head = -(-c.vocab_size // ranks) * c.hidden_size
     tied = bool(getattr(c, "tie_word_embeddings", False))
     params = c.num_hidden_layers * per_layer + head * (1 if tied else 2)
@@ -56,15 +61,21 @@ def model_cost(hf_config, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None
         kv_bytes_per_token=2 * c.num_hidden_layers * kv_heads * head_dim * kv_size,
         flops_per_token=2.0 * (c.num_hidden_layers * per_layer + head),
         head_flops_per_token=2.0 * head,
-        attention_flops_per_pair=4.0 * c.num_hidden_layers * heads * head_dim)
+        attention_flops_per_pair=4.0 * c.num_hidden_layers * heads * head_dim,
+    )
 
 
 def workload_floor(prompt_lens, output_lens, cost: ModelCost, rates: DeviceRates) -> dict:
     """Floor of generating output_lens[i] tokens after prompt_lens[i], all requests at once."""
     prompts, outputs = np.asarray(prompt_lens, np.float64), np.asarray(output_lens, np.int64)
     # logits only for each prompt's last token, which samples output token 0
-    prefill_flops = float((prompts * (cost.flops_per_token - cost.head_flops_per_token) + cost.head_flops_per_token
-                           + cost.attention_flops_per_pair * prompts * (prompts + 1) / 2).sum())
+    prefill_flops = float(
+        (
+            prompts * (cost.flops_per_token - cost.head_flops_per_token)
+            + cost.head_flops_per_token
+            + cost.attention_flops_per_pair * prompts * (prompts + 1) / 2
+        ).sum()
+    )
     prefill_s = prefill_flops / rates.matmul_rate
     decode_s = 0.0
     # decode step t computes token t of every request with more than t outputs (token 0 came from prefill)
@@ -75,9 +86,14 @@ def workload_floor(prompt_lens, output_lens, cost: ModelCost, rates: DeviceRates
         step_flops = active.sum() * cost.flops_per_token + cost.attention_flops_per_pair * context.sum()
         decode_s += float(max(step_bytes / rates.bandwidth, step_flops / rates.matmul_rate))
     total = prefill_s + decode_s
-    return {"floor_seconds": total, "floor_prefill_seconds": prefill_s, "floor_decode_seconds": decode_s,
-            "floor_output_tokens_per_s": float(outputs.sum()) / total if total else 0.0,
-            "bandwidth_GBps": rates.bandwidth / 1e9, "matmul_TFLOPs": rates.matmul_rate / 1e12}
+    return {
+        "floor_seconds": total,
+        "floor_prefill_seconds": prefill_s,
+        "floor_decode_seconds": decode_s,
+        "floor_output_tokens_per_s": float(outputs.sum()) / total if total else 0.0,
+        "bandwidth_GBps": rates.bandwidth / 1e9,
+        "matmul_TFLOPs": rates.matmul_rate / 1e12,
+    }
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
@@ -94,6 +110,7 @@ def _time(fn, device: torch.device, repeats: int) -> float:
             times.append(start.elapsed_time(end) / 1e3)
         else:
             import time
+
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
@@ -113,7 +130,7 @@ def measure_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     seconds = _time(lambda: a @ b, device, 20 if cuda else 3)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return DeviceRates(name=name, bandwidth=bandwidth, matmul_rate=2 * n ** 3 / seconds)
+    return DeviceRates(name=name, bandwidth=bandwidth, matmul_rate=2 * n**3 / seconds)
 
 
 def device_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> DeviceRates:

@@ -1,5 +1,6 @@
 """`inferlab-plugins`: every registered plugin by kind, the distribution and version providing it
 and its options, then the plugins that failed to load and the names registered twice, and why."""
+
 import argparse
 import dataclasses
 
@@ -11,8 +12,11 @@ def describe_options(node: type | None) -> str:
         return ""
     parts = []
     for f in dataclasses.fields(node):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
+        )
         parts.append(f"{f.name}={default!r}")
     return ", ".join(parts)
 
@@ -37,10 +41,14 @@ def listing(registry: PluginRegistry) -> str:
     problems = []
     for (kind, name), owners in sorted(registry.collisions.items()):
         providers = ", ".join(f"{e.plugin!r} ({e.distribution or 'registered by hand'})" for e in owners)
-        problems.append(f"  COLLISION {kind} {name!r} is registered by {providers}: selecting it is an error "
-                        "until one is uninstalled or renamed")
+        problems.append(
+            f"  COLLISION {kind} {name!r} is registered by {providers}: selecting it is an error "
+            "until one is uninstalled or renamed"
+        )
     for failure in registry.failures:
-        problems.append(f"  FAILED    plugin {failure.plugin!r} ({failure.distribution or 'registered by hand'}): {failure.reason}")
+        problems.append(
+            f"  FAILED    plugin {failure.plugin!r} ({failure.distribution or 'registered by hand'}): {failure.reason}"
+        )
     if problems:
         lines += ["", "problems:", *problems]
     return "\n".join(lines)
@@ -51,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.parse_args(argv)
     registry = get_registry()
     from inferlab.conf import store_configs
+
     store_configs(registry)  # also checks that each config node is one Hydra can use
     print(listing(registry))
 

@@ -4,6 +4,7 @@ Reads every result.json under DIR, prints one row per run whose columns are the 
 differ between runs (what was swept) and the figures, and writes report.csv and report.png
 (throughput per configuration) into DIR.
 """
+
 import argparse
 import csv
 import json
@@ -53,8 +54,10 @@ def build_table(results: list[tuple[str, dict]]) -> tuple[list[str], list[list]]
     """Header and rows: run, the swept choices, then the figures."""
     keys = swept_keys([r for _, r in results])
     header = ["run", *keys, *FIGURES.values()]
-    rows = [[run, *(result.get("choices", {}).get(k) for k in keys), *(result.get(f) for f in FIGURES)]
-            for run, result in results]
+    rows = [
+        [run, *(result.get("choices", {}).get(k) for k in keys), *(result.get(f) for f in FIGURES)]
+        for run, result in results
+    ]
     return header, rows
 
 
@@ -69,8 +72,12 @@ def format_cell(value) -> str:
 def format_table(header: list[str], rows: list[list]) -> str:
     cells = [header] + [[format_cell(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i < len(header) - len(FIGURES) else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i < len(header) - len(FIGURES) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -85,14 +92,22 @@ def write_csv(path: str, header: list[str], rows: list[list]) -> None:
 def plot(path: str, header: list[str], rows: list[list], title: str) -> None:
     """One horizontal bar panel per throughput figure, one bar per configuration."""
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+
     num_keys = len(header) - 1 - len(FIGURES)
-    labels = [" ".join(f"{k}={format_cell(v)}" for k, v in zip(header[1:1 + num_keys], row[1:1 + num_keys])
-                       if v is not None) or row[0] for row in rows]
+    labels = [
+        " ".join(
+            f"{k}={format_cell(v)}" for k, v in zip(header[1 : 1 + num_keys], row[1 : 1 + num_keys]) if v is not None
+        )
+        or row[0]
+        for row in rows
+    ]
     figure_index = {key: 1 + num_keys + i for i, key in enumerate(FIGURES)}
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(5 * len(PLOTTED), 1.2 + 0.45 * len(rows)), sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(PLOTTED), figsize=(5 * len(PLOTTED), 1.2 + 0.45 * len(rows)), sharey=True, squeeze=False
+    )
     positions = list(range(len(rows)))[::-1]  # first run on top
     for ax, key in zip(axes[0], PLOTTED):
         values = [row[figure_index[key]] or 0 for row in rows]

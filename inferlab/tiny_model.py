@@ -1,6 +1,7 @@
 """The embedded default model: a tiny random-weight Qwen3 checkpoint with a byte-level BPE
 tokenizer trained here on a built-in text, so that the engine runs with no download. Tests use
 make_checkpoint to build checkpoints of other shapes with the same tokenizer."""
+
 import json
 import os
 import shutil
@@ -22,19 +23,31 @@ Large language models predict the next token from the tokens before it, one step
 """
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-DEFAULT_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+DEFAULT_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+)
 
 
 def build_tokenizer(path: str) -> int:
     """Trains the byte-level BPE tokenizer deterministically and saves it in path; returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(path)
@@ -45,11 +58,19 @@ def make_checkpoint(path: str, seed: int = 0, max_shard_size: str | None = None,
     """Writes a random-weight Qwen3ForCausalLM (HF format, safetensors) plus the tokenizer to path."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     os.makedirs(path, exist_ok=True)
     vocab_size = build_tokenizer(path)
     settings = {**DEFAULT_SHAPE, **shape}
-    config = Qwen3Config(vocab_size=vocab_size, max_position_embeddings=4096, rope_theta=1000000.0,
-                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, **settings)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=0,
+        **settings,
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # HF's init is tiny; wider weights give varied, tie-free logits

@@ -11,6 +11,7 @@ ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eo
 max_model_len 4096; a warm-up generate first, then --warmup-runs untimed passes over the whole
 workload (1 by default). Output tokens/s = sum(max_tokens) / generate time, the median of --repeats.
 """
+
 import argparse
 import gc
 import json
@@ -24,10 +25,26 @@ import threading
 import time
 from collections import deque
 
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
 SHAPES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 ALL_COMBOS = ["flash_attn:graphs", "flash_attn:eager", "triton:graphs", "triton:eager", "torch:graphs", "torch:eager"]
 
@@ -40,6 +57,7 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
     from safetensors.torch import save_file
 
     from inferlab.tiny_model import build_tokenizer
+
     shape = {**base, "num_hidden_layers": num_layers}
     marker = os.path.join(path, "bench-shape.json")
     if os.path.exists(marker):
@@ -48,11 +66,23 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
                 return path
     os.makedirs(path, exist_ok=True)
     config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 0, "eos_token_id": 0, "use_cache": True, "rope_scaling": None,
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **shape,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
@@ -71,14 +101,21 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
         tensors["lm_head.weight"] = weight(shape["vocab_size"], hidden)
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": weight(q_size, hidden), p + "self_attn.k_proj.weight": weight(kv_size, hidden),
-            p + "self_attn.v_proj.weight": weight(kv_size, hidden), p + "self_attn.o_proj.weight": weight(hidden, q_size),
-            p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim),
-            p + "mlp.gate_proj.weight": weight(inter, hidden), p + "mlp.up_proj.weight": weight(inter, hidden),
-            p + "mlp.down_proj.weight": weight(hidden, inter),
-            p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
-        })
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": weight(q_size, hidden),
+                p + "self_attn.k_proj.weight": weight(kv_size, hidden),
+                p + "self_attn.v_proj.weight": weight(kv_size, hidden),
+                p + "self_attn.o_proj.weight": weight(hidden, q_size),
+                p + "self_attn.q_norm.weight": ones(head_dim),
+                p + "self_attn.k_norm.weight": ones(head_dim),
+                p + "mlp.gate_proj.weight": weight(inter, hidden),
+                p + "mlp.up_proj.weight": weight(inter, hidden),
+                p + "mlp.down_proj.weight": weight(hidden, inter),
+                p + "input_layernorm.weight": ones(hidden),
+                p + "post_attention_layernorm.weight": ones(hidden),
+            }
+        )
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(marker, "w") as f:
         json.dump(shape, f)
@@ -118,9 +155,12 @@ class GpuSampler:
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         gpu = visible[device_index] if device_index < len(visible) else str(device_index)
         try:
-            self.process = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
-                                             "-lms", "50", "-i", gpu],
-                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self.process = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-lms", "50", "-i", gpu],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:
             return
         threading.Thread(target=self._read, daemon=True).start()
@@ -142,9 +182,13 @@ class GpuSampler:
         if not rows:
             return {}
         clocks = [r[1] for r in rows]
-        return {"sm_clock_mhz_mean": sum(clocks) / len(clocks), "sm_clock_mhz_min": min(clocks),
-                "power_w_mean": sum(r[2] for r in rows) / len(rows), "temperature_c_max": max(r[3] for r in rows),
-                "throttle_reasons": sorted({r[4] for r in rows})}
+        return {
+            "sm_clock_mhz_mean": sum(clocks) / len(clocks),
+            "sm_clock_mhz_min": min(clocks),
+            "power_w_mean": sum(r[2] for r in rows) / len(rows),
+            "temperature_c_max": max(r[3] for r in rows),
+            "throttle_reasons": sorted({r[4] for r in rows}),
+        }
 
     def close(self):
         if self.process is not None:
@@ -155,19 +199,24 @@ def describe_conditions(conditions: dict) -> str:
     """GcPauses.summary and GpuSampler.summary as one line."""
     line = f"GC collections {conditions['gc_collections']}, pauses {conditions['gc_pause_ms']} ms"
     if "sm_clock_mhz_mean" in conditions:
-        line += (f"; SM clock mean {conditions['sm_clock_mhz_mean']:.0f} MHz (lowest {conditions['sm_clock_mhz_min']:.0f}), "
-                 f"power mean {conditions['power_w_mean']:.0f} W, temperature {conditions['temperature_c_max']:.0f} C max, "
-                 f"throttle reasons {conditions['throttle_reasons']}")
+        line += (
+            f"; SM clock mean {conditions['sm_clock_mhz_mean']:.0f} MHz (lowest {conditions['sm_clock_mhz_min']:.0f}), "
+            f"power mean {conditions['power_w_mean']:.0f} W, temperature {conditions['temperature_c_max']:.0f} C max, "
+            f"throttle reasons {conditions['throttle_reasons']}"
+        )
     return line
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     """nano-vllm bench.py's requests, drawn in its order from random.seed(0)."""
     from inferlab import SamplingParams
+
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
-              for _ in range(num_seqs)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
+        for _ in range(num_seqs)
+    ]
     return prompts, params
 
 
@@ -179,15 +228,23 @@ def run_one(args) -> dict:
 
     from inferlab import LLM, SamplingParams
     from inferlab.floor import device_rates, model_cost, workload_floor
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     enforce_eager = args.graphs == "eager"
     start = time.perf_counter()
     options = json.loads(args.options)
-    llm = LLM(args.model_dir, attention=args.attention, enforce_eager=enforce_eager, max_model_len=4096,
-              device=args.device, overlap_scheduling=args.overlap == "overlap",
-              model_options={"torch_compile": args.compile == "compile", **options["model"]},
-              attention_options=options["attention"], **options.get("engine", {}),
-              **({"dtype": "bfloat16"} if args.device != "cpu" else {}))
+    llm = LLM(
+        args.model_dir,
+        attention=args.attention,
+        enforce_eager=enforce_eager,
+        max_model_len=4096,
+        device=args.device,
+        overlap_scheduling=args.overlap == "overlap",
+        model_options={"torch_compile": args.compile == "compile", **options["model"]},
+        attention_options=options["attention"],
+        **options.get("engine", {}),
+        **({"dtype": "bfloat16"} if args.device != "cpu" else {}),
+    )
     init_seconds = time.perf_counter() - start
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
@@ -198,8 +255,14 @@ def run_one(args) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    stats_before = (llm.stats.num_steps, llm.stats.num_prefill_tokens, llm.stats.num_decode_tokens,
-                    llm.stats.prefill_seconds, llm.stats.decode_seconds, llm.stats.wait_seconds)
+    stats_before = (
+        llm.stats.num_steps,
+        llm.stats.num_prefill_tokens,
+        llm.stats.num_decode_tokens,
+        llm.stats.prefill_seconds,
+        llm.stats.decode_seconds,
+        llm.stats.wait_seconds,
+    )
     runs, compiles, conditions = [], [], []
     # what each run ran under, to tell a slow run's cause (BENCHMARKS.md items 28, 84, 85): the engine's
     # step and wait times, the garbage collector's pauses, the GPU's clocks and throttle reasons
@@ -216,16 +279,26 @@ def run_one(args) -> dict:
         end = time.perf_counter()
         runs.append(end - start)
         after = compiled_variants()
-        compiles.append({name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)})
-        conditions.append({"prefill_step_seconds": s.prefill_seconds - steps_before[0],
-                           "decode_step_seconds": s.decode_seconds - steps_before[1],
-                           "wait_seconds": s.wait_seconds - steps_before[2],
-                           **gc_pauses.summary(), **(sampler.summary(start, end) if sampler else {})})
+        compiles.append(
+            {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
+        )
+        conditions.append(
+            {
+                "prefill_step_seconds": s.prefill_seconds - steps_before[0],
+                "decode_step_seconds": s.decode_seconds - steps_before[1],
+                "wait_seconds": s.wait_seconds - steps_before[2],
+                **gc_pauses.summary(),
+                **(sampler.summary(start, end) if sampler else {}),
+            }
+        )
         c = conditions[-1]
-        print(f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s; steps: prefill "
-              f"{c['prefill_step_seconds']:.3f} s, decode {c['decode_step_seconds']:.3f} s, waiting on the GPU "
-              f"{c['wait_seconds']:.3f} s; {describe_conditions(c)}"
-              + (f"; compiled during the run: {compiles[-1]}" if compiles[-1] else ""), flush=True)
+        print(
+            f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s; steps: prefill "
+            f"{c['prefill_step_seconds']:.3f} s, decode {c['decode_step_seconds']:.3f} s, waiting on the GPU "
+            f"{c['wait_seconds']:.3f} s; {describe_conditions(c)}"
+            + (f"; compiled during the run: {compiles[-1]}" if compiles[-1] else ""),
+            flush=True,
+        )
     if sampler:
         sampler.close()
     seconds = statistics.median(runs)
@@ -234,29 +307,44 @@ def run_one(args) -> dict:
     if generated != output_tokens:
         raise RuntimeError(f"generated {generated} tokens, the workload asked for {output_tokens}")
     s = llm.stats
-    floor = workload_floor([len(p) for p in prompts], [p.max_tokens for p in params],
-                           model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype,
-                                      llm.config.tensor_parallel_size),
-                           device_rates(llm.runner.device, llm.runner.dtype))
+    floor = workload_floor(
+        [len(p) for p in prompts],
+        [p.max_tokens for p in params],
+        model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype, llm.config.tensor_parallel_size),
+        device_rates(llm.runner.device, llm.runner.dtype),
+    )
     return {
-        "attention": llm.runner.backend.name, "cuda_graphs": llm.runner.decode_graphs is not None,
+        "attention": llm.runner.backend.name,
+        "cuda_graphs": llm.runner.decode_graphs is not None,
         "kv_cache_dtype": str(llm.runner.kv_cache_dtype).replace("torch.", ""),
-        "overlap": llm.overlap, "torch_compile": args.compile == "compile",
-        "tensor_parallel_size": llm.config.tensor_parallel_size, "runs_seconds": runs,
+        "overlap": llm.overlap,
+        "torch_compile": args.compile == "compile",
+        "tensor_parallel_size": llm.config.tensor_parallel_size,
+        "runs_seconds": runs,
         # kernel variants (Triton specializations, torch.compile graphs) first built inside a timed run
         "compiled_during_runs": compiles,
         "run_conditions": conditions,
-        "output_tokens": output_tokens, "prompt_tokens": sum(len(p) for p in prompts), "seconds": seconds,
-        "output_tok_per_s": output_tokens / seconds, "init_seconds": init_seconds,
-        **floor, "percent_of_floor": 100 * floor["floor_seconds"] / seconds,
-        "num_kv_blocks": llm.runner.num_kv_blocks, "block_size": llm.runner.block_size,
-        "steps": s.num_steps - stats_before[0], "prefill_tokens": s.num_prefill_tokens - stats_before[1],
-        "decode_tokens": s.num_decode_tokens - stats_before[2], "prefill_seconds": s.prefill_seconds - stats_before[3],
+        "output_tokens": output_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "seconds": seconds,
+        "output_tok_per_s": output_tokens / seconds,
+        "init_seconds": init_seconds,
+        **floor,
+        "percent_of_floor": 100 * floor["floor_seconds"] / seconds,
+        "num_kv_blocks": llm.runner.num_kv_blocks,
+        "block_size": llm.runner.block_size,
+        "steps": s.num_steps - stats_before[0],
+        "prefill_tokens": s.num_prefill_tokens - stats_before[1],
+        "decode_tokens": s.num_decode_tokens - stats_before[2],
+        "prefill_seconds": s.prefill_seconds - stats_before[3],
         "decode_seconds": s.decode_seconds - stats_before[4],
         # time blocked on the GPU's tokens, summed over all runs: near zero means the CPU bounds the run
-        "wait_seconds": s.wait_seconds - stats_before[5], "wall_seconds_all_runs": sum(runs),
+        "wait_seconds": s.wait_seconds - stats_before[5],
+        "wall_seconds_all_runs": sum(runs),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "triton": _version("triton"), "flash_attn": _version("flash_attn"),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "flash_attn": _version("flash_attn"),
     }
 
 
@@ -276,6 +364,7 @@ def compiled_variants() -> dict[str, int]:
                 counts[f"{module_name.rsplit('.', 1)[-1]}.{name}"] = sum(len(c[0]) for c in caches.values())
     try:
         from torch._dynamo.utils import counters
+
         counts["torch.compile graphs"] = int(counters["stats"]["unique_graphs"])
     except Exception:  # torch.compile not in use or its counters moved: the Triton counts still stand
         pass
@@ -288,6 +377,7 @@ def _version(module: str) -> str | None:
         return loaded.__version__
     try:
         from importlib.metadata import version
+
         return version(module)
     except Exception:
         return None
@@ -296,15 +386,47 @@ def _version(module: str) -> str | None:
 def run_in_subprocess(combo: str, args) -> dict:
     """Runs one combination in a child process, echoing its output; returns its result or error."""
     attention, graphs, overlap, compile_, options = parse_combo(combo)
-    record = {"combo": combo, "attention": attention, "cuda_graphs": graphs == "graphs", "overlap": overlap == "overlap",
-              "torch_compile": compile_ == "compile", "options": options}
+    record = {
+        "combo": combo,
+        "attention": attention,
+        "cuda_graphs": graphs == "graphs",
+        "overlap": overlap == "overlap",
+        "torch_compile": compile_ == "compile",
+        "options": options,
+    }
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--attention", attention, "--graphs", graphs,
-               "--warmup-runs", str(args.warmup_runs), "--overlap", overlap, "--compile", compile_, "--options", json.dumps(options), "--repeats", str(args.repeats),
-               "--result-file", result_file, "--model-dir", args.model_dir, "--device", args.device,
-               "--num-seqs", str(args.num_seqs), "--max-input-len", str(args.max_input_len),
-               "--max-output-len", str(args.max_output_len)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--attention",
+        attention,
+        "--graphs",
+        graphs,
+        "--warmup-runs",
+        str(args.warmup_runs),
+        "--overlap",
+        overlap,
+        "--compile",
+        compile_,
+        "--options",
+        json.dumps(options),
+        "--repeats",
+        str(args.repeats),
+        "--result-file",
+        result_file,
+        "--model-dir",
+        args.model_dir,
+        "--device",
+        args.device,
+        "--num-seqs",
+        str(args.num_seqs),
+        "--max-input-len",
+        str(args.max_input_len),
+        "--max-output-len",
+        str(args.max_output_len),
+    ]
     tail = deque(maxlen=40)
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -339,7 +461,9 @@ def run_in_subprocess(combo: str, args) -> dict:
     return record
 
 
-COMBO_FORM = "ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile][:m.OPTION=VALUE][:a.OPTION=VALUE][:e.SETTING=VALUE]"
+COMBO_FORM = (
+    "ATTENTION:graphs|eager[:overlap|sync][:compile|nocompile][:m.OPTION=VALUE][:a.OPTION=VALUE][:e.SETTING=VALUE]"
+)
 
 
 def parse_combo(combo: str) -> tuple[str, str, str, str, dict]:
@@ -372,39 +496,55 @@ def parse_combo(combo: str) -> tuple[str, str, str, str, dict]:
 
 
 def print_table(records: list[dict]) -> None:
-    header = (f"{'attention':<11} {'graphs':<6} {'overlap':<7} {'compile':<7} {'output tok/s':>12} {'% floor':>7} "
-              f"{'time s':>7} {'init s':>6} {'KV blocks':>9}  status")
+    header = (
+        f"{'attention':<11} {'graphs':<6} {'overlap':<7} {'compile':<7} {'output tok/s':>12} {'% floor':>7} "
+        f"{'time s':>7} {'init s':>6} {'KV blocks':>9}  status"
+    )
     print(header)
     print("-" * len(header))
     for r in records:
         flags = f"{'on' if r['cuda_graphs'] else 'off':<6} {'on' if r['overlap'] else 'off':<7} {'on' if r['torch_compile'] else 'off':<7}"
         options = r.get("options") or {}
-        extra = " ".join(f"{kind[0]}.{k}={v}" for kind in ("model", "attention", "engine") for k, v in options.get(kind, {}).items())
+        extra = " ".join(
+            f"{kind[0]}.{k}={v}" for kind in ("model", "attention", "engine") for k, v in options.get(kind, {}).items()
+        )
         if r["ok"]:
-            print(f"{r['attention']:<11} {flags} {r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} "
-                  f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok {extra}")
+            print(
+                f"{r['attention']:<11} {flags} {r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} "
+                f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok {extra}"
+            )
         else:
-            print(f"{r['attention']:<11} {flags} {'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED {extra}: {r['error'][:200]}")
+            print(
+                f"{r['attention']:<11} {flags} {'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED {extra}: {r['error'][:200]}"
+            )
 
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("combos", nargs="*", default=ALL_COMBOS,
-                        help=f"{COMBO_FORM}, e.g. flash_attn:graphs triton:eager:sync triton:graphs:a.decode_block_n=128 "
-                             "(default: the six attention x graphs pairs, overlap and compile on)")
+    parser.add_argument(
+        "combos",
+        nargs="*",
+        default=ALL_COMBOS,
+        help=f"{COMBO_FORM}, e.g. flash_attn:graphs triton:eager:sync triton:graphs:a.decode_block_n=128 "
+        "(default: the six attention x graphs pairs, overlap and compile on)",
+    )
     parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "inferlab-bench-qwen3-0.6b-random"))
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="Qwen3 model shapes to bench")
-    parser.add_argument("--num-layers", type=int, default=None,
-                        help="fewer layers for a quick smoke run")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick smoke run")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
@@ -420,8 +560,12 @@ def main(argv=None):
     parser.add_argument("--compile", default="compile", help=argparse.SUPPRESS)
     parser.add_argument("--options", default='{"model": {}, "attention": {}}', help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per combination; the median is reported")
-    parser.add_argument("--warmup-runs", type=int, default=1,
-                        help="untimed runs of the whole workload first (nano-vllm's bench warms up with one short prompt)")
+    parser.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=1,
+        help="untimed runs of the whole workload first (nano-vllm's bench warms up with one short prompt)",
+    )
     args = parser.parse_args(argv)
     base = SHAPES[args.shape]
     args.num_layers = args.num_layers or base["num_hidden_layers"]
@@ -436,6 +580,7 @@ def main(argv=None):
             result = run_one(args)
         except BaseException as e:  # reported to the parent, which carries on with the next combination
             import traceback
+
             traceback.print_exc()
             result = {"error": f"{type(e).__name__}: {e}"}
         with open(args.result_file, "w") as f:
@@ -449,19 +594,38 @@ def main(argv=None):
             parser.error(str(e))
     start = time.perf_counter()
     # in a child, so that this process never holds a CUDA context while the combinations run
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--build-only", "--model-dir", args.model_dir,
-                    "--num-layers", str(args.num_layers), "--shape", args.shape], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--build-only",
+            "--model-dir",
+            args.model_dir,
+            "--num-layers",
+            str(args.num_layers),
+            "--shape",
+            args.shape,
+        ],
+        check=True,
+    )
     print(f"checkpoint ready in {args.model_dir} ({time.perf_counter() - start:.1f} s)", flush=True)
     records = []
     for combo in args.combos:
         records.append(run_in_subprocess(combo, args))
         print_table(records)  # so far, in case a later combination takes the machine down
     report = {
-        "commit": args.commit or git_commit(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "commit": args.commit or git_commit(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "model": {**base, "num_hidden_layers": args.num_layers, "dtype": "bfloat16", "weights": "random"},
-        "workload": {"num_seqs": args.num_seqs, "prompt_len": [100, args.max_input_len],
-                     "output_len": [100, args.max_output_len], "temperature": 0.6, "ignore_eos": True,
-                     "max_model_len": 4096, "seed": 0},
+        "workload": {
+            "num_seqs": args.num_seqs,
+            "prompt_len": [100, args.max_input_len],
+            "output_len": [100, args.max_output_len],
+            "temperature": 0.6,
+            "ignore_eos": True,
+            "max_model_len": 4096,
+            "seed": 0,
+        },
         "results": records,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -7,6 +7,7 @@ its own loads), the kernel's shared memory, and its async copies.
 Compiles with whatever Triton is installed; the GPU machine's may differ (BENCHMARKS.md item 48
 used 3.6.0, the device's, unpacked from its wheel onto PYTHONPATH; item 49 measured the read-ahead
 candidate it found and removed it)."""
+
 import argparse
 import itertools
 import os
@@ -20,21 +21,32 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.plugins.attention import triton_kernels as tk  # noqa: E402
 
-POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
-            "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
-            "block_tables_ptr": "*i32", "seq_order_ptr": "*i32", "query_start_ptr": "*i32"}
+POINTERS = {
+    "q_ptr": "*bf16",
+    "k_cache_ptr": "*bf16",
+    "v_cache_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "partial_out_ptr": "*fp32",
+    "partial_lse_ptr": "*fp32",
+    "seq_lens_ptr": "*i32",
+    "block_tables_ptr": "*i32",
+    "seq_order_ptr": "*i32",
+    "query_start_ptr": "*i32",
+}
 # Qwen3-0.6B: 16 query heads over 8 KV heads, head_dim 128; the engine's 256-token blocks
 SHAPE = {"GROUP": 2, "BLOCK_SIZE": 256, "HEAD_DIM": 128, "PRECISION": "tf32", "PDL": False}
 
 
 def compile_kernel(fn, constexprs: dict, warps: int, stages: int, capability: int):
     names = fn.arg_names
-    signature = {n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "scale_log2" else "i32")
-                 for n in names}
+    signature = {
+        n: POINTERS.get(n, "constexpr" if n in constexprs else "fp32" if n == "scale_log2" else "i32") for n in names
+    }
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or "stride" in n}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(
+        source, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": stages}
+    )
 
 
 def k_buffers(ttgir: str) -> int:
@@ -61,9 +73,12 @@ def main():
         constexprs = {**SHAPE, **fixed, "BLOCK_N": block_n}
         kernel = compile_kernel(fn, constexprs, warps, stages, args.capability)
         ptx = kernel.asm["ptx"]
-        print(f"  block_n {block_n:>3} warps {warps} stages {stages}: K buffers {k_buffers(kernel.asm['ttgir'])}, "
-              f"shared {kernel.metadata.shared / 1024:5.1f} KiB, cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
-              f"wgmma {ptx.count('wgmma.mma_async')}", flush=True)
+        print(
+            f"  block_n {block_n:>3} warps {warps} stages {stages}: K buffers {k_buffers(kernel.asm['ttgir'])}, "
+            f"shared {kernel.metadata.shared / 1024:5.1f} KiB, cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
+            f"wgmma {ptx.count('wgmma.mma_async')}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ launch costs do not count, as in the engine's decode graphs), against its own fl
 - overlap: a stack of decoder layers over a workload batch, whole, as two halves in turn, and as
   two halves on two streams (could two micro-batches hide each other's small kernels?).
 Prints tables; --out writes them as JSON."""
+
 import argparse
 import ctypes
 import itertools
@@ -94,6 +95,7 @@ def workload_decode_batches(every: int):
     are those with more than t output tokens, each holding its prompt plus t tokens."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_gpu import workload
+
     prompts, params = workload(256, 1024, 1024)
     prompt_lens = torch.tensor([len(p) for p in prompts])
     outputs = torch.tensor([p.max_tokens for p in params])
@@ -102,17 +104,25 @@ def workload_decode_batches(every: int):
         yield t, prompt_lens[active] + t
 
 
-def attention_bench(rates, results, every: int = 40, quick: bool = False, warps: tuple[int, ...] = (4, 8),
-                    stages: tuple[int, ...] = (2, 3, 4), tiles: tuple[int, ...] = (64, 128)):
+def attention_bench(
+    rates,
+    results,
+    every: int = 40,
+    quick: bool = False,
+    warps: tuple[int, ...] = (4, 8),
+    stages: tuple[int, ...] = (2, 3, 4),
+    tiles: tuple[int, ...] = (64, 128),
+):
     """The split decode kernel over the bench workload's own decode batches (every `every` steps),
     for each kernel configuration and split plan; flash-attn's paged decode beside it. The total
     over the sampled steps says which configuration serves the whole run best."""
     from inferlab.plugins.attention import triton_kernels as tk
+
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError:
         flash_attn_with_kvcache = None
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     max_blocks = 4096 // BLOCK_SIZE
     num_blocks = 256 * max_blocks
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -143,8 +153,22 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
             seq_order = tk.longest_first(seq_lens) if order == "longest_first" else None
             partial_out = torch.empty(padded, NUM_HEADS, splits, HEAD_DIM, dtype=torch.float32, device="cuda")
             partial_lse = torch.empty(padded, NUM_HEADS, splits, dtype=torch.float32, device="cuda")
-            fn = lambda: tk.paged_decode(q, cache, out, seq_lens, tables, scale, splits, block_n,  # noqa: E731
-                                         partial_out, partial_lse, 256, warps, stages, seq_order)
+            fn = lambda: tk.paged_decode(
+                q,
+                cache,
+                out,
+                seq_lens,
+                tables,
+                scale,
+                splits,
+                block_n,  # noqa: E731
+                partial_out,
+                partial_lse,
+                256,
+                warps,
+                stages,
+                seq_order,
+            )
             try:
                 us = graph_time_us(fn, reps=10, replays=7)
             except Exception as e:  # a config that does not compile (shared memory) counts as never best
@@ -152,26 +176,54 @@ def attention_bench(rates, results, every: int = 40, quick: bool = False, warps:
                 print(f"  skip {config}: {type(e).__name__}")
             totals[config] += us
             line[config] = us
-            results["attention"].append({"step": t, "batch": batch, "block_n": block_n, "warps": warps,
-                                         "stages": stages, "programs_per_sm": per_sm, "order": order,
-                                         "splits": splits, "us": us,
-                                         "floor_us": floor_us})
+            results["attention"].append(
+                {
+                    "step": t,
+                    "batch": batch,
+                    "block_n": block_n,
+                    "warps": warps,
+                    "stages": stages,
+                    "programs_per_sm": per_sm,
+                    "order": order,
+                    "splits": splits,
+                    "us": us,
+                    "floor_us": floor_us,
+                }
+            )
         if flash_attn_with_kvcache is not None:
-            us = graph_time_us(lambda: flash_attn_with_kvcache(q.unsqueeze(1), cache[0], cache[1], cache_seqlens=seq_lens,
-                                                               block_table=tables, softmax_scale=scale, causal=True),
-                               reps=10, replays=7)
+            us = graph_time_us(
+                lambda: flash_attn_with_kvcache(
+                    q.unsqueeze(1),
+                    cache[0],
+                    cache[1],
+                    cache_seqlens=seq_lens,
+                    block_table=tables,
+                    softmax_scale=scale,
+                    causal=True,
+                ),
+                reps=10,
+                replays=7,
+            )
             flash_total += us
-            results["attention"].append({"step": t, "batch": batch, "kernel": "flash_attn", "us": us, "floor_us": floor_us})
+            results["attention"].append(
+                {"step": t, "batch": batch, "kernel": "flash_attn", "us": us, "floor_us": floor_us}
+            )
         best = min(line, key=line.get)
-        print(f"  step {t:>4}: batch {batch:>3}, {int(lens.sum()):>6} keys, floor {floor_us:6.1f}; best {best} "
-              f"{line[best]:6.1f} ({100 * floor_us / line[best]:.0f}%)")
+        print(
+            f"  step {t:>4}: batch {batch:>3}, {int(lens.sum()):>6} keys, floor {floor_us:6.1f}; best {best} "
+            f"{line[best]:6.1f} ({100 * floor_us / line[best]:.0f}%)"
+        )
     ranked = sorted(totals, key=totals.get)
-    print(f"sum over the sampled steps: floor {floor_total:.0f} µs" +
-          (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else ""))
+    print(
+        f"sum over the sampled steps: floor {floor_total:.0f} µs"
+        + (f", flash_attn {flash_total:.0f} µs ({100 * floor_total / flash_total:.1f}%)" if flash_total else "")
+    )
     for config in ranked[:8]:
-        print(f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2} "
-              f"order {config[4]}: "
-              f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)")
+        print(
+            f"  block_n {config[0]:>3} warps {config[1]} stages {config[2]} programs/SM {config[3]:>2} "
+            f"order {config[4]}: "
+            f"{totals[config]:.0f} µs ({100 * floor_total / totals[config]:.1f}% of floor)"
+        )
 
 
 def weight_ring(n: int, k: int, copies: int = 28) -> list[torch.Tensor]:
@@ -195,8 +247,13 @@ def linear_bench(rates, results):
     """Each projection through cuBLAS and through cuBLASLt (torch's preferred_blas_library), with its
     weight read from memory as in the model (a ring of 28 copies, one a layer, larger than L2)."""
     print("\n== linear layers (µs; floor = max(weight bytes / bandwidth, FLOPs / matmul rate)) ==")
-    shapes = {"qkv": (4096, HIDDEN), "o": (HIDDEN, 2048), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
-              "lm_head": (VOCAB, HIDDEN)}
+    shapes = {
+        "qkv": (4096, HIDDEN),
+        "o": (HIDDEN, 2048),
+        "gate_up": (2 * INTER, HIDDEN),
+        "down": (HIDDEN, INTER),
+        "lm_head": (VOCAB, HIDDEN),
+    }
     default = torch.backends.cuda.preferred_blas_library()
     for name, (n, k) in shapes.items():
         weights = weight_ring(n, k, 1 if name == "lm_head" else 28)
@@ -218,17 +275,24 @@ class CublasLt:
     y[m, n] = x[m, k] @ w[n, k].T and to run any one of them (torch runs only the first)."""
 
     class Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t; algo is the opaque cublasLtMatmulAlgo_t
-        _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
-                    ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+        _fields_ = [
+            ("algo", ctypes.c_uint64 * 8),
+            ("workspace_size", ctypes.c_size_t),
+            ("state", ctypes.c_int),
+            ("waves", ctypes.c_float),
+            ("reserved", ctypes.c_int * 4),
+        ]
 
     BF16, F32, COMPUTE_32F, DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE = 14, 0, 68, 3, 4, 1
     WORKSPACE = 32 << 20
 
     def __init__(self):
         import glob
+
         site = os.path.dirname(os.path.dirname(torch.__file__))
-        names = ["libcublasLt.so.13", "libcublasLt.so.12"] + sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib",
-                                                                                            "libcublasLt.so*")))
+        names = ["libcublasLt.so.13", "libcublasLt.so.12"] + sorted(
+            glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcublasLt.so*"))
+        )
         for name in names:
             try:
                 self.lib = ctypes.CDLL(name)
@@ -238,15 +302,35 @@ class CublasLt:
         else:
             raise OSError(f"libcublasLt not found (tried {names})")
         v = ctypes.c_void_p
-        self.lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(v), ctypes.c_int, ctypes.c_uint64,
-                                                        ctypes.c_uint64, ctypes.c_int64]
+        self.lib.cublasLtMatrixLayoutCreate.argtypes = [
+            ctypes.POINTER(v),
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.c_int64,
+        ]
         self.lib.cublasLtMatmulDescSetAttribute.argtypes = [v, ctypes.c_int, v, ctypes.c_size_t]
         self.lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [v, ctypes.c_int, v, ctypes.c_size_t]
-        self.lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [v, v, v, v, v, v, v, ctypes.c_int, v,
-                                                            ctypes.POINTER(ctypes.c_int)]
+        self.lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
+            v,
+            v,
+            v,
+            v,
+            v,
+            v,
+            v,
+            ctypes.c_int,
+            v,
+            ctypes.POINTER(ctypes.c_int),
+        ]
         self.lib.cublasLtMatmul.argtypes = [v, v, v, v, v, v, v, v, v, v, v, v, v, v, ctypes.c_size_t, v]
-        self.lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [v, ctypes.c_int, v, ctypes.c_size_t,
-                                                                  ctypes.POINTER(ctypes.c_size_t)]
+        self.lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [
+            v,
+            ctypes.c_int,
+            v,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
         self.handle = v()
         self._check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = torch.empty(self.WORKSPACE, dtype=torch.uint8, device="cuda")
@@ -281,12 +365,18 @@ class CublasLt:
         pref = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         size = ctypes.c_uint64(self.WORKSPACE)
-        self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, self.PREF_MAX_WORKSPACE, ctypes.byref(size), 8),
-                    "workspace")
+        self._check(
+            self.lib.cublasLtMatmulPreferenceSetAttribute(pref, self.PREF_MAX_WORKSPACE, ctypes.byref(size), 8),
+            "workspace",
+        )
         results = (self.Heuristic * count)()
         found = ctypes.c_int(0)
-        self._check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, count, results,
-                                                            ctypes.byref(found)), "heuristic")
+        self._check(
+            self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, a, b, c, c, pref, count, results, ctypes.byref(found)
+            ),
+            "heuristic",
+        )
         self.lib.cublasLtMatmulPreferenceDestroy(pref)
         return [results[i] for i in range(found.value) if results[i].state == 0]
 
@@ -295,8 +385,9 @@ class CublasLt:
         fields = []
         for name, attr in (("id", 0), ("tile", 1), ("splitk", 2), ("stages", 6), ("cluster", 8)):
             value, written = ctypes.c_int32(0), ctypes.c_size_t(0)
-            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(heuristic.algo), attr,
-                                                                   ctypes.byref(value), 4, ctypes.byref(written))
+            status = self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(heuristic.algo), attr, ctypes.byref(value), 4, ctypes.byref(written)
+            )
             fields.append(f"{name}{value.value if status == 0 else '?'}")
         return " ".join(fields) + f" waves{heuristic.waves:.2f}"
 
@@ -304,10 +395,27 @@ class CublasLt:
         m, k = x.shape
         n = w.shape[0]
         desc, a, b, c = self._descriptors(m, n, k)
-        self._check(self.lib.cublasLtMatmul(
-            self.handle, desc, ctypes.byref(self.alpha), w.data_ptr(), a, x.data_ptr(), b, ctypes.byref(self.beta),
-            y.data_ptr(), c, y.data_ptr(), c, ctypes.byref(heuristic.algo), self.workspace.data_ptr(),
-            min(heuristic.workspace_size, self.WORKSPACE), torch.cuda.current_stream().cuda_stream), "matmul")
+        self._check(
+            self.lib.cublasLtMatmul(
+                self.handle,
+                desc,
+                ctypes.byref(self.alpha),
+                w.data_ptr(),
+                a,
+                x.data_ptr(),
+                b,
+                ctypes.byref(self.beta),
+                y.data_ptr(),
+                c,
+                y.data_ptr(),
+                c,
+                ctypes.byref(heuristic.algo),
+                self.workspace.data_ptr(),
+                min(heuristic.workspace_size, self.WORKSPACE),
+                torch.cuda.current_stream().cuda_stream,
+            ),
+            "matmul",
+        )
         return y
 
 
@@ -318,10 +426,13 @@ def cublaslt_bench(rates, results):
     than the one torch runs there to be had?"""
     print("\n== cuBLASLt's heuristic algorithms against F.linear, cold weights (µs a GEMM) ==")
     lt = CublasLt()
-    shapes = {"qkv": (4096, HIDDEN, (64, 96, 128, 160, 192, 224, 256)),
-              "gate_up": (2 * INTER, HIDDEN, (64, 96, 128, 160, 192, 224, 256)),
-              "o": (HIDDEN, 2048, (64, 128, 256)), "down": (HIDDEN, INTER, (64, 128, 256)),
-              "lm_head": (VOCAB, HIDDEN, (1, 16, 32, 64, 128, 192, 256))}
+    shapes = {
+        "qkv": (4096, HIDDEN, (64, 96, 128, 160, 192, 224, 256)),
+        "gate_up": (2 * INTER, HIDDEN, (64, 96, 128, 160, 192, 224, 256)),
+        "o": (HIDDEN, 2048, (64, 128, 256)),
+        "down": (HIDDEN, INTER, (64, 128, 256)),
+        "lm_head": (VOCAB, HIDDEN, (1, 16, 32, 64, 128, 192, 256)),
+    }
     for name, (n, k, batches) in shapes.items():
         weights = weight_ring(n, k, 2 if name == "lm_head" else 28)
         for m in batches:
@@ -335,27 +446,49 @@ def cublaslt_bench(rates, results):
                 try:
                     lt.matmul(x, weights[0], y, heuristic)
                     err = (y.float() - reference.float()).abs().max().item()
-                    us = graph_time_us(lambda: [lt.matmul(x, w, y, heuristic) for w in weights], reps=1,
-                                       replays=11) / len(weights)
+                    us = graph_time_us(
+                        lambda: [lt.matmul(x, w, y, heuristic) for w in weights], reps=1, replays=11
+                    ) / len(weights)
                 except RuntimeError as e:
                     print(f"    skip {name} M={m} algorithm {rank}: {e}")
                     continue
                 timed.append((us, rank, lt.describe(heuristic), err))
             timed.sort()
             first = next((t for t in timed if t[1] == 0), None)
-            results.setdefault("cublaslt", []).append({
-                "layer": name, "m": m, "torch_us": torch_us, "floor_us": floor,
-                "algorithms": [{"us": us, "rank": rank, "config": config, "max_err": err}
-                               for us, rank, config, err in timed]})
+            results.setdefault("cublaslt", []).append(
+                {
+                    "layer": name,
+                    "m": m,
+                    "torch_us": torch_us,
+                    "floor_us": floor,
+                    "algorithms": [
+                        {"us": us, "rank": rank, "config": config, "max_err": err} for us, rank, config, err in timed
+                    ],
+                }
+            )
             best = "  ".join(f"#{rank} {us:.2f} ({config}, err {err:.3f})" for us, rank, config, err in timed[:3])
-            print(f"  {name:<8} M={m:<4} F.linear {torch_us:6.2f}  heuristic #0 "
-                  f"{first[0] if first else float('nan'):6.2f}  of {len(timed)}, best: {best}  floor {floor:.2f}",
-                  flush=True)
+            print(
+                f"  {name:<8} M={m:<4} F.linear {torch_us:6.2f}  heuristic #0 "
+                f"{first[0] if first else float('nan'):6.2f}  of {len(timed)}, best: {best}  floor {floor:.2f}",
+                flush=True,
+            )
 
 
 @triton.jit
-def _splitk_tma_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, stride_ys,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _splitk_tma_kernel(
+    x_desc,
+    w_desc,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_ym,
+    stride_ys,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """split_k_kernel's tiles (y = x @ w.T over one BLOCK_N slab of w and one of SPLIT_K parts of K
     a program; fp32 partials when split), loaded by the Hopper tensor-memory accelerator (TMA)
     through tensor descriptors: one bulk copy a tile instead of per-thread addresses, rows past M
@@ -377,7 +510,9 @@ def splitk_linear(x, weights, ys, block_n, block_k, split_k, stages, tma):
     """One launch a weight of weights (the ring): ys[i] = x @ weights[i].T, as SPLIT_K partials
     (contiguous [split, m, n]; float32 when split, else the model dtype)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     from inferlab.plugins.models import split_k_kernel
+
     m, k = x.shape
     n = weights[0].shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
@@ -387,13 +522,39 @@ def splitk_linear(x, weights, ys, block_n, block_k, split_k, stages, tma):
         w_descs = [TensorDescriptor.from_tensor(w, [block_n, block_k]) for w in weights]
     for i, (w, y) in enumerate(zip(weights, ys)):
         if tma:
-            _splitk_tma_kernel[grid](x_desc, w_descs[i], y, m, n, k, y.stride(1), y.stride(0), BLOCK_M=block_m,
-                                     BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
-                                     num_stages=stages)
+            _splitk_tma_kernel[grid](
+                x_desc,
+                w_descs[i],
+                y,
+                m,
+                n,
+                k,
+                y.stride(1),
+                y.stride(0),
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                SPLIT_K=split_k,
+                num_warps=4,
+                num_stages=stages,
+            )
         else:  # the engine's kernel (pointer loads, cp.async), launched plainly here
-            split_k_kernel._split_k_kernel[grid](x, w, y, m, n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                                                 BLOCK_K=block_k, SPLIT=split_k, PDL=False, num_warps=4,
-                                                 num_stages=stages)
+            split_k_kernel._split_k_kernel[grid](
+                x,
+                w,
+                y,
+                m,
+                n,
+                k,
+                x.stride(0),
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_K=block_k,
+                SPLIT=split_k,
+                PDL=False,
+                num_warps=4,
+                num_stages=stages,
+            )
 
 
 def linear_candidates_bench(rates, results):
@@ -420,7 +581,10 @@ def linear_candidates_bench(rates, results):
                     ys = [torch.empty(split_k, m, n, dtype=dtype, device="cuda") for _ in range(ring)]
                     config = (block_n, block_k, split_k, stages)
                     try:
-                        us = graph_time_us(lambda: splitk_linear(x, weights, ys, *config, tma), reps=1, replays=11) / ring
+                        us = (
+                            graph_time_us(lambda: splitk_linear(x, weights, ys, *config, tma), reps=1, replays=11)
+                            / ring
+                        )
                     except Exception as e:
                         print(f"    skip {name} M={m} tma={tma} {config}: {type(e).__name__}: {str(e)[:80]}")
                         continue
@@ -431,19 +595,41 @@ def linear_candidates_bench(rates, results):
                 us, config, ys = best
                 summed = us
                 if config[2] > 1:
-                    summed = graph_time_us(lambda: [(splitk_linear(x, weights[i:i + 1], ys[i:i + 1], *config, tma),
-                                                     ys[i].sum(0)) for i in range(ring)], reps=1, replays=11) / ring
+                    summed = (
+                        graph_time_us(
+                            lambda: [
+                                (splitk_linear(x, weights[i : i + 1], ys[i : i + 1], *config, tma), ys[i].sum(0))
+                                for i in range(ring)
+                            ],
+                            reps=1,
+                            replays=11,
+                        )
+                        / ring
+                    )
                 splitk_linear(x, weights[:1], ys[:1], *config, tma)
                 err = (ys[0].float().sum(0) - F.linear(x, weights[0]).float()).abs().max().item()
                 key = "tma" if tma else "pointers"
-                line.update({f"{key}_partials_us": us, f"{key}_summed_us": summed, f"{key}_config": config,
-                             f"{key}_max_err": err})
+                line.update(
+                    {
+                        f"{key}_partials_us": us,
+                        f"{key}_summed_us": summed,
+                        f"{key}_config": config,
+                        f"{key}_max_err": err,
+                    }
+                )
             results["linear_candidates"].append(line)
-            print(f"  {name:<8} M={m:<4} cuBLAS {cublas:5.2f}  " + "  ".join(
-                f"{key} {line[key + '_partials_us']:5.2f}/{line[key + '_summed_us']:5.2f} "
-                f"(n{line[key + '_config'][0]} k{line[key + '_config'][1]} split{line[key + '_config'][2]}, "
-                f"err {line[key + '_max_err']:.3f})" for key in ("pointers", "tma") if key + "_config" in line)
-                + f"  floor {floor:.2f}", flush=True)
+            print(
+                f"  {name:<8} M={m:<4} cuBLAS {cublas:5.2f}  "
+                + "  ".join(
+                    f"{key} {line[key + '_partials_us']:5.2f}/{line[key + '_summed_us']:5.2f} "
+                    f"(n{line[key + '_config'][0]} k{line[key + '_config'][1]} split{line[key + '_config'][2]}, "
+                    f"err {line[key + '_max_err']:.3f})"
+                    for key in ("pointers", "tma")
+                    if key + "_config" in line
+                )
+                + f"  floor {floor:.2f}",
+                flush=True,
+            )
 
 
 def wide_tiles_bench(rates, results):
@@ -453,6 +639,7 @@ def wide_tiles_bench(rates, results):
     of a ring of 28, so every GEMM reads it from memory, one after another as in a layer chain."""
     from inferlab.plugins import pdl
     from inferlab.plugins.models import split_k_kernel
+
     print("\n== wide GEMMs at 128-256 tokens, cold weights: cuBLAS against Triton tiles (µs a GEMM) ==")
     ring = 28
     for name, (n, k) in {"qkv": (4096, HIDDEN), "gate_up": (2 * INTER, HIDDEN)}.items():
@@ -464,11 +651,26 @@ def wide_tiles_bench(rates, results):
             floor = gemm_floor_us(rates, m, n, k)
             line = {"layer": name, "m": m, "cublas_us": cublas, "floor_us": floor, "configs": {}}
             for block_m, block_n, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4)):
+
                 def run(block_m=block_m, block_n=block_n, warps=warps, stages=stages):
                     for w in weights:
                         split_k_kernel._split_k_kernel[(n // block_n, 1, triton.cdiv(m, block_m))](
-                            x, w, y, m, n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-                            SPLIT=1, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
+                            x,
+                            w,
+                            y,
+                            m,
+                            n,
+                            k,
+                            x.stride(0),
+                            BLOCK_M=block_m,
+                            BLOCK_N=block_n,
+                            BLOCK_K=64,
+                            SPLIT=1,
+                            num_warps=warps,
+                            num_stages=stages,
+                            **pdl.launch_options(x.device),
+                        )
+
                 key = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
                 try:
                     line["configs"][key] = graph_time_us(run, reps=1, replays=11) / ring
@@ -477,8 +679,13 @@ def wide_tiles_bench(rates, results):
             best = min(line["configs"], key=line["configs"].get) if line["configs"] else None
             results.setdefault("wide_tiles", []).append(line)
             top = sorted(line["configs"].items(), key=lambda kv: kv[1])[:4]
-            print(f"  {name:<8} M={m:<4} cuBLAS {cublas:5.2f}  best " + "  ".join(f"{k_} {v:5.2f}" for k_, v in top)
-                  + f"  floor {floor:.2f}" + ("" if best else "  (no config ran)"), flush=True)
+            print(
+                f"  {name:<8} M={m:<4} cuBLAS {cublas:5.2f}  best "
+                + "  ".join(f"{k_} {v:5.2f}" for k_, v in top)
+                + f"  floor {floor:.2f}"
+                + ("" if best else "  (no config ran)"),
+                flush=True,
+            )
 
 
 def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = (4, 8)):
@@ -486,6 +693,7 @@ def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = 
     100..1024 tokens, no cached prefix), over tiles, warps and stages (quick: programs over the
     whole group, 2 stages); flash-attn's varlen and torch's own kernels beside it."""
     from inferlab.plugins.attention import triton_kernels as tk
+
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
@@ -510,37 +718,83 @@ def prefill_bench(rates, results, quick: bool = False, warps: tuple[int, ...] = 
     out = torch.empty_like(q)
     flops = 4 * HEAD_DIM * NUM_HEADS * float((lens * (lens + 1) / 2).sum())
     floor_us = flops / rates.matmul_rate * 1e6
-    max_len, scale = int(lens.max()), HEAD_DIM ** -0.5
-    print(f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) ==")
+    max_len, scale = int(lens.max()), HEAD_DIM**-0.5
+    print(
+        f"\n== prefill attention, {len(lens)} prompts, {total} tokens, floor {floor_us:.1f} µs (FLOPs / matmul rate) =="
+    )
     rows = []
     group = NUM_HEADS // NUM_KV_HEADS
-    sweep = ((group,), (16, 32, 64), (16, 32, 64), warps, (2,)) if quick else \
-        ((1, group), (32, 64, 128), (32, 64), warps, (2, 3))
+    sweep = (
+        ((group,), (16, 32, 64), (16, 32, 64), warps, (2,))
+        if quick
+        else ((1, group), (32, 64, 128), (32, 64), warps, (2, 3))
+    )
     for heads, block_m, block_n, num_warps, stages in itertools.product(*sweep):
         if heads * block_m > 128:  # the accumulator would spill
             continue
-        fn = lambda: tk.paged_prefill(q, cache, out, query_start, seq_lens, tables, max_len, scale,  # noqa: E731
-                                      block_m, block_n, num_warps, stages, heads)
+        fn = lambda: tk.paged_prefill(
+            q,
+            cache,
+            out,
+            query_start,
+            seq_lens,
+            tables,
+            max_len,
+            scale,  # noqa: E731
+            block_m,
+            block_n,
+            num_warps,
+            stages,
+            heads,
+        )
         try:
             us = graph_time_us(fn, reps=5, replays=10)
         except Exception as e:
             print(f"  skip h{heads} m{block_m} n{block_n} w{num_warps} s{stages}: {type(e).__name__}")
             continue
-        rows.append({"kernel": "triton", "heads": heads, "block_m": block_m, "block_n": block_n, "warps": num_warps,
-                     "stages": stages, "us": us})
+        rows.append(
+            {
+                "kernel": "triton",
+                "heads": heads,
+                "block_m": block_m,
+                "block_n": block_n,
+                "warps": num_warps,
+                "stages": stages,
+                "us": us,
+            }
+        )
     if flash_attn_varlen_func is not None:
         cu_k = query_start
-        us = graph_time_us(lambda: flash_attn_varlen_func(q, cache[0], cache[1], cu_seqlens_q=query_start, cu_seqlens_k=cu_k,
-                                                          max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scale,
-                                                          causal=True, block_table=tables), reps=5, replays=10)
+        us = graph_time_us(
+            lambda: flash_attn_varlen_func(
+                q,
+                cache[0],
+                cache[1],
+                cu_seqlens_q=query_start,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_len,
+                max_seqlen_k=max_len,
+                softmax_scale=scale,
+                causal=True,
+                block_table=tables,
+            ),
+            reps=5,
+            replays=10,
+        )
         rows.append({"kernel": "flash_attn", "us": us})
     rows += torch_prefill_rows(q, query_start, max_len, scale)
     rows.sort(key=lambda r: r["us"])
-    for r in rows[:8] + [r for r in rows[8:] if r["kernel"] != "triton" or
-                         (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) in
-                         ((64, 64, 4, 2), (32, 32, 4, 2))]:  # the default before item 55 and after
-        name = f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}" \
-            if r["kernel"] == "triton" else r["kernel"]
+    for r in rows[:8] + [
+        r
+        for r in rows[8:]
+        if r["kernel"] != "triton"
+        or (r.get("block_m"), r.get("block_n"), r.get("warps"), r.get("stages")) in ((64, 64, 4, 2), (32, 32, 4, 2))
+    ]:  # the default before item 55 and after
+        name = (
+            f"triton h{r['heads']} m{r['block_m']} n{r['block_n']} w{r['warps']} s{r['stages']}"
+            if r["kernel"] == "triton"
+            else r["kernel"]
+        )
         print(f"  {name:<28} {r['us']:>8.1f} µs  {flops / r['us'] / 1e6:>6.0f} TFLOP/s")
     results["prefill"] = rows
 
@@ -558,14 +812,17 @@ def torch_prefill_rows(q, query_start, max_len, scale) -> list[dict]:
     k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
     def cudnn(keys, values):
-        return torch.ops.aten._cudnn_attention_forward(q, keys, values, None, query_start, query_start, max_len, max_len,
-                                                       False, 0.0, True, False, scale=scale)
+        return torch.ops.aten._cudnn_attention_forward(
+            q, keys, values, None, query_start, query_start, max_len, max_len, False, 0.0, True, False, scale=scale
+        )
+
     candidates = {
         "cudnn (kv heads)": lambda: cudnn(k, v),
         "cudnn (expanded kv)": lambda: cudnn(k_all, v_all),
         "cudnn + expansion": lambda: cudnn(k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)),
         "torch flash varlen (gqa)": lambda: torch.ops.aten._flash_attention_forward(
-            q, k, v, query_start, query_start, max_len, max_len, 0.0, True, False, scale=scale),
+            q, k, v, query_start, query_start, max_len, max_len, 0.0, True, False, scale=scale
+        ),
     }
     reference = candidates["torch flash varlen (gqa)"]()[0].float()
     for name, fn in candidates.items():
@@ -587,6 +844,7 @@ def elementwise_bench(rates, results):
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
     from inferlab.plugins.models.rms_norm_kernel import add_rms_norm as add_norm_kernel
     from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
+
     print("\n== elementwise (µs) ==")
     rotary = RotaryEmbedding(HEAD_DIM, 40960, 1e6, fused=True).cuda()
     norm_heads, add_norm, act = compiled(rms_norm_heads), compiled(add_rms_norm), compiled(silu_and_mul)
@@ -599,18 +857,22 @@ def elementwise_bench(rates, results):
 
         def unfused():
             q = norm_heads(qkv[:, :q_size].view(-1, NUM_HEADS, HEAD_DIM), qw, 1e-6)
-            k = norm_heads(qkv[:, q_size:q_size + kv_size].view(-1, NUM_KV_HEADS, HEAD_DIM), qw, 1e-6)
+            k = norm_heads(qkv[:, q_size : q_size + kv_size].view(-1, NUM_KV_HEADS, HEAD_DIM), qw, 1e-6)
             return rotary(positions, q, k)
 
         timings = {
             "qk norm+rotary, torch.compile": graph_time_us(unfused),
             "qk norm+rotary, Triton kernel": graph_time_us(
-                lambda: qk_norm_rope(qkv, positions, qw, qw, rotary.cos_sin, 1e-6, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)),
+                lambda: qk_norm_rope(qkv, positions, qw, qw, rotary.cos_sin, 1e-6, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+            ),
         }
         gate_up = torch.randn(m, 2 * INTER, dtype=torch.bfloat16, device="cuda")
         timings["silu*mul, torch.compile"] = graph_time_us(lambda: act(gate_up))
         timings["silu*mul, Triton kernel"] = graph_time_us(lambda: silu_mul_kernel(gate_up))
-        x, residual = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda"), torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        x, residual = (
+            torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda"),
+            torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda"),
+        )
         timings["add+rmsnorm, torch.compile"] = graph_time_us(lambda: add_norm(x, residual, hw, 1e-6))
         timings["add+rmsnorm, Triton kernel"] = graph_time_us(lambda: add_norm_kernel(x, residual, hw, 1e-6))
         print(f"  M={m}: " + "; ".join(f"{k} {v:.2f}" for k, v in timings.items()))
@@ -623,16 +885,21 @@ def sampling_bench(rates, results):
     else) and the logits' bytes over the bandwidth. (The Gumbel-max kernel they replaced is timed
     beside them in BENCHMARKS.md item 91.)"""
     from inferlab.plugins.samplers import sampling_kernel as sk
+
     print("\n== sampling over [batch, vocab] bf16 logits (µs) ==")
     for m in (256, 128, 32, 8):
         logits = torch.randn(m, VOCAB, dtype=torch.bfloat16, device="cuda")
         temperatures = torch.full((m,), 0.6, device="cuda")
-        seeds = torch.randint(0, 2 ** 31, (m,), device="cuda")
+        seeds = torch.randint(0, 2**31, (m,), device="cuda")
         steps = torch.randint(0, 1000, (m,), device="cuda")
-        timings = {"as used": graph_time_us(lambda: sk.sample_tokens(logits, temperatures, seeds, steps)),
-                   "torch argmax": graph_time_us(lambda: logits.argmax(dim=-1))}
+        timings = {
+            "as used": graph_time_us(lambda: sk.sample_tokens(logits, temperatures, seeds, steps)),
+            "torch argmax": graph_time_us(lambda: logits.argmax(dim=-1)),
+        }
         reference = sk.sample_tokens(logits, temperatures, seeds, steps)
-        for chunk, block, chunk_warps, pick_warps in itertools.product((2048, 4096, 8192), (1024, 2048), (4, 8), (4, 8)):
+        for chunk, block, chunk_warps, pick_warps in itertools.product(
+            (2048, 4096, 8192), (1024, 2048), (4, 8), (4, 8)
+        ):
             if block > chunk:
                 continue
             num_chunks = triton.cdiv(VOCAB, chunk)
@@ -642,15 +909,39 @@ def sampling_bench(rates, results):
             tokens = torch.empty(m, dtype=torch.int64, device="cuda")
 
             def masses():
-                sk._chunk_mass_kernel[(m, num_chunks)](logits, logits.stride(0), temperatures, chunk_max, chunk_mass,
-                                                       chunk_arg, VOCAB, CHUNK=chunk, BLOCK=block, PDL=False,
-                                                       num_warps=chunk_warps)
+                sk._chunk_mass_kernel[(m, num_chunks)](
+                    logits,
+                    logits.stride(0),
+                    temperatures,
+                    chunk_max,
+                    chunk_mass,
+                    chunk_arg,
+                    VOCAB,
+                    CHUNK=chunk,
+                    BLOCK=block,
+                    PDL=False,
+                    num_warps=chunk_warps,
+                )
 
             def pick():
-                sk._pick_token_kernel[(m,)](logits, logits.stride(0), temperatures, seeds, steps, chunk_max, chunk_mass,
-                                            chunk_arg, tokens, VOCAB, num_chunks,
-                                            CHUNKS_POW2=triton.next_power_of_2(num_chunks), CHUNK=chunk, PDL=False,
-                                            num_warps=pick_warps)
+                sk._pick_token_kernel[(m,)](
+                    logits,
+                    logits.stride(0),
+                    temperatures,
+                    seeds,
+                    steps,
+                    chunk_max,
+                    chunk_mass,
+                    chunk_arg,
+                    tokens,
+                    VOCAB,
+                    num_chunks,
+                    CHUNKS_POW2=triton.next_power_of_2(num_chunks),
+                    CHUNK=chunk,
+                    PDL=False,
+                    num_warps=pick_warps,
+                )
+
             name = f"chunk {chunk} block {block} warps {chunk_warps}/{pick_warps}"
             timings[name] = graph_time_us(lambda: (masses(), pick()))
             timings[name + ": masses"] = graph_time_us(masses)
@@ -658,40 +949,59 @@ def sampling_bench(rates, results):
             timings[name + ": rows as used"] = float((tokens == reference).sum())
         floor = m * VOCAB * 2 / rates.bandwidth * 1e6
         ranked = sorted((k for k in timings if k.startswith("chunk") and ":" not in k), key=timings.get)
-        print(f"  batch {m}: floor {floor:.1f}; as used {timings['as used']:.1f}; "
-              f"torch argmax {timings['torch argmax']:.1f}; best: "
-              + "; ".join(f"{k} {timings[k]:.1f} (masses {timings[k + ': masses']:.1f}, pick {timings[k + ': pick']:.1f}, "
-                           f"{timings[k + ': rows as used']:.0f} rows as used)" for k in ranked[:4]))
+        print(
+            f"  batch {m}: floor {floor:.1f}; as used {timings['as used']:.1f}; "
+            f"torch argmax {timings['torch argmax']:.1f}; best: "
+            + "; ".join(
+                f"{k} {timings[k]:.1f} (masses {timings[k + ': masses']:.1f}, pick {timings[k + ': pick']:.1f}, "
+                f"{timings[k + ': rows as used']:.0f} rows as used)"
+                for k in ranked[:4]
+            )
+        )
         results["sampling"].append({"m": m, "floor_us": floor, **timings})
 
 
-def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_gemm_tokens: int | None = None,
-                  attention_options: dict | None = None):
+def decoder_stack(
+    layers: int = 28,
+    split_k_tokens: int | None = None,
+    triton_gemm_tokens: int | None = None,
+    attention_options: dict | None = None,
+):
     """A stack of Qwen3-0.6B decoder layers (the qwen3 plugin's own modules, Triton kernels, triton
     backend with attention_options, distinct random weights per layer; split_k_tokens,
     triton_gemm_tokens None: the model's defaults) and
     chain(lens, first_seq): a function that runs the stack over one decode batch of those sequence
     lengths, whose K/V are blocks first_seq... of a shared paged cache."""
     from transformers import Qwen3Config
+
     from inferlab.core.batch import AttentionInputs
     from inferlab.core.parallel import SINGLE
     from inferlab.plugins.attention.triton_attention import TritonAttention
+    from inferlab.plugins.models import rms_norm_kernel
     from inferlab.plugins.models.layers import RotaryEmbedding
     from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
-    from inferlab.plugins.models import rms_norm_kernel
     from inferlab.plugins.models.qwen3 import ModelKernels, Qwen3DecoderLayer, Qwen3Options
     from inferlab.plugins.models.silu_mul_kernel import silu_and_mul
+
     if split_k_tokens is None:
         split_k_tokens = Qwen3Options.split_k_tokens
     if triton_gemm_tokens is None:
         triton_gemm_tokens = Qwen3Options.triton_gemm_tokens
-    config = Qwen3Config(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=NUM_HEADS,
-                         num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB)
+    config = Qwen3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+    )
     backend = TritonAttention(**(attention_options or {}))
     kernels = ModelKernels(qk_norm_rope, silu_and_mul, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
-    stack = torch.nn.ModuleList(Qwen3DecoderLayer(config, backend, SINGLE, True, kernels, split_k_tokens,
-                                                  triton_gemm_tokens)
-                                for _ in range(layers)).to("cuda", torch.bfloat16)
+    stack = torch.nn.ModuleList(
+        Qwen3DecoderLayer(config, backend, SINGLE, True, kernels, split_k_tokens, triton_gemm_tokens)
+        for _ in range(layers)
+    ).to("cuda", torch.bfloat16)
     for param in stack.parameters():
         param.data.normal_(0, 0.02)
     rotary = RotaryEmbedding(HEAD_DIM, 8192, 1e6).cuda()
@@ -701,13 +1011,24 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
 
     def inputs_for(lens, first_seq):
         batch = len(lens)
-        tables = (torch.arange(first_seq, first_seq + batch)[:, None] * max_blocks
-                  + torch.arange(max_blocks)[None, :]).to(torch.int32).cuda()
+        tables = (
+            (torch.arange(first_seq, first_seq + batch)[:, None] * max_blocks + torch.arange(max_blocks)[None, :])
+            .to(torch.int32)
+            .cuda()
+        )
         seq_lens = lens.to(torch.int32).cuda()
-        slots = (tables[:, 0].long() * BLOCK_SIZE + seq_lens.long() - 1)
-        return AttentionInputs(query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-                               seq_lens=seq_lens, context_lens=seq_lens - 1, block_tables=tables, slot_mapping=slots,
-                               max_query_len=1, max_seq_len=4096, is_decode=True, block_size=BLOCK_SIZE)
+        slots = tables[:, 0].long() * BLOCK_SIZE + seq_lens.long() - 1
+        return AttentionInputs(
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+            seq_lens=seq_lens,
+            context_lens=seq_lens - 1,
+            block_tables=tables,
+            slot_mapping=slots,
+            max_query_len=1,
+            max_seq_len=4096,
+            is_decode=True,
+            block_size=BLOCK_SIZE,
+        )
 
     def chain(lens, first_seq=0):
         inputs = inputs_for(lens, first_seq)
@@ -720,15 +1041,24 @@ def decoder_stack(layers: int = 28, split_k_tokens: int | None = None, triton_ge
             for layer, kv in zip(stack, caches):
                 h, residual = layer(positions, h, residual, kv, rotary, metadata)
             return h
+
         return run
+
     return stack, chain
 
 
 def stack_floor_us(lens, layers: int, bandwidth: float) -> float:
     """The decoder stack's floor over one decode batch: its K/V and its weights read once."""
-    return (int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 * layers
-            + layers * (HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM + NUM_HEADS * HEAD_DIM * HIDDEN
-                        + 3 * HIDDEN * INTER) * 2) / bandwidth * 1e6
+    return (
+        (
+            int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 * layers
+            + layers
+            * (HIDDEN * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM + NUM_HEADS * HEAD_DIM * HIDDEN + 3 * HIDDEN * INTER)
+            * 2
+        )
+        / bandwidth
+        * 1e6
+    )
 
 
 @triton.jit
@@ -765,6 +1095,7 @@ def read_bandwidth_bench(rates, results):
         gbps = total / us / 1e3
         rows.append({"pattern": name, "us": us, "GBps": gbps, **config})
         print(f"  {name:<42} {gbps:7.0f} GB/s ({100 * gbps * 1e9 / rates.bandwidth:5.1f}% of the floor's)", flush=True)
+
     print(f"\n== reading 4 GiB (the floor's copy: {rates.bandwidth / 1e9:.0f} GB/s) ==")
     y = torch.empty_like(x)
     record("torch copy (read + write, counted both)", graph_time_us(lambda: y.copy_(x), reps=3, replays=10) / 2)
@@ -772,17 +1103,43 @@ def read_bandwidth_bench(rates, results):
     record("torch sum", graph_time_us(lambda: x.sum(dtype=torch.float32), reps=3, replays=10))
     for span_kib, block, warps, stages in itertools.product((64, 256, 1024), (2048, 8192), (4, 8), (1, 3)):
         span = span_kib * 1024 // 2
-        fn = lambda: _read_span_kernel[(x.numel() // span,)](x, out, span, BLOCK=block, num_warps=warps,  # noqa: E731
-                                                             num_stages=stages)
-        record(f"spans of {span_kib} KiB, block {block}, w{warps} s{stages}", graph_time_us(fn, reps=3, replays=10),
-               span_kib=span_kib, block=block, warps=warps, stages=stages)
+        fn = lambda: _read_span_kernel[(x.numel() // span,)](
+            x,
+            out,
+            span,
+            BLOCK=block,
+            num_warps=warps,  # noqa: E731
+            num_stages=stages,
+        )
+        record(
+            f"spans of {span_kib} KiB, block {block}, w{warps} s{stages}",
+            graph_time_us(fn, reps=3, replays=10),
+            span_kib=span_kib,
+            block=block,
+            warps=warps,
+            stages=stages,
+        )
     row_stride = NUM_KV_HEADS * HEAD_DIM  # a paged cache's token row: every KV head's HEAD_DIM values
     for tokens, block_n, warps, stages in itertools.product((512, 2048), (64, 128), (4, 8), (2, 3, 4)):
         seqs = x.numel() // (tokens * row_stride)
-        fn = lambda: _read_head_rows_kernel[(seqs, NUM_KV_HEADS)](x, out, tokens, row_stride, BLOCK_N=block_n,  # noqa: E731
-                                                                 HEAD_DIM=HEAD_DIM, num_warps=warps, num_stages=stages)
-        record(f"head rows, {tokens} tokens, n{block_n} w{warps} s{stages}", graph_time_us(fn, reps=3, replays=10),
-               tokens=tokens, block_n=block_n, warps=warps, stages=stages)
+        fn = lambda: _read_head_rows_kernel[(seqs, NUM_KV_HEADS)](
+            x,
+            out,
+            tokens,
+            row_stride,
+            BLOCK_N=block_n,  # noqa: E731
+            HEAD_DIM=HEAD_DIM,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        record(
+            f"head rows, {tokens} tokens, n{block_n} w{warps} s{stages}",
+            graph_time_us(fn, reps=3, replays=10),
+            tokens=tokens,
+            block_n=block_n,
+            warps=warps,
+            stages=stages,
+        )
     best = max(rows, key=lambda r: r["GBps"])
     print(f"best: {best['pattern']} at {best['GBps']:.0f} GB/s")
     results["read_bandwidth"] = rows
@@ -814,12 +1171,16 @@ def overlap_bench(rates, results, layers: int = 28):
                 second()
             torch.cuda.current_stream().wait_stream(side)
 
-        timings = {"whole batch": graph_time_us(whole, reps=2, replays=7),
-                   "halves in turn": graph_time_us(lambda: (first(), second()), reps=2, replays=7),
-                   "halves on two streams": graph_time_us(two_streams, reps=2, replays=7)}
+        timings = {
+            "whole batch": graph_time_us(whole, reps=2, replays=7),
+            "halves in turn": graph_time_us(lambda: (first(), second()), reps=2, replays=7),
+            "halves on two streams": graph_time_us(two_streams, reps=2, replays=7),
+        }
         floor_us = stack_floor_us(lens, layers, rates.bandwidth)
-        print(f"  step {t:>4}, batch {len(lens):>3}: floor {floor_us:7.0f}; " +
-              "; ".join(f"{k} {v:7.0f}" for k, v in timings.items()))
+        print(
+            f"  step {t:>4}, batch {len(lens):>3}: floor {floor_us:7.0f}; "
+            + "; ".join(f"{k} {v:7.0f}" for k, v in timings.items())
+        )
         results["overlap"].append({"step": t, "batch": len(lens), "floor_us": floor_us, **timings})
 
 
@@ -827,27 +1188,54 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="attention,linear,linear_candidates,prefill,elementwise,overlap")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true",
-                        help="attention: sweep only the split plan and order; prefill: whole-group programs, 2 stages")
-    parser.add_argument("--warps", default="4,8",
-                        help="warps a program to sweep in attention (without --quick) and prefill, comma-separated")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="attention: sweep only the split plan and order; prefill: whole-group programs, 2 stages",
+    )
+    parser.add_argument(
+        "--warps",
+        default="4,8",
+        help="warps a program to sweep in attention (without --quick) and prefill, comma-separated",
+    )
     parser.add_argument("--stages", default="2,3,4", help="attention (without --quick): pipeline stages to sweep")
     parser.add_argument("--tiles", default="64,128", help="attention (without --quick): keys a tile to sweep")
     args = parser.parse_args()
     ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    results = {"attention": [], "linear": [], "linear_candidates": [], "prefill": [], "elementwise": [],
-               "overlap": [], "sampling": []}
-    parts = {"attention": attention_bench, "linear": linear_bench, "linear_candidates": linear_candidates_bench,
-             "wide_tiles": wide_tiles_bench, "prefill": prefill_bench, "elementwise": elementwise_bench,
-             "overlap": overlap_bench, "sampling": sampling_bench, "read_bandwidth": read_bandwidth_bench,
-             "cublaslt": cublaslt_bench}
+    results = {
+        "attention": [],
+        "linear": [],
+        "linear_candidates": [],
+        "prefill": [],
+        "elementwise": [],
+        "overlap": [],
+        "sampling": [],
+    }
+    parts = {
+        "attention": attention_bench,
+        "linear": linear_bench,
+        "linear_candidates": linear_candidates_bench,
+        "wide_tiles": wide_tiles_bench,
+        "prefill": prefill_bench,
+        "elementwise": elementwise_bench,
+        "overlap": overlap_bench,
+        "sampling": sampling_bench,
+        "read_bandwidth": read_bandwidth_bench,
+        "cublaslt": cublaslt_bench,
+    }
     with torch.inference_mode():
         for part in args.only.split(","):
             if part == "attention":
-                attention_bench(rates, results, quick=args.quick, warps=ints(args.warps), stages=ints(args.stages),
-                                tiles=ints(args.tiles))
+                attention_bench(
+                    rates,
+                    results,
+                    quick=args.quick,
+                    warps=ints(args.warps),
+                    stages=ints(args.stages),
+                    tiles=ints(args.tiles),
+                )
             elif part == "prefill":
                 prefill_bench(rates, results, quick=args.quick, warps=ints(args.warps))
             else:

@@ -40,6 +40,7 @@ CUDA graph.
   memory ahead of the grid barriers, up to 64 rows; and, for attribution, the kernel without its
   barriers, without its activation loads, without both, and with each block reading its own copy
   of the activations."""
+
 import argparse
 import ctypes
 import itertools
@@ -53,16 +54,31 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from microbench_gpu import HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decoder_stack, graph_time_us, \
-    replay_time_us, stack_floor_us, weight_ring, workload_decode_batches  # noqa: E402
+from microbench_gpu import (
+    HEAD_DIM,
+    HIDDEN,
+    INTER,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    decoder_stack,
+    graph_time_us,
+    replay_time_us,
+    stack_floor_us,
+    weight_ring,
+    workload_decode_batches,
+)  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
 from inferlab.plugins.pdl import wait_for_inputs  # noqa: E402
 
 LAYERS = 28
-SHAPES = {"qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, NUM_HEADS * HEAD_DIM),
-          "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+SHAPES = {
+    "qkv": ((NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o": (HIDDEN, NUM_HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
 
 
 @triton.jit
@@ -71,7 +87,12 @@ def bulk_prefetch_l2(byte_ptrs, sizes):
     without waiting for them: one cp.async.bulk.prefetch an element."""
     tl.inline_asm_elementwise(
         "{ .reg .pred pf_p; setp.ne.u32 pf_p, $2, 0; @pf_p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [byte_ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,l,r",
+        [byte_ptrs, sizes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -95,8 +116,20 @@ def l2_prefetch_share(ptr, total_bytes, CHUNK: tl.constexpr, THREADS: tl.constex
 
 
 @triton.jit
-def _norm_kernel(x_ptr, weight_ptr, out_ptr, next_ptr, next_bytes, width, eps, BLOCK: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr):
+def _norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    next_ptr,
+    next_bytes,
+    width,
+    eps,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    THREADS: tl.constexpr,
+):
     row = tl.program_id(0)
     if PREFETCH:  # this program's share of the next GEMM's weight
         l2_prefetch_share(next_ptr, next_bytes, CHUNK, THREADS)
@@ -112,16 +145,40 @@ def _norm_kernel(x_ptr, weight_ptr, out_ptr, next_ptr, next_bytes, width, eps, B
 def norm(x, weight, out, pdl=False, next_weight=None, chunk=4096):
     m, width = x.shape
     prefetch = next_weight is not None
-    _norm_kernel[(m,)](x, weight, out, next_weight if prefetch else x,
-                       next_weight.numel() * next_weight.element_size() if prefetch else 0, width, 1e-6,
-                       BLOCK=triton.next_power_of_2(width), PDL=pdl, PREFETCH=prefetch, CHUNK=chunk, THREADS=128,
-                       num_warps=4, launch_pdl=pdl)
+    _norm_kernel[(m,)](
+        x,
+        weight,
+        out,
+        next_weight if prefetch else x,
+        next_weight.numel() * next_weight.element_size() if prefetch else 0,
+        width,
+        1e-6,
+        BLOCK=triton.next_power_of_2(width),
+        PDL=pdl,
+        PREFETCH=prefetch,
+        CHUNK=chunk,
+        THREADS=128,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK: tl.constexpr,
-                 THREADS: tl.constexpr):
+def _gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    CHUNK: tl.constexpr,
+    THREADS: tl.constexpr,
+):
     """y = x @ w.T, one BLOCK_M x BLOCK_N tile a program."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     if PREFETCH:
@@ -146,8 +203,23 @@ def gemm(x, w, y, block_n, block_k, stages, pdl, prefetch):
     n = w.shape[0]
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     _gemm_kernel[(n // block_n, triton.cdiv(m, block_m))](
-        x, w, y, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, PREFETCH=prefetch,
-        CHUNK=1024, THREADS=128, num_warps=4, num_stages=stages, launch_pdl=pdl)
+        x,
+        w,
+        y,
+        m,
+        n,
+        k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PDL=pdl,
+        PREFETCH=prefetch,
+        CHUNK=1024,
+        THREADS=128,
+        num_warps=4,
+        num_stages=stages,
+        launch_pdl=pdl,
+    )
 
 
 def picked_batches(sizes=(256, 128, 64, 32, 8)):
@@ -175,23 +247,36 @@ def gaps_bench(rates, results):
             for _ in range(5):
                 graph.replay()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
-                   and str(e.device_type).endswith("CUDA")]
+        kernels = [
+            e
+            for e in prof.key_averages()
+            if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")
+        ]
 
         def total(e):
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
         kernel_us = sum(total(e) for e in kernels) / 5
         launches = sum(e.count for e in kernels) / 5
         floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
-        print(f"  batch {len(lens):>3}: graph {graph_us:7.0f}, kernels {kernel_us:7.0f} in {launches:.0f} launches, "
-              f"between kernels {graph_us - kernel_us:6.0f} ({(graph_us - kernel_us) / launches:.2f} a launch); "
-              f"floor {floor_us:.0f}")
+        print(
+            f"  batch {len(lens):>3}: graph {graph_us:7.0f}, kernels {kernel_us:7.0f} in {launches:.0f} launches, "
+            f"between kernels {graph_us - kernel_us:6.0f} ({(graph_us - kernel_us) / launches:.2f} a launch); "
+            f"floor {floor_us:.0f}"
+        )
         top = sorted(kernels, key=total, reverse=True)[:12]
         for e in top:
             print(f"      {total(e) / e.count:7.2f} µs x {e.count / 5:4.0f}  {e.key[:90]}")
-        results["gaps"].append({"batch": len(lens), "graph_us": graph_us, "kernel_us": kernel_us,
-                                "launches": launches, "floor_us": floor_us,
-                                "kernels": [{"name": e.key, "count": e.count / 5, "us": total(e) / e.count} for e in top]})
+        results["gaps"].append(
+            {
+                "batch": len(lens),
+                "graph_us": graph_us,
+                "kernel_us": kernel_us,
+                "launches": launches,
+                "floor_us": floor_us,
+                "kernels": [{"name": e.key, "count": e.count / 5, "us": total(e) / e.count} for e in top],
+            }
+        )
 
 
 def threshold_sweep(rates, lens, option: str, thresholds, replays: int) -> dict:
@@ -204,8 +289,12 @@ def threshold_sweep(rates, lens, option: str, thresholds, replays: int) -> dict:
         del chain
     floor_us = stack_floor_us(lens, LAYERS, rates.bandwidth)
     base = line[f"{option}={thresholds[0]}"]
-    print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
-                                               for k, v in line.items()) + f"; floor {floor_us:.0f}", flush=True)
+    print(
+        f"  batch {len(lens):>3}: "
+        + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)" for k, v in line.items())
+        + f"; floor {floor_us:.0f}",
+        flush=True,
+    )
     return {"batch": len(lens), "floor_us": floor_us, **line}
 
 
@@ -224,8 +313,10 @@ def triton_gemm_bench(rates, results):
 def microbatch_bench(rates, results):
     print("\n== decoder stack, the batch in micro-batches, each on its own stream (µs; % against one) ==")
     _, chain = decoder_stack(LAYERS)
-    streams = {"equal": [torch.cuda.Stream() for _ in range(4)],
-               "prio": [torch.cuda.Stream(priority=-1 if i == 0 else 0) for i in range(4)]}
+    streams = {
+        "equal": [torch.cuda.Stream() for _ in range(4)],
+        "prio": [torch.cuda.Stream(priority=-1 if i == 0 else 0) for i in range(4)],
+    }
     for t, lens in picked_batches((256, 128, 64, 32, 8)):
         line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
         line["one"] = graph_time_us(chain(lens), reps=2, replays=9)
@@ -244,13 +335,21 @@ def microbatch_bench(rates, results):
                     stream.wait_stream(main)
                     with torch.cuda.stream(stream):
                         part_run()
-                for stream in streams[kind][:len(runs)]:
+                for stream in streams[kind][: len(runs)]:
                     main.wait_stream(stream)
+
             line[f"{parts}x{kind}"] = graph_time_us(run, reps=2, replays=9)
         base = line["one"]
-        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
-                                                   for k, v in line.items() if k not in ("batch", "floor_us"))
-              + f"; floor {line['floor_us']:.0f}", flush=True)
+        print(
+            f"  batch {len(lens):>3}: "
+            + "; ".join(
+                f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                for k, v in line.items()
+                if k not in ("batch", "floor_us")
+            )
+            + f"; floor {line['floor_us']:.0f}",
+            flush=True,
+        )
         results["microbatch"].append(line)
 
 
@@ -277,6 +376,7 @@ def _frozen(fn):
         if key not in outputs:
             outputs[key] = fn(*args, **kwargs)
         return outputs[key]
+
     return call
 
 
@@ -311,7 +411,8 @@ def ablation_bench(rates, results):
     variants = [(p, [p]) for p in ABLATIONS] + [
         ("all but attention", [p for p in ABLATIONS if p != "attention"]),
         ("the four GEMMs", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
-        ("the four small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"])]
+        ("the four small kernels", ["input_norm", "qk_norm_rope", "post_norm", "silu_mul"]),
+    ]
     for t, lens in picked_batches():
         base = graph_time_us(chain(lens), reps=2, replays=9)
         line = {"batch": len(lens), "stack_us": base, "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
@@ -322,11 +423,22 @@ def ablation_bench(rates, results):
             finally:
                 unfreeze(undo)
         kv_floor = int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 4 / rates.bandwidth * 1e6
-        print(f"  batch {len(lens):>3}: stack {base:6.0f} (floor {line['floor_us']:.0f}); a layer: "
-              + ", ".join(f"{k} {v:5.1f}" + (f" (floor {weight_bytes[k] / rates.bandwidth * 1e6:.1f})"
-                                               if k in weight_bytes else
-                                               f" (floor {kv_floor:.1f})" if k == "attention" else "")
-                          for k, v in line.items() if k not in ("batch", "stack_us", "floor_us")), flush=True)
+        print(
+            f"  batch {len(lens):>3}: stack {base:6.0f} (floor {line['floor_us']:.0f}); a layer: "
+            + ", ".join(
+                f"{k} {v:5.1f}"
+                + (
+                    f" (floor {weight_bytes[k] / rates.bandwidth * 1e6:.1f})"
+                    if k in weight_bytes
+                    else f" (floor {kv_floor:.1f})"
+                    if k == "attention"
+                    else ""
+                )
+                for k, v in line.items()
+                if k not in ("batch", "stack_us", "floor_us")
+            ),
+            flush=True,
+        )
         results["ablation"].append(line)
 
 
@@ -335,19 +447,33 @@ def attention_chain_bench(rates, results):
     microbench_gpu's attention sweep) under decode plans: tile, programs a multiprocessor, the
     shortest split."""
     print("\n== decoder stack under attention decode plans (µs; % against the defaults) ==")
-    plans = [{}, {"decode_programs_per_sm": 2}, {"decode_programs_per_sm": 3}, {"decode_programs_per_sm": 4},
-             {"decode_programs_per_sm": 6}, {"decode_block_n": 64, "decode_programs_per_sm": 4},
-             {"decode_programs_per_sm": 4, "min_split_len": 512}]
+    plans = [
+        {},
+        {"decode_programs_per_sm": 2},
+        {"decode_programs_per_sm": 3},
+        {"decode_programs_per_sm": 4},
+        {"decode_programs_per_sm": 6},
+        {"decode_block_n": 64, "decode_programs_per_sm": 4},
+        {"decode_programs_per_sm": 4, "min_split_len": 512},
+    ]
     chains = [(plan, decoder_stack(LAYERS, attention_options=plan)[1]) for plan in plans]
     for t, lens in picked_batches():
         line = {"batch": len(lens), "floor_us": stack_floor_us(lens, LAYERS, rates.bandwidth)}
         for plan, chain in chains:
-            line[",".join(f"{k}={v}" for k, v in plan.items()) or "defaults"] = graph_time_us(chain(lens), reps=2,
-                                                                                              replays=9)
+            line[",".join(f"{k}={v}" for k, v in plan.items()) or "defaults"] = graph_time_us(
+                chain(lens), reps=2, replays=9
+            )
         base = line["defaults"]
-        print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
-                                                   for k, v in line.items() if k not in ("batch", "floor_us"))
-              + f"; floor {line['floor_us']:.0f}", flush=True)
+        print(
+            f"  batch {len(lens):>3}: "
+            + "; ".join(
+                f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                for k, v in line.items()
+                if k not in ("batch", "floor_us")
+            )
+            + f"; floor {line['floor_us']:.0f}",
+            flush=True,
+        )
         results["attention_chain"].append(line)
 
 
@@ -356,6 +482,7 @@ def split_k_plans_bench(rates, results):
     64-column blocks, K in 2 or 4 parts, against split_k_kernel.plan's own (item 53: 32 columns in
     2 parts at 65-128 rows, 64 columns in 2 parts above)."""
     from inferlab.plugins.models import split_k_kernel
+
     print("\n== decoder stack, o_proj and down_proj split-K plans above 64 tokens (µs; % against the default) ==")
     original = split_k_kernel.plan
     variants = [(64, 2), (64, 4), (32, 2), (32, 4)]
@@ -365,7 +492,9 @@ def split_k_plans_bench(rates, results):
             if num_tokens <= 64:
                 return original(n, k, num_tokens)
             return split_k_kernel.fit(n, k, block_n, (split,))
+
         return plan
+
     _, chain = decoder_stack(LAYERS)
     try:
         for t, lens in picked_batches((256, 192, 128, 96, 72)):
@@ -375,9 +504,16 @@ def split_k_plans_bench(rates, results):
                 line[f"n{block_n} split {split}"] = graph_time_us(chain(lens), reps=2, replays=9)
             default = original(*SHAPES["o"], len(lens))
             base = line[f"n{default.block_n} split {default.split}"]
-            print(f"  batch {len(lens):>3}: " + "; ".join(f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
-                                                       for k, v in line.items() if k not in ("batch", "floor_us"))
-                  + f"; floor {line['floor_us']:.0f}", flush=True)
+            print(
+                f"  batch {len(lens):>3}: "
+                + "; ".join(
+                    f"{k} {v:6.0f} ({100 * (v - base) / base:+.1f}%)"
+                    for k, v in line.items()
+                    if k not in ("batch", "floor_us")
+                )
+                + f"; floor {line['floor_us']:.0f}",
+                flush=True,
+            )
             results["split_k_plans"].append(line)
     finally:
         split_k_kernel.plan = original
@@ -428,15 +564,21 @@ def barrier_bench(rates, results):
         def barriers():
             counter.zero_()
             _grid_barrier_kernel[(programs,)](counter, out, 280, num_warps=4)
+
         line = {"programs": programs, "barrier_us": graph_time_us(barriers, reps=1, replays=11) / 280}
         assert int(out[0]) == 280 * programs, (int(out[0]), 280 * programs)
         for use_pdl in (False, True):
+
             def kernels():
                 for _ in range(280):
                     _tiny_kernel[(programs,)](out, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+
             line["pdl_kernel_us" if use_pdl else "kernel_us"] = graph_time_us(kernels, reps=1, replays=11) / 280
-        print(f"  {programs} programs: barrier {line['barrier_us']:.2f}, kernel boundary {line['kernel_us']:.2f}, "
-              f"with PDL {line['pdl_kernel_us']:.2f}", flush=True)
+        print(
+            f"  {programs} programs: barrier {line['barrier_us']:.2f}, kernel boundary {line['kernel_us']:.2f}, "
+            f"with PDL {line['pdl_kernel_us']:.2f}",
+            flush=True,
+        )
         results["barrier"].append(line)
 
 
@@ -460,8 +602,22 @@ def _chain_slab(item, N: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexp
 
 
 @triton.jit
-def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, item, PRE_K: tl.constexpr, w_pre):
+def _chain_item(
+    x_ptr,
+    x_stride,
+    w_ptr,
+    out_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    item,
+    PRE_K: tl.constexpr,
+    w_pre,
+):
     """One item (column block, split, row block) of a GEMM of the persistent_chain part, split_k_kernel's
     tiles: out[split] = x @ w.T over K's split-th part. With PRE_K, the weight's first PRE_K columns
     are already in registers (w_pre): one dot over them, then the rest of K in BLOCK_K steps.
@@ -473,8 +629,7 @@ def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.const
     k_first = split * (K // SPLIT)
     if PRE_K > 0:
         pre = k_first + tl.arange(0, PRE_K)
-        a_pre = tl.load(x_ptr + rows[:, None] * x_stride + pre[None, :], mask=row_mask, other=0.0,
-                        cache_modifier=".cg")
+        a_pre = tl.load(x_ptr + rows[:, None] * x_stride + pre[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
         acc = tl.dot(a_pre, tl.trans(w_pre))
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -488,8 +643,21 @@ def _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _chain_phase(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, first_item, item_step):
+def _chain_phase(
+    x_ptr,
+    x_stride,
+    w_ptr,
+    out_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    first_item,
+    item_step,
+):
     """A GEMM's items first_item, first_item + item_step, ... (_chain_item)."""
     for item in range(first_item, _chain_items(M, N, BLOCK_M, BLOCK_N, SPLIT), item_step):
         _chain_item(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, item, 0, 0)
@@ -508,25 +676,48 @@ def _chain_sum(parts_ptr, out_ptr, M, N: tl.constexpr, SPLIT: tl.constexpr, firs
 
 
 @triton.jit
-def _chain_prefetch(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SPLIT: tl.constexpr, first_item, item_step):
+def _chain_prefetch(
+    w_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    first_item,
+    item_step,
+):
     """Ask L2 for the weight rows this program's items of a later _chain_phase will read: one
     cp.async.bulk.prefetch a row segment, without waiting for it."""
     k_per_split = K // SPLIT
     for item in range(first_item, _chain_items(M, N, BLOCK_M, BLOCK_N, SPLIT), item_step):
         split, cols = _chain_slab(item, N, BLOCK_N, SPLIT)
-        bulk_prefetch_l2((w_ptr + cols.to(tl.int64) * K + split * k_per_split).to(tl.pointer_type(tl.int8)),
-                         tl.full([BLOCK_N], k_per_split * 2, tl.int32))
+        bulk_prefetch_l2(
+            (w_ptr + cols.to(tl.int64) * K + split * k_per_split).to(tl.pointer_type(tl.int8)),
+            tl.full([BLOCK_N], k_per_split * 2, tl.int32),
+        )
 
 
 @triton.jit
-def _chain_phase_kernel(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                        PDL: tl.constexpr):
+def _chain_phase_kernel(
+    x_ptr,
+    x_stride,
+    w_ptr,
+    out_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One GEMM of the chain as its own kernel, one item a program."""
     wait_for_inputs(PDL)
-    _chain_phase(x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, tl.program_id(0),
-                 tl.num_programs(0))
+    _chain_phase(
+        x_ptr, x_stride, w_ptr, out_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, tl.program_id(0), tl.num_programs(0)
+    )
 
 
 @triton.jit
@@ -537,11 +728,34 @@ def _chain_sum_kernel(parts_ptr, out_ptr, M, N: tl.constexpr, SPLIT: tl.constexp
 
 
 @triton.jit
-def _persistent_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_d, w_qkv, counter_ptr, M, layers,
-                             N_QKV: tl.constexpr, N_O: tl.constexpr, K_O: tl.constexpr, N_GU: tl.constexpr,
-                             K_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BN_O: tl.constexpr, S_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
-                             S_D: tl.constexpr, BN_QKV: tl.constexpr, PREFETCH: tl.constexpr):
+def _persistent_chain_kernel(
+    qkv_ptr,
+    o_ptr,
+    h_ptr,
+    gu_ptr,
+    d_ptr,
+    w_o,
+    w_gu,
+    w_d,
+    w_qkv,
+    counter_ptr,
+    M,
+    layers,
+    N_QKV: tl.constexpr,
+    N_O: tl.constexpr,
+    K_O: tl.constexpr,
+    N_GU: tl.constexpr,
+    K_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BN_O: tl.constexpr,
+    S_O: tl.constexpr,
+    BN_GU: tl.constexpr,
+    BN_D: tl.constexpr,
+    S_D: tl.constexpr,
+    BN_QKV: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """The whole chain (o, its sum, gate_up, down, its sum, qkv; layers times) in one kernel, a
     grid-wide barrier where the chain of kernels has a kernel boundary. With PREFETCH each program
     first asks L2 for its share of the next GEMM's weight, so those bytes stream while this GEMM
@@ -578,8 +792,18 @@ def _persistent_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
 
 
 @triton.jit
-def _chain_preload(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, PRE_K: tl.constexpr, item, valid):
+def _chain_preload(
+    w_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRE_K: tl.constexpr,
+    item,
+    valid,
+):
     """The first PRE_K columns of item's weight slab, into registers (zeros where not valid)."""
     split, cols = _chain_slab(item, N, BLOCK_N, SPLIT)
     ks = split * (K // SPLIT) + tl.arange(0, PRE_K)
@@ -588,9 +812,22 @@ def _chain_preload(w_ptr, M, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.const
 
 
 @triton.jit
-def _chain_phase_preloaded(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                           PRE_K: tl.constexpr, w_pre, item):
+def _chain_phase_preloaded(
+    x_ptr,
+    x_stride,
+    w_ptr,
+    out_ptr,
+    M,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRE_K: tl.constexpr,
+    w_pre,
+    item,
+):
     """A GEMM's one item for this program, if it has one, its weight's first PRE_K columns
     preloaded (w_pre)."""
     if item < _chain_items(M, N, BLOCK_M, BLOCK_N, SPLIT):
@@ -598,12 +835,37 @@ def _chain_phase_preloaded(x_ptr, x_stride, w_ptr, out_ptr, M, N: tl.constexpr, 
 
 
 @triton.jit
-def _preloading_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_d, w_qkv, counter_ptr, M, layers,
-                             N_QKV: tl.constexpr, N_O: tl.constexpr, K_O: tl.constexpr, N_GU: tl.constexpr,
-                             K_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BN_O: tl.constexpr, S_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr,
-                             S_D: tl.constexpr, BN_QKV: tl.constexpr, PK_O: tl.constexpr, PK_GU: tl.constexpr,
-                             PK_D: tl.constexpr, PK_QKV: tl.constexpr):
+def _preloading_chain_kernel(
+    qkv_ptr,
+    o_ptr,
+    h_ptr,
+    gu_ptr,
+    d_ptr,
+    w_o,
+    w_gu,
+    w_d,
+    w_qkv,
+    counter_ptr,
+    M,
+    layers,
+    N_QKV: tl.constexpr,
+    N_O: tl.constexpr,
+    K_O: tl.constexpr,
+    N_GU: tl.constexpr,
+    K_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BN_O: tl.constexpr,
+    S_O: tl.constexpr,
+    BN_GU: tl.constexpr,
+    BN_D: tl.constexpr,
+    S_D: tl.constexpr,
+    BN_QKV: tl.constexpr,
+    PK_O: tl.constexpr,
+    PK_GU: tl.constexpr,
+    PK_D: tl.constexpr,
+    PK_QKV: tl.constexpr,
+):
     """_persistent_chain_kernel where every GEMM has at most one item a program (batches of up to
     64 rows): each program loads the first columns of its next GEMM's weight slab into registers as
     soon as it has stored its part of the current GEMM, so that read streams during the partial
@@ -631,8 +893,9 @@ def _preloading_chain_kernel(qkv_ptr, o_ptr, h_ptr, gu_ptr, d_ptr, w_o, w_gu, w_
         rounds = grid_barrier(counter_ptr, rounds, programs)
         _chain_sum(d_ptr, h_ptr, M, N_O, S_D, pid, programs)
         rounds = grid_barrier(counter_ptr, rounds, programs)
-        _chain_phase_preloaded(h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, PK_QKV,
-                               pre_qkv, pid)
+        _chain_phase_preloaded(
+            h_ptr, N_O, wqkv, qkv_ptr, M, N_QKV, N_O, BLOCK_M, BN_QKV, BLOCK_K, 1, PK_QKV, pre_qkv, pid
+        )
         pre_o = _chain_preload(wo + size_o, M, N_O, K_O, BLOCK_M, BN_O, S_O, PK_O, pid, layer + 1 < layers)
         rounds = grid_barrier(counter_ptr, rounds, programs)
 
@@ -644,7 +907,8 @@ def chain_weights():
     n_o, n_gu, k_d = HIDDEN, 2 * INTER, INTER
 
     def ring(n, k):
-        return torch.randn(LAYERS, n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+        return torch.randn(LAYERS, n, k, dtype=torch.bfloat16, device="cuda") * k**-0.5
+
     return (n_qkv, k_o, n_o, n_gu, k_d), (ring(n_o, k_o), ring(n_gu, n_o), ring(n_o, k_d), ring(n_qkv, n_o))
 
 
@@ -661,6 +925,7 @@ def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int =
     registers before the barrier (its single dot over them may round differently from the loop's
     steps, so its outputs are compared, not asserted equal)."""
     from inferlab.plugins.models import split_k_kernel
+
     print("\n== a layer's GEMMs and partial sums: kernels with PDL against one persistent kernel (µs a layer) ==")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     (n_qkv, k_o, n_o, n_gu, k_d), (w_o, w_gu, w_d, w_qkv) = chain_weights()
@@ -682,9 +947,23 @@ def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int =
 
         def gemm(x, x_stride, w, out, n, k, bn, split, pdl):
             items = n // bn * split * triton.cdiv(m, block_m)
-            _chain_phase_kernel[(items,)](x, x_stride, w, out, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=bn,
-                                          BLOCK_K=block_k, SPLIT=split, PDL=pdl, num_warps=4, num_stages=stages,
-                                          launch_pdl=pdl)
+            _chain_phase_kernel[(items,)](
+                x,
+                x_stride,
+                w,
+                out,
+                m,
+                N=n,
+                K=k,
+                BLOCK_M=block_m,
+                BLOCK_N=bn,
+                BLOCK_K=block_k,
+                SPLIT=split,
+                PDL=pdl,
+                num_warps=4,
+                num_stages=stages,
+                launch_pdl=pdl,
+            )
 
         def partial_sum(parts, split, pdl):
             _chain_sum_kernel[(m,)](parts, bufs["h"], m, N=n_o, SPLIT=split, PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -703,10 +982,35 @@ def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int =
             b = bufs
             counter.zero_()
             return _persistent_chain_kernel[(programs,)](
-                b["qkv"], b["o"], b["h"], b["gu"], b["d"], w_o, w_gu, w_d, w_qkv, counter, m, layers,
-                N_QKV=n_qkv, N_O=n_o, K_O=k_o, N_GU=n_gu, K_D=k_d, BLOCK_M=block_m, BLOCK_K=block_k,
-                BN_O=plan_o.block_n, S_O=plan_o.split, BN_GU=bn_gu, BN_D=plan_d.block_n, S_D=plan_d.split,
-                BN_QKV=bn_qkv, PREFETCH=prefetch, num_warps=4, num_stages=stages)
+                b["qkv"],
+                b["o"],
+                b["h"],
+                b["gu"],
+                b["d"],
+                w_o,
+                w_gu,
+                w_d,
+                w_qkv,
+                counter,
+                m,
+                layers,
+                N_QKV=n_qkv,
+                N_O=n_o,
+                K_O=k_o,
+                N_GU=n_gu,
+                K_D=k_d,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
+                BN_O=plan_o.block_n,
+                S_O=plan_o.split,
+                BN_GU=bn_gu,
+                BN_D=plan_d.block_n,
+                S_D=plan_d.split,
+                BN_QKV=bn_qkv,
+                PREFETCH=prefetch,
+                num_warps=4,
+                num_stages=stages,
+            )
 
         # Results first: the persistent kernel must reproduce the chain of kernels bit for bit.
         fresh()
@@ -721,46 +1025,98 @@ def persistent_chain_bench(rates, results, stages: int = 4, preload_bytes: int =
                 assert torch.equal(bufs[name], value), (m, prefetch, name, (bufs[name] - value).abs().max())
         assert int(counter) == 12 * sms, int(counter)
         # At up to 64 rows every GEMM has at most one item a program: the preloading kernel applies.
-        items = max(n // bn * split * triton.cdiv(m, block_m) for n, bn, split in
-                    ((n_o, plan_o.block_n, plan_o.split), (n_gu, bn_gu, 1), (n_o, plan_d.block_n, plan_d.split),
-                     (n_qkv, bn_qkv, 1)))
-        preload_k = {name: min(k // split, preload_bytes // (bn * 2)) for name, k, bn, split in
-                     (("PK_O", k_o, plan_o.block_n, plan_o.split), ("PK_GU", n_o, bn_gu, 1),
-                      ("PK_D", k_d, plan_d.block_n, plan_d.split), ("PK_QKV", n_o, bn_qkv, 1))}
+        items = max(
+            n // bn * split * triton.cdiv(m, block_m)
+            for n, bn, split in (
+                (n_o, plan_o.block_n, plan_o.split),
+                (n_gu, bn_gu, 1),
+                (n_o, plan_d.block_n, plan_d.split),
+                (n_qkv, bn_qkv, 1),
+            )
+        )
+        preload_k = {
+            name: min(k // split, preload_bytes // (bn * 2))
+            for name, k, bn, split in (
+                ("PK_O", k_o, plan_o.block_n, plan_o.split),
+                ("PK_GU", n_o, bn_gu, 1),
+                ("PK_D", k_d, plan_d.block_n, plan_d.split),
+                ("PK_QKV", n_o, bn_qkv, 1),
+            )
+        }
 
         def preloading(layers=LAYERS):
             b = bufs
             counter.zero_()
             _preloading_chain_kernel[(sms,)](
-                b["qkv"], b["o"], b["h"], b["gu"], b["d"], w_o, w_gu, w_d, w_qkv, counter, m, layers,
-                N_QKV=n_qkv, N_O=n_o, K_O=k_o, N_GU=n_gu, K_D=k_d, BLOCK_M=block_m, BLOCK_K=block_k,
-                BN_O=plan_o.block_n, S_O=plan_o.split, BN_GU=bn_gu, BN_D=plan_d.block_n, S_D=plan_d.split,
-                BN_QKV=bn_qkv, **preload_k, num_warps=4, num_stages=stages)
+                b["qkv"],
+                b["o"],
+                b["h"],
+                b["gu"],
+                b["d"],
+                w_o,
+                w_gu,
+                w_d,
+                w_qkv,
+                counter,
+                m,
+                layers,
+                N_QKV=n_qkv,
+                N_O=n_o,
+                K_O=k_o,
+                N_GU=n_gu,
+                K_D=k_d,
+                BLOCK_M=block_m,
+                BLOCK_K=block_k,
+                BN_O=plan_o.block_n,
+                S_O=plan_o.split,
+                BN_GU=bn_gu,
+                BN_D=plan_d.block_n,
+                S_D=plan_d.split,
+                BN_QKV=bn_qkv,
+                **preload_k,
+                num_warps=4,
+                num_stages=stages,
+            )
+
         if items <= sms:
             fresh()
             preloading(layers=2)
             torch.cuda.synchronize()
-            differences = {name: (bufs[name].float() - value.float()).abs().max().item()
-                           for name, value in expected.items()}
-            print(f"  M={m:<4} preloading kernel against the chain of kernels, largest difference: {differences} "
-                  f"(preloaded columns {preload_k})", flush=True)
+            differences = {
+                name: (bufs[name].float() - value.float()).abs().max().item() for name, value in expected.items()
+            }
+            print(
+                f"  M={m:<4} preloading kernel against the chain of kernels, largest difference: {differences} "
+                f"(preloaded columns {preload_k})",
+                flush=True,
+            )
             assert int(counter) == 12 * sms, int(counter)
         resident = min(228 * 1024 // max(compiled.metadata.shared, 1), 65536 // (compiled.n_regs * 128), 3)
         floor = max(weight_bytes / rates.bandwidth, 2 * m * weight_bytes / 2 / rates.matmul_rate) * 1e6
         fresh()
-        line = {"m": m, "floor_us": floor, "shared": compiled.metadata.shared, "regs": compiled.n_regs,
-                "kernels_pdl_us": graph_time_us(kernels, reps=1, replays=11) / LAYERS,
-                "kernels_plain_us": graph_time_us(lambda: kernels(False), reps=1, replays=11) / LAYERS}
+        line = {
+            "m": m,
+            "floor_us": floor,
+            "shared": compiled.metadata.shared,
+            "regs": compiled.n_regs,
+            "kernels_pdl_us": graph_time_us(kernels, reps=1, replays=11) / LAYERS,
+            "kernels_plain_us": graph_time_us(lambda: kernels(False), reps=1, replays=11) / LAYERS,
+        }
         for per_sm in range(1, resident + 1):
             for prefetch in (False, True):
-                line[f"persistent_{per_sm}_sm{'_prefetch' if prefetch else ''}_us"] = graph_time_us(
-                    lambda: persistent(per_sm * sms, prefetch), reps=1, replays=11) / LAYERS
+                line[f"persistent_{per_sm}_sm{'_prefetch' if prefetch else ''}_us"] = (
+                    graph_time_us(lambda: persistent(per_sm * sms, prefetch), reps=1, replays=11) / LAYERS
+                )
                 assert int(counter) == 6 * LAYERS * per_sm * sms, int(counter)  # no barrier gave up
         if items <= sms:
             line["preloading_us"] = graph_time_us(preloading, reps=1, replays=11) / LAYERS
             assert int(counter) == 6 * LAYERS * sms, int(counter)
-        print(f"  M={m:<4} " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us"))
-              + f" (shared {line['shared']} B, {line['regs']} registers)", flush=True)
+        print(
+            f"  M={m:<4} "
+            + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us"))
+            + f" (shared {line['shared']} B, {line['regs']} registers)",
+            flush=True,
+        )
         results["persistent_chain"].append(line)
 
 
@@ -769,11 +1125,11 @@ def build_stream_chain():
     import shutil
     import subprocess
     import tempfile
+
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_chain.cu")
     library = os.path.join(tempfile.mkdtemp(), "libstream_chain.so")
-    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", library, source],
-                   check=True)
+    subprocess.run([nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-o", library, source], check=True)
     lib = ctypes.CDLL(library)
     lib.stream_chain_launch.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 10 + [ctypes.c_void_p] * 2
     lib.stream_chain_launch.restype = ctypes.c_int
@@ -802,17 +1158,38 @@ def stream_chain_bench(rates, results):
     scratch = torch.randn(sms, 64, 6144, dtype=torch.bfloat16, device="cuda")  # each block's own x (diagnostic)
     for m in (64, 32, 16, 8):
         qkv0 = torch.randn(m, n_qkv, dtype=torch.bfloat16, device="cuda")
-        bufs = {"qkv": qkv0.clone(), "h1": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda"),
-                "gu": torch.empty(m, n_gu, dtype=torch.bfloat16, device="cuda"),
-                "h2": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda")}
+        bufs = {
+            "qkv": qkv0.clone(),
+            "h1": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda"),
+            "gu": torch.empty(m, n_gu, dtype=torch.bfloat16, device="cuda"),
+            "h2": torch.empty(m, n_o, dtype=torch.bfloat16, device="cuda"),
+        }
 
         def launch(stages, layers=LAYERS, mode=0):  # one block a multiprocessor, all resident
             counter.zero_()
             err = lib.stream_chain_launch(
-                w_o.data_ptr(), w_gu.data_ptr(), w_d.data_ptr(), w_qkv.data_ptr(), bufs["qkv"].data_ptr(),
-                bufs["h1"].data_ptr(), bufs["gu"].data_ptr(), bufs["h2"].data_ptr(), counter.data_ptr(), m, layers,
-                n_qkv, k_o, n_o, n_gu, k_d, sms, stages, mode, scratch.data_ptr(),
-                torch.cuda.current_stream().cuda_stream)
+                w_o.data_ptr(),
+                w_gu.data_ptr(),
+                w_d.data_ptr(),
+                w_qkv.data_ptr(),
+                bufs["qkv"].data_ptr(),
+                bufs["h1"].data_ptr(),
+                bufs["gu"].data_ptr(),
+                bufs["h2"].data_ptr(),
+                counter.data_ptr(),
+                m,
+                layers,
+                n_qkv,
+                k_o,
+                n_o,
+                n_gu,
+                k_d,
+                sms,
+                stages,
+                mode,
+                scratch.data_ptr(),
+                torch.cuda.current_stream().cuda_stream,
+            )
             assert err == 0, f"stream_chain_launch returned {err}"
 
         # Two layers against torch: float32 products of the bf16 operands, rounded to bf16 between GEMMs.
@@ -829,22 +1206,37 @@ def stream_chain_bench(rates, results):
             torch.cuda.synchronize()
             assert int(counter) == 8 * sms, int(counter)
             return {k: v.clone() for k, v in bufs.items()}
+
         # Each plan against torch, then run again 50 times: a race between the stages' refill and
         # their reads showed as a few runs in a hundred with wrong weight columns (item 81).
         first = {stages: two_layers(stages) for stages in (4, 12)}
-        errors = {k: max(((out[k].float() - v.float()).abs().max() / v.float().abs().max()).item()
-                         for out in first.values()) for k, v in ref.items()}
-        differing_runs = {stages: sum(any(not torch.equal(out[k], first[stages][k]) for k in bufs)
-                                      for out in (two_layers(stages) for _ in range(50))) for stages in first}
+        errors = {
+            k: max(((out[k].float() - v.float()).abs().max() / v.float().abs().max()).item() for out in first.values())
+            for k, v in ref.items()
+        }
+        differing_runs = {
+            stages: sum(
+                any(not torch.equal(out[k], first[stages][k]) for k in bufs)
+                for out in (two_layers(stages) for _ in range(50))
+            )
+            for stages in first
+        }
         plans_agree = all(torch.equal(first[4][k], first[12][k]) for k in bufs)
-        print(f"  M={m:<3} against torch (largest difference / largest value, any plan): "
-              + ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
-              + f"; of 50 repeats, differing from the first: {differing_runs}; 4 and 12 stages agree: {plans_agree}",
-              flush=True)
+        print(
+            f"  M={m:<3} against torch (largest difference / largest value, any plan): "
+            + ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
+            + f"; of 50 repeats, differing from the first: {differing_runs}; 4 and 12 stages agree: {plans_agree}",
+            flush=True,
+        )
         assert max(errors.values()) < 2e-2, errors
         floor = weight_bytes / rates.bandwidth * 1e6
-        line = {"m": m, "floor_us": floor, "max_rel_err": max(errors.values()), "differing_repeats": differing_runs,
-                "plans_agree": plans_agree}
+        line = {
+            "m": m,
+            "floor_us": floor,
+            "max_rel_err": max(errors.values()),
+            "differing_repeats": differing_runs,
+            "plans_agree": plans_agree,
+        }
         for stages in (4, 8, 12):
             bufs["qkv"].copy_(qkv0)
             line[f"stages_{stages}_us"] = graph_time_us(lambda: launch(stages), reps=1, replays=11) / LAYERS
@@ -854,8 +1246,11 @@ def stream_chain_bench(rates, results):
         # each block reading x from its own copy, not all blocks the same lines at once.
         for name, mode in (("no_barriers", 1), ("no_x_loads", 2), ("neither", 3), ("private_x", 4)):
             line[f"{name}_us"] = graph_time_us(lambda: launch(8, mode=mode), reps=1, replays=11) / LAYERS
-        print(f"  M={m:<3} floor {floor:.2f}, " + ", ".join(
-            f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us") and k != "floor_us"), flush=True)
+        print(
+            f"  M={m:<3} floor {floor:.2f}, "
+            + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in line.items() if k.endswith("_us") and k != "floor_us"),
+            flush=True,
+        )
         results["stream_chain"].append(line)
 
 
@@ -871,8 +1266,9 @@ def side_prefetch_bench(rates, results):
     programs = torch.cuda.get_device_properties(0).multi_processor_count
 
     def prefetch(weight):
-        _prefetch_kernel[(programs,)](weight, weight.numel() * weight.element_size(), CHUNK=4096, THREADS=32,
-                                      num_warps=1)
+        _prefetch_kernel[(programs,)](
+            weight, weight.numel() * weight.element_size(), CHUNK=4096, THREADS=32, num_warps=1
+        )
 
     def targets(i, plan):
         layer, after = stack[i], stack[i + 1] if i + 1 < len(stack) else None
@@ -898,6 +1294,7 @@ def side_prefetch_bench(rates, results):
                     for w in _weights:
                         prefetch(w)
                 return _original(x)
+
             o_proj.forward = forward
             undo.append((o_proj, "forward", None))  # a method: the class's again
         return undo
@@ -909,6 +1306,7 @@ def side_prefetch_bench(rates, results):
                 torch.cuda.current_stream().wait_stream(side)
                 forked[0] = False
             return out
+
         return call
 
     plans = ["none", "gate_up, down", "gate_up, down, next qkv"]
@@ -923,9 +1321,17 @@ def side_prefetch_bench(rates, results):
                     unfreeze(undo)
                 line.setdefault(plan, []).append(us)
         base = min(line["none"])
-        print(f"  batch {len(lens):>3}: " + "; ".join(
-            f"{plan} " + "/".join(f"{v:6.0f}" for v in line[plan]) + f" ({100 * (min(line[plan]) - base) / base:+.1f}%)"
-            for plan in plans) + f"; floor {line['floor_us']:.0f}", flush=True)
+        print(
+            f"  batch {len(lens):>3}: "
+            + "; ".join(
+                f"{plan} "
+                + "/".join(f"{v:6.0f}" for v in line[plan])
+                + f" ({100 * (min(line[plan]) - base) / base:+.1f}%)"
+                for plan in plans
+            )
+            + f"; floor {line['floor_us']:.0f}",
+            flush=True,
+        )
         results["side_prefetch"].append(line)
 
 
@@ -937,9 +1343,11 @@ def chain_bench(rates, results):
         bufs = [x, torch.empty_like(x)]
         line = {}
         for pdl in (False, True):
+
             def run():
                 for i in range(280):
                     norm(bufs[i % 2], w, bufs[(i + 1) % 2], pdl=pdl)
+
             line[pdl] = graph_time_us(run, reps=1, replays=11) / 280
         print(f"  M={m:<4} plain {line[False]:.2f}  PDL {line[True]:.2f}")
         results["chain"].append({"m": m, "plain_us": line[False], "pdl_us": line[True]})
@@ -961,11 +1369,12 @@ def prefetch_bench(rates, results):
     for name, n, k, m, nw, weights, x, xn in norm_gemm_cases():
         line = {}
         for mode in ("none", "prefetch", "prefetch+pdl"):
+
             def run():
                 for w in weights:
-                    norm(x, nw, xn, pdl=mode == "prefetch+pdl",
-                         next_weight=None if mode == "none" else w)
+                    norm(x, nw, xn, pdl=mode == "prefetch+pdl", next_weight=None if mode == "none" else w)
                     F.linear(xn, w)
+
             line[mode] = graph_time_us(run, reps=1, replays=11) / LAYERS
         floor = n * k * 2 / rates.bandwidth * 1e6
         print(f"  {name:<8} M={m:<4} " + "  ".join(f"{k_} {v:5.2f}" for k_, v in line.items()) + f"  floor {floor:.2f}")
@@ -981,13 +1390,16 @@ def gemm_bench(rates, results):
             for w in weights:
                 norm(x, nw, xn)
                 F.linear(xn, w)
+
         base = graph_time_us(cublas, reps=1, replays=11) / LAYERS
         best = None
         for block_n, block_k, stages in itertools.product((32, 64, 128), (64, 128), (3, 4)):
+
             def run(pdl=True, prefetch=True):
                 for w in weights:
                     norm(x, nw, xn, pdl=pdl)
                     gemm(xn, w, y, block_n, block_k, stages, pdl, prefetch)
+
             try:
                 us = graph_time_us(run, reps=1, replays=11) / LAYERS
             except Exception as e:
@@ -1002,11 +1414,25 @@ def gemm_bench(rates, results):
         gemm(xn, weights[0], check, block_n, block_k, stages, False, False)
         err = (check.float() - F.linear(xn, weights[0]).float()).abs().max().item()
         floor = n * k * 2 / rates.bandwidth * 1e6
-        print(f"  {name:<8} M={m:<4} cuBLAS {base:5.2f}  triton plain {plain:5.2f}  +PDL {pdl_only:5.2f}  "
-              f"+PDL+prefetch {us:5.2f} (n{block_n} k{block_k} s{stages}; max err {err:.3f})  floor {floor:.2f}")
-        results["gemm"].append({"layer": name, "m": m, "cublas_us": base, "plain_us": plain, "pdl_us": pdl_only,
-                                "pdl_prefetch_us": us, "block_n": block_n, "block_k": block_k, "stages": stages,
-                                "floor_us": floor, "max_err": err})
+        print(
+            f"  {name:<8} M={m:<4} cuBLAS {base:5.2f}  triton plain {plain:5.2f}  +PDL {pdl_only:5.2f}  "
+            f"+PDL+prefetch {us:5.2f} (n{block_n} k{block_k} s{stages}; max err {err:.3f})  floor {floor:.2f}"
+        )
+        results["gemm"].append(
+            {
+                "layer": name,
+                "m": m,
+                "cublas_us": base,
+                "plain_us": plain,
+                "pdl_us": pdl_only,
+                "pdl_prefetch_us": us,
+                "block_n": block_n,
+                "block_k": block_k,
+                "stages": stages,
+                "floor_us": floor,
+                "max_err": err,
+            }
+        )
 
 
 def main():
@@ -1016,12 +1442,22 @@ def main():
     args = parser.parse_args()
     rates = device_rates(torch.device("cuda"), torch.bfloat16)
     print(f"{rates.name}: bandwidth {rates.bandwidth / 1e9:.0f} GB/s, matmul {rates.matmul_rate / 1e12:.0f} TFLOP/s")
-    parts = {"gaps": gaps_bench, "chain": chain_bench, "prefetch": prefetch_bench, "gemm": gemm_bench,
-             "split_k": split_k_bench,
-             "microbatch": microbatch_bench, "triton_gemm": triton_gemm_bench, "ablation": ablation_bench,
-             "attention_chain": attention_chain_bench, "split_k_plans": split_k_plans_bench,
-             "barrier": barrier_bench, "side_prefetch": side_prefetch_bench,
-             "persistent_chain": persistent_chain_bench, "stream_chain": stream_chain_bench}
+    parts = {
+        "gaps": gaps_bench,
+        "chain": chain_bench,
+        "prefetch": prefetch_bench,
+        "gemm": gemm_bench,
+        "split_k": split_k_bench,
+        "microbatch": microbatch_bench,
+        "triton_gemm": triton_gemm_bench,
+        "ablation": ablation_bench,
+        "attention_chain": attention_chain_bench,
+        "split_k_plans": split_k_plans_bench,
+        "barrier": barrier_bench,
+        "side_prefetch": side_prefetch_bench,
+        "persistent_chain": persistent_chain_bench,
+        "stream_chain": stream_chain_bench,
+    }
     results = {part: [] for part in parts}
     with torch.inference_mode():
         for part in args.only.split(","):
@@ -1029,6 +1465,7 @@ def main():
                 parts[part](rates, results)
             except Exception as e:  # one part's failure should not cost the others' figures
                 import traceback
+
                 traceback.print_exc()
                 print(f"part {part} failed: {type(e).__name__}: {e}")
     if args.out:

@@ -8,6 +8,7 @@ engine's own per-step work (scheduler, KV manager, postprocess), where plugin ca
 host; attention and model calls run inside the forward pass (and inside CUDA graphs on GPU).
 
     python scripts/plugin_overhead.py [--repeats 15]"""
+
 import argparse
 import statistics
 import time
@@ -55,14 +56,17 @@ def main():
     load_ms = (time.perf_counter() - start) * 1e3
     settings = dict(kvcache_block_size=16, num_kvcache_blocks=512, max_num_seqs=64, max_model_len=1024)
     # a second direct engine measures the noise: the same code against itself
-    engines = {"registry": stub_forward(LLM(**settings)), "direct": stub_forward(direct(LLM(**settings))),
-               "direct2": stub_forward(direct(LLM(**settings)))}
+    engines = {
+        "registry": stub_forward(LLM(**settings)),
+        "direct": stub_forward(direct(LLM(**settings))),
+        "direct2": stub_forward(direct(LLM(**settings))),
+    }
     prompts = [[(i * 7 + j) % 300 + 3 for j in range(20 + i % 40)] for i in range(64)]
     params = SamplingParams(temperature=0.7, max_tokens=512, ignore_eos=True, seed=1)
     times = {name: [] for name in engines}
     names = list(engines)
     for repeat in range(args.repeats):
-        for name in names[repeat % 3:] + names[:repeat % 3]:  # rotated, so order and drift hit all alike
+        for name in names[repeat % 3 :] + names[: repeat % 3]:  # rotated, so order and drift hit all alike
             llm = engines[name]
             llm.reset_prefix_cache()
             steps = llm.stats.num_steps
@@ -74,8 +78,10 @@ def main():
     print(f"registry load (entry points + hooks + checks), once per process: {load_ms:.1f} ms")
     for name in engines:
         print(f"{name:>8}: {median[name]:.3f} ms a step (median of {args.repeats}; spread {spread[name]:.3f} ms)")
-    print(f"registry vs direct: {100 * (median['registry'] / median['direct'] - 1):+.2f}%   "
-          f"(noise, direct2 vs direct: {100 * (median['direct2'] / median['direct'] - 1):+.2f}%)")
+    print(
+        f"registry vs direct: {100 * (median['registry'] / median['direct'] - 1):+.2f}%   "
+        f"(noise, direct2 vs direct: {100 * (median['direct2'] / median['direct'] - 1):+.2f}%)"
+    )
 
 
 if __name__ == "__main__":

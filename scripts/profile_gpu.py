@@ -13,6 +13,7 @@
 2. Kernels: torch.profiler's top CUDA kernels over a window of decode steps at full batch and
    again once the batch has fallen to --small-batch sequences.
 Uses the bench checkpoint and workload of scripts/bench_gpu.py."""
+
 import argparse
 import os
 import sys
@@ -40,11 +41,17 @@ def timeline(llm, prompts, params):
         start.record()
         handle = launch(batch, *args, **kwargs)
         end.record()
-        records.append({
-            "seqs": len(batch.seqs), "tokens": batch.total_tokens, "decode": batch.num_decode_tokens == batch.total_tokens,
-            # every token the step attends over: each sequence's context plus its new tokens
-            "kv_tokens": sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_scheduled_tokens)),
-            "start": start, "end": end})
+        records.append(
+            {
+                "seqs": len(batch.seqs),
+                "tokens": batch.total_tokens,
+                "decode": batch.num_decode_tokens == batch.total_tokens,
+                # every token the step attends over: each sequence's context plus its new tokens
+                "kv_tokens": sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_scheduled_tokens)),
+                "start": start,
+                "end": end,
+            }
+        )
         return handle
 
     runner.launch = timed_launch
@@ -69,15 +76,20 @@ def describe_run(i, records, wall, conditions):
     idle = sum(r["idle_ms"] for r in records) / 1e3
     prefill = sum(r["gpu_ms"] for r in records if not r["decode"]) / 1e3
     worst_idle = max(r["idle_ms"] for r in records)
-    print(f"run {i}: wall {wall:.3f} s, GPU busy {busy:.3f} s (prefill {prefill:.3f}, decode {busy - prefill:.3f}), "
-          f"idle {idle:.3f} s (longest gap {worst_idle:.1f} ms); {describe_conditions(conditions)}", flush=True)
+    print(
+        f"run {i}: wall {wall:.3f} s, GPU busy {busy:.3f} s (prefill {prefill:.3f}, decode {busy - prefill:.3f}), "
+        f"idle {idle:.3f} s (longest gap {worst_idle:.1f} ms); {describe_conditions(conditions)}",
+        flush=True,
+    )
 
 
 def summarize(records, wall, cost, rates):
     def floor_ms(r):
         if r["decode"]:
             return (cost.weight_bytes + cost.kv_bytes_per_token * r["kv_tokens"]) / rates.bandwidth * 1e3
-        return r["tokens"] * (cost.flops_per_token - cost.head_flops_per_token) / rates.matmul_rate * 1e3  # prefill rows skip the LM head
+        return (
+            r["tokens"] * (cost.flops_per_token - cost.head_flops_per_token) / rates.matmul_rate * 1e3
+        )  # prefill rows skip the LM head
 
     groups = [("prefill/mixed", [r for r in records if not r["decode"]])]
     for lo, hi in BUCKETS:
@@ -93,10 +105,14 @@ def summarize(records, wall, cost, rates):
         idle = sum(r["idle_ms"] for r in rs) / 1e3
         floor = sum(floor_ms(r) for r in rs) / 1e3
         total_busy, total_idle, total_floor = total_busy + busy, total_idle + idle, total_floor + floor
-        print(f"{name:<16} {len(rs):>5} {busy:>10.3f} {idle:>10.3f} {floor:>8.3f} {busy / floor:>10.2f} "
-              f"{(busy + idle) / len(rs) * 1e3:>8.3f} {idle / len(rs) * 1e3:>12.3f}")
-    print(f"{'all':<16} {len(records):>5} {total_busy:>10.3f} {total_idle:>10.3f} {total_floor:>8.3f} "
-          f"{total_busy / total_floor:>10.2f}   (wall {wall:.3f} s)")
+        print(
+            f"{name:<16} {len(rs):>5} {busy:>10.3f} {idle:>10.3f} {floor:>8.3f} {busy / floor:>10.2f} "
+            f"{(busy + idle) / len(rs) * 1e3:>8.3f} {idle / len(rs) * 1e3:>12.3f}"
+        )
+    print(
+        f"{'all':<16} {len(records):>5} {total_busy:>10.3f} {total_idle:>10.3f} {total_floor:>8.3f} "
+        f"{total_busy / total_floor:>10.2f}   (wall {wall:.3f} s)"
+    )
 
 
 def profile_kernels(llm, steps: int, label: str):
@@ -122,11 +138,18 @@ def main():
     parser.add_argument("--runs", type=int, default=1, help="timeline runs, one summary line each (slow-run hunting)")
     args = parser.parse_args()
     import json
+
     parse = lambda items: {k: json.loads(v) for k, v in (i.split("=", 1) for i in items)}  # noqa: E731
     build_checkpoint(args.model_dir, QWEN3_0_6B["num_hidden_layers"])
-    llm = LLM(args.model_dir, attention=args.attention, max_model_len=4096, dtype="bfloat16",
-              kv_cache_dtype=args.kv_cache_dtype,
-              model_options=parse(args.model_option), attention_options=parse(args.attention_option))
+    llm = LLM(
+        args.model_dir,
+        attention=args.attention,
+        max_model_len=4096,
+        dtype="bfloat16",
+        kv_cache_dtype=args.kv_cache_dtype,
+        model_options=parse(args.model_option),
+        attention_options=parse(args.attention_option),
+    )
     prompts, params = workload(256, 1024, 1024)
     rates = device_rates(llm.runner.device, llm.runner.dtype)
     cost = model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype)
@@ -139,8 +162,10 @@ def main():
             t0 = time.perf_counter()
             records, wall = timeline(llm, prompts, params)
             if i == 1:
-                print(f"\n== timeline: {args.attention}, {len(records)} steps, {wall:.3f} s, "
-                      f"{sum(p.max_tokens for p in params) / wall:.0f} output tok/s ==")
+                print(
+                    f"\n== timeline: {args.attention}, {len(records)} steps, {wall:.3f} s, "
+                    f"{sum(p.max_tokens for p in params) / wall:.0f} output tok/s =="
+                )
                 summarize(records, wall, cost, rates)
             if args.runs > 1:
                 describe_run(i, records, wall, {**gc_pauses.summary(), **sampler.summary(t0, time.perf_counter())})
@@ -157,12 +182,18 @@ def main():
     for _ in range(10):  # settle into steady decode
         llm.step()
     torch.cuda.synchronize()
-    profile_kernels(llm, args.steps, f"batch {len(llm.scheduler.running)}, "
-                    f"{sum(s.num_tokens for s in llm.scheduler.running)} cached tokens")
+    profile_kernels(
+        llm,
+        args.steps,
+        f"batch {len(llm.scheduler.running)}, {sum(s.num_tokens for s in llm.scheduler.running)} cached tokens",
+    )
     while len(llm.scheduler.running) > args.small_batch:
         llm.step()
-    profile_kernels(llm, args.steps, f"batch {len(llm.scheduler.running)}, "
-                    f"{sum(s.num_tokens for s in llm.scheduler.running)} cached tokens")
+    profile_kernels(
+        llm,
+        args.steps,
+        f"batch {len(llm.scheduler.running)}, {sum(s.num_tokens for s in llm.scheduler.running)} cached tokens",
+    )
     while not llm.is_finished():
         llm.step()
 

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Qwen3 checkpoints (built once per session per shape), the
 Hugging Face reference for greedy decoding, plugins registered by hand, and one torch thread for
 modules that run many engine steps."""
+
 import os
 import types
 
@@ -11,11 +12,25 @@ from inferlab.tiny_model import make_checkpoint
 
 # Shapes that differ in what the engine must get right: GQA ratio, head_dim vs hidden/heads, tying.
 SHAPES = {
-    "gqa2-tied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
-    "gqa4-untied": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                        tie_word_embeddings=False, num_hidden_layers=3),
-    "mha-wide-head": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                          tie_word_embeddings=False, intermediate_size=96),
+    "gqa2-tied": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True
+    ),
+    "gqa4-untied": dict(
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+    ),
+    "mha-wide-head": dict(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        intermediate_size=96,
+    ),
 }
 
 
@@ -31,6 +46,7 @@ def checkpoint(tmp_path_factory):
         if key not in made:
             made[key] = make_checkpoint(os.path.join(root, f"ck{len(made)}"), **settings)
         return made[key]
+
     return build
 
 
@@ -38,6 +54,7 @@ def checkpoint(tmp_path_factory):
 def hf_greedy():
     """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' Qwen3ForCausalLM picks greedily."""
     from transformers import AutoModelForCausalLM
+
     models = {}
 
     def run(path, prompt_ids, num_tokens):
@@ -47,7 +64,8 @@ def hf_greedy():
         with torch.no_grad():
             for _ in range(num_tokens):
                 ids = torch.cat([ids, models[path](ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-        return ids[0, len(prompt_ids):].tolist()
+        return ids[0, len(prompt_ids) :].tolist()
+
     return run
 
 
@@ -62,6 +80,7 @@ def plugin_module():
         for hook_name, fn in hooks.items():
             setattr(module, hook_name, hookimpl(fn))
         return module
+
     return build
 
 

@@ -37,4 +37,4 @@ def assert_prefixes_readable(seqs, content, block_size: int) -> None:
         full = -(-computed // block_size)
         assert len(seq.block_table) >= full
         for i in range(full):
-            assert content.get(seq.block_table[i]) == tuple(seq.token_ids[:min((i + 1) * block_size, computed)])
+            assert content.get(seq.block_table[i]) == tuple(seq.token_ids[: min((i + 1) * block_size, computed)])

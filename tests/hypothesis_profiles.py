@@ -4,6 +4,7 @@ HYPOTHESIS_PROFILE picks one (default "ci"):
   ci    quick and derandomized, so CI is repeatable and stays within its time budget
   long  thorough local runs:  HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_*properties.py tests/test_engine_fuzz.py
 """
+
 import os
 
 from hypothesis import HealthCheck, settings
@@ -11,10 +12,23 @@ from hypothesis import HealthCheck, settings
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 # derandomize: CI draws the same examples every run, so a failure there reproduces locally.
-settings.register_profile("ci", max_examples=150, stateful_step_count=50, deadline=None, derandomize=True,
-                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("long", max_examples=2000, stateful_step_count=120, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "long",
+    max_examples=2000,
+    stateful_step_count=120,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 if PROFILE not in ("ci", "long"):
     raise ValueError(f"HYPOTHESIS_PROFILE must be 'ci' or 'long', got {PROFILE!r}")
 settings.load_profile(PROFILE)

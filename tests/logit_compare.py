@@ -1,13 +1,21 @@
 """Comparing two engines' bfloat16 outputs on a GPU (tests/test_gpu.py: a backend against the torch
 backend; tests/test_gpu_tp.py: two ranks against one): a workload, a sampler that records logits
 and can force tokens, the logits' distance, and greedy runs that may part only at a near-tie."""
+
 import torch
 
 from inferlab import SamplingParams
 
 # a small random Qwen3 in bfloat16 (head_dim 128, GQA 4), and the engine settings both sides use
-SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=128, tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
 ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=1024)
 CACHE_TOKENS = 16384  # the KV cache of the comparison runs, whatever their block size
 # per-row relative L2 distance of logits from the reference's, both in bfloat16
@@ -23,8 +31,10 @@ def make_requests(vocab_size: int):
     lengths = [700, 300, 17, 1, 513, 1050]
     max_tokens = [40, 24, 64, 8, 33, 5]
     prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    first = [(p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, seed=1000 + i))
-             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    first = [
+        (p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, seed=1000 + i))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
     shared = prompts[0][:600] + torch.randint(0, vocab_size, (50,), generator=gen).tolist()
     second = [(shared, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, seed=2000))]
     return first, second
@@ -76,6 +86,8 @@ def assert_diverged_only_at_near_ties(workload, got_tokens, expected_tokens, exp
         margin = (row[want[mismatch]] - row[got[mismatch]]).item()
         tie = 0.02 * (row.max() - row.min()).item()
         diverged.append((params.seed, mismatch, round(margin, 4), round(tie, 4)))
-        assert margin <= tie, (f"request {params.seed} diverged at token {mismatch}: {got[mismatch]} instead of "
-                               f"{want[mismatch]}, whose logit was {margin:.4f} higher (near-tie bound {tie:.4f})")
+        assert margin <= tie, (
+            f"request {params.seed} diverged at token {mismatch}: {got[mismatch]} instead of "
+            f"{want[mismatch]}, whose logit was {margin:.4f} higher (near-tie bound {tie:.4f})"
+        )
     return diverged

@@ -1,4 +1,5 @@
 """The nano-vllm-compatible surface: LLM(path, **settings).generate(prompts, params, use_tqdm)."""
+
 import pytest
 import torch
 
@@ -7,10 +8,24 @@ from inferlab import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=64, enforce_eager=True,
-               max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5,
-               tensor_parallel_size=1, device="cpu", dtype="float32", scheduler="fcfs", kv_cache="paged",
-               attention="torch", model="qwen3", sampler="default")
+    return LLM(
+        checkpoint("gqa2-tied"),
+        kvcache_block_size=16,
+        num_kvcache_blocks=64,
+        enforce_eager=True,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        max_model_len=256,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=1,
+        device="cpu",
+        dtype="float32",
+        scheduler="fcfs",
+        kv_cache="paged",
+        attention="torch",
+        model="qwen3",
+        sampler="default",
+    )
 
 
 def test_outputs_in_input_order_with_per_prompt_params(llm):
@@ -66,8 +81,12 @@ def test_step_api(llm):
     while not llm.is_finished():
         finished += llm.step()[0]
     assert [s.seq_id for s in finished] == [request_id]
-    assert llm.output(finished[0])["token_ids"] == llm.generate([[4, 5, 6]], SamplingParams(
-        temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]["token_ids"]
+    assert (
+        llm.output(finished[0])["token_ids"]
+        == llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0][
+            "token_ids"
+        ]
+    )
 
 
 def test_embedded_default_model_runs():
@@ -85,8 +104,12 @@ def test_embedded_model_is_built_deterministically(tmp_path):
     from inferlab.tiny_model import make_checkpoint
 
     def digest(path):
-        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())
-                if f.suffix in (".safetensors", ".json")}
+        return {
+            f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(path.iterdir())
+            if f.suffix in (".safetensors", ".json")
+        }
+
     a, b = tmp_path / "a", tmp_path / "b"
     make_checkpoint(str(a))
     make_checkpoint(str(b))

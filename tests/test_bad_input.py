@@ -1,5 +1,6 @@
 """Every bad input gets an exception that says what was wrong and what is allowed, and the same
 engine keeps serving the next request."""
+
 import json
 import os
 import shutil
@@ -28,16 +29,19 @@ def still_works(llm, reference):
     assert llm.is_finished() and llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
 
 
-@pytest.mark.parametrize("prompt, match", [
-    ("", "prompt is empty"),
-    ([], "prompt is empty"),
-    ([1] * 65, "65 tokens, more than max_model_len=64"),
-    ([5, 10**6], r"outside the vocabulary: ids must be in \[0, "),
-    ([5, -1], "outside the vocabulary"),
-    ([[1, 2]], "string or a list of token ids"),
-    ([1, True], "string or a list of token ids"),  # a bool is an int to Python, not a token id
-    ([1, 2.0], "string or a list of token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ("", "prompt is empty"),
+        ([], "prompt is empty"),
+        ([1] * 65, "65 tokens, more than max_model_len=64"),
+        ([5, 10**6], r"outside the vocabulary: ids must be in \[0, "),
+        ([5, -1], "outside the vocabulary"),
+        ([[1, 2]], "string or a list of token ids"),
+        ([1, True], "string or a list of token ids"),  # a bool is an int to Python, not a token id
+        ([1, 2.0], "string or a list of token ids"),
+    ],
+)
 def test_bad_prompts(llm, reference, prompt, match):
     with pytest.raises((ValueError, TypeError), match=match):
         llm.generate([[1, 2, 3], prompt], OK, use_tqdm=False)
@@ -55,24 +59,30 @@ def test_request_that_can_never_fit_the_cache(llm, reference):
         tiny.add_request([1] * 30, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match=message):
         tiny.generate([[1] * 30], SamplingParams(max_tokens=10), use_tqdm=False, raise_on_error=True)
-    failed, served = tiny.generate([[1] * 30, [1] * 10], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-                                   use_tqdm=False)
-    assert failed["finish_reason"] == "error" and failed["token_ids"] == [] and "could never be served" in failed["error"]
+    failed, served = tiny.generate(
+        [[1] * 30, [1] * 10], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    assert (
+        failed["finish_reason"] == "error" and failed["token_ids"] == [] and "could never be served" in failed["error"]
+    )
     assert len(served["token_ids"]) == 5
     still_works(llm, reference)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (dict(temperature=-0.1), "temperature must be a number >= 0"),
-    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=0), "top_k must be -1"),
-    (dict(top_k=-2), "top_k must be -1"),
-    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
-    (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
-    (dict(stop=[""]), "stop must be non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (dict(temperature=-0.1), "temperature must be a number >= 0"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=0), "top_k must be -1"),
+        (dict(top_k=-2), "top_k must be -1"),
+        (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+        (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
+        (dict(stop=[""]), "stop must be non-empty strings"),
+    ],
+)
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -95,12 +105,15 @@ def test_unknown_setting():
         LLM(max_num_seq=3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
-    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
-    (dict(kvcache_block_size=24), "block size must be a power of two >= 16, got 24"),
-    (dict(dtype="float8"), "dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
+        (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
+        (dict(kvcache_block_size=24), "block size must be a power of two >= 16, got 24"),
+        (dict(dtype="float8"), "dtype must be one of"),
+    ],
+)
 def test_bad_settings(checkpoint, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         LLM(checkpoint("gqa2-tied"), **kwargs)
@@ -135,6 +148,7 @@ def test_missing_weights(checkpoint, tmp_path):
 
 def test_missing_shard_of_sharded_checkpoint(tmp_path):
     from inferlab.tiny_model import make_checkpoint
+
     path = make_checkpoint(str(tmp_path / "sharded"), max_shard_size="40KB")
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         victim = sorted(set(json.load(f)["weight_map"].values()))[-1]
@@ -165,5 +179,7 @@ def test_tensors_that_do_not_match(checkpoint, tmp_path):
         LLM(broken(**{"model.extra.weight": original["model.norm.weight"].clone()}))
     with pytest.raises(ValueError, match=r"lacks tensors the model needs: \['model.layers.1.mlp.up_proj.weight'\]"):
         LLM(broken(**{"model.layers.1.mlp.up_proj.weight": None}))
-    with pytest.raises(ValueError, match=r"lacks tensors the model needs: \['model.layers.0.self_attn.k_proj.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"lacks tensors the model needs: \['model.layers.0.self_attn.k_proj.weight'\]"
+    ):
         LLM(broken(**{"model.layers.0.self_attn.k_proj.weight": None}))

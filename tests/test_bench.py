@@ -1,5 +1,6 @@
 """The bench workload: bench.py's exact numbers by default, fitted to the model, shared prefixes
 on request."""
+
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from inferlab.conf import BenchConfig
 def bench_py_workload():
     """nano-vllm's bench.py, verbatim but for the LLM."""
     from random import randint, seed
+
     seed(0)
     num_seqs = 256
     max_input_len = 1024
@@ -37,8 +39,10 @@ def test_fits_a_tiny_vocabulary_and_max_model_len():
     prompts, params = bench_workload(bench, vocab_size=384, max_model_len=64)
     assert len(prompts) == 40
     assert all(0 <= t < 384 for prompt in prompts for t in prompt)
-    assert all(1 <= len(prompt) <= 63 and p.max_tokens >= 1 and len(prompt) + p.max_tokens <= 64
-               for prompt, p in zip(prompts, params))
+    assert all(
+        1 <= len(prompt) <= 63 and p.max_tokens >= 1 and len(prompt) + p.max_tokens <= 64
+        for prompt, p in zip(prompts, params)
+    )
     assert any(len(prompt) == 63 for prompt in prompts)  # some prompts had to be cut
 
 
@@ -53,13 +57,16 @@ def test_shared_prefixes_keep_bench_py_numbers_after_them():
     assert len(prefixes) == 3
 
 
-@pytest.mark.parametrize("settings,message", [
-    (dict(num_seqs=0), "bench.num_seqs must be >= 1"),
-    (dict(min_len=50, max_len=10), "1 <= min_len <= max_len, got 50, 10"),
-    (dict(min_output_len=0), "1 <= min_output_len <= max_output_len"),
-    (dict(num_prefixes=0), "bench.num_prefixes must be >= 1"),
-    (dict(shared_prefix_len=-1), "bench.shared_prefix_len must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(num_seqs=0), "bench.num_seqs must be >= 1"),
+        (dict(min_len=50, max_len=10), "1 <= min_len <= max_len, got 50, 10"),
+        (dict(min_output_len=0), "1 <= min_output_len <= max_output_len"),
+        (dict(num_prefixes=0), "bench.num_prefixes must be >= 1"),
+        (dict(shared_prefix_len=-1), "bench.shared_prefix_len must be >= 0"),
+    ],
+)
 def test_bad_settings_are_named(settings, message):
     with pytest.raises(ValueError, match=message):
         bench_workload(BenchConfig(**settings), vocab_size=384, max_model_len=4096)

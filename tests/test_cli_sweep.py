@@ -1,5 +1,6 @@
 """The `inferlab` app end to end on CPU: the default job, a bench sweep writing one result.json per
 run, and `inferlab-report` turning the sweep into a table, a CSV and a PNG."""
+
 import csv
 import json
 import os
@@ -13,14 +14,26 @@ import pytest
 from inferlab.report import main as report_main
 from inferlab.report import report
 
-ENGINE = ["engine.device=cpu", "engine.kvcache_block_size=16", "engine.num_kvcache_blocks=256", "engine.max_model_len=256"]
-TINY_BENCH = ["job=bench", "bench.num_seqs=6", "bench.min_len=8", "bench.max_len=40", "bench.min_output_len=2",
-              "bench.max_output_len=6"]
+ENGINE = [
+    "engine.device=cpu",
+    "engine.kvcache_block_size=16",
+    "engine.num_kvcache_blocks=256",
+    "engine.max_model_len=256",
+]
+TINY_BENCH = [
+    "job=bench",
+    "bench.num_seqs=6",
+    "bench.min_len=8",
+    "bench.max_len=40",
+    "bench.min_output_len=2",
+    "bench.max_output_len=6",
+]
 
 
 def inferlab(args, cwd, env=None, check=True, command=(sys.executable, "-m", "inferlab")):
-    proc = subprocess.run([*command, *args], cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [*command, *args], cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"inferlab {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -39,8 +52,18 @@ def test_default_command_generates_on_the_tiny_model(tmp_path):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, checkpoint):
     root = tmp_path_factory.mktemp("sweep")
-    proc = inferlab(["-m", "attention=torch", "scheduler=fcfs,lpm", f"model.path={checkpoint('gqa2-tied')}",
-                     f"hydra.sweep.dir={root / 'sweep'}", *TINY_BENCH, *ENGINE], root)
+    proc = inferlab(
+        [
+            "-m",
+            "attention=torch",
+            "scheduler=fcfs,lpm",
+            f"model.path={checkpoint('gqa2-tied')}",
+            f"hydra.sweep.dir={root / 'sweep'}",
+            *TINY_BENCH,
+            *ENGINE,
+        ],
+        root,
+    )
     return root / "sweep", proc
 
 
@@ -50,11 +73,22 @@ def test_sweep_writes_one_result_per_run(sweep, checkpoint):
     assert not (sweep_dir / "2").exists()
     assert [r["plugins"]["scheduler"] for r in results] == ["fcfs", "lpm"]
     for result in results:
-        assert result["plugins"] == {"model": "qwen3", "scheduler": result["plugins"]["scheduler"], "kv_cache": "paged",
-                                     "attention": "torch", "sampler": "default"}
-        assert result["output_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+        assert result["plugins"] == {
+            "model": "qwen3",
+            "scheduler": result["plugins"]["scheduler"],
+            "kv_cache": "paged",
+            "attention": "torch",
+            "sampler": "default",
+        }
+        assert (
+            result["output_tokens_per_s"] > 0
+            and result["prefill_tokens_per_s"] > 0
+            and result["decode_tokens_per_s"] > 0
+        )
         assert result["wall_time_s"] > 0 and result["num_requests"] == 6
-        assert result["num_output_tokens"] == result["num_decode_tokens"] + 6  # each request's first token comes with its prefill
+        assert (
+            result["num_output_tokens"] == result["num_decode_tokens"] + 6
+        )  # each request's first token comes with its prefill
         assert result["num_preemptions"] == 0
         # the floor of this very workload on this device, and how close the run came
         assert 0 < result["floor_seconds"] < result["wall_time_s"]
@@ -88,9 +122,11 @@ def test_report_table_csv_and_png(sweep, capsys):
     png = sweep_dir / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
+
     with Image.open(png) as image:
         image.verify()
     import matplotlib.image
+
     pixels = matplotlib.image.imread(png)
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 300
 
@@ -103,9 +139,19 @@ def test_report_of_an_empty_dir_says_so(tmp_path, capsys):
 
 
 def test_sweep_over_triton_under_the_interpreter(tmp_path, checkpoint):
-    inferlab(["-m", "attention=torch,triton", f"model.path={checkpoint('gqa2-tied')}",
-                     f"hydra.sweep.dir={tmp_path / 'sweep'}", *TINY_BENCH, "bench.num_seqs=2", *ENGINE],
-                    tmp_path, env={"TRITON_INTERPRET": "1"})
+    inferlab(
+        [
+            "-m",
+            "attention=torch,triton",
+            f"model.path={checkpoint('gqa2-tied')}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            *TINY_BENCH,
+            "bench.num_seqs=2",
+            *ENGINE,
+        ],
+        tmp_path,
+        env={"TRITON_INTERPRET": "1"},
+    )
     results = [json.loads((tmp_path / "sweep" / str(i) / "result.json").read_text()) for i in range(2)]
     assert [r["plugins"]["attention"] for r in results] == ["torch", "triton"]
     header, rows = report(str(tmp_path / "sweep"))

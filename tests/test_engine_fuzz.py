@@ -2,14 +2,15 @@
 sampling settings, random small KV budgets and batch limits, block size 16. Every run must end
 with every block free, and the tokens of each request must not depend on the budgets, the batch
 it shared, the submission order or a warm prefix cache."""
+
 from collections import Counter
 
 import pytest
+from engine_books import assert_books_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine_books import assert_books_clean
 from hypothesis_profiles import ENGINE_EXAMPLES
+
 from inferlab import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,28 +21,38 @@ VOCAB = 384  # the tiny tokenizer's; id 0 is EOS
 @st.composite
 def workloads(draw):
     max_model_len = draw(st.integers(8, 96), label="max_model_len")
-    bases = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_model_len),
-                          min_size=1, max_size=3), label="shared prefixes")
+    bases = draw(
+        st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_model_len), min_size=1, max_size=3),
+        label="shared prefixes",
+    )
     prompts, params = [], []
     for _ in range(draw(st.integers(1, 8), label="requests")):
         base = draw(st.sampled_from(bases))
-        prompt = base[:draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=40))
+        prompt = base[: draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1), max_size=40))
         prompts.append((prompt or [draw(st.integers(1, VOCAB - 1))])[:max_model_len])
-        params.append(SamplingParams(
-            temperature=draw(st.sampled_from([0.0, 0.6, 1.0, 1.5])), top_k=draw(st.sampled_from([-1, 1, 5, 50])),
-            top_p=draw(st.sampled_from([1.0, 0.9, 0.5])), min_p=draw(st.sampled_from([0.0, 0.1])),
-            max_tokens=draw(st.integers(1, 24)), ignore_eos=draw(st.booleans()),
-            seed=draw(st.none() | st.integers(0, 2**40)),
-            stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))))
+        params.append(
+            SamplingParams(
+                temperature=draw(st.sampled_from([0.0, 0.6, 1.0, 1.5])),
+                top_k=draw(st.sampled_from([-1, 1, 5, 50])),
+                top_p=draw(st.sampled_from([1.0, 0.9, 0.5])),
+                min_p=draw(st.sampled_from([0.0, 0.1])),
+                max_tokens=draw(st.integers(1, 24)),
+                ignore_eos=draw(st.booleans()),
+                seed=draw(st.none() | st.integers(0, 2**40)),
+                stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+            )
+        )
     return max_model_len, prompts, params
 
 
-budgets = st.fixed_dictionaries({
-    "num_kvcache_blocks": st.integers(1, 12),
-    "max_num_seqs": st.integers(1, 8),
-    "max_num_batched_tokens": st.integers(4, 128),
-    "enable_prefix_caching": st.booleans(),
-})
+budgets = st.fixed_dictionaries(
+    {
+        "num_kvcache_blocks": st.integers(1, 12),
+        "max_num_seqs": st.integers(1, 8),
+        "max_num_batched_tokens": st.integers(4, 128),
+        "enable_prefix_caching": st.booleans(),
+    }
+)
 
 
 @pytest.fixture(scope="module")

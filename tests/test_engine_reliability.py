@@ -1,11 +1,12 @@
 """The engine under stress on CPU: abort, KeyboardInterrupt, KV exhaustion (preemption),
 requests larger than the whole cache, and the garbage collector's pauses."""
+
 import gc
 import random
 
 import pytest
-
 from engine_books import assert_books_clean, assert_books_exact
+
 from inferlab import LLM, SamplingParams
 from inferlab.core import engine
 from inferlab.core.engine import RequestTooLargeError
@@ -39,10 +40,12 @@ def reference(path):
 
     def run(prompts, params=GREEDY):
         return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
     return run
 
 
 # -- abort ------------------------------------------------------------------------------------
+
 
 def test_abort_waiting_request_frees_it_and_others_finish(path, reference):
     llm = make_llm(path, num_kvcache_blocks=16, max_num_seqs=1)
@@ -85,6 +88,7 @@ def test_abort_running_request_frees_all_its_blocks(path, reference, phase):
 
 # -- KeyboardInterrupt ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["forward", "postprocess"])
 @pytest.mark.parametrize("after_steps", [0, 2, 9])
 def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch, where, after_steps):
@@ -105,6 +109,7 @@ def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch,
         if len(calls) > after_steps:
             raise KeyboardInterrupt  # the step's state advanced, then Ctrl-C before the engine saw it
         return result
+
     monkeypatch.setattr(target, method, interrupted)
     # the short one finishes in the first step, so an interrupt there catches it finished but unreported
     params = [SamplingParams(temperature=0, max_tokens=1), GREEDY, GREEDY, GREEDY, GREEDY]
@@ -122,12 +127,15 @@ def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch,
 
 # -- KV exhaustion: preemption ----------------------------------------------------------------
 
+
 def test_exhausted_cache_preempts_counts_and_matches_a_roomy_cache(path, reference):
     # 8 blocks of 16 tokens; each request grows to 30 + 23 = 53 tokens (4 blocks): at most two fit
     llm = make_llm(path, num_kvcache_blocks=8, max_num_seqs=6)
     prompts = prompts_of([30] * 6, seed=4)
-    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                   SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=11)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=11),
+    ):
         before = llm.scheduler.num_preemptions
         outputs = llm.generate(prompts, params, use_tqdm=False)
         preemptions = llm.scheduler.num_preemptions - before
@@ -141,12 +149,15 @@ def test_exhausted_cache_preempts_counts_and_matches_a_roomy_cache(path, referen
 
 # -- requests larger than the whole cache -----------------------------------------------------
 
+
 def test_request_larger_than_the_cache_fails_alone(path, reference):
     llm = make_llm(path, num_kvcache_blocks=4)  # 64 tokens in all
     small, large, exact = prompts_of([10, 60, 60], seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),  # 60 + 6 - 1 = 65 tokens of K/V
-              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]  # 64: fits exactly
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),  # 60 + 6 - 1 = 65 tokens of K/V
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+    ]  # 64: fits exactly
     outputs = llm.generate([small, large, exact], params, use_tqdm=False)
     error = outputs[1]
     assert error["finish_reason"] == "error" and error["token_ids"] == [] and error["text"] == ""
@@ -164,11 +175,14 @@ def test_request_larger_than_the_cache_fails_alone(path, reference):
     assert_books_clean(llm)  # nothing was queued
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([], "prompt 1: the prompt is empty"),
-    ([5, 10**6], "prompt 1: token ids \\[1000000\\] are outside the vocabulary"),
-    (list(range(1, 130)), "prompt 1: the prompt has 129 tokens, more than max_model_len=128"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([], "prompt 1: the prompt is empty"),
+        ([5, 10**6], "prompt 1: token ids \\[1000000\\] are outside the vocabulary"),
+        (list(range(1, 130)), "prompt 1: the prompt has 129 tokens, more than max_model_len=128"),
+    ],
+)
 def test_other_bad_inputs_still_raise_and_queue_nothing(path, bad, message):
     llm = make_llm(path, num_kvcache_blocks=4)
     large = prompts_of([60])[0]
@@ -192,6 +206,7 @@ def test_seeds_do_not_depend_on_which_requests_fit(path):
 
 # -- garbage collection -----------------------------------------------------------------------
 
+
 def tracked_ids() -> set[int]:
     """ids of the objects in the collector's generations (frozen ones are in none)."""
     return {id(o) for o in gc.get_objects()}
@@ -214,7 +229,9 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
                 ids = tracked_ids()
                 seen[name] = (gc.get_freeze_count() > 0, id(older) in ids, id(newer) in ids)
             return real(*args)
+
         monkeypatch.setattr(llm, name, wrapper)
+
     for name in ("make_sequence", "step", "output"):
         recording(name)
     prompts = prompts_of([9, 30], seed=4)
@@ -226,6 +243,7 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
 
     def failing_step():
         raise KeyboardInterrupt
+
     monkeypatch.setattr(llm, "step", failing_step)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -243,6 +261,7 @@ def test_generate_leaves_a_callers_freeze_alone(path, reference, monkeypatch):
     def step():
         made_during.append([])
         return real_step()
+
     monkeypatch.setattr(llm, "step", step)
     gc.freeze()
     try:

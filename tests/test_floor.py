@@ -1,4 +1,5 @@
 """The workload floor: bytes and FLOPs counted from the model's shapes, over measured rates."""
+
 import random
 
 import pytest
@@ -7,10 +8,16 @@ from transformers import Qwen3Config
 
 from inferlab.floor import DeviceRates, device_rates, model_cost, workload_floor
 
-QWEN3_06B = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
-
-
+QWEN3_06B = Qwen3Config(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
 
 
 def test_qwen3_06b_cost():
@@ -39,8 +46,9 @@ def test_a_tensor_parallel_rank_holds_its_share():
     assert sixteen.kv_bytes_per_token == eight.kv_bytes_per_token == one.kv_bytes_per_token // 8
     assert 2 * sixteen.attention_flops_per_pair == eight.attention_flops_per_pair
     # a vocabulary that does not divide is padded, as VocabParallelEmbedding pads it
-    odd = model_cost(Qwen3Config(**{**QWEN3_06B.to_dict(), "vocab_size": 151937}), torch.bfloat16,
-                     tensor_parallel_size=2)
+    odd = model_cost(
+        Qwen3Config(**{**QWEN3_06B.to_dict(), "vocab_size": 151937}), torch.bfloat16, tensor_parallel_size=2
+    )
     assert odd.head_flops_per_token == 2 * 75969 * 1024
 
 
@@ -76,6 +84,7 @@ def test_floor_scales_with_bandwidth():
 
 def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
     import inferlab.floor as floor
+
     monkeypatch.setattr(floor, "CACHE_DIR", str(tmp_path))
     calls = []
     real = floor.measure_rates

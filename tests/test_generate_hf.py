@@ -1,5 +1,6 @@
 """Greedy output equals Hugging Face transformers' Qwen3ForCausalLM, token for token, through every
 path that changes how K/V reach the cache: plain, prefix-cache hits, chunked prefill, preemption."""
+
 import pytest
 
 from inferlab import LLM, SamplingParams
@@ -89,6 +90,7 @@ def test_preemption(checkpoint, hf_greedy):
 
 def test_block_size_256_and_sharded_checkpoint(tmp_path, hf_greedy):
     from inferlab.tiny_model import make_checkpoint
+
     path = make_checkpoint(str(tmp_path / "sharded"), max_shard_size="40KB", tie_word_embeddings=False)
     assert len(list(tmp_path.glob("sharded/*.safetensors"))) > 1
     llm = LLM(path, kvcache_block_size=256, num_kvcache_blocks=4)

@@ -4,17 +4,26 @@ on a small random-weight Qwen3 in bfloat16 (head_dim 128, GQA 4): teacher-forced
 attention=auto's choice, and the KV cache sized from GPU memory.
 
 Run: python -m pytest -m gpu -rP tests/test_gpu.py (-rP prints the measured logit errors)."""
+
 import gc
 import importlib.util
 import logging
 
 import pytest
 import torch
+from logit_compare import (
+    CACHE_TOKENS,
+    ENGINE,
+    LOGITS_RTOL,
+    SHAPE,
+    RecordingSampler,
+    assert_diverged_only_at_near_ties,
+    logits_errors,
+    make_requests,
+)
 
 from inferlab import LLM, SamplingParams
 from inferlab.tiny_model import make_checkpoint
-from logit_compare import (CACHE_TOKENS, ENGINE, LOGITS_RTOL, SHAPE, RecordingSampler, assert_diverged_only_at_near_ties,
-                           logits_errors, make_requests)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,14 +51,22 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workload(model_path):
     from transformers import AutoConfig
+
     return make_requests(AutoConfig.from_pretrained(model_path).vocab_size)
 
 
 def run_engine(path, workload, attention, block_size, enforce_eager, sampler=None, kv_cache_dtype="auto"):
     """Token ids generated for both request groups (the second after the first, so that it hits
     the prefix cache), in order."""
-    llm = LLM(path, attention=attention, kvcache_block_size=block_size, enforce_eager=enforce_eager,
-              num_kvcache_blocks=CACHE_TOKENS // block_size, kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    llm = LLM(
+        path,
+        attention=attention,
+        kvcache_block_size=block_size,
+        enforce_eager=enforce_eager,
+        num_kvcache_blocks=CACHE_TOKENS // block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        **ENGINE,
+    )
     try:
         assert llm.runner.backend.name == attention
         assert (llm.runner.decode_graphs is not None) == (not enforce_eager and llm.runner.backend.supports_cuda_graphs)
@@ -86,9 +103,11 @@ def test_logits_match_torch_backend(model_path, workload, reference, attention, 
     prompt_steps = {(p.seed, len(prompt)) for prompt, p in first + second}  # first token: sampled by prefill
     errors = logits_errors(sampler.logits, expected, prompt_steps)
     for phase, values in errors.items():
-        print(f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'} {phase}: "
-              f"{len(values)} rows, relative logits error vs torch max {max(values):.4f} "
-              f"mean {sum(values) / len(values):.4f}")
+        print(
+            f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'} {phase}: "
+            f"{len(values)} rows, relative logits error vs torch max {max(values):.4f} "
+            f"mean {sum(values) / len(values):.4f}"
+        )
     assert errors["prefill"] and errors["decode"]
     worst = {phase: max(values) for phase, values in errors.items()}
     assert max(worst.values()) <= LOGITS_RTOL, f"logits differ from the torch backend's: {worst}"
@@ -102,9 +121,11 @@ def test_greedy_generations_agree(model_path, workload, reference, attention, bl
     expected_logits, _, expected_tokens = reference
     got_tokens = run_engine(model_path, workload, attention, block_size, enforce_eager)
     diverged = assert_diverged_only_at_near_ties(workload, got_tokens, expected_tokens, expected_logits)
-    print(f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'}: "
-          f"{len(got_tokens) - len(diverged)}/{len(got_tokens)} identical; near-tie divergences "
-          f"(seed, token, margin, bound): {diverged}")
+    print(
+        f"{attention} block {block_size} {'eager' if enforce_eager else 'graphs'}: "
+        f"{len(got_tokens) - len(diverged)}/{len(got_tokens)} identical; near-tie divergences "
+        f"(seed, token, margin, bound): {diverged}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +138,9 @@ def fp8_reference(model_path, workload, reference):
 
 @pytest.mark.parametrize("enforce_eager", GRAPHS)
 @pytest.mark.parametrize("block_size", [256, 16])
-def test_fp8_cache_logits_match_torch_backend(model_path, workload, reference, fp8_reference, block_size,
-                                              enforce_eager):
+def test_fp8_cache_logits_match_torch_backend(
+    model_path, workload, reference, fp8_reference, block_size, enforce_eager
+):
     """kv_cache_dtype=fp8: the triton backend (its kernels store and read fp8) against the torch
     backend over an fp8 cache, as tight as in bf16; and how far fp8 moves the logits from bf16."""
     expected, forced, _ = reference
@@ -129,9 +151,11 @@ def test_fp8_cache_logits_match_torch_backend(model_path, workload, reference, f
     errors = logits_errors(sampler.logits, fp8_reference, prompt_steps)
     from_bf16 = logits_errors(fp8_reference, expected, prompt_steps)
     for phase in errors:
-        print(f"fp8 triton block {block_size} {'eager' if enforce_eager else 'graphs'} {phase}: relative logits "
-              f"error vs torch fp8 max {max(errors[phase]):.4f}; torch fp8 vs torch bf16 max "
-              f"{max(from_bf16[phase]):.4f} mean {sum(from_bf16[phase]) / len(from_bf16[phase]):.4f}")
+        print(
+            f"fp8 triton block {block_size} {'eager' if enforce_eager else 'graphs'} {phase}: relative logits "
+            f"error vs torch fp8 max {max(errors[phase]):.4f}; torch fp8 vs torch bf16 max "
+            f"{max(from_bf16[phase]):.4f} mean {sum(from_bf16[phase]) / len(from_bf16[phase]):.4f}"
+        )
     assert max(max(v) for v in errors.values()) <= LOGITS_RTOL
     assert max(max(v) for v in from_bf16.values()) <= 0.15  # fp8's own rounding, not a misread cache
 
@@ -161,9 +185,11 @@ def test_auto_falls_back_past_triton_and_says_why(model_path, caplog):
         # why for each
         with pytest.raises(ValueError, match="no attention backend can serve") as error:
             LLM(model_path, **settings)
-        for reason in ("triton: block size must be a power of two >= 16, got 768",
-                       "flash_attn: flash-attn is not installed or does not load",
-                       "torch: block size must be a power of two >= 16, got 768"):
+        for reason in (
+            "triton: block size must be a power of two >= 16, got 768",
+            "flash_attn: flash-attn is not installed or does not load",
+            "torch: block size must be a power of two >= 16, got 768",
+        ):
             assert reason in str(error.value)
         return
     llm = LLM(model_path, **settings)
@@ -187,8 +213,10 @@ def test_kv_cache_is_sized_from_gpu_memory(model_path, attention, caplog):
         free, total = torch.cuda.mem_get_info()
         num_blocks = llm.runner.num_kv_blocks
         cache_bytes = llm.runner.kv_cache.numel() * llm.runner.kv_cache.element_size()
-        print(f"{attention}: {num_blocks} KV blocks ({cache_bytes / 2**30:.2f} GiB); "
-              f"{(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use")
+        print(
+            f"{attention}: {num_blocks} KV blocks ({cache_bytes / 2**30:.2f} GiB); "
+            f"{(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB in use"
+        )
         assert f"KV cache: {num_blocks} blocks of 256 tokens" in caplog.text
         assert num_blocks * llm.runner._kv_block_bytes() == cache_bytes
         # the cache takes what the budget leaves: in use now is the budget, less the warm-up's

@@ -5,6 +5,7 @@ generations, with and without CUDA graphs; rank 1 really on cuda:1; and a worker
 mid-generation, reported by rank within seconds, after which a new engine runs on the same GPUs.
 
 Run: python -m pytest -m gpu -rP tests/test_gpu_tp.py (-rP prints the measured logit errors)."""
+
 import gc
 import importlib.util
 import os
@@ -12,21 +13,30 @@ import signal
 
 import pytest
 import torch
+from logit_compare import (
+    CACHE_TOKENS,
+    ENGINE,
+    LOGITS_RTOL,
+    SHAPE,
+    RecordingSampler,
+    assert_diverged_only_at_near_ties,
+    logits_errors,
+    make_requests,
+)
+from worker_processes import alive, assert_nothing_left, child_pids, prompts_of, run_until_failure, shm_entries
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.workers import TensorParallelRunner
 from inferlab.tiny_model import make_checkpoint
-from logit_compare import (CACHE_TOKENS, ENGINE, LOGITS_RTOL, SHAPE, RecordingSampler, assert_diverged_only_at_near_ties,
-                           logits_errors, make_requests)
-from worker_processes import alive, assert_nothing_left, child_pids, prompts_of, run_until_failure, shm_entries
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 
-needs_flash_attn = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
-                                      reason="flash_attn is not importable")
+needs_flash_attn = pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None, reason="flash_attn is not importable"
+)
 BLOCK_SIZE = 256
 # (model, attention backend, enforce_eager)
 CASES = [
@@ -40,13 +50,16 @@ CASES = [
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-tp-models")
-    return {"tied": make_checkpoint(str(root / "tied"), seed=0, **SHAPE),
-            "untied": make_checkpoint(str(root / "untied"), seed=1, **{**SHAPE, "tie_word_embeddings": False})}
+    return {
+        "tied": make_checkpoint(str(root / "tied"), seed=0, **SHAPE),
+        "untied": make_checkpoint(str(root / "untied"), seed=1, **{**SHAPE, "tie_word_embeddings": False}),
+    }
 
 
 @pytest.fixture(scope="module")
 def workload(model_paths):
     from transformers import AutoConfig
+
     return make_requests(AutoConfig.from_pretrained(model_paths["tied"]).vocab_size)
 
 
@@ -58,8 +71,15 @@ def gpu_bytes_in_use(index: int) -> int:
 def run_engine(path, workload, attention, enforce_eager, ranks, sampler=None):
     """Token ids generated for both request groups (the second hits the prefix cache), in order."""
     on_gpu1_before = gpu_bytes_in_use(1)
-    llm = LLM(path, attention=attention, kvcache_block_size=BLOCK_SIZE, enforce_eager=enforce_eager,
-              num_kvcache_blocks=CACHE_TOKENS // BLOCK_SIZE, tensor_parallel_size=ranks, **ENGINE)
+    llm = LLM(
+        path,
+        attention=attention,
+        kvcache_block_size=BLOCK_SIZE,
+        enforce_eager=enforce_eager,
+        num_kvcache_blocks=CACHE_TOKENS // BLOCK_SIZE,
+        tensor_parallel_size=ranks,
+        **ENGINE,
+    )
     try:
         assert isinstance(llm.runner, TensorParallelRunner) == (ranks > 1)
         assert llm.runner.backend.name == attention
@@ -101,8 +121,10 @@ def test_two_ranks_logits_match_one_rank(model_paths, workload, one_rank):
     prompt_steps = {(p.seed, len(prompt)) for prompt, p in first + second}  # first token: sampled by prefill
     errors = logits_errors(sampler.logits, expected, prompt_steps)
     for phase, values in errors.items():
-        print(f"{model} {attention} {'eager' if enforce_eager else 'graphs'} {phase}: {len(values)} rows, relative "
-              f"logits error of 2 ranks vs 1 max {max(values):.4f} mean {sum(values) / len(values):.4f}")
+        print(
+            f"{model} {attention} {'eager' if enforce_eager else 'graphs'} {phase}: {len(values)} rows, relative "
+            f"logits error of 2 ranks vs 1 max {max(values):.4f} mean {sum(values) / len(values):.4f}"
+        )
     assert errors["prefill"] and errors["decode"]
     worst = {phase: max(values) for phase, values in errors.items()}
     assert max(worst.values()) <= LOGITS_RTOL, f"two ranks' logits differ from one rank's: {worst}"
@@ -112,8 +134,10 @@ def test_two_ranks_greedy_generations_agree(model_paths, workload, one_rank):
     (model, attention, enforce_eager), expected_logits, _, expected_tokens = one_rank
     got_tokens = run_engine(model_paths[model], workload, attention, enforce_eager, 2)
     diverged = assert_diverged_only_at_near_ties(workload, got_tokens, expected_tokens, expected_logits)
-    print(f"{model} {attention} {'eager' if enforce_eager else 'graphs'}: {len(got_tokens) - len(diverged)}/"
-          f"{len(got_tokens)} identical to one rank; near-tie divergences (seed, token, margin, bound): {diverged}")
+    print(
+        f"{model} {attention} {'eager' if enforce_eager else 'graphs'}: {len(got_tokens) - len(diverged)}/"
+        f"{len(got_tokens)} identical to one rank; near-tie divergences (seed, token, margin, bound): {diverged}"
+    )
 
 
 def test_killed_worker_names_its_rank_and_the_gpus_serve_a_new_engine(model_paths):

@@ -1,6 +1,7 @@
 """The Hydra config, through the compose API: every option of every group composes into engine
 settings the engine accepts, plugin parameters land in `<kind>_options`, and wrong keys, types
 and choices fail with Hydra's messages."""
+
 import inspect
 from dataclasses import dataclass, fields
 
@@ -15,8 +16,11 @@ from inferlab.core.hookspecs import hookimpl
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
 from inferlab.plugins.schedulers.fcfs import FCFSScheduler
 
-OPTIONS = [(kind, name) for kind in KINDS
-           for name in get_registry().names(kind) + (["auto"] if kind in ("attention", "model") else [])]
+OPTIONS = [
+    (kind, name)
+    for kind in KINDS
+    for name in get_registry().names(kind) + (["auto"] if kind in ("attention", "model") else [])
+]
 
 
 @pytest.fixture
@@ -38,7 +42,9 @@ def test_defaults_are_the_engine_defaults():
 
 def test_engine_settings_mirror_engine_config():
     plugin_fields = set(KINDS) | {f"{k}_options" for k in KINDS} | {"model_path"}
-    assert [f.name for f in fields(EngineSettings)] == [f.name for f in fields(EngineConfig) if f.name not in plugin_fields]
+    assert [f.name for f in fields(EngineSettings)] == [
+        f.name for f in fields(EngineConfig) if f.name not in plugin_fields
+    ]
 
 
 @pytest.mark.parametrize("kind,name", OPTIONS, ids=[f"{k}={n}" for k, n in OPTIONS])
@@ -66,8 +72,17 @@ def test_experiment_preset_sets_the_job_and_its_settings():
 
 
 def test_overrides_reach_engine_and_plugin_options():
-    cfg = compose(["scheduler=lpm", "scheduler.max_sort_waiting=7", "engine.max_num_seqs=3", "engine.device=cpu",
-                   "model.path=/models/qwen3", "bench.num_seqs=5", "engine.enable_prefix_caching=false"])
+    cfg = compose(
+        [
+            "scheduler=lpm",
+            "scheduler.max_sort_waiting=7",
+            "engine.max_num_seqs=3",
+            "engine.device=cpu",
+            "model.path=/models/qwen3",
+            "bench.num_seqs=5",
+            "engine.enable_prefix_caching=false",
+        ]
+    )
     model_path, settings = engine_arguments(cfg)
     assert model_path == "/models/qwen3"
     assert settings["scheduler"] == "lpm" and settings["scheduler_options"] == {"max_sort_waiting": 7}
@@ -75,43 +90,77 @@ def test_overrides_reach_engine_and_plugin_options():
     assert settings["model"] == "auto" and settings["model_options"] == {}
     assert cfg.bench.num_seqs == 5
     choices = flat_choices(cfg)
-    assert choices["scheduler.max_sort_waiting"] == 7 and choices["engine.max_num_seqs"] == 3 and choices["bench.num_seqs"] == 5
+    assert (
+        choices["scheduler.max_sort_waiting"] == 7
+        and choices["engine.max_num_seqs"] == 3
+        and choices["bench.num_seqs"] == 5
+    )
 
 
 def test_builtin_backend_and_model_options_are_typed_overrides():
     # the ablation knobs of our own plugins: triton's decode tiling, the model's kernel switches
-    cfg = compose(["attention=triton", "attention.decode_block_n=64", "attention.decode_num_stages=2",
-                   "model=qwen3", "model.triton_kernels=false", "model.torch_compile=true", "model.split_k_tokens=0",
-                   "model.triton_gemm_tokens=16"])
+    cfg = compose(
+        [
+            "attention=triton",
+            "attention.decode_block_n=64",
+            "attention.decode_num_stages=2",
+            "model=qwen3",
+            "model.triton_kernels=false",
+            "model.torch_compile=true",
+            "model.split_k_tokens=0",
+            "model.triton_gemm_tokens=16",
+        ]
+    )
     _, settings = engine_arguments(cfg)
     options = settings["attention_options"]
     assert options["decode_block_n"] == 64 and options["decode_num_stages"] == 2
     assert options["block_m"] is None  # left to the backend's own default
-    assert settings["model_options"] == {"torch_compile": True, "triton_kernels": False, "split_k_tokens": 0,
-                                         "triton_gemm_tokens": 16}
+    assert settings["model_options"] == {
+        "torch_compile": True,
+        "triton_kernels": False,
+        "split_k_tokens": 0,
+        "triton_gemm_tokens": 16,
+    }
     from inferlab.plugins.attention.triton_attention import TritonAttention, TritonAttentionOptions
+
     # the node's defaults are the factory's: one source for both
     defaults = {k: v.default for k, v in inspect.signature(TritonAttention).parameters.items() if k != "config"}
     assert defaults == {f.name: f.default for f in fields(TritonAttentionOptions)}
 
 
-@pytest.mark.parametrize("overrides,error,message", [
-    (["attention=triton", "attention.decode_num_warps=many"], ConfigCompositionException,
-     "Value 'many' of type 'str' could not be converted to Integer"),
-    (["model=qwen3", "model.triton_kernels=maybe"], ConfigCompositionException, "Value 'maybe' is not a valid bool"),
-
-    (["scheduler.bogus=1"], ConfigCompositionException, "Key 'bogus' not in 'FcfsSchedulerConfig'"),
-    (["scheduler=lpm", "scheduler.max_sort_waiting=many"], ConfigCompositionException,
-     "Value 'many' of type 'str' could not be converted to Integer"),
-    (["engine.max_num_seqs=lots"], ConfigCompositionException, "could not be converted to Integer"),
-    (["engine.max_num_seq=8"], ConfigCompositionException, "Key 'max_num_seq' not in 'EngineSettings'"),
-    (["bench.num_seqs=1.5"], ConfigCompositionException, "could not be converted to Integer"),
-    (["job.name=train"], ConfigCompositionException, r"Invalid value 'train', expected one of \[generate, bench\]"),
-    (["typo=1"], ConfigCompositionException, "Could not override 'typo'"),
-    (["scheduler=nope"], MissingConfigException, r"Could not find 'scheduler/nope'(.|\n)*Available options in 'scheduler'"),
-    (["attention=nope"], MissingConfigException, "Could not find 'attention/nope'"),
-    (["job=train"], MissingConfigException, "Could not find 'job/train'"),
-])
+@pytest.mark.parametrize(
+    "overrides,error,message",
+    [
+        (
+            ["attention=triton", "attention.decode_num_warps=many"],
+            ConfigCompositionException,
+            "Value 'many' of type 'str' could not be converted to Integer",
+        ),
+        (
+            ["model=qwen3", "model.triton_kernels=maybe"],
+            ConfigCompositionException,
+            "Value 'maybe' is not a valid bool",
+        ),
+        (["scheduler.bogus=1"], ConfigCompositionException, "Key 'bogus' not in 'FcfsSchedulerConfig'"),
+        (
+            ["scheduler=lpm", "scheduler.max_sort_waiting=many"],
+            ConfigCompositionException,
+            "Value 'many' of type 'str' could not be converted to Integer",
+        ),
+        (["engine.max_num_seqs=lots"], ConfigCompositionException, "could not be converted to Integer"),
+        (["engine.max_num_seq=8"], ConfigCompositionException, "Key 'max_num_seq' not in 'EngineSettings'"),
+        (["bench.num_seqs=1.5"], ConfigCompositionException, "could not be converted to Integer"),
+        (["job.name=train"], ConfigCompositionException, r"Invalid value 'train', expected one of \[generate, bench\]"),
+        (["typo=1"], ConfigCompositionException, "Could not override 'typo'"),
+        (
+            ["scheduler=nope"],
+            MissingConfigException,
+            r"Could not find 'scheduler/nope'(.|\n)*Available options in 'scheduler'",
+        ),
+        (["attention=nope"], MissingConfigException, "Could not find 'attention/nope'"),
+        (["job=train"], MissingConfigException, "Could not find 'job/train'"),
+    ],
+)
 def test_wrong_keys_types_and_choices_fail_with_hydras_message(overrides, error, message):
     with pytest.raises(error) as info:
         compose(overrides)

@@ -1,5 +1,7 @@
 """The paged block manager's books: reference counts, the free queue, prefix reuse and eviction."""
+
 from engine_books import assert_kv_books
+
 from inferlab.core.config import EngineConfig
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.sequence import Sequence
@@ -123,6 +125,7 @@ def test_decode_growth_allocates_one_block_at_a_boundary():
 
 def test_collision_is_confirmed_against_tokens(monkeypatch):
     import inferlab.plugins.kv_cache.paged as paged
+
     monkeypatch.setattr(paged, "chain_hash", lambda parent, tokens: 42)  # every block collides
     kv = make()
     compute_all(kv, seq_of(range(17)))

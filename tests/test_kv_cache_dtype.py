@@ -2,6 +2,7 @@
 the setting's checks, the rounding, the room it makes, its reach into the floor, and how far it
 moves the logits from a cache in the model's dtype. The Triton kernels' fp8 paths are tested
 against the torch backend in test_triton_attention.py and test_model_kernels.py."""
+
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_the_setting_reaches_the_engine_from_the_command_line():
 def test_fp8_rounds_to_nearest_even_and_saturates():
     # 1.0625 and 1.1875 are ties between neighbours (to the even mantissa), 2^-10 is half the
     # smallest subnormal; a plain cast would turn 500 into NaN
-    x = torch.tensor([1.0, 1.0625, 1.1875, 500.0, -1e6, 2.0 ** -10, 3.3])
+    x = torch.tensor([1.0, 1.0625, 1.1875, 500.0, -1e6, 2.0**-10, 3.3])
     assert to_cache_dtype(x, FP8).float().tolist() == [1.0, 1.0, 1.25, 448.0, -448.0, 0.0, 3.25]
     assert torch.equal(to_cache_dtype(x, torch.bfloat16), x.to(torch.bfloat16))
 
@@ -36,21 +37,25 @@ def test_backends_say_whether_they_read_an_fp8_cache():
     cpu = torch.device("cpu")
     assert TorchAttention.validate(cpu, torch.bfloat16, 16, 64, FP8) == []
     assert TorchAttention.validate(cpu, torch.bfloat16, 16, 64, torch.float16) == [
-        "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"]
+        "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"
+    ]
     reasons = FlashAttention.validate(cpu, torch.bfloat16, 256, 128, FP8)
-    assert any("flash-attn needs the KV cache in the model's dtype torch.bfloat16, got torch.float8_e4m3fn "
-               "(use attention='triton' for kv_cache_dtype=fp8)" in r for r in reasons)
+    assert any(
+        "flash-attn needs the KV cache in the model's dtype torch.bfloat16, got torch.float8_e4m3fn "
+        "(use attention='triton' for kv_cache_dtype=fp8)" in r
+        for r in reasons
+    )
 
 
 def test_an_fp8_cache_holds_four_times_the_blocks_of_a_float32_one(checkpoint):
-    budget = dict(cpu_kv_cache_gib=2.0 ** -10, max_num_seqs=64)  # 1 MiB: the budget binds, not the sequences
+    budget = dict(cpu_kv_cache_gib=2.0**-10, max_num_seqs=64)  # 1 MiB: the budget binds, not the sequences
     full = LLM(checkpoint(), **ENGINE, **budget)
     small = LLM(checkpoint(), **ENGINE, **budget, kv_cache_dtype="fp8")
     assert small.runner.kv_cache.dtype == FP8 and full.runner.kv_cache.dtype == torch.float32
     assert small.runner._kv_block_bytes() * 4 == full.runner._kv_block_bytes()
-    assert small.runner.num_kv_blocks == 2 ** 20 // small.runner._kv_block_bytes()
+    assert small.runner.num_kv_blocks == 2**20 // small.runner._kv_block_bytes()
     assert small.runner.num_kv_blocks >= 4 * full.runner.num_kv_blocks
-    assert small.runner.kv_cache.numel() * small.runner.kv_cache.element_size() <= 2 ** 20
+    assert small.runner.kv_cache.numel() * small.runner.kv_cache.element_size() <= 2**20
 
 
 class RecordingSampler:

@@ -6,15 +6,22 @@ reference counts equal to a recount over the live block tables, the free queue t
 complement of the referenced blocks, and every block a sequence reads hold its own prefix, also
 when the chain hash is forced to collide.
 """
+
 from collections import Counter
 
-import pytest
-from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
-
 import hypothesis_profiles  # noqa: F401  (loads the profile)
+import pytest
 from engine_books import assert_kv_books, assert_prefixes_readable
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
 from inferlab.core.config import EngineConfig
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.sequence import Sequence
@@ -30,8 +37,16 @@ def weak_chain_hash(parent: int, tokens: list[int]) -> int:
 
 
 def snapshot(kv) -> tuple:
-    return (list(kv.ref_counts), list(kv.free_queue), dict(kv.cached), list(kv.block_hash), list(kv.block_tokens),
-            list(kv.block_content_id), list(kv.block_parent_id), dict(kv.num_committed))
+    return (
+        list(kv.ref_counts),
+        list(kv.free_queue),
+        dict(kv.cached),
+        list(kv.block_hash),
+        list(kv.block_tokens),
+        list(kv.block_content_id),
+        list(kv.block_parent_id),
+        dict(kv.num_committed),
+    )
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -61,7 +76,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         live = self.pending + self.running
         if live and data.draw(st.booleans(), label="share a prefix"):
             base = data.draw(st.sampled_from(live)).token_ids
-            prefix = base[:data.draw(st.integers(0, len(base)))]
+            prefix = base[: data.draw(st.integers(0, len(base)))]
         tokens = prefix + data.draw(st.lists(TOKENS, max_size=20))
         if tokens:
             self.pending.append(Sequence(tokens, SamplingParams()))
@@ -85,7 +100,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert seq.num_computed_tokens == seq.num_cached_tokens == num_cached
         assert len(seq.block_table) == ceil_div(num_cached + num_new, self.bs)
         for i in range(num_cached // self.bs):  # every prefix hit holds exactly this prefix
-            assert self.content.get(seq.block_table[i]) == tuple(seq.token_ids[:(i + 1) * self.bs])
+            assert self.content.get(seq.block_table[i]) == tuple(seq.token_ids[: (i + 1) * self.bs])
         self.seen["prefix hit"] += num_cached > 0
         self._compute(seq, num_new, data)
 
@@ -99,7 +114,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not self.kv.allocate(seq, num_new):
             assert snapshot(self.kv) == before and seq.block_table == table, "a failed allocate changed the cache"
             return
-        assert seq.block_table[:len(table)] == table, "allocate rewrote blocks the sequence already had"
+        assert seq.block_table[: len(table)] == table, "allocate rewrote blocks the sequence already had"
         assert len(seq.block_table) == max(len(table), ceil_div(seq.num_computed_tokens + num_new, self.bs))
         self._compute(seq, num_new, data)
 
@@ -110,7 +125,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return  # allocated, never computed: the next allocate must cope
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         for i in range(start // self.bs, ceil_div(end, self.bs)):
-            self.content[seq.block_table[i]] = tuple(seq.token_ids[:min((i + 1) * self.bs, end)])
+            self.content[seq.block_table[i]] = tuple(seq.token_ids[: min((i + 1) * self.bs, end)])
         seq.num_computed_tokens = end
         self.kv.commit(seq)
         if end == seq.num_tokens:
@@ -152,7 +167,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert kv.block_hash[block] == h
         for block, tokens in enumerate(kv.block_tokens):
             if tokens is not None:
-                assert len(tokens) == self.bs and self.content[block][-self.bs:] == tokens
+                assert len(tokens) == self.bs and self.content[block][-self.bs :] == tokens
 
 
 @pytest.mark.parametrize("hash_kind", ["xxhash", "colliding"])

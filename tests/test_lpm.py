@@ -1,5 +1,6 @@
 """The lpm scheduler: waiting requests ordered by cached prefix length, FCFS when nothing is
 cached, and fewer prefill tokens than FCFS on a shared-prefix workload that outgrows the cache."""
+
 import pytest
 
 from inferlab import LLM
@@ -34,11 +35,13 @@ def cache(kv, token_ids):
 def add_requests(scheduler):
     """Adds, in this arrival order, requests with none cached, 4 cached, 8 cached, none cached,
     8 cached; returns them by name."""
-    seqs = {"cold1": Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams()),
-            "one_block": Sequence(PREFIX[:4] + [7, 7, 7, 7, 7], SamplingParams()),
-            "two_blocks": Sequence(PREFIX[:8] + [8, 8], SamplingParams()),
-            "cold2": Sequence([9, 9, 9], SamplingParams()),
-            "two_blocks_later": Sequence(PREFIX[:8] + [5, 5, 5, 5, 5, 5], SamplingParams())}
+    seqs = {
+        "cold1": Sequence([1, 2, 3, 4, 5, 6, 7], SamplingParams()),
+        "one_block": Sequence(PREFIX[:4] + [7, 7, 7, 7, 7], SamplingParams()),
+        "two_blocks": Sequence(PREFIX[:8] + [8, 8], SamplingParams()),
+        "cold2": Sequence([9, 9, 9], SamplingParams()),
+        "two_blocks_later": Sequence(PREFIX[:8] + [5, 5, 5, 5, 5, 5], SamplingParams()),
+    }
     for seq in seqs.values():
         scheduler.add(seq)
     return seqs
@@ -109,8 +112,14 @@ def test_fewer_prefill_tokens_than_fcfs_in_the_prefix_ablation(checkpoint):
     lpm serves the cached ones first."""
     figures = {}
     for scheduler in ("fcfs", "lpm"):
-        cfg = compose(["experiment=prefix_ablation", f"scheduler={scheduler}", f"model.path={checkpoint('gqa2-tied')}",
-                       "engine.device=cpu"])
+        cfg = compose(
+            [
+                "experiment=prefix_ablation",
+                f"scheduler={scheduler}",
+                f"model.path={checkpoint('gqa2-tied')}",
+                "engine.device=cpu",
+            ]
+        )
         model_path, settings = engine_arguments(cfg)
         llm = LLM(model_path, **settings)
         prompts, params = bench_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)

@@ -2,6 +2,7 @@
 the RMSNorm sums) against the torch code they replace, and a greedy generate through them against
 Hugging Face. Without CUDA the kernels run in Triton's interpreter, so TRITON_INTERPRET is set
 before the kernel modules are first imported."""
+
 import os
 
 import pytest
@@ -13,10 +14,16 @@ pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
-from inferlab.plugins.models import rms_norm_kernel, split_k_kernel  # noqa: E402
 from inferlab.core.parallel import TPGroup  # noqa: E402
-from inferlab.plugins.models.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from inferlab.plugins.models.layers import RotaryEmbedding, add_rms_norm, rms_norm, silu_and_mul  # noqa: E402
+from inferlab.plugins.models import rms_norm_kernel, split_k_kernel  # noqa: E402
+from inferlab.plugins.models.layers import (  # noqa: E402  # noqa: E402
+    ColumnParallelLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    add_rms_norm,
+    rms_norm,
+    silu_and_mul,
+)
 from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
 from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel  # noqa: E402
 
@@ -24,16 +31,17 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def unfused(qkv, positions, q_weight, k_weight, rotary, eps, num_heads, num_kv_heads, head_dim):
-    q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
     return rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps))
 
 
 # (tokens, query heads, KV heads, head_dim, dtype): q+k heads a power of two or not, GQA and MHA
 # two prompts for the greedy comparisons against Hugging Face: the second is longer than a prefill chunk
-GREEDY_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
-                  [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52, 66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13,
-                   17, 19]]
+GREEDY_PROMPTS = [
+    [3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
+    [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 2, 87, 47, 13, 52, 66, 24, 97, 75, 7, 1, 3, 5, 9, 11, 13, 17, 19],
+]
 CASES = [
     (5, 4, 2, 32, torch.float32),
     (3, 16, 8, 128, torch.float32),
@@ -68,9 +76,15 @@ def test_kernel_matches_unfused_norms_and_rotary(num_tokens, num_heads, num_kv_h
     assert torch.equal(qkv, before)  # the input (and so v, read from it later) is untouched
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.float32, FP8),
-                                               pytest.param(torch.bfloat16, None, marks=pytest.mark.gpu),
-                                               pytest.param(torch.bfloat16, FP8, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, None),
+        (torch.float32, FP8),
+        pytest.param(torch.bfloat16, None, marks=pytest.mark.gpu),
+        pytest.param(torch.bfloat16, FP8, marks=pytest.mark.gpu),
+    ],
+)
 def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
     """Into a cache of the model's dtype, or an fp8 one (rounded as to_cache_dtype rounds)."""
     cache_dtype = cache_dtype or dtype
@@ -82,12 +96,23 @@ def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
     rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
     cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
     slots = torch.tensor([5, -1, 40, 16], device=DEVICE)  # -1: a padding row, stores nothing
-    q, k = qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
-                        kv_store=(cache[0], cache[1], slots))
-    want_q, want_k = qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads,
-                                  head_dim)
+    q, k = qk_norm_rope(
+        qkv,
+        positions,
+        q_weight,
+        k_weight,
+        rotary.cos_sin,
+        1e-6,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        kv_store=(cache[0], cache[1], slots),
+    )
+    want_q, want_k = qk_norm_rope(
+        qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim
+    )
     assert k is None and torch.equal(q, want_q)
-    want_v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
+    want_v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
     expected = torch.zeros_like(cache)
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -95,24 +120,46 @@ def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
             expected[1].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_v[token], cache_dtype)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     with pytest.raises(ValueError, match="kv_store caches must be contiguous"):
-        qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim,
-                     kv_store=(cache[0].transpose(0, 1), cache[1], slots))
+        qk_norm_rope(
+            qkv,
+            positions,
+            q_weight,
+            k_weight,
+            rotary.cos_sin,
+            1e-6,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            kv_store=(cache[0].transpose(0, 1), cache[1], slots),
+        )
 
 
 def test_no_tokens_is_empty():
     qkv = torch.empty(0, (4 + 2 * 2) * 32, device=DEVICE)
     rotary = RotaryEmbedding(32, 16, 10000.0).to(DEVICE)
-    q, k = qk_norm_rope(qkv, torch.empty(0, dtype=torch.int64, device=DEVICE), torch.ones(32, device=DEVICE),
-                        torch.ones(32, device=DEVICE), rotary.cos_sin, 1e-6, 4, 2, 32)
+    q, k = qk_norm_rope(
+        qkv,
+        torch.empty(0, dtype=torch.int64, device=DEVICE),
+        torch.ones(32, device=DEVICE),
+        torch.ones(32, device=DEVICE),
+        rotary.cos_sin,
+        1e-6,
+        4,
+        2,
+        32,
+    )
     assert q.shape == (0, 4, 32) and k.shape == (0, 2, 32)
 
 
-@pytest.mark.parametrize("num_tokens,width,dtype", [
-    (3, 40, torch.float32),  # narrower than one block
-    (5, 2500, torch.float32),  # several blocks a row, the last one partial
-    (0, 64, torch.float32),
-    pytest.param(7, 3072, torch.bfloat16, marks=pytest.mark.gpu),  # bf16 rounding: see CASES above
-])
+@pytest.mark.parametrize(
+    "num_tokens,width,dtype",
+    [
+        (3, 40, torch.float32),  # narrower than one block
+        (5, 2500, torch.float32),  # several blocks a row, the last one partial
+        (0, 64, torch.float32),
+        pytest.param(7, 3072, torch.bfloat16, marks=pytest.mark.gpu),  # bf16 rounding: see CASES above
+    ],
+)
 def test_silu_mul_kernel_matches_torch(num_tokens, width, dtype):
     torch.manual_seed(width)
     x = (torch.randn(num_tokens, 2 * width, device=DEVICE) * 4).to(dtype)
@@ -123,12 +170,15 @@ def test_silu_mul_kernel_matches_torch(num_tokens, width, dtype):
     torch.testing.assert_close(got, want, **tolerance)
 
 
-@pytest.mark.parametrize("num_tokens,width,dtype", [
-    (3, 1024, torch.float32),
-    (5, 40, torch.float32),  # not a power of two: a masked tail
-    (0, 64, torch.float32),
-    pytest.param(9, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # bf16 rounding: see CASES above
-])
+@pytest.mark.parametrize(
+    "num_tokens,width,dtype",
+    [
+        (3, 1024, torch.float32),
+        (5, 40, torch.float32),  # not a power of two: a masked tail
+        (0, 64, torch.float32),
+        pytest.param(9, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # bf16 rounding: see CASES above
+    ],
+)
 def test_rms_norm_kernels_match_torch(num_tokens, width, dtype):
     torch.manual_seed(width)
     x = (torch.randn(num_tokens, width, device=DEVICE) * 3).to(dtype)
@@ -147,8 +197,14 @@ def test_rms_norm_kernels_match_torch(num_tokens, width, dtype):
 def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention, split_k_tokens):
     # torch's backend stores K/V itself; triton's lets the q/k kernel store them (kv_store_target)
     path = checkpoint("gqa4-untied")
-    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention=attention,
-              model_options={"triton_kernels": True, "split_k_tokens": split_k_tokens})
+    llm = LLM(
+        path,
+        kvcache_block_size=16,
+        num_kvcache_blocks=16,
+        max_num_batched_tokens=24,
+        attention=attention,
+        model_options={"triton_kernels": True, "split_k_tokens": split_k_tokens},
+    )
     layer = llm.runner.model.layers[0]
     assert layer.self_attn.qk_norm_rope is qk_norm_rope and layer.mlp.act is silu_mul_kernel
     assert layer.input_layernorm.add_norm is rms_norm_kernel.add_rms_norm
@@ -173,8 +229,14 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
     32-wide columns, K in 2), one of more than 128 the wider one (64-wide columns); their partials
     go through the norms, and the decode steps take the tiling for a few rows."""
     path = checkpoint("gqa4-untied")
-    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=256, attention="triton",
-              model_options={"triton_kernels": True, "split_k_tokens": 256})
+    llm = LLM(
+        path,
+        kvcache_block_size=16,
+        num_kvcache_blocks=16,
+        max_num_batched_tokens=256,
+        attention="triton",
+        model_options={"triton_kernels": True, "split_k_tokens": 256},
+    )
     rows = []
     for layer in llm.runner.model.layers:
         o_proj = layer.self_attn.o_proj
@@ -198,15 +260,18 @@ def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
     assert split_k_kernel.plan(32, 256, 200) is None  # no whole 64-wide column blocks
 
 
-@pytest.mark.parametrize("num_tokens,n,k,dtype", [
-    (1, 64, 512, torch.float32),
-    (5, 128, 256, torch.float32),
-    (70, 64, 512, torch.float32),  # two row blocks, the second partial
-    (130, 128, 256, torch.float32),  # three row blocks: the wider tiles
-    (0, 64, 256, torch.float32),
-    pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
-    pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
-])
+@pytest.mark.parametrize(
+    "num_tokens,n,k,dtype",
+    [
+        (1, 64, 512, torch.float32),
+        (5, 128, 256, torch.float32),
+        (70, 64, 512, torch.float32),  # two row blocks, the second partial
+        (130, 128, 256, torch.float32),  # three row blocks: the wider tiles
+        (0, 64, 256, torch.float32),
+        pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
+        pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
 def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dtype):
     torch.manual_seed(n + num_tokens)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
@@ -217,17 +282,20 @@ def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dty
     part = k // tiling.split
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
     for s in range(tiling.split):
-        want = x[:, s * part:(s + 1) * part].float() @ weight[:, s * part:(s + 1) * part].float().T
+        want = x[:, s * part : (s + 1) * part].float() @ weight[:, s * part : (s + 1) * part].float().T
         torch.testing.assert_close(partials[s], want, **tolerance)
     torch.testing.assert_close(partials.sum(0), x.float() @ weight.float().T, **tolerance)
 
 
-@pytest.mark.parametrize("num_tokens,width,splits,dtype", [
-    (3, 1024, 4, torch.float32),
-    (5, 40, 2, torch.float32),  # a masked tail
-    (0, 64, 2, torch.float32),
-    pytest.param(9, 1024, 4, torch.bfloat16, marks=pytest.mark.gpu),
-])
+@pytest.mark.parametrize(
+    "num_tokens,width,splits,dtype",
+    [
+        (3, 1024, 4, torch.float32),
+        (5, 40, 2, torch.float32),  # a masked tail
+        (0, 64, 2, torch.float32),
+        pytest.param(9, 1024, 4, torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
 def test_rms_norm_kernels_sum_split_k_partials(num_tokens, width, splits, dtype):
     """The norms read float32 partials as their sum, rounded once, and answer in the weight's dtype."""
     torch.manual_seed(width)
@@ -240,10 +308,13 @@ def test_rms_norm_kernels_sum_split_k_partials(num_tokens, width, splits, dtype)
     want = rms_norm(want_residual.float(), weight.float(), 1e-6)  # layers.rms_norm: float32 math
     assert got.dtype == got_residual.dtype == dtype and got.shape == (num_tokens, width)
     exact = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
-    torch.testing.assert_close(got_residual, want_residual, **(exact if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)))
+    torch.testing.assert_close(
+        got_residual, want_residual, **(exact if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8))
+    )
     torch.testing.assert_close(got.float(), want, **exact)
-    torch.testing.assert_close(rms_norm_kernel.rms_norm(partials, weight, 1e-6).float(),
-                               rms_norm(summed, weight.float(), 1e-6), **exact)
+    torch.testing.assert_close(
+        rms_norm_kernel.rms_norm(partials, weight, 1e-6).float(), rms_norm(summed, weight.float(), 1e-6), **exact
+    )
 
 
 def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
@@ -267,18 +338,26 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
 @pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_token_thresholds_must_be_counts(checkpoint, option, value):
     from inferlab.core.plugins import PluginError
+
     with pytest.raises(PluginError, match=f"{option} must be an integer >= 0"):
-        LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=8,
-            model_options={"triton_kernels": True, option: value})
+        LLM(
+            checkpoint("gqa2-tied"),
+            kvcache_block_size=16,
+            num_kvcache_blocks=8,
+            model_options={"triton_kernels": True, option: value},
+        )
 
 
-@pytest.mark.parametrize("num_tokens,n,k,dtype", [
-    (1, 96, 256, torch.float32),
-    (70, 64, 128, torch.float32),  # two row blocks
-    (0, 64, 128, torch.float32),
-    pytest.param(9, 4096, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
-    pytest.param(64, 6144, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj: 64-wide blocks
-])
+@pytest.mark.parametrize(
+    "num_tokens,n,k,dtype",
+    [
+        (1, 96, 256, torch.float32),
+        (70, 64, 128, torch.float32),  # two row blocks
+        (0, 64, 128, torch.float32),
+        pytest.param(9, 4096, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
+        pytest.param(64, 6144, 1024, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj: 64-wide blocks
+    ],
+)
 def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
     torch.manual_seed(n + num_tokens)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
@@ -312,8 +391,14 @@ def test_wide_plan_and_column_parallel_linear_use_of_it():
 
 def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy):
     path = checkpoint("gqa4-untied")
-    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=24, attention="triton",
-              model_options={"triton_kernels": True, "triton_gemm_tokens": 16})
+    llm = LLM(
+        path,
+        kvcache_block_size=16,
+        num_kvcache_blocks=16,
+        max_num_batched_tokens=24,
+        attention="triton",
+        model_options={"triton_kernels": True, "triton_gemm_tokens": 16},
+    )
     rows = []
     for layer in llm.runner.model.layers:
         for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
@@ -327,11 +412,17 @@ def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greed
 
 def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default_falls_back(checkpoint, caplog):
     path = checkpoint("gqa2-tied")
-    from inferlab.plugins.models.qwen3 import _triton_kernels
     from transformers import AutoConfig
+
+    from inferlab.plugins.models.qwen3 import _triton_kernels
+
     config = AutoConfig.from_pretrained(path)
-    assert _triton_kernels(config, on_cuda=True, asked=None) == (qk_norm_rope, silu_mul_kernel, rms_norm_kernel.rms_norm,
-                                                                 rms_norm_kernel.add_rms_norm)
+    assert _triton_kernels(config, on_cuda=True, asked=None) == (
+        qk_norm_rope,
+        silu_mul_kernel,
+        rms_norm_kernel.rms_norm,
+        rms_norm_kernel.add_rms_norm,
+    )
     assert _triton_kernels(config, on_cuda=False, asked=None) is None  # CPU: torch code
     assert _triton_kernels(config, on_cuda=True, asked=False) is None
     config.head_dim = 48
@@ -346,6 +437,7 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
     """Kernels launch with programmatic dependent launch on CUDA devices of compute capability 9.0
     or more, compiled, unless INFERLAB_PDL=0; never on CPU or under the interpreter."""
     from inferlab.plugins import pdl
+
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])

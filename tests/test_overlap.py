@@ -1,5 +1,6 @@
 """Overlap scheduling (the next step is scheduled before this one's tokens are read) changes when
 the CPU works, never what is generated."""
+
 import pytest
 
 from inferlab import LLM, SamplingParams
@@ -13,11 +14,14 @@ def engines(path, **settings):
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([5, 17, 33, 2, 48, 11, 20, 9])]
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),
-    dict(max_num_batched_tokens=24),  # chunked prefill
-    dict(num_kvcache_blocks=10),  # preemption
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(max_num_batched_tokens=24),  # chunked prefill
+        dict(num_kvcache_blocks=10),  # preemption
+    ],
+)
 def test_greedy_outputs_unchanged(checkpoint, hf_greedy, settings):
     path = checkpoint("gqa4-untied")
     sync, overlap = engines(path, **settings)
@@ -37,8 +41,11 @@ def test_stops_and_seeded_sampling_unchanged(checkpoint):
     for i, out in enumerate(free):
         stop_token = out["token_ids"][4 + i % 3]  # ends each request early, at a different step
         text = out["text"]
-        params.append(SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token])
-                      if i % 2 else SamplingParams(temperature=0, max_tokens=12, stop=[text[len(text) // 2:][:2] or "x"]))
+        params.append(
+            SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token])
+            if i % 2
+            else SamplingParams(temperature=0, max_tokens=12, stop=[text[len(text) // 2 :][:2] or "x"])
+        )
     params[0] = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=5)
     expected = sync.generate(PROMPTS, params, use_tqdm=False)
     assert overlap.generate(PROMPTS, params, use_tqdm=False) == expected

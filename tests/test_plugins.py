@@ -1,5 +1,6 @@
 """The plugin registry: built-ins arrive through entry points like any third-party package, and a
 third-party scheduler with options runs. Plugins that break their contract: test_plugin_failures.py."""
+
 from inferlab import LLM, SamplingParams
 from inferlab.core import hookspecs
 from inferlab.core.plugins import KINDS, PluginRegistry
@@ -13,7 +14,7 @@ def test_builtins_come_from_entry_points():
     for kind, name in expected.items():
         entry = registry.get(kind, name)
         assert entry.distribution.startswith("inferlab ")
-    assert getattr(registry.get("model", "qwen3").factory, "architectures") == ("Qwen3ForCausalLM",)
+    assert registry.get("model", "qwen3").factory.architectures == ("Qwen3ForCausalLM",)
 
 
 def test_every_hook_is_documented():
@@ -35,8 +36,15 @@ def test_third_party_scheduler_with_options_runs(checkpoint, plugin_module):
 
     registry = PluginRegistry()
     registry.register(plugin_module("newest", register_schedulers=lambda register: register("newest", NewestFirst)))
-    llm = LLM(checkpoint("gqa2-tied"), scheduler="newest", scheduler_options={"reverse": True}, registry=registry,
-              kvcache_block_size=16, num_kvcache_blocks=32, max_num_seqs=1)
+    llm = LLM(
+        checkpoint("gqa2-tied"),
+        scheduler="newest",
+        scheduler_options={"reverse": True},
+        registry=registry,
+        kvcache_block_size=16,
+        num_kvcache_blocks=32,
+        max_num_seqs=1,
+    )
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     reference = LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=32)
     prompts = [[1, 2], [3, 4], [5, 6]]

@@ -1,4 +1,5 @@
 """The default sampler's filters, its per-request reproducibility, and stop handling end to end."""
+
 import pytest
 import torch
 
@@ -12,11 +13,17 @@ def tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, st
     as_list = lambda v: v if isinstance(v, list) else [v] * n  # noqa: E731
     t, k, p, m = as_list(temperature), as_list(top_k), as_list(top_p), as_list(min_p)
     return SamplingTensors(
-        temperatures=torch.tensor(t, dtype=torch.float32), top_k=torch.tensor(k), top_p=torch.tensor(p),
-        min_p=torch.tensor(m), seeds=torch.tensor(seeds if seeds is not None else list(range(n))),
+        temperatures=torch.tensor(t, dtype=torch.float32),
+        top_k=torch.tensor(k),
+        top_p=torch.tensor(p),
+        min_p=torch.tensor(m),
+        seeds=torch.tensor(seeds if seeds is not None else list(range(n))),
         steps=torch.tensor(steps if steps is not None else [0] * n),
-        all_greedy=all(x == 0 for x in t), any_top_k=any(x < vocab for x in k), any_top_p=any(x < 1 for x in p),
-        any_min_p=any(x > 0 for x in m))
+        all_greedy=all(x == 0 for x in t),
+        any_top_k=any(x < vocab for x in k),
+        any_top_p=any(x < 1 for x in p),
+        any_min_p=any(x > 0 for x in m),
+    )
 
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
@@ -100,15 +107,20 @@ def test_seeded_request_reproducible_whatever_the_batch(checkpoint):
     others = SamplingParams(temperature=0.8, max_tokens=5, top_p=0.9, ignore_eos=True)
     crowded = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [others, seeded, others], use_tqdm=False)[1]
     assert alone["token_ids"] == crowded["token_ids"]
-    different = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True),
-                             use_tqdm=False)[0]
+    different = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True), use_tqdm=False
+    )[0]
     assert different["token_ids"] != alone["token_ids"]
 
 
 def test_engine_seed_makes_unseeded_runs_reproducible(checkpoint):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    runs = [LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=64, seed=3)
-            .generate([[5, 6, 7], [8, 9]], params, use_tqdm=False) for _ in range(2)]
+    runs = [
+        LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=64, seed=3).generate(
+            [[5, 6, 7], [8, 9]], params, use_tqdm=False
+        )
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -119,25 +131,35 @@ def greedy_llm(checkpoint):
 
 def test_stop_string_cuts_text_before_it(greedy_llm):
     prompt = "Hello, world! How are"
-    full = greedy_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    full = greedy_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
     text = full["text"]
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), "the test needs a visible stop string"
-    cut = greedy_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "never-there"]),
-                              use_tqdm=False)[0]
-    assert cut["text"] == text[:text.find(stop)]
+    cut = greedy_llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "never-there"]),
+        use_tqdm=False,
+    )[0]
+    assert cut["text"] == text[: text.find(stop)]
     assert cut["finish_reason"] == "stop"
     assert len(cut["token_ids"]) < len(full["token_ids"])
-    assert full["token_ids"][:len(cut["token_ids"])] == cut["token_ids"]
+    assert full["token_ids"][: len(cut["token_ids"])] == cut["token_ids"]
 
 
 def test_stop_token_ids_end_generation(greedy_llm):
-    full = greedy_llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    full = greedy_llm.generate(
+        [[4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
     stop_at = full["token_ids"][3]
     first = full["token_ids"].index(stop_at)
-    out = greedy_llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
-                                                          stop_token_ids=[stop_at]), use_tqdm=False)[0]
-    assert out["token_ids"] == full["token_ids"][:first + 1] and out["finish_reason"] == "stop"
+    out = greedy_llm.generate(
+        [[4, 5, 6]],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0]
+    assert out["token_ids"] == full["token_ids"][: first + 1] and out["finish_reason"] == "stop"
 
 
 def test_temperature_zero_is_greedy_and_allowed(greedy_llm):

@@ -1,6 +1,7 @@
 """The CUDA sampling kernel (sampling_kernel.sample_tokens), run by Triton's interpreter on CPU and
 compiled on a GPU, against the float64 inverse-transform reference: greedy rows exactly, sampled
 rows on a token whose share of the cumulative mass holds the row's target, up to float32 rounding."""
+
 import importlib.util
 import os
 import subprocess
@@ -74,8 +75,10 @@ INTERPRETED = CHECKS + textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") and __import__("torch").cuda.is_available(),
-                    reason="with a GPU the compiled kernel is tested instead")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") and __import__("torch").cuda.is_available(),
+    reason="with a GPU the compiled kernel is tested instead",
+)
 def test_kernel_matches_reference_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
@@ -111,4 +114,6 @@ def test_compiled_kernel_matches_reference_on_gpu(tmp_path):
     script = tmp_path / "sampling_check.py"
     script.write_text(COMPILED)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        result.stdout[-2000:] + result.stderr[-3000:]
+    )

@@ -1,5 +1,6 @@
 """FCFS scheduler invariants, driven without a model: budgets hold, preemption recomputes, no
 block leaks, and every request finishes."""
+
 import random
 
 from inferlab.core.config import EngineConfig
@@ -43,8 +44,13 @@ def run_to_completion(scheduler, kv, config, rng, max_steps=10_000):
 def test_every_request_finishes_and_no_block_leaks():
     scheduler, kv, config = make(num_blocks=20, max_num_seqs=4, max_num_batched_tokens=64)
     rng = random.Random(0)
-    seqs = [Sequence([rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))],
-                     SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True)) for _ in range(30)]
+    seqs = [
+        Sequence(
+            [rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))],
+            SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True),
+        )
+        for _ in range(30)
+    ]
     for seq in seqs:
         scheduler.add(seq)
     run_to_completion(scheduler, kv, config, rng)

@@ -6,15 +6,22 @@ sequences are preempted and recomputed) must keep the block books exact, give ev
 the K/V of its own prefix, respect the batch limits, make progress every step, and finish every
 admitted request.
 """
+
 from collections import Counter
 
-import pytest
-from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
-
 import hypothesis_profiles  # noqa: F401  (loads the profile)
+import pytest
 from engine_books import assert_kv_books, assert_prefixes_readable
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
 from inferlab.core.sampling_params import SamplingParams
@@ -46,13 +53,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.all: list[Sequence] = []
         self.content: dict[int, tuple[int, ...]] = {}  # block -> token prefix whose K/V it holds
 
-    @initialize(block_size=st.sampled_from([2, 4, 16]), num_blocks=st.integers(1, 10),
-                max_num_seqs=st.integers(1, 4), max_num_batched_tokens=st.integers(1, 32),
-                prefix_caching=st.booleans())
+    @initialize(
+        block_size=st.sampled_from([2, 4, 16]),
+        num_blocks=st.integers(1, 10),
+        max_num_seqs=st.integers(1, 4),
+        max_num_batched_tokens=st.integers(1, 32),
+        prefix_caching=st.booleans(),
+    )
     def make_scheduler(self, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, prefix_caching):
-        self.config = EngineConfig(kvcache_block_size=block_size, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-                                   enable_prefix_caching=prefix_caching)
+        self.config = EngineConfig(
+            kvcache_block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=prefix_caching,
+        )
         registry = get_registry()
         self.kv = registry.create("kv_cache", "paged", self.config, num_blocks)
         self.scheduler = registry.create("scheduler", self.scheduler_name, self.config, self.kv)
@@ -66,7 +81,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefix = []
             if self.all and data.draw(st.booleans(), label="share a prefix"):
                 base = data.draw(st.sampled_from(self.all)).token_ids
-                prefix = base[:data.draw(st.integers(0, len(base)))]
+                prefix = base[: data.draw(st.integers(0, len(base)))]
             tokens = (prefix + data.draw(st.lists(TOKENS, max_size=24)))[:MAX_MODEL_LEN]
             params = SamplingParams(max_tokens=data.draw(st.integers(1, 10)), ignore_eos=data.draw(st.booleans()))
             seq = Sequence(tokens, params, EOS, MAX_MODEL_LEN)
@@ -77,8 +92,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def step(self, data):
-        self._step(lambda: data.draw(TOKENS, label="sampled"),
-                   interrupted=data.draw(st.integers(0, 9), label="interrupted") == 0)
+        self._step(
+            lambda: data.draw(TOKENS, label="sampled"),
+            interrupted=data.draw(st.integers(0, 9), label="interrupted") == 0,
+        )
 
     def _step(self, sample, interrupted=False) -> bool:
         preemptions = self.scheduler.num_preemptions
@@ -97,12 +114,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         if interrupted:  # the forward pass raised: nothing computed, nothing advanced
             self.seen["interrupted"] += 1
             return True
-        sampled = [sample() if seq.num_computed_tokens + n == seq.num_tokens else None
-                   for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)]
+        sampled = [
+            sample() if seq.num_computed_tokens + n == seq.num_tokens else None
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+        ]
         for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens):  # the runner writes K/V
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             for i in range(start // self.bs, ceil_div(end, self.bs)):
-                self.content[seq.block_table[i]] = tuple(seq.token_ids[:min((i + 1) * self.bs, end)])
+                self.content[seq.block_table[i]] = tuple(seq.token_ids[: min((i + 1) * self.bs, end)])
         finished = self.scheduler.postprocess(batch, sampled)
         for seq in finished:
             assert seq.is_finished and seq.finish_reason in ("stop", "length") and not seq.block_table
@@ -178,6 +197,8 @@ def weak_chain_hash(parent: int, tokens: list[int]) -> int:
 def test_scheduler_state_machine(scheduler_name, hash_kind, monkeypatch):
     if hash_kind == "colliding":
         monkeypatch.setattr(paged, "chain_hash", weak_chain_hash)
-    machine = type(f"{scheduler_name}Machine", (SchedulerMachine,), {"scheduler_name": scheduler_name, "seen": Counter()})
+    machine = type(
+        f"{scheduler_name}Machine", (SchedulerMachine,), {"scheduler_name": scheduler_name, "seen": Counter()}
+    )
     run_state_machine_as_test(machine)
     assert machine.seen["preemption"] > 0 and machine.seen["interrupted"] > 0

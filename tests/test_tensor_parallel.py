@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one rank and as Hugging Face,
 each rank reading only its shard of the weights, and failures that name the rank, arrive within
 seconds and leave no process or shared-memory segment behind."""
+
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from worker_processes import alive, assert_nothing_left, child_pids, prompts_of, run_until_failure, shm_entries
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.hookspecs import hookimpl
@@ -22,7 +24,6 @@ from inferlab.core.workers import TensorParallelError
 from inferlab.plugins.attention.torch_sdpa import TorchAttention
 from inferlab.plugins.models import qwen3
 from inferlab.plugins.models.qwen3 import CheckpointError, Qwen3ForCausalLM
-from worker_processes import alive, assert_nothing_left, child_pids, prompts_of, run_until_failure, shm_entries
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SETTINGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, device="cpu")
@@ -50,8 +51,13 @@ def tied(checkpoint):
 def untied(checkpoint):
     """4 query heads and 1 KV head per rank, 3 layers, untied head; chunked prefill (24 tokens a
     step) and overlap scheduling (the workers swap rank 0's samples in for placeholders)."""
-    llm = LLM(checkpoint("gqa4-untied"), tensor_parallel_size=2, max_num_batched_tokens=24,
-              overlap_scheduling=True, **SETTINGS)
+    llm = LLM(
+        checkpoint("gqa4-untied"),
+        tensor_parallel_size=2,
+        max_num_batched_tokens=24,
+        overlap_scheduling=True,
+        **SETTINGS,
+    )
     yield llm
     llm.close()
 
@@ -74,8 +80,10 @@ def test_greedy_equals_one_rank_and_hf(engine, request, hf_greedy):
 @pytest.mark.parametrize("engine", ["tied", "untied"])
 def test_seeded_sampling_equals_one_rank(engine, request):
     llm = request.getfixturevalue(engine)
-    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=8, seed=seed, ignore_eos=True)
-              for seed in (1, 2, 3)]
+    params = [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=8, seed=seed, ignore_eos=True)
+        for seed in (1, 2, 3)
+    ]
     prompts = prompts_of([4, 9, 20], start=11)
     one_rank = LLM(llm.model_path, **SETTINGS)
     assert llm.generate(prompts, params, use_tqdm=False) == one_rank.generate(prompts, params, use_tqdm=False)
@@ -105,7 +113,7 @@ def test_two_engines_at_once(tied, untied, hf_greedy):
     for llm, finished in done.items():
         assert len(finished) == len(prompts)
         for seq in finished:
-            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
             assert llm.output(seq)["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
 
 
@@ -129,6 +137,7 @@ def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
 
 
 # -- weights: each rank reads its shard, and only that ----------------------------------------
+
 
 class RecordingFile:
     """A safetensors file whose slices note how many elements each read returned."""
@@ -157,6 +166,7 @@ class RecordingFile:
                 value = source[index]
                 reads[name] = reads.get(name, 0) + value.numel()
                 return value
+
         return Slice()
 
 
@@ -165,6 +175,7 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
     path = checkpoint(KV1 if shape == "kv1" else shape)
     full = load_file(os.path.join(path, "model.safetensors"))
     from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(path)
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     vocab_rows = -(-config.vocab_size // 2)
@@ -183,8 +194,9 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
         for layer in range(config.num_hidden_layers):
             ours = lambda name: params[f"layers.{layer}.{name}.weight"]  # noqa: E731
             theirs = lambda name: full[f"model.layers.{layer}.{name}.weight"]  # noqa: E731
-            expected_qkv = torch.cat([theirs("self_attn.q_proj")[q], theirs("self_attn.k_proj")[kv],
-                                      theirs("self_attn.v_proj")[kv]])
+            expected_qkv = torch.cat(
+                [theirs("self_attn.q_proj")[q], theirs("self_attn.k_proj")[kv], theirs("self_attn.v_proj")[kv]]
+            )
             assert torch.equal(ours("self_attn.qkv_proj"), expected_qkv)
             assert torch.equal(ours("self_attn.o_proj"), theirs("self_attn.o_proj")[:, q])
             expected_gate_up = torch.cat([theirs("mlp.gate_proj")[inter], theirs("mlp.up_proj")[inter]])
@@ -198,8 +210,10 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
         else:
             assert torch.equal(model.lm_head.weight[:num_rows], full["lm_head.weight"][vocab])
         for name, tensor in full.items():
-            sharded = any(part in name for part in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                                    "embed_tokens", "lm_head"))
+            sharded = any(
+                part in name
+                for part in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
+            )
             replicated_kv = kv_heads < 2 and ("k_proj" in name or "v_proj" in name)
             if "k_proj" in name or "v_proj" in name:
                 sharded = not replicated_kv
@@ -208,6 +222,7 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
 
 
 # -- failures ----------------------------------------------------------------------------------
+
 
 class ExplodingQwen3(Qwen3ForCausalLM):
     """Raises on rank 1 in its fourth forward pass: a worker failing mid-generation."""
@@ -249,8 +264,13 @@ def test_raising_worker_reports_its_exception(checkpoint):
     children_before, shm_before = child_pids(), shm_entries()
     registry = PluginRegistry()
     registry.register(ExplodingPlugin(), name="exploding")
-    llm = LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, registry=registry, model="exploding_qwen3",
-              **{**SETTINGS, "num_kvcache_blocks": 128})
+    llm = LLM(
+        checkpoint("gqa2-tied"),
+        tensor_parallel_size=2,
+        registry=registry,
+        model="exploding_qwen3",
+        **{**SETTINGS, "num_kvcache_blocks": 128},
+    )
     pids = llm.runner.workers.pids
     started = time.monotonic()
     with pytest.raises(TensorParallelError) as error:
@@ -276,8 +296,11 @@ def test_worker_lost_during_start_up_is_named(checkpoint):
 
 def test_heads_that_do_not_split_fail_before_any_process_starts(checkpoint):
     children_before = child_pids()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's 4 attention heads; "
-                                         r"use one of \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 does not divide the model's 4 attention heads; "
+        r"use one of \[1, 2, 4\]",
+    ):
         LLM(checkpoint("gqa2-tied"), tensor_parallel_size=3, **SETTINGS)
     assert child_pids() <= children_before
 
@@ -291,7 +314,9 @@ def test_error_every_rank_hits_is_raised_as_is(checkpoint, tmp_path):
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
     children_before, shm_before = child_pids(), shm_entries()
-    with pytest.raises(CheckpointError, match=r"lacks tensors the model needs: \['model.layers.1.mlp.down_proj.weight'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"lacks tensors the model needs: \['model.layers.1.mlp.down_proj.weight'\]"
+    ):
         LLM(str(tmp_path / "broken"), tensor_parallel_size=2, **SETTINGS)
     assert child_pids() <= children_before
     assert shm_entries() <= shm_before
@@ -315,8 +340,9 @@ def test_workers_end_with_their_process(ending, checkpoint, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(SCRIPT))
     shm_before = shm_entries()
-    process = subprocess.Popen([sys.executable, str(script), checkpoint("gqa2-tied")],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), checkpoint("gqa2-tied")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         worker_pid, num_tokens = map(int, process.stdout.readline().split())
         assert num_tokens == 3 and alive(worker_pid)
@@ -341,6 +367,7 @@ def test_graphs_are_released_before_the_group_is_aborted_and_a_stuck_abort_is_le
     destroyed (seen on two H200s): rank 0 destroys its graphs first, and an abort that still
     cannot finish costs ABORT_GRACE_S, not a hung program."""
     from inferlab.core import workers
+
     order = []
 
     class Graphs:

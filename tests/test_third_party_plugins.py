@@ -1,6 +1,7 @@
 """The example plugin packages, installed offline as a user would install theirs, and used through
 the CLI (with their own Hydra config nodes) and through LLM: the spf scheduler and, for a second
 kind, the ban sampler. The README's plugin section must be those very files."""
+
 import json
 import os
 import re
@@ -23,8 +24,24 @@ def site(tmp_path_factory):
     """A directory holding the installed example packages (put it on the path to use them)."""
     root = tmp_path_factory.mktemp("plugins")
     sources = [shutil.copytree(EXAMPLES / name, root / "src" / name) for name in ("spf_scheduler", "ban_sampler")]
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(root / "site"), *map(str, sources)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(root / "site"),
+            *map(str, sources),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return root / "site"
 
 
@@ -40,10 +57,15 @@ def test_readme_and_docs_show_the_example_files():
     for doc in (REPO / "README.md", REPO / "docs" / "plugins.md"):
         text = doc.read_text()
         assert "## Write your own scheduler" in text
-        for label, path in (("`inferlab_spf/scheduler.py`:", "inferlab_spf/scheduler.py"), ("`pyproject.toml`:", "pyproject.toml")):
+        for label, path in (
+            ("`inferlab_spf/scheduler.py`:", "inferlab_spf/scheduler.py"),
+            ("`pyproject.toml`:", "pyproject.toml"),
+        ):
             block = re.search(re.escape(label) + r"\n\n```\w+\n(.*?)\n```", text, re.S)
             assert block, f"{doc.name} has no code block after {label}"
-            assert block[1] == (EXAMPLES / "spf_scheduler" / path).read_text().rstrip("\n"), f"{doc.name}: {path} differs"
+            assert block[1] == (EXAMPLES / "spf_scheduler" / path).read_text().rstrip("\n"), (
+                f"{doc.name}: {path} differs"
+            )
 
 
 def test_listed_with_distribution_and_options(site, tmp_path):
@@ -54,10 +76,28 @@ def test_listed_with_distribution_and_options(site, tmp_path):
 
 
 def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
-    proc = run(["inferlab", "job=bench", "scheduler=spf", "scheduler.longest_first=true", "sampler=ban",
-                "sampler.token_ids=[3,4]", f"model.path={checkpoint('gqa2-tied')}", "engine.device=cpu",
-                "engine.kvcache_block_size=16", "engine.num_kvcache_blocks=128", "bench.num_seqs=4", "bench.min_len=4",
-                "bench.max_len=12", "bench.max_output_len=4", "bench.min_output_len=2", "hydra.run.dir=run"], tmp_path, site)
+    proc = run(
+        [
+            "inferlab",
+            "job=bench",
+            "scheduler=spf",
+            "scheduler.longest_first=true",
+            "sampler=ban",
+            "sampler.token_ids=[3,4]",
+            f"model.path={checkpoint('gqa2-tied')}",
+            "engine.device=cpu",
+            "engine.kvcache_block_size=16",
+            "engine.num_kvcache_blocks=128",
+            "bench.num_seqs=4",
+            "bench.min_len=4",
+            "bench.max_len=12",
+            "bench.max_output_len=4",
+            "bench.min_output_len=2",
+            "hydra.run.dir=run",
+        ],
+        tmp_path,
+        site,
+    )
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["plugins"]["scheduler"] == "spf" and result["plugins"]["sampler"] == "ban"
     assert result["plugin_options"]["scheduler"] == {"longest_first": True}
@@ -82,8 +122,15 @@ def installed(site, monkeypatch):
 
 def test_llm_uses_the_scheduler_and_its_option(installed, checkpoint):
     for longest_first, expected in ((False, [3, 6, 9]), (True, [9, 6, 3])):
-        llm = LLM(checkpoint("gqa2-tied"), scheduler="spf", scheduler_options={"longest_first": longest_first},
-                  max_num_seqs=1, kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+        llm = LLM(
+            checkpoint("gqa2-tied"),
+            scheduler="spf",
+            scheduler_options={"longest_first": longest_first},
+            max_num_seqs=1,
+            kvcache_block_size=16,
+            num_kvcache_blocks=32,
+            device="cpu",
+        )
         assert type(llm.scheduler).__name__ == "ShortestPromptFirst"
         for length in (9, 3, 6):
             llm.add_request(list(range(1, length + 1)), SamplingParams(max_tokens=1))

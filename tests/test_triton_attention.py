@@ -4,6 +4,7 @@ prefixes, split decode, mixed and ragged batches, CUDA-graph padding rows, and a
 Without CUDA the kernels run in Triton's interpreter, which Triton fixes when a kernel is decorated:
 so TRITON_INTERPRET is set here before inferlab's kernel module is first imported (and the module is
 reloaded if something imported it compiled). With CUDA the same tests run the compiled kernels."""
+
 import importlib
 import os
 from types import SimpleNamespace
@@ -38,21 +39,30 @@ def make_batch(query_lens, context_lens, block_size, num_kv_heads, head_dim, gro
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in blocks_needed:
-        tables.append(order[used:used + n])
+        tables.append(order[used : used + n])
         used += n
     block_tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
     for row, table in enumerate(tables):
-        block_tables[row, :len(table)] = torch.tensor(table)
-    slots = [tables[row][pos // block_size] * block_size + pos % block_size
-             for row in range(len(seq_lens)) for pos in range(context_lens[row], seq_lens[row])]
+        block_tables[row, : len(table)] = torch.tensor(table)
+    slots = [
+        tables[row][pos // block_size] * block_size + pos % block_size
+        for row in range(len(seq_lens))
+        for pos in range(context_lens[row], seq_lens[row])
+    ]
     query_start = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     query_start[1:] = torch.cumsum(torch.tensor(query_lens), 0)
     is_decode = all(q == 1 for q in query_lens)
     inputs = AttentionInputs(
-        query_start_loc=query_start.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE), block_tables=block_tables.to(DEVICE),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), is_decode=is_decode, block_size=block_size)
+        query_start_loc=query_start.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        is_decode=is_decode,
+        block_size=block_size,
+    )
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(DEVICE)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE)
@@ -97,8 +107,8 @@ def test_store_reads_strided_rows_of_a_fused_projection():
     # v arrives as a column slice of the fused QKV output: rows are strided, each row contiguous
     num_kv_heads, head_dim = 2, 16
     fused = torch.randn(3, 4 * num_kv_heads * head_dim, device=DEVICE)
-    k = fused[:, :num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
-    v = fused[:, 2 * num_kv_heads * head_dim:3 * num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
+    k = fused[:, : num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
+    v = fused[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
     cache = torch.zeros(2, 1, 16, num_kv_heads, head_dim, device=DEVICE)
     triton_kernels.store_kv(k, v, cache, torch.tensor([0, 5, 9], device=DEVICE))
     torch.testing.assert_close(cache[1, 0, [0, 5, 9]], v, rtol=0, atol=0)
@@ -127,9 +137,19 @@ def test_prefill_programs_of_one_head_or_a_whole_group_agree():
     expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.3)
     triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
     for heads in (1, 4):  # one query head a program, or the four sharing a KV head
-        got = triton_kernels.paged_prefill(q, cache, torch.empty_like(q), inputs.query_start_loc, inputs.seq_lens,
-                                           inputs.block_tables, inputs.max_query_len, 0.3, 16, 16,
-                                           heads_per_program=heads)
+        got = triton_kernels.paged_prefill(
+            q,
+            cache,
+            torch.empty_like(q),
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            inputs.block_tables,
+            inputs.max_query_len,
+            0.3,
+            16,
+            16,
+            heads_per_program=heads,
+        )
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # by default a program takes the group where it is a power of two and its rows fit
     assert triton_kernels.prefill_heads_per_program(4, 16) == 4
@@ -137,8 +157,19 @@ def test_prefill_programs_of_one_head_or_a_whole_group_agree():
     assert triton_kernels.prefill_heads_per_program(4, 64) == 1  # Qwen3-8B: 256 rows would not fit
     assert triton_kernels.prefill_heads_per_program(5, 16) == 1
     with pytest.raises(ValueError, match="heads_per_program must be 1 or the group size 4"):
-        triton_kernels.paged_prefill(q, cache, torch.empty_like(q), inputs.query_start_loc, inputs.seq_lens,
-                                     inputs.block_tables, inputs.max_query_len, 0.3, 16, 16, heads_per_program=2)
+        triton_kernels.paged_prefill(
+            q,
+            cache,
+            torch.empty_like(q),
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            inputs.block_tables,
+            inputs.max_query_len,
+            0.3,
+            16,
+            16,
+            heads_per_program=2,
+        )
 
 
 # (block size, query heads per KV head, head_dim, context lens before the new token)
@@ -167,14 +198,37 @@ def test_split_decode_combines_partials_exactly(num_splits):
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
     for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
-        got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                          num_splits, 16, partial_out, partial_lse, min_split_len)
+        got = triton_kernels.paged_decode(
+            q,
+            cache,
+            torch.empty_like(q),
+            inputs.seq_lens,
+            inputs.block_tables,
+            0.25,
+            num_splits,
+            16,
+            partial_out,
+            partial_lse,
+            min_split_len,
+        )
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
     assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
-    got = triton_kernels.paged_decode(q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25,
-                                      num_splits, 16, partial_out, partial_lse, 32, seq_order=order)
+    got = triton_kernels.paged_decode(
+        q,
+        cache,
+        torch.empty_like(q),
+        inputs.seq_lens,
+        inputs.block_tables,
+        0.25,
+        num_splits,
+        16,
+        partial_out,
+        partial_lse,
+        32,
+        seq_order=order,
+    )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -228,11 +282,21 @@ def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
         context_lens=torch.cat([inputs.context_lens, inputs.context_lens.new_zeros(pad)]),
         block_tables=torch.cat([inputs.block_tables, inputs.block_tables[:1].expand(pad, -1)]),
         slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)]),
-        max_query_len=1, max_seq_len=256, is_decode=True, block_size=16)
+        max_query_len=1,
+        max_seq_len=256,
+        is_decode=True,
+        block_size=16,
+    )
     backend = TritonAttention(min_split_len=16)
     padded_cache = cache.clone()
-    got = backend.forward(torch.cat([q, torch.randn_like(q)]), torch.cat([k, torch.randn_like(k)]),
-                          torch.cat([v, torch.randn_like(v)]), padded_cache, backend.build_metadata(padded), 0.3)
+    got = backend.forward(
+        torch.cat([q, torch.randn_like(q)]),
+        torch.cat([k, torch.randn_like(k)]),
+        torch.cat([v, torch.randn_like(v)]),
+        padded_cache,
+        backend.build_metadata(padded),
+        0.3,
+    )
     torch.testing.assert_close(got[:2], expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[2:], torch.zeros_like(got[2:]))
     torch.testing.assert_close(padded_cache, expected_cache, rtol=0, atol=0)
@@ -246,7 +310,7 @@ def fp8_probe_values() -> torch.Tensor:
     grid = grid[~grid.isnan()].unique()
     mids = (grid[:-1] + grid[1:]) / 2
     beside = torch.cat([torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))])
-    extremes = torch.tensor([449.0, 464.0, 480.0, 1e6, -1e6, 3e-3, -1e-3, 1e-30, 2.0 ** -10, 0.0, -0.0])
+    extremes = torch.tensor([449.0, 464.0, 480.0, 1e6, -1e6, 3e-3, -1e-3, 1e-30, 2.0**-10, 0.0, -0.0])
     gen = torch.Generator().manual_seed(0)
     return torch.cat([grid, mids, beside, extremes, torch.randn(512, generator=gen) * 4])
 
@@ -257,7 +321,7 @@ def test_store_into_an_fp8_cache_rounds_as_torch_bit_for_bit(dtype):
     values = fp8_probe_values().to(dtype)
     num_tokens = -(-values.numel() // (num_kv_heads * head_dim))
     padded = torch.zeros(num_tokens * num_kv_heads * head_dim, dtype=dtype)
-    padded[:values.numel()] = values
+    padded[: values.numel()] = values
     k = padded.view(num_tokens, num_kv_heads, head_dim).to(DEVICE)
     v = -k.flip(0)
     cache = torch.zeros(2, -(-num_tokens // 16), 16, num_kv_heads, head_dim, dtype=FP8, device=DEVICE)
@@ -269,8 +333,11 @@ def test_store_into_an_fp8_cache_rounds_as_torch_bit_for_bit(dtype):
     assert not cache.float().isnan().any()  # past 448 saturates: a plain cast would give NaN
 
 
-FP8_CASES = [pytest.param([5, 21, 1], [0, 3, 40], id="prefill"), pytest.param([1, 1, 1, 1], [0, 37, 95, 16], id="decode"),
-             pytest.param([1, 9, 1], [30, 12, 0], id="mixed")]
+FP8_CASES = [
+    pytest.param([5, 21, 1], [0, 3, 40], id="prefill"),
+    pytest.param([1, 1, 1, 1], [0, 37, 95, 16], id="decode"),
+    pytest.param([1, 9, 1], [30, 12, 0], id="mixed"),
+]
 
 
 @pytest.mark.parametrize("query_lens,context_lens", FP8_CASES)
@@ -289,7 +356,8 @@ def test_validate_names_unsupported_settings():
     assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, torch.float32) == []
     assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, FP8) == []
     assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, torch.float16) == [
-        "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"]
+        "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"
+    ]
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         TritonAttention(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
@@ -304,8 +372,17 @@ def test_greedy_generate_with_triton_equals_torch(checkpoint, kv_cache_dtype):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     results = {}
     for attention in ("torch", "triton"):
-        llm = LLM(path, attention=attention, device=str(DEVICE), dtype="float32", kvcache_block_size=16,
-                  max_model_len=128, max_num_batched_tokens=24, num_kvcache_blocks=64, kv_cache_dtype=kv_cache_dtype)
+        llm = LLM(
+            path,
+            attention=attention,
+            device=str(DEVICE),
+            dtype="float32",
+            kvcache_block_size=16,
+            max_model_len=128,
+            max_num_batched_tokens=24,
+            num_kvcache_blocks=64,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         assert llm.runner.kv_cache.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
         first = llm.generate([prompt, "Hello, world!"], params, use_tqdm=False)
         second = llm.generate([prompt + " and values in blocks."], params, use_tqdm=False)
@@ -338,8 +415,16 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
     path = checkpoint("gqa2-tied")
     prompts = ["Hello, world! How are", "Numbers: zero one two three", "Readability counts."]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 7)]
-    settings = dict(attention="triton", device=str(DEVICE), dtype="float32", kvcache_block_size=16,
-                    max_model_len=128, max_num_seqs=6, num_kvcache_blocks=32, enforce_eager=True)
+    settings = dict(
+        attention="triton",
+        device=str(DEVICE),
+        dtype="float32",
+        kvcache_block_size=16,
+        max_model_len=128,
+        max_num_seqs=6,
+        num_kvcache_blocks=32,
+        enforce_eager=True,
+    )
     eager = [o["token_ids"] for o in LLM(path, **settings).generate(prompts, params, use_tqdm=False)]
     # with overlap scheduling the decode inputs hold placeholders for the previous step's samples,
     # which the graphs' input kernel swaps in
@@ -347,8 +432,16 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
         llm = LLM(path, **settings, overlap_scheduling=overlap)
         runner = llm.runner
         runner.decode_graphs = graphs = EagerReplayGraphs(
-            runner.model, runner.backend, runner.kv_caches, 6, 128, 16, llm.hf_config.hidden_size, runner.dtype,
-            runner.device)
+            runner.model,
+            runner.backend,
+            runner.kv_caches,
+            6,
+            128,
+            16,
+            llm.hf_config.hidden_size,
+            runner.dtype,
+            runner.device,
+        )
         assert graphs.batch_sizes == [1, 2, 4, 6]
         replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert replayed == eager
@@ -357,10 +450,15 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
 
 def test_static_inputs_kernel_resolves_placeholders_and_pads():
     from inferlab.core.graph_inputs_kernel import fill_static_inputs
-    out = {"input_ids": torch.full((8,), 7, dtype=torch.int64), "positions": torch.full((8,), 7, dtype=torch.int64),
-           "slot_mapping": torch.full((8,), 7, dtype=torch.int64), "seq_lens": torch.full((8,), 7, dtype=torch.int32),
-           "context_lens": torch.full((8,), 7, dtype=torch.int32),
-           "block_tables": torch.full((8, 5), 7, dtype=torch.int32)}
+
+    out = {
+        "input_ids": torch.full((8,), 7, dtype=torch.int64),
+        "positions": torch.full((8,), 7, dtype=torch.int64),
+        "slot_mapping": torch.full((8,), 7, dtype=torch.int64),
+        "seq_lens": torch.full((8,), 7, dtype=torch.int32),
+        "context_lens": torch.full((8,), 7, dtype=torch.int32),
+        "block_tables": torch.full((8, 5), 7, dtype=torch.int32),
+    }
     out = {name: t.to(DEVICE) for name, t in out.items()}
     buffers = SimpleNamespace(**out)  # as DecodeGraphs holds them
     longs = torch.tensor([11, -2, -1, 4, 9, 30, 40, 90, 300], device=DEVICE)  # ids, positions, slots of 3 rows

@@ -1,6 +1,7 @@
 """What the tensor-parallel tests check of worker processes, on CPU (test_tensor_parallel.py) and
 on two GPUs (test_gpu_tp.py): which processes are alive, a failure provoked mid-generation, and
 that nothing is left behind once the engine has shut its workers down."""
+
 import os
 import threading
 import time
@@ -55,6 +56,7 @@ def run_until_failure(llm, fail):
             time.sleep(0.01)
         failed_at.append(time.monotonic())
         fail()
+
     thread = threading.Thread(target=trigger, daemon=True)
     thread.start()
     long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)

@@ -8,6 +8,7 @@ what the command does; `generate` and `bench` hold each job's settings.
     cfg = compose(["scheduler=lpm", "engine.max_num_seqs=8"])   # the CLI's config, from Python
     model_path, settings = engine_arguments(cfg)               # LLM(model_path, **settings)
 """
+
 import types
 import typing
 from dataclasses import MISSING as NO_DEFAULT
@@ -63,6 +64,7 @@ class JobConfig:
 @dataclass
 class GenerateConfig:
     """`inferlab` (job=generate): complete these prompts and print the text and the throughput."""
+
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
     max_tokens: int = 32
     temperature: float = 0.6
@@ -73,11 +75,12 @@ class GenerateConfig:
 @dataclass
 class BenchConfig:
     """`inferlab job=bench`: nano-vllm's bench.py workload, plus shared prefixes for cache ablations."""
+
     num_seqs: int = 256
     min_len: int = 100  # prompt lengths uniform in [min_len, max_len] (bench.py's 100..1024)
     max_len: int = 1024
-    min_output_len: Optional[int] = None  # None: min_len, as in bench.py
-    max_output_len: Optional[int] = None  # None: max_len
+    min_output_len: int | None = None  # None: min_len, as in bench.py
+    max_output_len: int | None = None  # None: max_len
     seed: int = 0
     temperature: float = 0.6
     ignore_eos: bool = True
@@ -117,6 +120,7 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
     """Puts the schema and one option per registered plugin into Hydra's ConfigStore. Call it
     before composing (the `inferlab` command does)."""
     from hydra.core.config_store import ConfigStore
+
     registry = registry or get_registry()
     store = ConfigStore.instance()
     store.store(name="inferlab_schema", node=InferlabConfig)
@@ -140,9 +144,12 @@ def checked_node_class(registry: PluginRegistry, kind: str, name: str) -> type:
         OmegaConf.structured(node)
     except Exception as e:
         entry = registry.entries[kind].get(name)
-        failure = PluginFailure(entry.plugin if entry else name, entry.distribution if entry else "",
-                                f"config node {options.__qualname__} for {kind} {name!r} is not a valid Hydra "
-                                f"structured config: {str(e).splitlines()[0]}")
+        failure = PluginFailure(
+            entry.plugin if entry else name,
+            entry.distribution if entry else "",
+            f"config node {options.__qualname__} for {kind} {name!r} is not a valid Hydra "
+            f"structured config: {str(e).splitlines()[0]}",
+        )
         registry.failures.append(failure)
         del registry.config_nodes[kind, name]  # nor list options that cannot be set
         return plugin_node_class(kind, name)
@@ -153,6 +160,7 @@ def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -
     """The config `inferlab <overrides>` would run, built with Hydra's compose API."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
+
     store_configs(registry)
     with initialize_config_module("inferlab.conf", version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))

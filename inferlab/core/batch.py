@@ -1,4 +1,5 @@
 """What a step carries between the scheduler, the runner and the attention backend."""
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ class ScheduledBatch:
     A sequence samples a token this step when its scheduled tokens reach the end of what it
     holds; a prefill chunk that stops short computes K/V only.
     """
+
     seqs: list[Sequence]
     num_scheduled_tokens: list[int]
 
@@ -31,8 +33,11 @@ class ScheduledBatch:
     @property
     def num_decode_tokens(self) -> int:
         """Sequences computing exactly their last token (decoding); the rest of the tokens are prefill."""
-        return sum(1 for s, n in zip(self.seqs, self.num_scheduled_tokens)
-                   if n == 1 and s.num_computed_tokens == s.num_tokens - 1)
+        return sum(
+            1
+            for s, n in zip(self.seqs, self.num_scheduled_tokens)
+            if n == 1 and s.num_computed_tokens == s.num_tokens - 1
+        )
 
     @property
     def is_decode(self) -> bool:
@@ -45,6 +50,7 @@ class StepInputs:
     """One step's inputs on the host, packed in two buffers that go to the device in two copies:
     everything a tensor-parallel rank needs for the forward pass, small enough to send to the
     workers each step. T new tokens of B sequences, S of which sample; block tables W wide."""
+
     longs: np.ndarray  # int64: input ids [T], positions [T], slot mapping [T], logits indices [S]
     ints: np.ndarray  # int32: query start [B+1], seq lens [B], context lens [B], block tables [B*W]
     num_tokens: int  # T
@@ -62,6 +68,7 @@ class AttentionInputs:
     """Device tensors describing a batch's layout in the paged cache, built once per step by the
     runner; each backend turns them into its own metadata. Tokens of a batch are laid out sequence
     after sequence (varlen)."""
+
     query_start_loc: torch.Tensor  # int32 [B+1]: where each sequence's new tokens start
     seq_lens: torch.Tensor  # int32 [B]: context length after this step (cached + new)
     context_lens: torch.Tensor  # int32 [B]: tokens already in the cache before this step
@@ -85,6 +92,7 @@ class SamplingTensors:
     Noise for row i is a function of (seeds[i], steps[i]) only, so a seeded request draws the same
     tokens whatever else shares its batch, and a preempted one resumes the same stream.
     """
+
     temperatures: torch.Tensor  # float32 [N]; 0 = greedy
     top_k: torch.Tensor  # int64 [N]; vocab size when disabled
     top_p: torch.Tensor  # float32 [N]

@@ -1,4 +1,5 @@
 """Engine settings: nano-vllm's, plus the device, the dtype and the plugin choices."""
+
 from dataclasses import dataclass, field, fields
 
 from inferlab.core.kv_cache_dtype import KV_CACHE_DTYPES
@@ -8,6 +9,7 @@ from inferlab.core.kv_cache_dtype import KV_CACHE_DTYPES
 class EngineConfig:
     """Everything that shapes an engine. Plugin fields hold registered names; `*_options` hold the
     keyword arguments passed to the chosen plugin's factory (Hydra config nodes land there)."""
+
     model_path: str | None = None  # None: the embedded tiny model
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
@@ -36,13 +38,22 @@ class EngineConfig:
     sampler_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "kvcache_block_size"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "tensor_parallel_size",
+            "kvcache_block_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not (isinstance(self.num_kvcache_blocks, int) and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)):
-            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or >= 1, got {self.num_kvcache_blocks!r}")
+        if not (
+            isinstance(self.num_kvcache_blocks, int) and (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1)
+        ):
+            raise ValueError(
+                f"num_kvcache_blocks must be -1 (size from memory) or >= 1, got {self.num_kvcache_blocks!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):

@@ -4,6 +4,7 @@ decode batch is copied into the buffers, padded to the next captured size (paddi
 nothing and attend to nothing) and replayed, which removes the per-kernel launch cost that
 dominates small decode steps. The copy-in, the padding and the swap of placeholder ids for the
 previous step's samples are one kernel (graph_inputs_kernel.py)."""
+
 import bisect
 import logging
 from time import perf_counter
@@ -26,8 +27,18 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode graphs over static buffers; run() replays the one that fits a batch."""
 
-    def __init__(self, model, backend, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
-                 block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.batch_sizes = graph_batch_sizes(min(max_num_seqs, MAX_GRAPH_BATCH))
         max_batch = self.batch_sizes[-1]
         self.block_size = block_size
@@ -44,16 +55,25 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         start = perf_counter()
         self._capture(model, backend, kv_caches)
-        log.info("captured CUDA graphs for decode batches of %s sequences in %.1f s",
-                 self.batch_sizes, perf_counter() - start)
+        log.info(
+            "captured CUDA graphs for decode batches of %s sequences in %.1f s",
+            self.batch_sizes,
+            perf_counter() - start,
+        )
 
     def _inputs(self, batch: int) -> AttentionInputs:
         """The static buffers' first `batch` rows, as the backend sees them in every replay."""
         return AttentionInputs(
-            query_start_loc=self.query_start_loc[:batch + 1], seq_lens=self.seq_lens[:batch],
-            context_lens=self.context_lens[:batch], block_tables=self.block_tables[:batch],
-            slot_mapping=self.slot_mapping[:batch], max_query_len=1,
-            max_seq_len=self.max_blocks * self.block_size, is_decode=True, block_size=self.block_size)
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            context_lens=self.context_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            slot_mapping=self.slot_mapping[:batch],
+            max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size,
+            is_decode=True,
+            block_size=self.block_size,
+        )
 
     @torch.inference_mode()
     def _capture(self, model, backend, kv_caches):
@@ -81,8 +101,13 @@ class DecodeGraphs:
         self.graphs.clear()
         self.batch_sizes = [0]  # run() finds no graph for any batch: it returns None, the eager path
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs,
-            last_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs: AttentionInputs,
+        last_sampled: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Hidden states [B, hidden] of a decode batch, or None when no graph fits it. With
         last_sampled, input ids -(k + 1) stand for last_sampled[k] (placeholders)."""
         num_seqs = inputs.num_seqs
@@ -91,7 +116,17 @@ class DecodeGraphs:
             return None
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
         from inferlab.core.graph_inputs_kernel import fill_static_inputs  # Triton: imported where it runs
-        fill_static_inputs(batch, input_ids, positions, inputs.slot_mapping, inputs.seq_lens, inputs.context_lens,
-                           inputs.block_tables, last_sampled, self)
+
+        fill_static_inputs(
+            batch,
+            input_ids,
+            positions,
+            inputs.slot_mapping,
+            inputs.seq_lens,
+            inputs.context_lens,
+            inputs.block_tables,
+            last_sampled,
+            self,
+        )
         self.graphs[batch].replay()
         return self.hidden[:num_seqs]

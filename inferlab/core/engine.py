@@ -1,4 +1,5 @@
 """The engine loop: requests in, scheduler -> runner -> scheduler each step, outputs in order."""
+
 import gc
 import logging
 import os
@@ -26,6 +27,7 @@ class RequestTooLargeError(ValueError):
 @dataclass
 class EngineStats:
     """Counters over the engine's life, for users and benchmark results."""
+
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -80,6 +82,7 @@ class LLMEngine:
                 self.registry.get(kind, name)
         if model_path is None:
             from inferlab.tiny_model import default_model_path
+
             model_path = default_model_path()
         self.model_path = model_path = os.fspath(model_path)
         hf_config, self.tokenizer = load_checkpoint_files(model_path)
@@ -91,10 +94,12 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(config, hf_config, model_path, self.registry)
         try:
-            self.kv_cache = self.registry.create("kv_cache", config.kv_cache, config, self.runner.num_kv_blocks,
-                                                 **config.kv_cache_options)
-            self.scheduler = self.registry.create("scheduler", config.scheduler, config, self.kv_cache,
-                                                  **config.scheduler_options)
+            self.kv_cache = self.registry.create(
+                "kv_cache", config.kv_cache, config, self.runner.num_kv_blocks, **config.kv_cache_options
+            )
+            self.scheduler = self.registry.create(
+                "scheduler", config.scheduler, config, self.kv_cache, **config.scheduler_options
+            )
         except BaseException:
             self.close()
             raise
@@ -144,7 +149,8 @@ class LLMEngine:
             raise RequestTooLargeError(
                 f"the request needs up to {needed} KV blocks of {bs} tokens ({num_prompt_tokens} prompt + "
                 f"{params.max_tokens} max_tokens) but the whole cache has {num_blocks}: it could never be served; "
-                f"lower prompt + max_tokens to at most {num_blocks * bs + 1} tokens, or give the cache more memory")
+                f"lower prompt + max_tokens to at most {num_blocks * bs + 1} tokens, or give the cache more memory"
+            )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queues one request; returns its id for abort() and for matching outputs."""
@@ -186,8 +192,10 @@ class LLMEngine:
         if not batch.seqs and self.pending is None:
             if self.scheduler.is_finished():
                 return [], 0, 0
-            raise RuntimeError("the scheduler has pending requests but scheduled nothing: the KV cache "
-                               "cannot hold any of them (this is a scheduler bug or a cache too small)")
+            raise RuntimeError(
+                "the scheduler has pending requests but scheduled nothing: the KV cache "
+                "cannot hold any of them (this is a scheduler bug or a cache too small)"
+            )
         start = perf_counter()
         decode_tokens = batch.num_decode_tokens
         prefill_tokens = batch.total_tokens - decode_tokens
@@ -252,7 +260,7 @@ class LLMEngine:
     def _hits_stop_string(self, seq: Sequence) -> bool:
         # A stop string of m characters spans at most m tokens; look a few more back for safety.
         longest = max(len(s) for s in seq.params.stop)
-        tail = self.tokenizer.decode(seq.completion_token_ids[-(longest + 4):])
+        tail = self.tokenizer.decode(seq.completion_token_ids[-(longest + 4) :])
         return any(s in tail for s in seq.params.stop)
 
     def output(self, seq: Sequence) -> dict:
@@ -260,17 +268,26 @@ class LLMEngine:
         if seq.params.stop:
             cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
             if cuts:
-                text = text[:min(cuts)]
-        return {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "num_preemptions": seq.num_preemptions}
+                text = text[: min(cuts)]
+        return {
+            "text": text,
+            "token_ids": seq.completion_token_ids,
+            "finish_reason": seq.finish_reason,
+            "num_preemptions": seq.num_preemptions,
+        }
 
     @staticmethod
     def error_output(message: str) -> dict:
         """The result of a request that could not be served: no tokens, and why."""
         return {"text": "", "token_ids": [], "finish_reason": "error", "error": message, "num_preemptions": 0}
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, raise_on_error: bool = False) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        raise_on_error: bool = False,
+    ) -> list[dict]:
         """Generates for every prompt; returns [{"text", "token_ids", "finish_reason", "num_preemptions"}]
         in input order. Invalid input raises before anything is queued. A request too large for the
         whole KV cache gets {"finish_reason": "error", "error": why} and no tokens while the others
@@ -287,8 +304,10 @@ class LLMEngine:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
-                                 "give one for all or one per prompt")
+                raise ValueError(
+                    f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                    "give one for all or one per prompt"
+                )
         else:
             sampling_params = [sampling_params] * len(prompts)
         # Validate everything before queueing anything, so a bad prompt leaves the engine as it was.
@@ -335,8 +354,10 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-        return [self.error_output(r) if not isinstance(r, Sequence)
-                else outputs.get(r.seq_id) or self.output(r) for r in results]
+        return [
+            self.error_output(r) if not isinstance(r, Sequence) else outputs.get(r.seq_id) or self.output(r)
+            for r in results
+        ]
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -356,6 +377,7 @@ class LLMEngine:
 def load_checkpoint_files(path: str):
     """The HF config and tokenizer of a model directory, with errors that name what is missing."""
     from transformers import AutoConfig, AutoTokenizer
+
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     config_file = os.path.join(path, "config.json")

@@ -8,16 +8,34 @@ program a row does all of it: the batch's rows get their token (placeholders res
 slot, lengths and block table; padding rows up to the graph's batch get no keys and no slot.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _fill_kernel(ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, context_lens_ptr, tables_ptr, sampled_ptr,
-                 out_ids_ptr, out_positions_ptr, out_slots_ptr, out_seq_lens_ptr, out_context_lens_ptr,
-                 out_tables_ptr, num_seqs, width, tables_stride, out_tables_stride,
-                 RESOLVE: tl.constexpr, BLOCK_W: tl.constexpr):
+def _fill_kernel(
+    ids_ptr,
+    positions_ptr,
+    slots_ptr,
+    seq_lens_ptr,
+    context_lens_ptr,
+    tables_ptr,
+    sampled_ptr,
+    out_ids_ptr,
+    out_positions_ptr,
+    out_slots_ptr,
+    out_seq_lens_ptr,
+    out_context_lens_ptr,
+    out_tables_ptr,
+    num_seqs,
+    width,
+    tables_stride,
+    out_tables_stride,
+    RESOLVE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     row = tl.program_id(0)
     if row < num_seqs:
         token = tl.load(ids_ptr + row)
@@ -39,9 +57,17 @@ def _fill_kernel(ids_ptr, positions_ptr, slots_ptr, seq_lens_ptr, context_lens_p
         tl.store(out_slots_ptr + row, -1)
 
 
-def fill_static_inputs(batch: int, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                       seq_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                       last_sampled: torch.Tensor | None, out) -> None:
+def fill_static_inputs(
+    batch: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    last_sampled: torch.Tensor | None,
+    out,
+) -> None:
     """Writes a step's n rows into the static buffers that `out` (a DecodeGraphs) holds as
     attributes input_ids, positions, slot_mapping, seq_lens, context_lens and block_tables, each
     with at least `batch` rows, and pads rows n..batch.
@@ -50,8 +76,24 @@ def fill_static_inputs(batch: int, input_ids: torch.Tensor, positions: torch.Ten
     num_seqs, width = block_tables.shape
     resolve = last_sampled is not None
     _fill_kernel[(batch,)](
-        input_ids, positions, slot_mapping, seq_lens, context_lens, block_tables,
+        input_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        context_lens,
+        block_tables,
         last_sampled if resolve else input_ids,  # unused unless RESOLVE: any tensor serves as the pointer
-        out.input_ids, out.positions, out.slot_mapping, out.seq_lens, out.context_lens,
-        out.block_tables, num_seqs, width, block_tables.stride(0), out.block_tables.stride(0),
-        RESOLVE=resolve, BLOCK_W=min(128, triton.next_power_of_2(max(width, 1))), num_warps=1)
+        out.input_ids,
+        out.positions,
+        out.slot_mapping,
+        out.seq_lens,
+        out.context_lens,
+        out.block_tables,
+        num_seqs,
+        width,
+        block_tables.stride(0),
+        out.block_tables.stride(0),
+        RESOLVE=resolve,
+        BLOCK_W=min(128, triton.next_power_of_2(max(width, 1))),
+        num_warps=1,
+    )

@@ -15,6 +15,7 @@ options for it as keyword arguments, and must return an object satisfying the ki
 The last hook, `register_config_nodes`, describes the options a plugin's factory takes, so that
 Hydra (`inferlab <kind>=<name> <kind>.<option>=...`) can type and check them.
 """
+
 import pluggy
 
 hookspec = pluggy.HookspecMarker("inferlab")

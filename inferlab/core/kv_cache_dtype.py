@@ -6,6 +6,7 @@ fp8 values are stored with a scale of 1, as vLLM does for checkpoints that carry
 each value rounds to the nearest float8_e4m3fn (3 mantissa bits, so a relative error of at most
 1/16) and saturates at +-448, its largest finite value. Attention reads them back in the model's
 dtype. Keys after Qwen3's per-head RMSNorm and values of a few units sit well inside that range."""
+
 import torch
 
 KV_CACHE_DTYPES = ("auto", "fp8")

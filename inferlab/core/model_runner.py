@@ -1,5 +1,6 @@
 """Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
+
 import logging
 from dataclasses import replace
 from itertools import chain
@@ -43,8 +44,9 @@ def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry,
-                 tp_group: TPGroup = SINGLE):
+    def __init__(
+        self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry, tp_group: TPGroup = SINGLE
+    ):
         self.config = config
         self.tp = tp_group
         self.device = resolve_device(config.device)
@@ -61,8 +63,16 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = registry.create("model", model_name, hf_config, backend=self.backend, tp_group=tp_group,
-                                             dtype=self.dtype, device=self.device, **config.model_options)
+                self.model = registry.create(
+                    "model",
+                    model_name,
+                    hf_config,
+                    backend=self.backend,
+                    tp_group=tp_group,
+                    dtype=self.dtype,
+                    device=self.device,
+                    **config.model_options,
+                )
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(model_path)
@@ -88,9 +98,13 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        log.info("KV cache: %d blocks of %d tokens in %s (%.2f GiB)", self.num_kv_blocks, self.block_size,
-                 str(self.kv_cache_dtype).replace("torch.", ""),
-                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        log.info(
+            "KV cache: %d blocks of %d tokens in %s (%.2f GiB)",
+            self.num_kv_blocks,
+            self.block_size,
+            str(self.kv_cache_dtype).replace("torch.", ""),
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
+        )
         self.decode_graphs = self._capture_decode_graphs(hf_config)
 
     def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
@@ -99,8 +113,17 @@ class ModelRunner:
         if not self.backend.supports_cuda_graphs:
             log.info("attention backend %r does not support CUDA graphs: decode runs eagerly", self.backend.name)
             return None
-        return DecodeGraphs(self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
-                            self.config.max_model_len, self.block_size, hf_config.hidden_size, self.dtype, self.device)
+        return DecodeGraphs(
+            self.model,
+            self.backend,
+            self.kv_caches,
+            self.config.max_num_seqs,
+            self.config.max_model_len,
+            self.block_size,
+            hf_config.hidden_size,
+            self.dtype,
+            self.device,
+        )
 
     def _make_backend(self, registry: PluginRegistry, head_dim: int):
         names = AUTO_ATTENTION[self.device.type] if self.config.attention == "auto" else (self.config.attention,)
@@ -122,9 +145,11 @@ class ModelRunner:
                     log.warning("attention=auto chose %r; skipped: %s", name, "; ".join(reasons))
                 return backend
             reasons.append(f"{name}: {'; '.join(problems)}")
-        raise ValueError(f"no attention backend can serve device={self.device.type}, dtype={self.dtype}, "
-                         f"kv_cache_dtype={self.kv_cache_dtype}, block size={self.block_size}, head_dim={head_dim}: "
-                         + " | ".join(reasons))
+        raise ValueError(
+            f"no attention backend can serve device={self.device.type}, dtype={self.dtype}, "
+            f"kv_cache_dtype={self.kv_cache_dtype}, block size={self.block_size}, head_dim={head_dim}: "
+            + " | ".join(reasons)
+        )
 
     @staticmethod
     def _model_for(registry: PluginRegistry, hf_config) -> str:
@@ -133,7 +158,9 @@ class ModelRunner:
             served = getattr(registry.entries["model"][name].factory, "architectures", ())
             if any(a in served for a in architectures):
                 return name
-        available = {n: list(getattr(registry.entries["model"][n].factory, "architectures", ())) for n in registry.names("model")}
+        available = {
+            n: list(getattr(registry.entries["model"][n].factory, "architectures", ())) for n in registry.names("model")
+        }
         raise PluginError(f"no model plugin serves architectures {architectures}; available: {available}")
 
     def _kv_block_bytes(self) -> int:
@@ -165,23 +192,33 @@ class ModelRunner:
         used = total - free  # weights, CUDA context, other processes
         available = total * self.config.gpu_memory_utilization - used - peak_activations
         num_blocks = int(available) // block_bytes
-        log.info("GPU memory: %.2f GiB total, %.2f GiB used after warm-up, %.2f GiB peak activations; "
-                 "%.2f GiB at gpu_memory_utilization=%.2f leaves %d KV blocks of %.1f MiB",
-                 total / 2**30, used / 2**30, peak_activations / 2**30, total * self.config.gpu_memory_utilization / 2**30,
-                 self.config.gpu_memory_utilization, max(num_blocks, 0), block_bytes / 2**20)
+        log.info(
+            "GPU memory: %.2f GiB total, %.2f GiB used after warm-up, %.2f GiB peak activations; "
+            "%.2f GiB at gpu_memory_utilization=%.2f leaves %d KV blocks of %.1f MiB",
+            total / 2**30,
+            used / 2**30,
+            peak_activations / 2**30,
+            total * self.config.gpu_memory_utilization / 2**30,
+            self.config.gpu_memory_utilization,
+            max(num_blocks, 0),
+            block_bytes / 2**20,
+        )
         if num_blocks < 1:
-            raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                             f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+            )
         return num_blocks
 
     def _warmup(self) -> torch.Tensor:
         """One prefill of max_num_batched_tokens tokens (sequences of max_model_len) on a scratch cache."""
         from inferlab.core.sampling_params import SamplingParams
         from inferlab.core.sequence import Sequence
+
         max_len = self.config.max_model_len
         num_tokens = max(self.config.max_num_batched_tokens, max_len)
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        lengths = lengths[:self.config.max_num_seqs]
+        lengths = lengths[: self.config.max_num_seqs]
         num_blocks = sum(-(-n // self.block_size) for n in lengths)
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
@@ -202,8 +239,9 @@ class ModelRunner:
         return self.launch(batch).tokens()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None,
-               step: StepInputs | None = None) -> "StepHandle":
+    def launch(
+        self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None, step: StepInputs | None = None
+    ) -> "StepHandle":
         """Queues one step's work on the device and returns without waiting for it. Input tokens
         may be placeholders for the previous launch's samples (see StepHandle.placeholders).
         `step`: the batch's prepared inputs, when the caller built them already."""
@@ -256,8 +294,11 @@ class ModelRunner:
             input_ids = np.fromiter((s.token_ids[a] for s, a in zip(seqs, starts.tolist())), dtype=np.int64, count=n)
             seq_index, positions = np.arange(n), starts
         else:
-            input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in zip(seqs, starts.tolist(), ends.tolist())),
-                                    dtype=np.int64, count=num_tokens)
+            input_ids = np.fromiter(
+                chain.from_iterable(s.token_ids[a:b] for s, a, b in zip(seqs, starts.tolist(), ends.tolist())),
+                dtype=np.int64,
+                count=num_tokens,
+            )
             seq_index = np.repeat(np.arange(n), counts)
             positions = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts) + starts[seq_index]
         query_start = np.zeros(n + 1, dtype=np.int64)
@@ -265,8 +306,9 @@ class ModelRunner:
         table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
         block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int64)
         flat_rows = np.repeat(np.arange(n), table_lens)
-        block_tables[flat_rows, np.arange(len(flat_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)] = \
-            np.fromiter(chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=len(flat_rows))
+        block_tables[
+            flat_rows, np.arange(len(flat_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
+        ] = np.fromiter(chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=len(flat_rows))
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         samples = ends == totals
         sample_rows = np.flatnonzero(samples).tolist()
@@ -274,9 +316,15 @@ class ModelRunner:
         return StepInputs(
             longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices]),
             ints=np.concatenate([query_start, ends, starts, block_tables.ravel()]).astype(np.int32),
-            num_tokens=num_tokens, num_seqs=n, table_width=block_tables.shape[1], sample_rows=sample_rows,
-            max_query_len=int(counts.max()), max_seq_len=int(ends.max()), is_decode=num_tokens == n and bool(samples.all()),
-            has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0)
+            num_tokens=num_tokens,
+            num_seqs=n,
+            table_width=block_tables.shape[1],
+            sample_rows=sample_rows,
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
+            is_decode=num_tokens == n and bool(samples.all()),
+            has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0,
+        )
 
     def upload(self, step: StepInputs):
         """The step's two buffers to the device, as input ids, positions, attention inputs and the
@@ -287,10 +335,17 @@ class ModelRunner:
         input_ids, positions, slot_mapping, logits_indices = longs.split([t, t, t, len(step.sample_rows)])
         query_start, seq_lens, context_lens, block_tables = ints.split([n + 1, n, n, n * step.table_width])
         inputs = AttentionInputs(
-            query_start_loc=query_start, seq_lens=seq_lens, context_lens=context_lens,
-            block_tables=block_tables.view(n, step.table_width), slot_mapping=slot_mapping,
-            max_query_len=step.max_query_len, max_seq_len=step.max_seq_len, is_decode=step.is_decode,
-            block_size=self.block_size, has_placeholders=step.has_placeholders)
+            query_start_loc=query_start,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            block_tables=block_tables.view(n, step.table_width),
+            slot_mapping=slot_mapping,
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            is_decode=step.is_decode,
+            block_size=self.block_size,
+            has_placeholders=step.has_placeholders,
+        )
         return input_ids, positions, inputs, logits_indices
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -311,21 +366,37 @@ class ModelRunner:
         """Per-row settings; rebuilt only when the rows change (decode repeats the same batch), the
         token index (steps) is sent every time."""
         key = [s.seq_id for s in seqs]
-        steps = self._to_device(np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs)), torch.int64)
+        steps = self._to_device(
+            np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs)), torch.int64
+        )
         cached = self._sampling_cache
         if cached is not None and cached[0] == key:
             return replace(cached[1], steps=steps)
         params = [s.params for s in seqs]
-        floats = np.array([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-                          dtype=np.float32)
+        floats = np.array(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], dtype=np.float32
+        )
         # fold 64-bit seeds to 32 bits: the sampler's hash mixes 32-bit words
-        ints = np.array([[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                         [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs]], dtype=np.int64)
+        ints = np.array(
+            [
+                [p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs],
+            ],
+            dtype=np.int64,
+        )
         float_t, int_t = self._to_device(floats, torch.float32), self._to_device(ints, torch.int64)
         tensors = SamplingTensors(
-            temperatures=float_t[0], top_p=float_t[1], min_p=float_t[2], top_k=int_t[0], seeds=int_t[1], steps=steps,
-            all_greedy=not floats[0].any(), any_top_k=bool((ints[0] < self.vocab_size).any()),
-            any_top_p=bool((floats[1] < 1).any()), any_min_p=bool((floats[2] > 0).any()))
+            temperatures=float_t[0],
+            top_p=float_t[1],
+            min_p=float_t[2],
+            top_k=int_t[0],
+            seeds=int_t[1],
+            steps=steps,
+            all_greedy=not floats[0].any(),
+            any_top_k=bool((ints[0] < self.vocab_size).any()),
+            any_top_p=bool((floats[1] < 1).any()),
+            any_min_p=bool((floats[2] > 0).any()),
+        )
         self._sampling_cache = (key, tensors)
         return tensors
 
@@ -334,8 +405,13 @@ class StepHandle:
     """A launched step. tokens() waits for its samples; placeholders() names them before they
     exist, so the engine can schedule the next step while this one runs on the device."""
 
-    def __init__(self, num_seqs: int, sample_rows: list[int], sampled: torch.Tensor | None,
-                 copy_stream: torch.cuda.Stream | None = None):
+    def __init__(
+        self,
+        num_seqs: int,
+        sample_rows: list[int],
+        sampled: torch.Tensor | None,
+        copy_stream: torch.cuda.Stream | None = None,
+    ):
         """copy_stream: for samples on a CUDA device, the stream they go to the host on, so the
         compute stream moves on to the next step without waiting for the copy."""
         self.num_seqs = num_seqs

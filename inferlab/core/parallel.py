@@ -1,4 +1,5 @@
 """Tensor-parallel group as the model's layers see it: a rank, a size and two collectives."""
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 class TPGroup:
     """rank/size of this process within its tensor-parallel group; `group` is the torch.distributed
     process group (None when size is 1, where the collectives are no-ops)."""
+
     rank: int = 0
     size: int = 1
     group: Any = None

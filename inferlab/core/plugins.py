@@ -1,12 +1,14 @@
 """The plugin registry: finds plugins through the `inferlab` entry points, collects what each
 registers (plugins and their config nodes), checks it against its Protocol, and builds the
 selected ones."""
+
 import dataclasses
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -48,7 +50,11 @@ def protocol_members(protocol: type) -> list[str]:
     """Names a Protocol requires: its methods, properties and annotated attributes."""
     names = set()
     for klass in protocol.__mro__:
-        if klass in (object, protocol.__mro__[-1]) or not getattr(klass, "_is_protocol", False) or klass.__name__ == "Protocol":
+        if (
+            klass in (object, protocol.__mro__[-1])
+            or not getattr(klass, "_is_protocol", False)
+            or klass.__name__ == "Protocol"
+        ):
             continue
         names.update(k for k in vars(klass) if not k.startswith("_"))
         names.update(k for k in getattr(klass, "__annotations__", {}) if not k.startswith("_"))
@@ -87,7 +93,9 @@ class PluginRegistry:
                 try:
                     module = ep.load()
                 except Exception as e:  # a broken third-party plugin must not take the engine down
-                    self.failures.append(PluginFailure(ep.name, dist, f"import of {ep.value!r} failed: {type(e).__name__}: {e}"))
+                    self.failures.append(
+                        PluginFailure(ep.name, dist, f"import of {ep.value!r} failed: {type(e).__name__}: {e}")
+                    )
                     continue
                 self.register(module, ep.name, dist)
 
@@ -123,9 +131,13 @@ class PluginRegistry:
             # Classes are checked now; plain factory functions when they build their object.
             missing = missing_members(factory, protocol, check_attributes=False) if inspect.isclass(factory) else []
             if missing:
-                self.failures.append(PluginFailure(
-                    plugin_name, distribution,
-                    f"{kind} {entry_name!r} ({factory.__qualname__}) does not satisfy {protocol.__name__}: missing {missing}"))
+                self.failures.append(
+                    PluginFailure(
+                        plugin_name,
+                        distribution,
+                        f"{kind} {entry_name!r} ({factory.__qualname__}) does not satisfy {protocol.__name__}: missing {missing}",
+                    )
+                )
                 return
             entry = PluginEntry(kind, entry_name, factory, plugin_name, distribution)
             existing = self.entries[kind].get(entry_name)
@@ -137,7 +149,9 @@ class PluginRegistry:
         try:
             impl.function(register=register)
         except Exception as e:
-            self.failures.append(PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}"))
+            self.failures.append(
+                PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}")
+            )
 
     def _collect_config_nodes(self, impl, plugin_name: str, distribution: str) -> None:
         def register(kind: str, entry_name: str, node: type) -> None:
@@ -150,7 +164,9 @@ class PluginRegistry:
         try:
             impl.function(register=register)
         except Exception as e:
-            self.failures.append(PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}"))
+            self.failures.append(
+                PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}")
+            )
 
     def _config_node_problem(self, kind: str, name: str, node: Any) -> str | None:
         """Why a config node cannot be used, or None when it can."""
@@ -171,8 +187,10 @@ class PluginRegistry:
             return None
         unknown = sorted({f.name for f in dataclasses.fields(node)} - set(parameters))
         if unknown:
-            return (f"config node {node.__qualname__} for {kind} {name!r} has fields {unknown} that its factory "
-                    f"{getattr(entry.factory, '__qualname__', entry.factory)!r} does not accept")
+            return (
+                f"config node {node.__qualname__} for {kind} {name!r} has fields {unknown} that its factory "
+                f"{getattr(entry.factory, '__qualname__', entry.factory)!r} does not accept"
+            )
         return None
 
     def names(self, kind: str) -> list[str]:
@@ -182,8 +200,12 @@ class PluginRegistry:
         if kind not in KINDS:
             raise PluginError(f"unknown plugin kind {kind!r}; kinds: {sorted(KINDS)}")
         if (kind, name) in self.collisions:
-            owners = ", ".join(f"{e.plugin} ({e.distribution or 'registered by hand'})" for e in self.collisions[kind, name])
-            raise PluginError(f"{kind} {name!r} is registered by more than one plugin: {owners}; uninstall or rename one")
+            owners = ", ".join(
+                f"{e.plugin} ({e.distribution or 'registered by hand'})" for e in self.collisions[kind, name]
+            )
+            raise PluginError(
+                f"{kind} {name!r} is registered by more than one plugin: {owners}; uninstall or rename one"
+            )
         entry = self.entries[kind].get(name)
         if entry is None:
             message = f"unknown {kind} {name!r}; available: {self.names(kind)}"
@@ -201,13 +223,16 @@ class PluginRegistry:
         except (PluginError, ImportError):
             raise  # ImportError: lets attention=auto fall through to the next backend
         except Exception as e:
-            raise PluginError(f"{kind} {name!r} from plugin {entry.plugin!r} failed to build "
-                              f"(options {sorted(kwargs)}): {type(e).__name__}: {e}") from e
+            raise PluginError(
+                f"{kind} {name!r} from plugin {entry.plugin!r} failed to build "
+                f"(options {sorted(kwargs)}): {type(e).__name__}: {e}"
+            ) from e
         protocol = KINDS[kind][1]
         missing = missing_members(obj, protocol)
         if missing:
-            raise PluginError(f"{kind} {name!r} from plugin {entry.plugin!r} does not satisfy "
-                              f"{protocol.__name__}: missing {missing}")
+            raise PluginError(
+                f"{kind} {name!r} from plugin {entry.plugin!r} does not satisfy {protocol.__name__}: missing {missing}"
+            )
         return obj
 
 

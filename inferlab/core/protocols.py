@@ -1,4 +1,5 @@
 """The five plugin kinds. Each Protocol is the whole contract a plugin must satisfy."""
+
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -12,6 +13,7 @@ class KVCacheManager(Protocol):
     """Block bookkeeping for the paged KV cache. Knows no tensors: the runner owns the cache,
     the attention backend its layout. Writes each sequence's `block_table` and
     `num_computed_tokens`/`num_cached_tokens` on admission."""
+
     block_size: int
     num_blocks: int
 
@@ -82,12 +84,14 @@ class AttentionBackend(Protocol):
     A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
     e.g. from a kernel it runs anyway), converted to the cache's dtype as
     inferlab.core.kv_cache_dtype.to_cache_dtype does, and call forward with k = v = None."""
+
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
 
     @classmethod
-    def validate(cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int,
-                 kv_cache_dtype: torch.dtype) -> list[str]:
+    def validate(
+        cls, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype
+    ) -> list[str]:
         """The reasons this backend cannot serve that configuration; empty when it can. dtype is the
         model's (q, k, v and the output); kv_cache_dtype the cache's: dtype itself, or
         torch.float8_e4m3fn (engine kv_cache_dtype=fp8, stored as inferlab.core.kv_cache_dtype says)."""
@@ -98,8 +102,9 @@ class AttentionBackend(Protocol):
     def build_metadata(self, inputs: AttentionInputs) -> Any:
         """Per-step metadata the backend's forward reads, from the runner's batch description."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float
+    ) -> torch.Tensor:
         """Stores k, v [T, Hkv, D] into kv_cache (unless both are None: the model stored them, see
         kv_store_target) and returns attention of q [T, H, D] over each sequence's cached context
         plus its new tokens, causally: [T, H, D]."""
@@ -108,10 +113,12 @@ class AttentionBackend(Protocol):
 @runtime_checkable
 class Model(Protocol):
     """A causal LM as an nn.Module built from a HF config; attention layers call the backend."""
+
     architectures: ClassVar[tuple[str, ...]]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata: Any
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] for the batch's new tokens."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """One request's state as it moves through the engine."""
+
 from enum import Enum, auto
 from itertools import count
 
@@ -17,10 +18,17 @@ class Sequence:
     num_computed_tokens counts tokens whose K/V is in the cache (prefix hits included);
     block_table lists the cache blocks holding them, owned by the KVCacheManager.
     """
+
     _ids = count()
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, eos_token_id: int | None = None,
-                 max_model_len: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        eos_token_id: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
         self.seq_id = next(Sequence._ids)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -41,8 +49,10 @@ class Sequence:
         return len(self.token_ids)
 
     def __repr__(self):
-        return (f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={len(self)}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +64,7 @@ class Sequence:
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

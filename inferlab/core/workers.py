@@ -7,6 +7,7 @@ worker's acknowledgement while watching that each one is alive. A worker that di
 becomes, within seconds, a TensorParallelError naming the rank and why, and every worker is shut
 down. No shared memory is used, and the rendezvous port is picked free by the OS, so any number
 of engines can run at once in one process."""
+
 import datetime
 import gc
 import logging
@@ -93,8 +94,9 @@ class Workers:
     says which rank failed and why, and shuts them down (on close, on failure, when garbage
     collected and at interpreter exit)."""
 
-    def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry,
-                 backend: str, store_port: int):
+    def __init__(
+        self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry, backend: str, store_port: int
+    ):
         size = config.tensor_parallel_size
         entries, failures = shippable_plugins(registry)
         context = mp.get_context("spawn")  # a fresh interpreter per rank: CUDA cannot be forked
@@ -105,14 +107,17 @@ class Workers:
         self.decode_graphs: list = []  # rank 0's CUDA graphs, destroyed before its group is aborted
         self.failures: dict[int, str] = {}  # rank -> what happened to it, once known
         self.raised: dict[int, str] = {}  # rank -> "Type: message" of the exception it reported
-        self._finalizer = weakref.finalize(self, shutdown_workers, self.processes, self.conns, self.watch_stops,
-                                           self.groups, self.decode_graphs)
+        self._finalizer = weakref.finalize(
+            self, shutdown_workers, self.processes, self.conns, self.watch_stops, self.groups, self.decode_graphs
+        )
         try:
             for rank in range(1, size):
                 ours, theirs = context.Pipe(duplex=True)
                 process = context.Process(
-                    target=worker_main, name=f"inferlab-tp-rank{rank}",
-                    args=(rank, size, backend, store_port, theirs, config, hf_config, model_path, entries, failures))
+                    target=worker_main,
+                    name=f"inferlab-tp-rank{rank}",
+                    args=(rank, size, backend, store_port, theirs, config, hf_config, model_path, entries, failures),
+                )
                 self.conns.append(ours)
                 process.start()
                 self.processes.append(process)
@@ -139,12 +144,16 @@ class Workers:
                 handles[self.conns[rank - 1]] = handles[self.processes[rank - 1].sentinel] = rank
             ready = wait(list(handles), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise TensorParallelError(f"tensor-parallel rank(s) {sorted(pending)} sent no {expected!r} within "
-                                          f"{timeout:.0f} s; they are alive but stuck")
+                raise TensorParallelError(
+                    f"tensor-parallel rank(s) {sorted(pending)} sent no {expected!r} within "
+                    f"{timeout:.0f} s; they are alive but stuck"
+                )
             for rank in {handles[h] for h in ready}:
                 kind, value = self._read(rank)  # a dead worker's pipe reads as EOF, after anything it sent
                 if kind != expected:
-                    raise TensorParallelError(self.failures.get(rank, f"rank {rank} sent {kind!r}, expected {expected!r}"))
+                    raise TensorParallelError(
+                        self.failures.get(rank, f"rank {rank} sent {kind!r}, expected {expected!r}")
+                    )
                 replies[rank] = value
                 pending.discard(rank)
         return [replies[rank] for rank in range(1, len(self.conns) + 1)]
@@ -163,7 +172,9 @@ class Workers:
         if kind == "error":
             summary, trace = value
             self.raised[rank] = summary
-            self.failures[rank] = f"rank {rank} (pid {process.pid}) raised {summary}\n--- rank {rank} traceback ---\n{trace}"
+            self.failures[rank] = (
+                f"rank {rank} (pid {process.pid}) raised {summary}\n--- rank {rank} traceback ---\n{trace}"
+            )
         return kind, value
 
     def collect_failures(self, grace: float) -> dict[int, str]:
@@ -192,8 +203,9 @@ class Workers:
         own = f"{type(error).__name__}: {error}"
         if not failures or (len(self.raised) == len(failures) and set(self.raised.values()) == {own}):
             return error  # rank 0's own error, or one every rank hit alike (a bad setting, say)
-        return TensorParallelError("tensor-parallel " + "; ".join(failures.values()).rstrip()
-                                   + "\n(the engine's workers are shut down)")
+        return TensorParallelError(
+            "tensor-parallel " + "; ".join(failures.values()).rstrip() + "\n(the engine's workers are shut down)"
+        )
 
     def check_alive(self) -> None:
         dead = wait([p.sentinel for p in self.processes], timeout=0)
@@ -204,8 +216,12 @@ class Workers:
         """On CUDA: aborts the NCCL communicator as soon as a worker dies (see watch_for_deaths)."""
         stop_reader, stop_writer = mp.Pipe(duplex=False)
         self.watch_stops.append(stop_writer)
-        threading.Thread(target=watch_for_deaths, name="inferlab-tp-watchdog", daemon=True,
-                         args=([p.sentinel for p in self.processes], stop_reader, group)).start()
+        threading.Thread(
+            target=watch_for_deaths,
+            name="inferlab-tp-watchdog",
+            daemon=True,
+            args=([p.sentinel for p in self.processes], stop_reader, group),
+        ).start()
 
     def close(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Stops the workers (asks, then terminates, then kills); safe to call twice."""
@@ -215,8 +231,14 @@ class Workers:
             function(*args, grace=grace)
 
 
-def shutdown_workers(processes: list[mp.Process], conns: list[Connection], watch_stops: list[Connection],
-                     groups: list, decode_graphs: list, grace: float = SHUTDOWN_GRACE_S) -> None:
+def shutdown_workers(
+    processes: list[mp.Process],
+    conns: list[Connection],
+    watch_stops: list[Connection],
+    groups: list,
+    decode_graphs: list,
+    grace: float = SHUTDOWN_GRACE_S,
+) -> None:
     for stop in watch_stops:  # the deaths that follow are expected
         stop.close()
     for conn in conns:
@@ -248,17 +270,18 @@ def abort_group(group) -> None:
     """Aborts rank 0's communicator in a thread and waits at most ABORT_GRACE_S: an abort that
     cannot finish (a CUDA graph that captured its collectives still alive) must not hang the
     user's program; it is logged and left behind."""
+
     def abort():
         try:
             group.abort()
         except RuntimeError as e:
             log.warning("releasing the tensor-parallel group failed: %s", e)
+
     thread = threading.Thread(target=abort, name="inferlab-tp-abort", daemon=True)
     thread.start()
     thread.join(ABORT_GRACE_S)
     if thread.is_alive():
-        log.warning("the tensor-parallel group's abort did not finish within %g s; leaving it behind",
-                    ABORT_GRACE_S)
+        log.warning("the tensor-parallel group's abort did not finish within %g s; leaving it behind", ABORT_GRACE_S)
 
 
 def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
@@ -285,11 +308,14 @@ class TensorParallelRunner(ModelRunner):
         device = resolve_device(config.device)
         if device.type == "cuda":
             if device.index is not None:
-                raise ValueError(f"device {config.device!r} names one GPU, but tensor parallelism puts rank r on "
-                                 f"cuda:r; give device='cuda' or 'auto'")
+                raise ValueError(
+                    f"device {config.device!r} names one GPU, but tensor parallelism puts rank r on "
+                    f"cuda:r; give device='cuda' or 'auto'"
+                )
             if torch.cuda.device_count() < size:
-                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, but {torch.cuda.device_count()} "
-                                 f"are visible")
+                raise ValueError(
+                    f"tensor_parallel_size={size} needs {size} GPUs, but {torch.cuda.device_count()} are visible"
+                )
         backend = "nccl" if device.type == "cuda" else "gloo"
         # port 0: the OS picks a free one, so engines started side by side never collide
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -323,6 +349,7 @@ class TensorParallelRunner(ModelRunner):
                 box["group"] = make_group(backend, self.store, 0, size)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
+
         thread = threading.Thread(target=build, name="inferlab-tp-rendezvous", daemon=True)
         thread.start()
         handles = [*self.workers.conns, *(p.sentinel for p in self.workers.processes)]
@@ -338,8 +365,9 @@ class TensorParallelRunner(ModelRunner):
             raise box["error"]
         return box["group"]
 
-    def launch(self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None,
-               step: StepInputs | None = None) -> "TensorParallelStep":
+    def launch(
+        self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None, step: StepInputs | None = None
+    ) -> "TensorParallelStep":
         """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched."""
         if self.starting:  # the warm-up inside ModelRunner.__init__, which every rank runs for itself
             return super().launch(batch, kv_caches, step)
@@ -374,11 +402,15 @@ def check_heads_divide(hf_config, size: int) -> None:
     heads = getattr(hf_config, "num_attention_heads", None)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads and heads % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {heads} attention heads; "
-                         f"use one of {[n for n in range(1, heads + 1) if heads % n == 0]}")
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {heads} attention heads; "
+            f"use one of {[n for n in range(1, heads + 1) if heads % n == 0]}"
+        )
     if kv_heads and kv_heads % size and size % kv_heads:
-        raise ValueError(f"tensor_parallel_size={size} and the model's {kv_heads} KV heads must divide one another "
-                         f"(with fewer KV heads than ranks, each rank keeps a replica of one)")
+        raise ValueError(
+            f"tensor_parallel_size={size} and the model's {kv_heads} KV heads must divide one another "
+            f"(with fewer KV heads than ranks, each rank keeps a replica of one)"
+        )
 
 
 class TensorParallelStep:
@@ -409,9 +441,14 @@ def shippable_plugins(registry: PluginRegistry) -> tuple[list[PluginEntry], list
             try:
                 pickle.dumps(entry)
             except (pickle.PicklingError, AttributeError, TypeError) as e:
-                failures.append(PluginFailure(entry.plugin, entry.distribution,
-                                              f"{kind} {name!r} cannot be sent to tensor-parallel workers: its factory "
-                                              f"must be importable by name, not local ({e})"))
+                failures.append(
+                    PluginFailure(
+                        entry.plugin,
+                        entry.distribution,
+                        f"{kind} {name!r} cannot be sent to tensor-parallel workers: its factory "
+                        f"must be importable by name, not local ({e})",
+                    )
+                )
                 continue
             entries.append(entry)
     return entries, failures
@@ -432,11 +469,22 @@ def exit_with_parent() -> None:
     def watch():
         wait([parent.sentinel])
         os._exit(1)
+
     threading.Thread(target=watch, name="inferlab-tp-parent-watch", daemon=True).start()
 
 
-def worker_main(rank: int, size: int, backend: str, store_port: int, conn: Connection, config: EngineConfig,
-                hf_config, model_path: str, entries: list[PluginEntry], failures: list[PluginFailure]) -> None:
+def worker_main(
+    rank: int,
+    size: int,
+    backend: str,
+    store_port: int,
+    conn: Connection,
+    config: EngineConfig,
+    hf_config,
+    model_path: str,
+    entries: list[PluginEntry],
+    failures: list[PluginFailure],
+) -> None:
     """A worker's life: join the group, build the runner, then run every step rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     exit_with_parent()
@@ -448,7 +496,9 @@ def worker_main(rank: int, size: int, backend: str, store_port: int, conn: Conne
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=TIMEOUT)
         group = make_group(backend, store, rank, size)
-        runner = ModelRunner(config, hf_config, model_path, worker_registry(entries, failures), TPGroup(rank, size, group))
+        runner = ModelRunner(
+            config, hf_config, model_path, worker_registry(entries, failures), TPGroup(rank, size, group)
+        )
         conn.send_bytes(pickle.dumps(("ready", runner.num_kv_blocks)))
         # This process lives for one engine: its start-up objects are frozen for good, so a full
         # garbage collection in the step loop (a pause every rank would wait for) walks only

@@ -6,6 +6,7 @@ The fp8 bits are computed here with integer arithmetic rather than by a cast: Tr
 (the CPU tests) rounds float -> fp8 casts wrongly (no carry into the exponent, no subnormals), so a
 cast would make the tests check something other than what the GPU runs. The few extra integer
 instructions a value cost nothing measurable in kernels that store one token's K and V."""
+
 import triton
 import triton.language as tl
 

@@ -15,6 +15,7 @@ kernel with PDL against 1.94 µs without at 256 tokens; the bench's steady runs 
 
 On by default where it works: CUDA, compute capability 9.0 or more, compiled (not interpreted)
 Triton. INFERLAB_PDL=0 turns it off, for ablations."""
+
 import functools
 import os
 
@@ -22,14 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Whether Triton runs our kernels in its interpreter (TRITON_INTERPRET=1, the only way they run on
 # CPU). Triton decides that when a kernel is decorated, so this is read once, at import, as Triton
 # reads it; the kernel modules import it from here.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _enabled(device_index: int) -> bool:
     if os.environ.get("INFERLAB_PDL", "1") == "0" or INTERPRETED:
         return False

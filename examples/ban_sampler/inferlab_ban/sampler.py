@@ -1,6 +1,7 @@
 """A sampler plugin: the default sampler, except that the banned token ids are never picked.
 The same two hooks as a scheduler plugin, for another kind: `inferlab sampler=ban
 'sampler.token_ids=[1,2]'` or `LLM(..., sampler="ban", sampler_options={"token_ids": [1, 2]})`."""
+
 from dataclasses import dataclass, field
 
 import torch

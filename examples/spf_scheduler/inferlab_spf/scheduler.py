@@ -1,5 +1,6 @@
 """Shortest prompt first: admits waiting requests shortest prompt first (longest first with
 longest_first=True). Everything else (budgets, chunked prefill, preemption) is FCFS's."""
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from inferlab.plugins.schedulers.fcfs import FCFSScheduler
 @dataclass
 class SPFOptions:
     """The scheduler's parameters: `inferlab scheduler=spf scheduler.longest_first=true`."""
+
     longest_first: bool = False
 
 

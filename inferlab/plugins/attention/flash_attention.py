@@ -1,6 +1,7 @@
 """Attention with FlashAttention 2 over the paged cache: inferlab's Triton kernel stores new K/V,
 flash_attn_varlen_func with block tables computes prefill (cached prefixes, chunks) and
 flash_attn_with_kvcache computes decode. flash-attn is imported only when this backend is built."""
+
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ class FlashAttentionMetadata:
 class FlashAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
     torch backend's; K and V are each the [num_blocks, block_size, Hkv, D] tensor flash-attn pages."""
+
     name = "flash_attn"
     supports_cuda_graphs = True
 
@@ -32,8 +34,10 @@ class FlashAttention:
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except (ImportError, OSError) as e:  # OSError: a build whose CUDA library does not load
-            raise ImportError(f"flash-attn is not installed or does not load ({type(e).__name__}: {e}); "
-                              "install it with pip install 'inferlab[cuda]' (see README)") from e
+            raise ImportError(
+                f"flash-attn is not installed or does not load ({type(e).__name__}: {e}); "
+                "install it with pip install 'inferlab[cuda]' (see README)"
+            ) from e
         self.varlen_func = flash_attn_varlen_func
         self.with_kvcache = flash_attn_with_kvcache
         self.kernels = import_kernels(self.name)
@@ -42,8 +46,10 @@ class FlashAttention:
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
         reasons = []
         if kv_cache_dtype != dtype:  # flash-attn 2 reads a cache of the query's dtype only
-            reasons.append(f"flash-attn needs the KV cache in the model's dtype {dtype}, got {kv_cache_dtype} "
-                           "(use attention='triton' for kv_cache_dtype=fp8)")
+            reasons.append(
+                f"flash-attn needs the KV cache in the model's dtype {dtype}, got {kv_cache_dtype} "
+                "(use attention='triton' for kv_cache_dtype=fp8)"
+            )
         if device.type != "cuda":
             reasons.append(f"flash-attn runs on CUDA devices only, got {device.type!r}")
         else:
@@ -54,8 +60,10 @@ class FlashAttention:
         if dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"flash-attn needs dtype float16 or bfloat16, got {dtype}")
         if block_size % PAGED_BLOCK_MULTIPLE:
-            reasons.append(f"flash-attn's paged KV cache needs a block size that is a multiple of "
-                           f"{PAGED_BLOCK_MULTIPLE}, got {block_size} (use attention='triton' for smaller blocks)")
+            reasons.append(
+                f"flash-attn's paged KV cache needs a block size that is a multiple of "
+                f"{PAGED_BLOCK_MULTIPLE}, got {block_size} (use attention='triton' for smaller blocks)"
+            )
         if head_dim % 8 or head_dim > 256:
             reasons.append(f"flash-attn needs head_dim a multiple of 8 and at most 256, got {head_dim}")
         return reasons
@@ -77,14 +85,29 @@ class FlashAttention:
             self.kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if inputs.is_decode:
-            out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=inputs.seq_lens,
-                                    block_table=inputs.block_tables, softmax_scale=scale, causal=True)
+            out = self.with_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=inputs.seq_lens,
+                block_table=inputs.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
             return out.squeeze(1)
         # causal is bottom-right aligned: new token i of a sequence sees its context plus tokens <= i
-        return self.varlen_func(q, k_cache, v_cache, cu_seqlens_q=inputs.query_start_loc,
-                                cu_seqlens_k=metadata.cu_seqlens_k, max_seqlen_q=inputs.max_query_len,
-                                max_seqlen_k=inputs.max_seq_len, softmax_scale=scale, causal=True,
-                                block_table=inputs.block_tables)
+        return self.varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=inputs.query_start_loc,
+            cu_seqlens_k=metadata.cu_seqlens_k,
+            max_seqlen_q=inputs.max_query_len,
+            max_seqlen_k=inputs.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=inputs.block_tables,
+        )
 
 
 @hookimpl

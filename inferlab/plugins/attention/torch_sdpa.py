@@ -1,5 +1,6 @@
 """Attention with torch's scaled_dot_product_attention over the paged cache. Runs wherever torch
 runs (CPU and CUDA); it is the reference the other backends are tested against, not the fast one."""
+
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ class TorchAttentionMetadata:
 
 class TorchAttention:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)."""
+
     name = "torch"
     supports_cuda_graphs = False  # build_metadata reads token counts back to the host
 
@@ -42,7 +44,9 @@ class TorchAttention:
         starts = inputs.query_start_loc.long()
         query_lens = starts[1:] - starts[:-1]
         num_tokens = int(starts[-1])
-        token_seq = torch.repeat_interleave(torch.arange(inputs.num_seqs, device=device), query_lens, output_size=num_tokens)
+        token_seq = torch.repeat_interleave(
+            torch.arange(inputs.num_seqs, device=device), query_lens, output_size=num_tokens
+        )
         token_row = torch.arange(num_tokens, device=device) - starts[token_seq]
         max_k = inputs.block_tables.shape[1] * inputs.block_size
         # query row r of sequence b sits at absolute position context_len[b] + r
@@ -65,8 +69,14 @@ class TorchAttention:
         values = v_cache[inputs.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         queries = q.new_zeros(batch, max_q, q.shape[1], head_dim)
         queries[metadata.token_seq, metadata.token_row] = q
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=metadata.mask,
-                                             scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=metadata.mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != num_kv_heads,
+        )
         return out.transpose(1, 2)[metadata.token_seq, metadata.token_row]
 
 

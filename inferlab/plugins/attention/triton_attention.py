@@ -2,9 +2,9 @@
 prefill that reads the cached prefix through the block tables, and a split-context (flash-decoding)
 decode that serves all query heads of a KV head at once. Needs no flash-attn; on CPU it runs under
 TRITON_INTERPRET=1 (slowly: for tests)."""
+
 import importlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -22,18 +22,24 @@ def import_kernels(backend: str):
     try:
         return importlib.import_module(KERNELS)
     except ImportError as e:
-        raise ImportError(f"the {backend} attention backend needs Triton, which does not import: {e}; "
-                          "install it with pip install 'inferlab[triton]'") from e
+        raise ImportError(
+            f"the {backend} attention backend needs Triton, which does not import: {e}; "
+            "install it with pip install 'inferlab[triton]'"
+        ) from e
 
 
 def kernel_mode_problems(kernels, device: torch.device) -> list[str]:
     """Why the kernels, as imported, cannot run on device (compiled vs interpreted)."""
     if device.type == "cpu" and not kernels.INTERPRETED:
-        return ["on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
-                "before inferlab's Triton kernels are first imported"]
+        return [
+            "on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before inferlab's Triton kernels are first imported"
+        ]
     if device.type == "cuda" and kernels.INTERPRETED:
-        return ["TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
-                "interpreter; unset it to run them on CUDA"]
+        return [
+            "TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
+            "interpreter; unset it to run them on CUDA"
+        ]
     if device.type not in ("cpu", "cuda"):
         return [f"runs on cuda (or cpu in Triton's interpreter), got device {device.type!r}"]
     return []
@@ -44,10 +50,11 @@ class TritonAttentionOptions:
     """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
     Tile sizes left at None take 32 tokens x 32 keys (prefill; BENCHMARKS.md item 55) and 128 keys
     (decode), or 16 in Triton's interpreter; min_split_len None takes 256 (16 in the interpreter)."""
-    block_m: Optional[int] = None
-    block_n: Optional[int] = None
-    decode_block_n: Optional[int] = None
-    min_split_len: Optional[int] = None
+
+    block_m: int | None = None
+    block_n: int | None = None
+    decode_block_n: int | None = None
+    min_split_len: int | None = None
     # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200
     # (BENCHMARKS.md): 128-key tiles, 3 stages and 4 warps were the best of 60 configurations; with
     # the sequence-major grid and longest-first order, 8 programs per SM reach 95% of the K/V floor.
@@ -76,15 +83,23 @@ class TritonAttention:
     decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys one split of a
     sequence takes) and decode_programs_per_sm (how many programs the split plan
     aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
+
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, config=None, *, block_m: int | None = None, block_n: int | None = None,
-                 decode_block_n: int | None = None, min_split_len: int | None = None,
-                 decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
-                 decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
-                 decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-                 decode_order: str = TritonAttentionOptions.decode_order):
+    def __init__(
+        self,
+        config=None,
+        *,
+        block_m: int | None = None,
+        block_n: int | None = None,
+        decode_block_n: int | None = None,
+        min_split_len: int | None = None,
+        decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
+        decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
+        decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
+        decode_order: str = TritonAttentionOptions.decode_order,
+    ):
         self.kernels = import_kernels(self.name)
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
@@ -96,10 +111,12 @@ class TritonAttention:
             value = getattr(self, option)
             if not self.kernels.is_power_of_two(value, 16):
                 raise ValueError(f"triton attention option {option} must be a power of two >= 16, got {value!r}")
-        for option, value, allowed in (("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
-                                       ("decode_num_stages", decode_num_stages, range(1, 9)),
-                                       ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
-                                       ("decode_order", decode_order, DECODE_ORDERS)):
+        for option, value, allowed in (
+            ("decode_num_warps", decode_num_warps, (1, 2, 4, 8, 16)),
+            ("decode_num_stages", decode_num_stages, range(1, 9)),
+            ("decode_programs_per_sm", decode_programs_per_sm, range(1, 65)),
+            ("decode_order", decode_order, DECODE_ORDERS),
+        ):
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"triton attention option {option} must be one of {list(allowed)}, got {value!r}")
         self.decode_num_warps = decode_num_warps
@@ -148,22 +165,46 @@ class TritonAttention:
             q = q.contiguous()
         out = torch.empty_like(q)
         if not inputs.is_decode:
-            return kernels.paged_prefill(q, kv_cache, out, inputs.query_start_loc, inputs.seq_lens,
-                                         inputs.block_tables, inputs.max_query_len, scale, self.block_m, self.block_n)
+            return kernels.paged_prefill(
+                q,
+                kv_cache,
+                out,
+                inputs.query_start_loc,
+                inputs.seq_lens,
+                inputs.block_tables,
+                inputs.max_query_len,
+                scale,
+                self.block_m,
+                self.block_n,
+            )
         if metadata.num_splits == 0:
             num_seqs, num_heads, head_dim = q.shape
-            metadata.num_splits = kernels.decode_splits(q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len,
-                                                        self.decode_programs_per_sm)
+            metadata.num_splits = kernels.decode_splits(
+                q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len, self.decode_programs_per_sm
+            )
             if metadata.num_splits > 1:
-                metadata.partial_out = q.new_empty((num_seqs, num_heads, metadata.num_splits, head_dim),
-                                                   dtype=torch.float32)
+                metadata.partial_out = q.new_empty(
+                    (num_seqs, num_heads, metadata.num_splits, head_dim), dtype=torch.float32
+                )
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
             if self.decode_order == "longest_first":
                 metadata.seq_order = kernels.longest_first(inputs.seq_lens)
-        return kernels.paged_decode(q, kv_cache, out, inputs.seq_lens, inputs.block_tables, scale,
-                                    metadata.num_splits, self.decode_block_n, metadata.partial_out,
-                                    metadata.partial_lse, self.min_split_len, self.decode_num_warps,
-                                    self.decode_num_stages, metadata.seq_order)
+        return kernels.paged_decode(
+            q,
+            kv_cache,
+            out,
+            inputs.seq_lens,
+            inputs.block_tables,
+            scale,
+            metadata.num_splits,
+            self.decode_block_n,
+            metadata.partial_out,
+            metadata.partial_lse,
+            self.min_split_len,
+            self.decode_num_warps,
+            self.decode_num_stages,
+            metadata.seq_order,
+        )
 
 
 @hookimpl

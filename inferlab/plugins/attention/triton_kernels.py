@@ -8,6 +8,7 @@ gather block ids per token, so any power-of-two block size works with any tile s
 Triton decides at import whether kernels are compiled or interpreted (TRITON_INTERPRET=1, the only
 way they run on CPU), so this module is imported only when a Triton-based backend is built.
 """
+
 import functools
 
 import torch
@@ -24,15 +25,33 @@ MIN_DOT_ROWS = 16
 # Integer arguments that change from step to step are not specialized on (== 1, divisible by 16):
 # otherwise each new combination would compile a kernel variant in the middle of a run.
 PREFILL_RUNTIME_INTS = ["block_tables_stride"]
-DECODE_RUNTIME_INTS = ["num_splits", "min_split_len", "block_tables_stride", "partial_stride_seq", "partial_stride_head",
-                       "partial_stride_split", "lse_stride_seq", "lse_stride_head"]
+DECODE_RUNTIME_INTS = [
+    "num_splits",
+    "min_split_len",
+    "block_tables_stride",
+    "partial_stride_seq",
+    "partial_stride_head",
+    "partial_stride_split",
+    "lse_stride_seq",
+    "lse_stride_head",
+]
 REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                     k_stride_token, v_stride_token, cache_stride_slot,
-                     ROW: tl.constexpr, ROW_POW2: tl.constexpr, PDL: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_stride_token,
+    v_stride_token,
+    cache_stride_slot,
+    ROW: tl.constexpr,
+    ROW_POW2: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.wait_for_inputs(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -53,9 +72,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     row = num_kv_heads * head_dim
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), v.stride(0), k_cache.stride(1),
-        ROW=row, ROW_POW2=triton.next_power_of_2(row), **pdl.launch_options(k.device))
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(1),
+        ROW=row,
+        ROW_POW2=triton.next_power_of_2(row),
+        **pdl.launch_options(k.device),
+    )
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +94,27 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head,
-                 cache_stride_slot, cache_stride_head, scale_log2, dims,
-                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-                 MASKED: tl.constexpr = True):
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    cols,
+    end,
+    query_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    kv_head,
+    cache_stride_slot,
+    cache_stride_head,
+    scale_log2,
+    dims,
+    BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr = True,
+):
     """One step of online softmax, shared by prefill and decode: the keys `cols` (those < end) of one
     KV head, gathered through the block table, against the rows of q [rows, D]; returns the
     updated (acc, running max m_i, running sum l_i). CAUSAL: row r sees keys <= query_pos[r].
@@ -107,13 +152,31 @@ def _attend_tile(q, acc, m_i, l_i, cols, end, query_pos, k_cache_ptr, v_cache_pt
 
 
 @triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-                    query_start_ptr, seq_lens_ptr, block_tables_ptr,
-                    scale_log2,
-                    q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                    cache_stride_slot, cache_stride_head, block_tables_stride,
-                    GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    q_stride_token,
+    q_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_slot,
+    cache_stride_head,
+    block_tables_stride,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program: BLOCK_M new tokens of one sequence for HEADS query heads of one KV head (1, or
     all GROUP of them, which then share each K/V tile), over all keys up to the tile's causal bound
     (cached context + new tokens), read through the block table. Its rows are head-major: the
@@ -137,8 +200,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     heads = first_head + program_rows // BLOCK_M
     row_mask = rows < query_len
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (query_start + rows)[:, None] * q_stride_token + heads[:, None] * q_stride_head
-                + dims[None, :], mask=row_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (query_start + rows)[:, None] * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
     query_pos = context_len + rows  # absolute position of each row; it sees keys 0..query_pos
 
     m_i = tl.full([BLOCK_M * HEADS], float("-inf"), dtype=tl.float32)
@@ -151,30 +217,92 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     # finite after it.
     unmasked_end = (context_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
-                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
-                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True,
-                                     MASKED=False)
+        acc, m_i, l_i = _attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            start + tl.arange(0, BLOCK_N),
+            kv_end,
+            query_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            kv_head,
+            cache_stride_slot,
+            cache_stride_head,
+            scale_log2,
+            dims,
+            BLOCK_SIZE,
+            PRECISION,
+            CAUSAL=True,
+            MASKED=False,
+        )
     for start in range(unmasked_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start + tl.arange(0, BLOCK_N), kv_end, query_pos,
-                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
-                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=True)
+        acc, m_i, l_i = _attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            start + tl.arange(0, BLOCK_N),
+            kv_end,
+            query_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            kv_head,
+            cache_stride_slot,
+            cache_stride_head,
+            scale_log2,
+            dims,
+            BLOCK_SIZE,
+            PRECISION,
+            CAUSAL=True,
+        )
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (query_start + rows)[:, None] * out_stride_token + heads[:, None] * out_stride_head
-             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(
+        out_ptr + (query_start + rows)[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
 
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                         seq_lens_ptr, block_tables_ptr, seq_order_ptr,
-                         scale_log2, num_splits, min_split_len,
-                         q_stride_token, q_stride_head, out_stride_token, out_stride_head,
-                         cache_stride_slot, cache_stride_head, block_tables_stride,
-                         partial_stride_seq, partial_stride_head, partial_stride_split,
-                         lse_stride_seq, lse_stride_head,
-                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                         SINGLE_SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    seq_order_ptr,
+    scale_log2,
+    num_splits,
+    min_split_len,
+    q_stride_token,
+    q_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_slot,
+    cache_stride_head,
+    block_tables_stride,
+    partial_stride_seq,
+    partial_stride_head,
+    partial_stride_split,
+    lse_stride_seq,
+    lse_stride_head,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    ORDERED: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
     (so each K/V tile is read once for them), over one of num_splits equal parts of that sequence's
     keys (at least min_split_len of them, so short sequences use fewer splits). Splitting each
@@ -201,8 +329,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     head_mask = head_offsets < GROUP
     heads = kv_head * GROUP + head_offsets
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-                mask=head_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -210,14 +341,34 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
     # The first column of each tile is < end, so the running max is finite after the first tile.
     for tile_start in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start + tl.arange(0, BLOCK_N), end, 0,
-                                     k_cache_ptr, v_cache_ptr, block_table, kv_head, cache_stride_slot,
-                                     cache_stride_head, scale_log2, dims, BLOCK_SIZE, PRECISION, CAUSAL=False)
+        acc, m_i, l_i = _attend_tile(
+            q,
+            acc,
+            m_i,
+            l_i,
+            tile_start + tl.arange(0, BLOCK_N),
+            end,
+            0,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            kv_head,
+            cache_stride_slot,
+            cache_stride_head,
+            scale_log2,
+            dims,
+            BLOCK_SIZE,
+            PRECISION,
+            CAUSAL=False,
+        )
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
-        tl.store(out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(
+            out_ptr + seq * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
     else:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         partial = seq * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
@@ -226,11 +377,22 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_p
 
 
 @triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
-def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
-                          out_stride_token, out_stride_head,
-                          partial_stride_seq, partial_stride_head, partial_stride_split,
-                          lse_stride_seq, lse_stride_head, num_splits,
-                          SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+def _decode_reduce_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_stride_token,
+    out_stride_head,
+    partial_stride_seq,
+    partial_stride_head,
+    partial_stride_split,
+    lse_stride_seq,
+    lse_stride_head,
+    num_splits,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax."""
     pdl.wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -238,15 +400,17 @@ def _decode_reduce_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     splits = tl.arange(0, SPLITS_POW2)
     split_mask = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + splits,
-                  mask=split_mask, other=float("-inf"))
+    lse = tl.load(
+        partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + splits, mask=split_mask, other=float("-inf")
+    )
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all (a padding row)
     weights = tl.exp2(lse - lse_max)
     total = tl.sum(weights, 0)
     partial = partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
-    parts = tl.load(partial + splits[:, None] * partial_stride_split + dims[None, :],
-                    mask=split_mask[:, None], other=0.0)
+    parts = tl.load(
+        partial + splits[:, None] * partial_stride_split + dims[None, :], mask=split_mask[:, None], other=0.0
+    )
     out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_token + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -268,10 +432,21 @@ def prefill_heads_per_program(group: int, block_m: int) -> int:
     return group if group & (group - 1) == 0 and block_m * group <= MAX_PREFILL_ROWS else 1
 
 
-def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                  block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
-                  heads_per_program: int | None = None) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    heads_per_program: int | None = None,
+) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
     plus those tokens (already stored), into out [T, H, D]. Each program takes block_m tokens of
     heads_per_program query heads sharing a KV head: 1, or the whole group, which reads each K/V
@@ -283,27 +458,48 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, qu
     if heads_per_program is None:
         heads_per_program = prefill_heads_per_program(group, block_m)
     if heads_per_program not in (1, group) or heads_per_program & (heads_per_program - 1):
-        raise ValueError(f"heads_per_program must be 1 or the group size {group} (a power of two), "
-                         f"got {heads_per_program}")
+        raise ValueError(
+            f"heads_per_program must be 1 or the group size {group} (a power of two), got {heads_per_program}"
+        )
     grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads // heads_per_program)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
         scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEADS=heads_per_program, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEADS=heads_per_program,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl.launch_options(q.device),
+    )
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_split_len: int,
-                  programs_per_sm: int) -> int:
+def decode_splits(
+    q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_split_len: int, programs_per_sm: int
+) -> int:
     """How many parts each sequence's keys are split into: enough (sequence, KV head, split)
     programs for programs_per_sm on every multiprocessor, but no more than the longest sequence
     has parts of min_split_len keys."""
@@ -318,11 +514,22 @@ def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int, min_spli
     return max(1, min(wanted, most))
 
 
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, scale: float, num_splits: int, block_n: int,
-                 partial_out: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
-                 min_split_len: int = 0, num_warps: int = 4, num_stages: int = 2,
-                 seq_order: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    block_n: int,
+    partial_out: torch.Tensor | None = None,
+    partial_lse: torch.Tensor | None = None,
+    min_split_len: int = 0,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    seq_order: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
@@ -338,25 +545,60 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq
         partial_out = partial_lse = out
     ordered = seq_order is not None
     _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
-        q, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        partial_out,
+        partial_lse,
+        seq_lens,
+        block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
-        scale * LOG2E, num_splits, min_split_len,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        0 if single else partial_out.stride(0), 0 if single else partial_out.stride(1),
+        scale * LOG2E,
+        num_splits,
+        min_split_len,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        0 if single else partial_out.stride(0),
+        0 if single else partial_out.stride(1),
         0 if single else partial_out.stride(2),
-        0 if single else partial_lse.stride(0), 0 if single else partial_lse.stride(1),
-        GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, PRECISION=_precision(q.dtype), SINGLE_SPLIT=single,
-        ORDERED=ordered, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
+        0 if single else partial_lse.stride(0),
+        0 if single else partial_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        PRECISION=_precision(q.dtype),
+        SINGLE_SPLIT=single,
+        ORDERED=ordered,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl.launch_options(q.device),
+    )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, partial_out, partial_lse,
-            out.stride(0), out.stride(1),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), num_splits,
-            SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4, **pdl.launch_options(q.device))
+            out,
+            partial_out,
+            partial_lse,
+            out.stride(0),
+            out.stride(1),
+            partial_out.stride(0),
+            partial_out.stride(1),
+            partial_out.stride(2),
+            partial_lse.stride(0),
+            partial_lse.stride(1),
+            num_splits,
+            SPLITS_POW2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            num_warps=4,
+            **pdl.launch_options(q.device),
+        )
     return out
 
 
@@ -379,8 +621,9 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     num_seqs = seq_lens.shape[0]
     order = torch.empty(num_seqs, dtype=torch.int32, device=seq_lens.device)
     if num_seqs:
-        _longest_first_kernel[(num_seqs,)](seq_lens, order, num_seqs, BLOCK=triton.next_power_of_2(num_seqs),
-                                             **pdl.launch_options(seq_lens.device))
+        _longest_first_kernel[(num_seqs,)](
+            seq_lens, order, num_seqs, BLOCK=triton.next_power_of_2(num_seqs), **pdl.launch_options(seq_lens.device)
+        )
     return order
 
 

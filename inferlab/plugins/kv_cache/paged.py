@@ -6,6 +6,7 @@ freed first), so a later request can still reuse it. A hit is confirmed exactly,
 hash alone: the block's own tokens must match and so must its parent (the content it was computed
 after, by a per-content id), so a hash collision costs a miss, never wrong K/V.
 """
+
 from collections import OrderedDict
 
 import numpy as np
@@ -55,7 +56,7 @@ class PagedKVCache:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
@@ -66,8 +67,11 @@ class PagedKVCache:
         hits, parent_id = [], 0
         for i, h in enumerate(self._hashes(seq, (seq.num_tokens - 1) // bs)):
             block = self.cached.get(h)
-            if (block is None or self.block_parent_id[block] != parent_id
-                    or self.block_tokens[block] != tuple(seq.token_ids[i * bs:(i + 1) * bs])):
+            if (
+                block is None
+                or self.block_parent_id[block] != parent_id
+                or self.block_tokens[block] != tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            ):
                 break
             hits.append(block)
             parent_id = self.block_content_id[block]
@@ -132,7 +136,7 @@ class PagedKVCache:
             block = seq.block_table[i]
             if self.block_hash[block] is None:
                 self.block_hash[block] = hashes[i]
-                self.block_tokens[block] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self.block_content_id[block] = self.next_content_id
                 self.block_parent_id[block] = self.block_content_id[seq.block_table[i - 1]] if i else 0
                 self.next_content_id += 1

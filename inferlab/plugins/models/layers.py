@@ -1,6 +1,7 @@
 """Tensor-parallel building blocks for decoder models: each linear layer holds this rank's shard
 and knows how to cut it from a checkpoint tensor. A checkpoint tensor arrives as a safetensors
 slice (or a tensor), so a rank reads only its shard from disk."""
+
 import functools
 
 import torch
@@ -24,8 +25,9 @@ def read(src, dim: int | None = None, start: int = 0, length: int | None = None)
 
 def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str):
     if tuple(param.shape) != tuple(value.shape):
-        raise ValueError(f"tensor {name!r}: checkpoint shard has shape {tuple(value.shape)}, "
-                         f"the model expects {tuple(param.shape)}")
+        raise ValueError(
+            f"tensor {name!r}: checkpoint shard has shape {tuple(value.shape)}, the model expects {tuple(param.shape)}"
+        )
     param.data.copy_(value)
 
 
@@ -34,6 +36,7 @@ class ColumnParallelLinear(nn.Module):
 
     After use_triton_gemm(n), batches of up to n tokens go through split_k_kernel.linear instead
     of cuBLAS."""
+
     triton_tokens = 0
     _triton_linear = None
 
@@ -50,6 +53,7 @@ class ColumnParallelLinear(nn.Module):
         if max_tokens <= 0 or self.bias is not None:
             return False
         from inferlab.plugins.models import split_k_kernel
+
         if split_k_kernel.wide_plan(*self.weight.shape) is None:
             return False
         self.triton_tokens, self._triton_linear = max_tokens, split_k_kernel.linear
@@ -92,7 +96,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:
             if tp.size % num_kv_heads:
-                raise ValueError(f"tensor_parallel_size ({tp.size}) must be a multiple of the KV heads ({num_kv_heads})")
+                raise ValueError(
+                    f"tensor_parallel_size ({tp.size}) must be a multiple of the KV heads ({num_kv_heads})"
+                )
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         self.total_num_kv_heads = num_kv_heads
@@ -138,6 +144,7 @@ class RowParallelLinear(nn.Module):
         if max_tokens <= 0 or self.tp.size > 1 or self.bias is not None:
             return False
         from inferlab.plugins.models import split_k_kernel
+
         if any(split_k_kernel.plan(*self.weight.shape, tokens) is None for tokens in {1, max_tokens}):
             return False
         self.partials_tokens, self._split_k = max_tokens, split_k_kernel.linear_partials
@@ -179,8 +186,10 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, param, src, name, shard_id=None):
         full = source_shape(src)
         if full[1:] != tuple(param.shape[1:]) or full[0] != self.vocab_size:
-            raise ValueError(f"tensor {name!r}: checkpoint has shape {full}, the model expects "
-                             f"{(self.vocab_size,) + tuple(param.shape[1:])}")
+            raise ValueError(
+                f"tensor {name!r}: checkpoint has shape {full}, the model expects "
+                f"{(self.vocab_size,) + tuple(param.shape[1:])}"
+            )
         rows = max(0, min(self.rows_per_rank, self.vocab_size - self.row_start))
         param.data.zero_()
         if rows:
@@ -192,7 +201,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden):
         logits = F.linear(hidden, self.weight)
-        return self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
+        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]
 
 
 @functools.cache

@@ -10,6 +10,7 @@ rounded to the model dtype before the weight, and the weighted values before the
 bf16 results agree with it to the last bit or nearly.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
 import torch
 import triton
 import triton.language as tl
@@ -19,11 +20,27 @@ from inferlab.plugins.cache_store import cache_value
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, positions_ptr,
-                         k_cache_ptr, v_cache_ptr, slot_mapping_ptr, cache_stride_slot,
-                         qkv_stride_token, eps,
-                         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr,
-                         HALF: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr):
+def _qk_norm_rope_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_sin_ptr,
+    positions_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    cache_stride_slot,
+    qkv_stride_token,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_POW2: tl.constexpr,
+    HALF: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.wait_for_inputs(PDL)
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token)
@@ -42,7 +59,9 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
     w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
-    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + HALF + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :])
+    w2 = tl.where(
+        is_q[:, None], tl.load(q_weight_ptr + HALF + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :]
+    )
     n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
     n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
     row = cos_sin_ptr + position * (2 * HALF)
@@ -68,15 +87,25 @@ def _qk_norm_rope_kernel(qkv_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_p
         tl.store(v_dst, cache_value(x1.to(dtype), v_cache_ptr), mask=store_v)
         tl.store(v_dst + HALF, cache_value(x2.to(dtype), v_cache_ptr), mask=store_v)
     else:
-        k_dst = k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF) + k_heads[:, None] * (2 * HALF) + dims[None, :]
+        k_dst = (
+            k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF) + k_heads[:, None] * (2 * HALF) + dims[None, :]
+        )
         tl.store(k_dst, o1, mask=is_k[:, None])
         tl.store(k_dst + HALF, o2, mask=is_k[:, None])
 
 
-def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos_sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                 kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim], normalized per head and rotated,
     from qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] (q's heads, then k's, then v's).
     cos_sin: float32 [positions, head_dim], each row cos then sin of the rotary angles.
@@ -97,11 +126,27 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
     if num_tokens:
         rows = num_heads + num_kv_heads * (2 if kv_store is not None else 1)
         _qk_norm_rope_kernel[(num_tokens,)](
-            qkv, q, q if k is None else k, q_weight, k_weight, cos_sin, positions,
-            k_cache, v_cache, slot_mapping, cache_stride_slot, qkv.stride(0), eps,
-            NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            HEADS_POW2=triton.next_power_of_2(rows), HALF=head_dim // 2, STORE_KV=kv_store is not None,
-            num_warps=4, **pdl.launch_options(qkv.device))
+            qkv,
+            q,
+            q if k is None else k,
+            q_weight,
+            k_weight,
+            cos_sin,
+            positions,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            cache_stride_slot,
+            qkv.stride(0),
+            eps,
+            NUM_Q_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEADS_POW2=triton.next_power_of_2(rows),
+            HALF=head_dim // 2,
+            STORE_KV=kv_store is not None,
+            num_warps=4,
+            **pdl.launch_options(qkv.device),
+        )
     return q, k
 
 
@@ -109,6 +154,8 @@ def _slot_stride(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
     """The elements from one slot to the next in contiguous [num_blocks, block_size, Hkv, D] caches."""
     for cache in (k_cache, v_cache):
         if tuple(cache.shape[-2:]) != (num_kv_heads, head_dim) or not cache.is_contiguous():
-            raise ValueError(f"kv_store caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-                             f"got shape {tuple(cache.shape)} strides {cache.stride()}")
+            raise ValueError(
+                f"kv_store caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                f"got shape {tuple(cache.shape)} strides {cache.stride()}"
+            )
     return num_kv_heads * head_dim

@@ -1,11 +1,13 @@
 """Qwen3ForCausalLM, written for tensor parallelism (column/row-parallel linears, vocab-parallel
 embedding and LM head). Attention goes through the selected backend over the paged cache."""
+
 import glob
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -13,10 +15,17 @@ from torch import nn
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
-from inferlab.plugins.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
-                                            QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                            VocabParallelEmbedding, compiled, silu_and_mul)
-
+from inferlab.plugins.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    compiled,
+    silu_and_mul,
+)
 
 log = logging.getLogger("inferlab")
 
@@ -27,6 +36,7 @@ class CheckpointError(ValueError):
 
 class ModelKernels(NamedTuple):
     """The Triton kernels the model runs in place of its torch code (Qwen3Options.triton_kernels)."""
+
     qk_norm_rope: Callable  # q/k per-head RMSNorm + rotary (+ the K/V store): qk_norm_rope_kernel.py
     silu_and_mul: Callable  # silu_mul_kernel.py
     rms_norm: Callable  # these two: rms_norm_kernel.py
@@ -43,30 +53,47 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         head_dim = _head_dim(config)
         self.backend = backend
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, tp, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            tp,
+            bias=getattr(config, "attention_bias", False),
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, tp,
-                                        bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, tp, bias=getattr(config, "attention_bias", False)
+        )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.qk_norm_rope = qk_norm_rope
         self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm_rope is not None:
             # where the backend lets it, the kernel also stores k and v, one kernel less a layer
             kv_store = self.kv_store_target(kv_cache, attn_metadata) if self.kv_store_target else None
-            q, k = self.qk_norm_rope(qkv, positions, self.q_norm.weight, self.k_norm.weight, rotary.cos_sin,
-                                     self.q_norm.eps, self.num_heads, self.num_kv_heads, self.head_dim, kv_store)
+            q, k = self.qk_norm_rope(
+                qkv,
+                positions,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                rotary.cos_sin,
+                self.q_norm.eps,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                kv_store,
+            )
             if kv_store is not None:
                 v = None
         else:
-            q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = rotary(positions, q, k)
@@ -86,8 +113,16 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, backend, tp: TPGroup, fused: bool, kernels: ModelKernels | None = None,
-                 split_k_tokens: int = 0, triton_gemm_tokens: int = 0):
+    def __init__(
+        self,
+        config,
+        backend,
+        tp: TPGroup,
+        fused: bool,
+        kernels: ModelKernels | None = None,
+        split_k_tokens: int = 0,
+        triton_gemm_tokens: int = 0,
+    ):
         """split_k_tokens, triton_gemm_tokens: see Qwen3Options (only with kernels, whose norms sum
         the partials)."""
         super().__init__()
@@ -117,8 +152,11 @@ class Qwen3DecoderLayer(nn.Module):
 
 # checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
 PACKED = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -129,8 +167,9 @@ class Qwen3Options:
     triton_kernels: our Triton kernels (ModelKernels: q/k norms + rotary, SiLU*mul, the hidden
     RMSNorms) instead. None means on CUDA only, for both (and for the Triton kernels, only where
     they can run: Triton importable, a power-of-two head_dim)."""
-    torch_compile: Optional[bool] = None
-    triton_kernels: Optional[bool] = None
+
+    torch_compile: bool | None = None
+    triton_kernels: bool | None = None
     # Batches of at most this many tokens run o_proj and down_proj as split-K Triton GEMMs whose
     # partial sums the next RMSNorm kernel adds up (split_k_kernel.py), on one GPU, with the Triton
     # kernels, where the projection is narrow enough to gain. 0: cuBLAS always. 256 (every decode
@@ -146,10 +185,19 @@ class Qwen3Options:
 class Qwen3ForCausalLM(nn.Module):
     architectures = ("Qwen3ForCausalLM",)
 
-    def __init__(self, hf_config, *, backend, tp_group: TPGroup = SINGLE, dtype=None, device=None,
-                 torch_compile: bool | None = None, triton_kernels: bool | None = None,
-                 split_k_tokens: int = Qwen3Options.split_k_tokens,
-                 triton_gemm_tokens: int = Qwen3Options.triton_gemm_tokens):
+    def __init__(
+        self,
+        hf_config,
+        *,
+        backend,
+        tp_group: TPGroup = SINGLE,
+        dtype=None,
+        device=None,
+        torch_compile: bool | None = None,
+        triton_kernels: bool | None = None,
+        split_k_tokens: int = Qwen3Options.split_k_tokens,
+        triton_gemm_tokens: int = Qwen3Options.triton_gemm_tokens,
+    ):
         """Options: see Qwen3Options."""
         super().__init__()
         for name, value in (("split_k_tokens", split_k_tokens), ("triton_gemm_tokens", triton_gemm_tokens)):
@@ -164,11 +212,13 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = hf_config
         self.tp = tp_group
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, split_k_tokens,
-                                                      triton_gemm_tokens)
-                                    for _ in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, fused,
-                            kernels=kernels.norms if kernels else None)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(hf_config, backend, tp_group, fused, kernels, split_k_tokens, triton_gemm_tokens)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(
+            hf_config.hidden_size, hf_config.rms_norm_eps, fused, kernels=kernels.norms if kernels else None
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         if self.tie_word_embeddings:

@@ -12,6 +12,7 @@ rounded to the model dtype before the weight multiplies them.
 x may also be a projection's float32 split-K partials [S, T, hidden] (split_k_kernel.py): the
 kernel adds them up as it loads the row, so the split needs no reduction kernel of its own.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
 import torch
 import triton
 import triton.language as tl
@@ -20,9 +21,22 @@ from inferlab.plugins import pdl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, partial_stride,
-                     residual_stride, width, eps, BLOCK: tl.constexpr, PARTIALS: tl.constexpr,
-                     ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    x_stride,
+    partial_stride,
+    residual_stride,
+    width,
+    eps,
+    BLOCK: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -53,10 +67,22 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
-            x, x if residual is None else residual, weight, out, residual_out, x.stride(-2),
-            x.stride(0) if partials else 0, 0 if residual is None else residual.stride(0), width, eps,
-            BLOCK=triton.next_power_of_2(width), PARTIALS=x.shape[0] if partials else 1,
-            ADD_RESIDUAL=residual is not None, num_warps=4, **pdl.launch_options(x.device))
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
+            residual_out,
+            x.stride(-2),
+            x.stride(0) if partials else 0,
+            0 if residual is None else residual.stride(0),
+            width,
+            eps,
+            BLOCK=triton.next_power_of_2(width),
+            PARTIALS=x.shape[0] if partials else 1,
+            ADD_RESIDUAL=residual is not None,
+            num_warps=4,
+            **pdl.launch_options(x.device),
+        )
     return out, residual_out
 
 
@@ -66,8 +92,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for x [T, hidden] (or float32 partials [S, T, hidden],
     summed) and residual [T, hidden]."""
     return _launch(x, residual, weight, eps)

@@ -7,6 +7,7 @@ Here each program covers one contiguous span of one row, so loads and stores vec
 
 The rounding follows F.silu(gate) * up in the model dtype: SiLU is rounded before the product.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +38,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = x.new_empty((num_tokens, width))
     if num_tokens:
-        _silu_mul_kernel[(num_tokens, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), out.stride(0),
-                                                                 BLOCK=BLOCK, num_warps=4,
-                                                                 **pdl.launch_options(x.device))
+        _silu_mul_kernel[(num_tokens, triton.cdiv(width, BLOCK))](
+            x, out, width, x.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4, **pdl.launch_options(x.device)
+        )
     return out

@@ -20,6 +20,7 @@ Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of
 it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
 sequences (item 38), and it loses to cuBLAS above 64.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
 from typing import NamedTuple
 
 import torch
@@ -63,9 +64,20 @@ def fit(n: int, k: int, block_n: int, splits: tuple[int, ...]) -> SplitKPlan | N
 
 
 @triton.jit
-def _split_k_kernel(x_ptr, weight_ptr, partials_ptr, M, N, K, x_stride,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    PDL: tl.constexpr):
+def _split_k_kernel(
+    x_ptr,
+    weight_ptr,
+    partials_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program: the BLOCK_M x BLOCK_N tile of x @ weight.T over one SPLIT-th of K, accumulated
     in float32, into partials[split], stored in the partials' dtype (float32, or unsplit, the
     output itself in the model dtype)."""
@@ -119,7 +131,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tiling: Sp
     if num_tokens:
         block_m = min(64, max(16, triton.next_power_of_2(num_tokens)))
         grid = (n // tiling.block_n, tiling.split, triton.cdiv(num_tokens, block_m))
-        _split_k_kernel[grid](x, weight, out, num_tokens, n, k, x.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SPLIT=tiling.split,
-                              num_warps=4, num_stages=4, **pdl.launch_options(x.device))
+        _split_k_kernel[grid](
+            x,
+            weight,
+            out,
+            num_tokens,
+            n,
+            k,
+            x.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=tiling.block_n,
+            BLOCK_K=tiling.block_k,
+            SPLIT=tiling.split,
+            num_warps=4,
+            num_stages=4,
+            **pdl.launch_options(x.device),
+        )
     return out

@@ -1,6 +1,7 @@
 """Greedy, temperature, top-k, top-p and min-p sampling, vectorized over the batch: each row's
 token is drawn from softmax(filtered logits / T) by the inverse transform of one uniform, hashed
 from the request's seed and the step, so no per-row loop and no torch generator state."""
+
 import torch
 
 from inferlab.core.batch import SamplingTensors
@@ -60,6 +61,7 @@ class DefaultSampler:
             temperatures = sampling.float()  # already scaled; 0 keeps greedy rows greedy
         if logits.is_cuda:
             from inferlab.plugins.samplers.sampling_kernel import sample_tokens
+
             return sample_tokens(logits, temperatures, params.seeds, params.steps)
         return inverse_transform_reference(logits, temperatures, params.seeds, params.steps)
 

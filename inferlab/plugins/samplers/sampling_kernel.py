@@ -17,6 +17,7 @@ The token depends on float32 sums, so it may differ from the float64 reference
 (default.inverse_transform_reference) where u lands within rounding of a boundary between two
 tokens' shares; never on a token of probability zero.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -51,8 +52,18 @@ FLOAT32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
-def _chunk_mass_kernel(logits_ptr, stride, temperatures_ptr, max_ptr, mass_ptr, argmax_ptr, vocab_size,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _chunk_mass_kernel(
+    logits_ptr,
+    stride,
+    temperatures_ptr,
+    max_ptr,
+    mass_ptr,
+    argmax_ptr,
+    vocab_size,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program per (row, chunk of CHUNK entries): a sampled row's chunk maximum of x and sum of
     2^(x - maximum); a greedy row's chunk maximum and its first index."""
     pdl.wait_for_inputs(PDL)
@@ -79,7 +90,10 @@ def _chunk_mass_kernel(logits_ptr, stride, temperatures_ptr, max_ptr, mass_ptr, 
         lane_sum = tl.zeros([BLOCK], tl.float32)
         for start in range(chunk_start, chunk_end, BLOCK):
             index = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_ptr + row * stride + index, mask=index < chunk_end, other=float("-inf")).to(tl.float32) * scale
+            x = (
+                tl.load(logits_ptr + row * stride + index, mask=index < chunk_end, other=float("-inf")).to(tl.float32)
+                * scale
+            )
             # one exp2 an element: below the lane's maximum e is x's share; above it, e rescales the sum
             d = x - lane_max
             e = tl.exp2(-tl.abs(d))
@@ -91,9 +105,22 @@ def _chunk_mass_kernel(logits_ptr, stride, temperatures_ptr, max_ptr, mass_ptr, 
 
 
 @triton.jit
-def _pick_token_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, steps_ptr, max_ptr, mass_ptr, argmax_ptr,
-                       out_ptr, vocab_size, num_chunks, CHUNKS_POW2: tl.constexpr, CHUNK: tl.constexpr,
-                       PDL: tl.constexpr):
+def _pick_token_kernel(
+    logits_ptr,
+    stride,
+    temperatures_ptr,
+    seeds_ptr,
+    steps_ptr,
+    max_ptr,
+    mass_ptr,
+    argmax_ptr,
+    out_ptr,
+    vocab_size,
+    num_chunks,
+    CHUNKS_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program a row: the sampled token (greedy rows: the first chunk's argmax among equal
     maxima, so torch.argmax's lowest index), as int64."""
     pdl.wait_for_inputs(PDL)
@@ -132,7 +159,9 @@ CHUNK_WARPS = 4
 PICK_WARPS = 8
 
 
-def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
     """A token per row drawn from softmax(logits / T) by the uniform of (seed, step); argmax where T == 0."""
     rows, vocab_size = logits.shape
     num_chunks = triton.cdiv(vocab_size, CHUNK)
@@ -142,9 +171,34 @@ def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         options = pdl.launch_options(logits.device)
-        _chunk_mass_kernel[(rows, num_chunks)](logits, logits.stride(0), temperatures, chunk_max, chunk_mass, chunk_arg,
-                                               vocab_size, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=CHUNK_WARPS, **options)
-        _pick_token_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, steps, chunk_max, chunk_mass, chunk_arg,
-                                    tokens, vocab_size, num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks),
-                                    CHUNK=CHUNK, num_warps=PICK_WARPS, **options)
+        _chunk_mass_kernel[(rows, num_chunks)](
+            logits,
+            logits.stride(0),
+            temperatures,
+            chunk_max,
+            chunk_mass,
+            chunk_arg,
+            vocab_size,
+            CHUNK=CHUNK,
+            BLOCK=BLOCK,
+            num_warps=CHUNK_WARPS,
+            **options,
+        )
+        _pick_token_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            temperatures,
+            seeds,
+            steps,
+            chunk_max,
+            chunk_mass,
+            chunk_arg,
+            tokens,
+            vocab_size,
+            num_chunks,
+            CHUNKS_POW2=triton.next_power_of_2(num_chunks),
+            CHUNK=CHUNK,
+            num_warps=PICK_WARPS,
+            **options,
+        )
     return tokens

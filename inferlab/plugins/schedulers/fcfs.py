@@ -6,6 +6,7 @@ blocks allow; the last one admitted may get only part of its prompt. When blocks
 newest running sequence is preempted: its blocks are freed and it waits at the front of the queue
 to be recomputed (its cached prefix blocks usually survive).
 """
+
 from collections import deque
 
 from inferlab.core.batch import ScheduledBatch

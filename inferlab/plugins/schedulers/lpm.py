@@ -6,6 +6,7 @@ requests evicts them, so a workload whose prompts share a few long prefixes comp
 fewer times. When nothing waiting is cached the order is arrival order (the sort is stable), so
 lpm is FCFS on workloads without shared prefixes. Running requests and preemption are FCFS's.
 """
+
 from collections import deque
 from dataclasses import dataclass
 
