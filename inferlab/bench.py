@@ -93,13 +93,15 @@ def resolved_plugins(llm) -> dict[str, str]:
 def measure(llm, prompts, params, warmup: bool = True) -> dict:
     """Times one generate over the whole workload, after bench.py's warm-up generate."""
     from inferlab.core.engine import EngineStats
+    from inferlab.core.protocols import PrefixCacheStats
     from inferlab.core.sampling_params import SamplingParams
 
     if warmup:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     llm.stats = EngineStats()
-    preemptions_before = getattr(llm.scheduler, "num_preemptions", 0)
-    hits_before = getattr(llm.kv_cache, "num_hit_tokens", None)
+    preemptions_before = llm.scheduler.num_preemptions
+    counts_hits = isinstance(llm.kv_manager, PrefixCacheStats)
+    hits_before = llm.kv_manager.prefix_cache_stats()[0] if counts_hits else 0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -117,11 +119,11 @@ def measure(llm, prompts, params, warmup: bool = True) -> dict:
         "num_prefill_tokens": stats.num_prefill_tokens,  # computed, so prefix-cache hits are not in it
         "num_decode_tokens": stats.num_decode_tokens,
         "num_steps": stats.num_steps,
-        "num_preemptions": getattr(llm.scheduler, "num_preemptions", 0) - preemptions_before,
+        "num_preemptions": llm.scheduler.num_preemptions - preemptions_before,
         "prefix_cache_hit_rate": None,
     }
-    if hits_before is not None:
-        figures["prefix_cache_hit_rate"] = (llm.kv_cache.num_hit_tokens - hits_before) / num_prompt
+    if counts_hits:
+        figures["prefix_cache_hit_rate"] = (llm.kv_manager.prefix_cache_stats()[0] - hits_before) / num_prompt
     figures["wait_seconds"] = stats.wait_seconds  # blocked on the device; the rest of the wall time is CPU work
     figures.update(floor_figures(llm, prompts, outputs, wall))
     return figures
@@ -202,7 +204,7 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
                 kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")
             },
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in PLUGIN_FIELDS},
-            "num_kvcache_blocks": llm.kv_cache.num_blocks,
+            "num_kvcache_blocks": llm.kv_manager.num_blocks,
             "model_path": llm.model_path,
             "bench": OmegaConf.to_container(cfg.bench, resolve=True),
             "choices": flat_choices(cfg),

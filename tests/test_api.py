@@ -43,7 +43,7 @@ def test_outputs_are_built_as_requests_finish(llm, monkeypatch):
     # a finished request's text is decoded while the device computes the others' tokens
     build = llm.output
     still_running = []
-    monkeypatch.setattr(llm, "output", lambda seq: still_running.append(not llm.scheduler.is_finished()) or build(seq))
+    monkeypatch.setattr(llm, "output", lambda seq: still_running.append(llm.scheduler.has_unfinished()) or build(seq))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 9)]
     outputs = llm.generate([[1, 2, 3], [4, 5, 6]], params, use_tqdm=False)
     assert still_running == [True, False]
@@ -79,8 +79,8 @@ def test_step_api(llm):
     request_id = llm.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     finished = []
     while not llm.is_finished():
-        finished += llm.step()[0]
-    assert [s.seq_id for s in finished] == [request_id]
+        finished += llm.step().finished
+    assert [s.request_id for s in finished] == [request_id]
     assert (
         llm.output(finished[0])["token_ids"]
         == llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0][

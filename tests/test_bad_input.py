@@ -26,7 +26,7 @@ def reference(llm):
 
 def still_works(llm, reference):
     assert llm.generate([[5, 6, 7]], OK, use_tqdm=False) == reference
-    assert llm.is_finished() and llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
+    assert llm.is_finished() and llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
 
 
 @pytest.mark.parametrize(

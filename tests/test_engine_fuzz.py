@@ -76,7 +76,7 @@ def test_engine_fuzz(path, workload, first, second, order_seed):
     for i, (a, b) in enumerate(zip(out_a, out_b)):
         most_tokens = max(len(prompts[i]), min(len(prompts[i]) + params[i].max_tokens, max_model_len) - 1)
         for out, engine in ((a, engine_a), (b, engine_b)):
-            assert (out["finish_reason"] == "error") == (-(-most_tokens // BLOCK) > engine.kv_cache.num_blocks)
+            assert (out["finish_reason"] == "error") == (-(-most_tokens // BLOCK) > engine.kv_manager.num_blocks)
             if out["finish_reason"] != "error":
                 assert 1 <= len(out["token_ids"]) <= params[i].max_tokens
         if "error" not in a and "error" not in b:  # same seeds (unseeded ones drawn in order), same tokens

@@ -55,11 +55,11 @@ def test_abort_waiting_request_frees_it_and_others_finish(path, reference):
     llm.step()
     assert dropped_seq.status.name == "WAITING"
     assert llm.abort(dropped_id)
-    assert dropped_seq.finish_reason == "abort" and not dropped_seq.block_table
+    assert dropped_seq.finish_reason == "abort" and not llm.kv_manager.block_table(dropped_seq)
     assert_books_exact(llm)
     while not llm.is_finished():
         llm.step()
-    assert kept_seq.completion_token_ids == reference([kept])[0]
+    assert kept_seq.output_token_ids == reference([kept])[0]
     assert_books_clean(llm)
     assert not llm.abort(dropped_id) and not llm.abort(kept_id) and not llm.abort(10**9)
     assert llm.stats.num_aborted_requests == 1
@@ -75,11 +75,11 @@ def test_abort_running_request_frees_all_its_blocks(path, reference, phase):
     if phase == "mid-prefill":
         assert 0 < seq.num_computed_tokens < seq.num_prompt_tokens
     else:
-        while seq.num_completion_tokens < 3:
+        while seq.num_output_tokens < 3:
             llm.step()
-    assert seq.block_table and llm.kv_cache.num_free_blocks < llm.kv_cache.num_blocks
+    assert llm.kv_manager.block_table(seq) and llm.kv_manager.num_free_blocks < llm.kv_manager.num_blocks
     assert llm.abort(request_id)
-    assert seq.finish_reason == "abort" and seq.block_table == []
+    assert seq.finish_reason == "abort" and llm.kv_manager.block_table(seq) == []
     assert_books_clean(llm)
     # the engine serves the same prompts as before, the aborted one included (its cached prefix too)
     assert [o["token_ids"] for o in llm.generate([prompt, other], GREEDY, use_tqdm=False)] == reference([prompt, other])
@@ -89,7 +89,7 @@ def test_abort_running_request_frees_all_its_blocks(path, reference, phase):
 # -- KeyboardInterrupt ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["forward", "postprocess"])
+@pytest.mark.parametrize("where", ["forward", "advance"])
 @pytest.mark.parametrize("after_steps", [0, 2, 9])
 def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch, where, after_steps):
     llm = make_llm(path, num_kvcache_blocks=10, max_num_seqs=3, max_num_batched_tokens=48)
@@ -98,7 +98,7 @@ def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch,
     survivor_id = llm.add_request(survivor, SEEDED)  # queued through the step API: must outlive the interrupt
     survivor_seq = llm.requests[survivor_id]
     target = llm.runner if where == "forward" else llm.scheduler
-    method = "launch" if where == "forward" else "postprocess"
+    method = "launch" if where == "forward" else "advance"
     real, calls = getattr(target, method), []
 
     def interrupted(*args):
@@ -121,7 +121,7 @@ def test_interrupted_generate_leaves_engine_usable(path, reference, monkeypatch,
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == reference(prompts, params)
     while not llm.is_finished():
         llm.step()
-    assert survivor_seq.completion_token_ids == reference([survivor], SEEDED)[0]
+    assert survivor_seq.output_token_ids == reference([survivor], SEEDED)[0]
     assert_books_clean(llm)
 
 
@@ -213,8 +213,7 @@ def tracked_ids() -> set[int]:
 
 
 def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, reference, monkeypatch):
-    """A full collection inside generate walks only what the call creates (BENCHMARKS.md item 85):
-    older objects are frozen from its first step (checking the prompts) to its last (building the
+    """A full collection inside generate walks only what the call creates: older objects are frozen from its first step (checking the prompts) to its last (building the
     outputs), and are collectable again when it returns or raises."""
     llm = make_llm(path, num_kvcache_blocks=16)
     older = [[]]  # a tracked container made before the call
@@ -232,13 +231,13 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
 
         monkeypatch.setattr(llm, name, wrapper)
 
-    for name in ("make_sequence", "step", "output"):
+    for name in ("make_request", "step", "output"):
         recording(name)
     prompts = prompts_of([9, 30], seed=4)
     assert gc.get_freeze_count() <= engine.FROZEN_AT_IMPORT
     assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
     # older frozen, the call's own objects not
-    assert seen == {name: (True, False, True) for name in ("make_sequence", "step", "output")}
+    assert seen == {name: (True, False, True) for name in ("make_request", "step", "output")}
     assert gc.get_freeze_count() <= engine.FROZEN_AT_IMPORT and id(older) in tracked_ids()
 
     def failing_step():

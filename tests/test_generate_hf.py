@@ -27,11 +27,11 @@ def test_second_generate_hits_prefix_cache(checkpoint, hf_greedy):
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64)
     prompts = prompts_of([32, 16, 40])  # 32 and 16 are exactly 2 and 1 blocks
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    hits_before = llm.kv_cache.num_hit_tokens
+    hits_before = llm.kv_manager.prefix_cache_stats()[0]
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in first] == [o["token_ids"] for o in second]
     # every full block is reused except the one holding each prompt's last token (recomputed)
-    assert llm.kv_cache.num_hit_tokens - hits_before == 16 + 0 + 32
+    assert llm.kv_manager.prefix_cache_stats()[0] - hits_before == 16 + 0 + 32
     for prompt, out in zip(prompts, second):
         assert out["token_ids"] == hf_greedy(path, prompt, 10)
 
@@ -64,15 +64,17 @@ def test_chunks_across_several_sequences(checkpoint):
         llm.add_request(prompt, GREEDY)
     batch = llm.scheduler.schedule()
     assert batch.num_scheduled_tokens == [20]
-    llm.scheduler.postprocess(batch, llm.runner.execute(batch))
+    tokens = llm.runner.launch(batch).tokens()
+    llm.scheduler.resolve(llm.scheduler.advance(batch, tokens), tokens)
     batch = llm.scheduler.schedule()
     assert batch.num_scheduled_tokens == [10, 10]
-    llm.scheduler.postprocess(batch, llm.runner.execute(batch))
+    tokens = llm.runner.launch(batch).tokens()
+    llm.scheduler.resolve(llm.scheduler.advance(batch, tokens), tokens)
     partial = [s for s in llm.scheduler.running if 0 < s.num_computed_tokens < s.num_prompt_tokens]
     assert len(partial) == 1
     while not llm.is_finished():
         llm.step()
-    assert llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
+    assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
 
 
 def test_preemption(checkpoint, hf_greedy):
@@ -85,7 +87,7 @@ def test_preemption(checkpoint, hf_greedy):
     assert llm.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outputs):
         assert out["token_ids"] == hf_greedy(path, prompt, 12)
-    assert llm.kv_cache.num_free_blocks == llm.kv_cache.num_blocks
+    assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
 
 
 def test_block_size_256_and_sharded_checkpoint(tmp_path, hf_greedy):

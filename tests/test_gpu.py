@@ -76,7 +76,7 @@ def run_engine(path, workload, attention, block_size, enforce_eager, sampler=Non
         for group in workload:
             prompts, params = zip(*group)
             outputs += llm.generate(list(prompts), list(params), use_tqdm=False)
-        assert llm.scheduler.is_finished()
+        assert not llm.scheduler.has_unfinished()
         return [o["token_ids"] for o in outputs]
     finally:
         del llm

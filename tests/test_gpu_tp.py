@@ -92,9 +92,9 @@ def run_engine(path, workload, attention, enforce_eager, ranks, sampler=None):
         for group in workload:
             prompts, params = zip(*group)
             outputs += llm.generate(list(prompts), list(params), use_tqdm=False)
-        assert llm.scheduler.is_finished()
+        assert not llm.scheduler.has_unfinished()
         if ranks > 1:
-            assert llm.kv_cache.num_hit_tokens >= 2 * BLOCK_SIZE  # the shared prefix, on every rank
+            assert llm.kv_manager.prefix_cache_stats()[0] >= 2 * BLOCK_SIZE  # the shared prefix, on every rank
         return [o["token_ids"] for o in outputs]
     finally:
         llm.close()

@@ -14,7 +14,7 @@ from inferlab.conf import EngineSettings, JobName, compose, engine_arguments, fl
 from inferlab.core.config import EngineConfig
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
-from inferlab.plugins.schedulers.fcfs import FCFSScheduler
+from inferlab.plugins.schedulers.fcfs import FCFSPolicy
 
 OPTIONS = [
     (kind, name)
@@ -174,19 +174,14 @@ def test_a_plugins_config_node_becomes_a_typed_option(config_store):
         quantum: int = 4
         label: str = "rr"
 
-    class RoundRobin(FCFSScheduler):
-        def __init__(self, config, kv_cache, quantum=4, label="rr"):
-            super().__init__(config, kv_cache)
+    class RoundRobin(FCFSPolicy):
+        def __init__(self, quantum=4, label="rr"):
             self.quantum = quantum
 
     class Plugin:
         @hookimpl
         def register_schedulers(self, register):
-            register("rr", RoundRobin)
-
-        @hookimpl
-        def register_config_nodes(self, register):
-            register("scheduler", "rr", RoundRobinOptions)
+            register("rr", RoundRobin, options=RoundRobinOptions)
 
     registry = PluginRegistry()
     registry.register(Plugin(), "rr_plugin", "rr-dist 1.0")

@@ -339,7 +339,11 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
 def test_token_thresholds_must_be_counts(checkpoint, option, value):
     from inferlab.core.plugins import PluginError
 
-    with pytest.raises(PluginError, match=f"{option} must be an integer >= 0"):
+    # a wrong type is caught by the options class, a negative count by the model itself
+    expected = (
+        f"{option} must be an integer >= 0" if value == -1 else f"Value '{value}' of type '{type(value).__name__}'"
+    )
+    with pytest.raises(PluginError, match=expected):
         LLM(
             checkpoint("gqa2-tied"),
             kvcache_block_size=16,

@@ -29,7 +29,7 @@ def test_greedy_outputs_unchanged(checkpoint, hf_greedy, settings):
     expected = sync.generate(PROMPTS, params, use_tqdm=False)
     assert overlap.generate(PROMPTS, params, use_tqdm=False) == expected
     assert expected[1]["token_ids"] == hf_greedy(path, PROMPTS[1], 10)
-    assert overlap.is_finished() and overlap.kv_cache.num_free_blocks == overlap.kv_cache.num_blocks
+    assert overlap.is_finished() and overlap.kv_manager.num_free_blocks == overlap.kv_manager.num_blocks
     if settings.get("num_kvcache_blocks") == 10:
         assert sync.scheduler.num_preemptions > 0 and overlap.scheduler.num_preemptions > 0
 
@@ -57,8 +57,8 @@ def test_step_api_reports_only_resolved_tokens(checkpoint):
     ids = [overlap.add_request(p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)) for p in PROMPTS[:3]]
     reported = []
     while not overlap.is_finished():
-        finished, _, _ = overlap.step()
+        finished = overlap.step().finished
         for seq in finished:
-            assert all(t >= 0 for t in seq.token_ids) and seq.num_completion_tokens == 3
-        reported += [s.seq_id for s in finished]
+            assert all(t >= 0 for t in seq.token_ids) and seq.num_output_tokens == 3
+        reported += [s.request_id for s in finished]
     assert sorted(reported) == sorted(ids)

@@ -16,7 +16,7 @@ from inferlab.core import plugins
 from inferlab.core.plugins import KINDS, PluginError, PluginRegistry
 from inferlab.list_plugins import listing
 from inferlab.list_plugins import main as list_plugins_main
-from inferlab.plugins.schedulers.fcfs import FCFSScheduler
+from inferlab.plugins.schedulers.fcfs import FCFSPolicy
 
 BROKEN_IMPORT = (
     "import of 'inferlab_broken_missing.scheduler' failed: ModuleNotFoundError: "
@@ -44,13 +44,13 @@ def test_entry_point_that_fails_to_import(broken_site, monkeypatch, checkpoint, 
     list_plugins_main([])
     out = capsys.readouterr().out
     assert f"  FAILED    plugin 'broken' (inferlab-broken 0.1): {BROKEN_IMPORT}" in out.splitlines()
-    assert "  fcfs  inferlab " in out  # the others still load
+    assert "  fcfs      inferlab " in out  # the others still load
     registry = plugins.get_registry()
     llm = LLM(checkpoint("gqa2-tied"), registry=registry, **SMALL)  # unselected: harmless
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]) <= 2
     with pytest.raises(PluginError) as info:
         LLM(checkpoint("gqa2-tied"), scheduler="broken", registry=registry)
-    assert "unknown scheduler 'broken'; available: ['fcfs', 'lpm']" in str(info.value)
+    assert "unknown scheduler 'broken'; available: ['fcfs', 'lpm', 'priority']" in str(info.value)
     assert f"plugin 'broken' failed to load: {BROKEN_IMPORT}" in str(info.value)
 
 
@@ -92,9 +92,9 @@ def test_cli_names_the_broken_plugin_only_when_selected(broken_site, tmp_path, c
 
 def test_name_collision(checkpoint, plugin_module):
     registry = PluginRegistry()
-    registry.register(plugin_module("again", register_schedulers=lambda register: register("fcfs", FCFSScheduler)))
+    registry.register(plugin_module("again", register_schedulers=lambda register: register("fcfs", FCFSPolicy)))
     text = listing(registry)
-    assert "  fcfs  inferlab 0.1.0 (plugin 'fcfs')  [COLLISION]" in text
+    assert "  fcfs      inferlab 0.1.0 (plugin 'fcfs')  [COLLISION]" in text
     assert (
         "  COLLISION scheduler 'fcfs' is registered by 'fcfs' (inferlab 0.1.0), 'again' (registered by hand): "
         "selecting it is an error until one is uninstalled or renamed"
@@ -106,52 +106,52 @@ def test_name_collision(checkpoint, plugin_module):
 
 
 def test_factory_that_raises(checkpoint, plugin_module):
-    def boom(config, kv_cache, depth=1):
+    @dataclass
+    class BoomOptions:
+        depth: int = 1
+
+    def boom(depth):
         raise RuntimeError(f"cannot schedule at depth {depth}")
 
     registry = PluginRegistry()
-    registry.register(plugin_module("boom_plugin", register_schedulers=lambda register: register("boom", boom)))
+    registry.register(
+        plugin_module("boom_plugin", register_schedulers=lambda register: register("boom", boom, options=BoomOptions))
+    )
     assert "problems:" not in listing(registry)  # it registers fine; it fails when built
     with pytest.raises(
         PluginError,
-        match=r"scheduler 'boom' from plugin 'boom_plugin' failed to build \(options \['depth'\]\): "
-        r"RuntimeError: cannot schedule at depth 3",
+        match=r"scheduler 'boom' from plugin 'boom_plugin' failed to build: RuntimeError: cannot schedule at depth 3",
     ):
         LLM(checkpoint("gqa2-tied"), scheduler="boom", scheduler_options={"depth": 3}, registry=registry, **SMALL)
 
 
 def test_plugins_that_do_not_satisfy_their_protocol(checkpoint, plugin_module):
-    class NoSchedule:
-        def __init__(self, config, kv_cache):
-            pass
-
-        def add(self, seq):
-            pass
+    class NoVictim:
+        def admission_order(self, waiting, state):
+            return waiting
 
     registry = PluginRegistry()
-    registry.register(plugin_module("half", register_schedulers=lambda register: register("half", NoSchedule)))
+    registry.register(plugin_module("half", register_schedulers=lambda register: register("half", NoVictim)))
     registry.register(
         plugin_module("hollow", register_samplers=lambda register: register("hollow", lambda config: object()))
     )
     # rejected when registered: not selectable, recorded with the plugin's name and what it lacks
     assert "half" not in registry.names("scheduler")
     failure = next(f for f in registry.failures if f.plugin == "half")
-    assert (
-        "does not satisfy Scheduler: missing ['abort', 'finish', 'is_finished', 'postprocess', 'schedule']"
-        in failure.reason
-    )
+    assert "does not satisfy SchedulerPolicy: missing ['preemption_victim']" in failure.reason
     with pytest.raises(
-        PluginError, match=r"unknown scheduler 'half'.*\n.*plugin 'half' failed to load: .*missing \['abort'"
+        PluginError,
+        match=r"unknown scheduler 'half'.*\n.*plugin 'half' failed to load: .*missing \['preemption_victim'",
     ):
         registry.get("scheduler", "half")
     text = listing(registry)
     assert (
         "FAILED    plugin 'half' (registered by hand): scheduler 'half' (test_plugins_that_do_not_satisfy_their_protocol"
-        ".<locals>.NoSchedule) does not satisfy Scheduler: missing ['abort', 'finish', 'is_finished', 'postprocess', "
-        "'schedule']"
+        ".<locals>.NoVictim) does not satisfy SchedulerPolicy: missing ['preemption_victim']"
     ) in text
     with pytest.raises(
-        PluginError, match=r"unknown scheduler 'half'(.|\n)*plugin 'half' failed to load: .*missing \['abort'"
+        PluginError,
+        match=r"unknown scheduler 'half'(.|\n)*plugin 'half' failed to load: .*missing \['preemption_victim'",
     ):
         LLM(checkpoint("gqa2-tied"), scheduler="half", registry=registry)
     # A factory function is checked on what it returns, when selected.
@@ -179,65 +179,56 @@ def test_misspelled_hook_fails_loudly(plugin_module):
     assert registry.failures[-1].plugin == "typo" and "register_scheduler" in registry.failures[-1].reason
 
 
-def test_bad_config_nodes_are_listed(plugin_module):
+def test_bad_options_classes_are_listed(plugin_module):
+    """An options class that cannot serve (not a dataclass, fields the factory does not take, a type
+    Hydra cannot type) makes the plugin fail to register, with the reason listed."""
+
     @dataclass
     class Options:
         depth: int = 1
 
-    class Deep(FCFSScheduler):
-        def __init__(self, config, kv_cache, width=2):
-            super().__init__(config, kv_cache)
-
-    def nodes(register):
-        register("schedulers", "deep", Options)
-        register("scheduler", "deep", {"depth": 1})
-        register("scheduler", "deep", Options)
-
-    registry = PluginRegistry()
-    registry.register(
-        plugin_module(
-            "deep_plugin", register_schedulers=lambda register: register("deep", Deep), register_config_nodes=nodes
-        )
-    )
-    reasons = [f.reason for f in registry.failures if f.plugin == "deep_plugin"]
-    assert reasons == [
-        "config node 'deep' is for an unknown kind 'schedulers'; kinds: ['attention', 'kv_cache', 'model', 'sampler', 'scheduler']",
-        "config node for scheduler 'deep' must be a dataclass type, got {'depth': 1}",
-        "config node test_bad_config_nodes_are_listed.<locals>.Options for scheduler 'deep' has fields ['depth'] that its "
-        "factory 'test_bad_config_nodes_are_listed.<locals>.Deep' does not accept",
-    ]
-    assert ("scheduler", "deep") not in registry.config_nodes
-    assert "deep" in registry.names("scheduler")  # still selectable, without options
-
-
-def test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing(plugin_module):
     @dataclass
     class SetOptions:
         ids: set = None  # OmegaConf has no set type
 
-    class WithSet(FCFSScheduler):
-        def __init__(self, config, kv_cache, ids=None):
-            super().__init__(config, kv_cache)
+    class Deep(FCFSPolicy):
+        def __init__(self, width=2):
+            self.width = width
+
+    def register_all(register):
+        register("as_dict", Deep, options={"depth": 1})
+        register("deep", Deep, options=Options)
+        register("withset", Deep, options=SetOptions)
 
     registry = PluginRegistry()
-    registry.register(
-        plugin_module(
-            "set_plugin",
-            register_schedulers=lambda register: register("withset", WithSet),
-            register_config_nodes=lambda register: register("scheduler", "withset", SetOptions),
-        ),
-        distribution="set-dist 2.0",
-    )
+    registry.register(plugin_module("deep_plugin", register_schedulers=register_all), distribution="deep-dist 2.0")
+    reasons = [f.reason for f in registry.failures if f.plugin == "deep_plugin"]
+    assert reasons == [
+        "the options of scheduler 'as_dict' must be a dataclass type, got {'depth': 1}",
+        "the options class test_bad_options_classes_are_listed.<locals>.Options of scheduler 'deep' has fields "
+        "['depth'] that its factory 'test_bad_options_classes_are_listed.<locals>.Deep' does not accept",
+        "the options class test_bad_options_classes_are_listed.<locals>.SetOptions of scheduler 'withset' is not a "
+        "valid Hydra structured config: Unexpected type annotation: set",
+    ]
+    assert not {"as_dict", "deep", "withset"} & set(registry.names("scheduler"))
+    assert (
+        "  FAILED    plugin 'deep_plugin' (deep-dist 2.0): the options of scheduler 'as_dict' must be a dataclass "
+        "type, got {'depth': 1}"
+    ) in listing(registry).splitlines()
     store = ConfigStore.instance()
     saved = {kind: dict(store.repo.get(kind, {})) for kind in KINDS}  # the options of a hand-made registry
     try:
-        cfg = compose(["scheduler=withset"], registry=registry)  # still selectable, without options
-        assert engine_arguments(cfg)[1]["scheduler_options"] == {}
-        assert compose(["scheduler=lpm"], registry=registry).scheduler.name == "lpm"
+        assert compose(["scheduler=lpm"], registry=registry).scheduler.name == "lpm"  # the rest still composes
     finally:
         store.repo.update(saved)
-    assert (
-        "  FAILED    plugin 'set_plugin' (set-dist 2.0): config node "
-        "test_config_node_hydra_cannot_type_is_listed_and_breaks_nothing.<locals>.SetOptions for scheduler "
-        "'withset' is not a valid Hydra structured config: Unexpected type annotation: set"
-    ) in listing(registry).splitlines()
+
+
+def test_options_from_python_are_checked_as_the_command_line_checks_them(checkpoint):
+    with pytest.raises(PluginError, match=r"bad options for scheduler 'lpm': Key 'include_prompt' not in 'LPMOptions'"):
+        LLM(checkpoint("gqa2-tied"), scheduler="lpm", scheduler_options={"include_prompt": "no"}, **SMALL)
+    with pytest.raises(PluginError, match=r"bad options for scheduler 'lpm': Value 'many' of type 'str' could not be"):
+        LLM(checkpoint("gqa2-tied"), scheduler="lpm", scheduler_options={"max_sort_waiting": "many"}, **SMALL)
+    with pytest.raises(PluginError, match=r"scheduler 'fcfs' takes no options, got \['x'\]"):
+        LLM(checkpoint("gqa2-tied"), scheduler_options={"x": 1}, **SMALL)
+    with pytest.raises(PluginError, match=r"attention 'triton'.*Key 'block_q' not in"):
+        LLM(checkpoint("gqa2-tied"), attention="triton", attention_options={"block_q": 16}, **SMALL)

@@ -1,121 +1,248 @@
-"""FCFS scheduler invariants, driven without a model: budgets hold, preemption recomputes, no
-block leaks, and every request finishes."""
+"""The core scheduler carries out a policy's decisions: budgets, chunked prefill, KV allocation,
+recompute preemption, finishing, and the checks on what a policy returns. Driven without a model."""
 
-import random
+import pytest
 
 from inferlab.core.config import EngineConfig
+from inferlab.core.plugins import get_registry
+from inferlab.core.request import Request, RequestStatus
 from inferlab.core.sampling_params import SamplingParams
-from inferlab.core.sequence import Sequence, SequenceStatus
+from inferlab.core.scheduler import PolicyError, Scheduler
 from inferlab.plugins.kv_cache.paged import PagedKVCache
-from inferlab.plugins.schedulers.fcfs import FCFSScheduler
+
+BS = 16
 
 
-def make(num_blocks=16, **settings):
-    config = EngineConfig(kvcache_block_size=16, **settings)
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(policy="fcfs", num_blocks=16, decode=None, **settings):
+    config = EngineConfig(kvcache_block_size=BS, **settings)
     kv = PagedKVCache(config, num_blocks)
-    return FCFSScheduler(config, kv), kv, config
+    if isinstance(policy, str):
+        policy = get_registry().create("scheduler", policy)
+    clock = Clock()
+    decode = decode or (lambda ids: " ".join(map(str, ids)))
+    scheduler = Scheduler(config, kv, policy, policy_name="test", clock=clock, decode=decode)
+    return scheduler, kv, clock
 
 
-def run_to_completion(scheduler, kv, config, rng, max_steps=10_000):
-    """Drives the scheduler with random tokens; checks the invariants after every step."""
-    for _ in range(max_steps):
-        if scheduler.is_finished():
-            return
-        batch = scheduler.schedule()
-        assert batch.seqs, "pending requests but nothing scheduled"
-        assert batch.total_tokens <= config.max_num_batched_tokens
-        assert len(scheduler.running) <= config.max_num_seqs
-        assert len({s.seq_id for s in batch.seqs}) == len(batch.seqs)
-        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
-            assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
-            assert len(seq.block_table) * kv.block_size >= seq.num_computed_tokens + n
-        sampled = [rng.randrange(1, 500) if ok else None for ok in batch.samples]
-        scheduler.postprocess(batch, sampled)
-        live = [*scheduler.running, *scheduler.waiting]
-        counts = [0] * kv.num_blocks
-        for seq in live:
-            for block in seq.block_table:
-                counts[block] += 1
-        assert kv.ref_counts == counts
-        assert all(not s.block_table for s in scheduler.waiting)
-    raise AssertionError("did not finish")
+def request(i, tokens, priority=0, eos=None, max_model_len=None, arrival=0.0, **params):
+    return Request(
+        i,
+        list(tokens),
+        SamplingParams(**params),
+        priority=priority,
+        eos_token_id=eos,
+        max_model_len=max_model_len,
+        arrival_time=arrival,
+    )
 
 
-def test_every_request_finishes_and_no_block_leaks():
-    scheduler, kv, config = make(num_blocks=20, max_num_seqs=4, max_num_batched_tokens=64)
-    rng = random.Random(0)
-    seqs = [
-        Sequence(
-            [rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))],
-            SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True),
-        )
-        for _ in range(30)
+def step(scheduler, sample=1):
+    """One step without overlap: schedule, then advance and resolve with `sample` as every new token."""
+    batch = scheduler.schedule()
+    tokens = [
+        sample if r.num_computed_tokens + n == r.num_tokens else None
+        for r, n in zip(batch.requests, batch.num_scheduled_tokens)
     ]
-    for seq in seqs:
-        scheduler.add(seq)
-    run_to_completion(scheduler, kv, config, rng)
-    assert all(s.status == SequenceStatus.FINISHED for s in seqs)
-    assert all(s.num_completion_tokens == s.params.max_tokens for s in seqs)
-    assert kv.num_free_blocks == kv.num_blocks and all(r == 0 for r in kv.ref_counts)
+    finished = scheduler.resolve(scheduler.advance(batch, tokens), tokens)
+    return batch, finished
 
 
-def test_preemption_recomputes_newest_first():
-    scheduler, kv, config = make(num_blocks=4)
-    a = Sequence(list(range(32)), SamplingParams(max_tokens=20, ignore_eos=True))
-    b = Sequence(list(range(100, 132)), SamplingParams(max_tokens=20, ignore_eos=True))
+def test_preemption_recomputes_the_newest_first():
+    scheduler, kv, _ = make(num_blocks=4)
+    a = request(0, range(32), max_tokens=20, ignore_eos=True)
+    b = request(1, range(100, 132), max_tokens=20, ignore_eos=True)
     scheduler.add(a)
     scheduler.add(b)
+    batch, _ = step(scheduler)  # each now holds two full blocks and needs a third; none is free
+    assert batch.requests == [a, b]
     batch = scheduler.schedule()
-    assert batch.seqs == [a, b]
-    scheduler.postprocess(batch, [1, 1])  # each now needs a third block; only 0 are free
-    batch = scheduler.schedule()
-    assert batch.seqs == [a] and scheduler.num_preemptions == 1
-    assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    assert batch.requests == [a] and scheduler.num_preemptions == 1 and b.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and not kv.block_table(b)
     assert scheduler.waiting[0] is b
-    run_to_completion(scheduler, kv, config, random.Random(1))
-    assert b.num_completion_tokens == 20
 
 
-def test_decodes_run_before_new_prefills():
-    scheduler, kv, config = make(num_blocks=32, max_num_batched_tokens=40)
-    first = Sequence(list(range(30)), SamplingParams(max_tokens=5))
+def test_running_requests_go_first_and_the_last_admitted_gets_a_chunk():
+    scheduler, _, _ = make(num_blocks=32, max_num_batched_tokens=40)
+    first = request(0, range(30), max_tokens=5)
     scheduler.add(first)
-    scheduler.postprocess(scheduler.schedule(), [7])
-    second = Sequence(list(range(200, 260)), SamplingParams(max_tokens=5))
+    step(scheduler, sample=7)
+    second = request(1, range(200, 260), max_tokens=5)
     scheduler.add(second)
     batch = scheduler.schedule()
-    assert batch.seqs == [first, second] and batch.num_scheduled_tokens == [1, 39]
+    assert batch.requests == [first, second] and batch.num_scheduled_tokens == [1, 39]
 
 
 def test_max_num_seqs_limits_admission():
-    scheduler, kv, config = make(num_blocks=32, max_num_seqs=2)
+    scheduler, _, _ = make(num_blocks=32, max_num_seqs=2)
     for i in range(5):
-        scheduler.add(Sequence([i + 1] * 5, SamplingParams()))
+        scheduler.add(request(i, [i + 1] * 5))
     assert len(scheduler.schedule()) == 2
 
 
-def test_abort_frees_blocks_wherever_the_request_is():
-    scheduler, kv, config = make(num_blocks=8, max_num_seqs=1)
-    running = Sequence(list(range(40)), SamplingParams())
-    waiting = Sequence(list(range(10)), SamplingParams())
+def test_abort_and_finish_free_the_blocks_wherever_the_request_is():
+    scheduler, kv, clock = make(num_blocks=8, max_num_seqs=1)
+    running, waiting = request(0, range(40)), request(1, range(10))
     scheduler.add(running)
     scheduler.add(waiting)
     scheduler.schedule()
-    assert scheduler.abort(running.seq_id) is running and running.finish_reason == "abort"
-    assert scheduler.abort(waiting.seq_id) is waiting
-    assert scheduler.abort(12345) is None
-    assert scheduler.is_finished() and kv.num_free_blocks == kv.num_blocks
+    clock.now = 2.5
+    assert scheduler.abort(running) and running.finish_reason == "abort" and running.finish_time == 2.5
+    assert scheduler.abort(waiting) and not scheduler.abort(waiting)
+    assert not scheduler.has_unfinished() and kv.num_free_blocks == kv.num_blocks
 
 
-def test_stop_conditions():
-    scheduler, kv, config = make()
-    eos = Sequence([1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=0)
-    stop_id = Sequence([1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[9]), eos_token_id=0)
-    ignore = Sequence([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True), eos_token_id=0)
-    length = Sequence([1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=0, max_model_len=4)
-    for seq in (eos, stop_id, ignore, length):
-        scheduler.add(seq)
-    finished = scheduler.postprocess(scheduler.schedule(), [0, 9, 0, 5])
+def test_stop_conditions_are_decided_in_one_place():
+    scheduler, _, _ = make(decode=lambda ids: "".join(chr(97 + t) for t in ids))
+    eos = request(0, [1, 2, 3], eos=0, max_tokens=10)
+    stop_id = request(1, [1, 2, 3], eos=0, max_tokens=10, stop_token_ids=[9])
+    ignore = request(2, [1, 2, 3], eos=0, max_tokens=10, ignore_eos=True)
+    length = request(3, [1, 2, 3], eos=0, max_model_len=4, max_tokens=10)
+    stop_string = request(4, [1, 2, 3], eos=0, max_tokens=10, stop=["hf"])  # tokens 7, 5 decode to "hf"
+    for r in (eos, stop_id, ignore, length, stop_string):
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    tokens = [0, 9, 0, 5, 7]
+    finished = scheduler.resolve(scheduler.advance(batch, tokens), tokens)
     assert finished == [eos, stop_id, length]
-    assert [s.finish_reason for s in finished] == ["stop", "stop", "length"]
-    assert not ignore.is_finished
+    assert [r.finish_reason for r in finished] == ["stop", "stop", "length"]
+    batch = scheduler.schedule()
+    tokens = [4 if r is ignore else 5 for r in batch.requests]
+    assert scheduler.resolve(scheduler.advance(batch, tokens), tokens) == [stop_string]
+    assert stop_string.finish_reason == "stop" and not ignore.is_finished
+
+
+def test_overlap_placeholders_resolve_and_length_stops_at_once():
+    """Under overlap, advance appends placeholders; a request at max_tokens finishes then (so it
+    is not scheduled again) and is reported when resolve fills its token; an EOS decides 'stop'."""
+    scheduler, kv, clock = make()
+    short = request(0, [1, 2], eos=0, max_tokens=1)
+    long = request(1, [3, 4], eos=0, max_tokens=5)
+    scheduler.add(short)
+    scheduler.add(long)
+    batch = scheduler.schedule()
+    appended = scheduler.advance(batch, [-1, -2])
+    assert short.is_finished and short.finish_reason == "length" and not kv.block_table(short)
+    assert long.token_ids[-1] == -2
+    clock.now = 1.0
+    next_batch = scheduler.schedule()  # launched before the placeholders are known
+    assert next_batch.requests == [long]
+    assert scheduler.resolve(appended, [0, 8]) == [short]
+    assert short.finish_reason == "stop" and short.token_ids == [1, 2, 0]
+    assert long.token_ids == [3, 4, 8] and long.token_times == [1.0] and long.first_token_time == 1.0
+
+
+def test_timings_are_recorded():
+    scheduler, _, clock = make(max_num_batched_tokens=4)
+    r = request(0, range(6), arrival=0.5, max_tokens=2, ignore_eos=True)
+    scheduler.add(r)
+    clock.now = 1.0
+    step(scheduler)  # a chunk of 4: no token yet
+    assert r.first_scheduled_time == 1.0 and r.token_times == []
+    clock.now = 2.0
+    step(scheduler)
+    clock.now = 3.0
+    _, finished = step(scheduler)
+    assert finished == [r] and r.token_times == [2.0, 3.0] and r.finish_time == 3.0
+
+
+class Declining:
+    def admission_order(self, waiting, state):
+        return []
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+
+class Foreign:
+    """Returns views that are not the ones it was given."""
+
+    def __init__(self):
+        self.other = make()[0]
+
+    def admission_order(self, waiting, state):
+        stranger = request(99, [1])
+        self.other.add(stranger)
+        return [stranger.view]
+
+    def preemption_victim(self, running, state):
+        return running[0]
+
+
+def test_a_policy_may_decline_to_admit():
+    scheduler, _, _ = make(Declining())
+    scheduler.add(request(0, [1, 2]))
+    assert not scheduler.schedule().requests and len(scheduler.waiting) == 1
+
+
+def test_a_policy_returning_a_foreign_request_is_an_error():
+    scheduler, _, _ = make(Foreign())
+    scheduler.add(request(0, [1, 2]))
+    with pytest.raises(PolicyError, match="scheduler 'test': admission_order returned .* not one of the waiting"):
+        scheduler.schedule()
+
+
+class SmallSteps:
+    """A BudgetPolicy: 8 tokens a step, prefill chunks of at most 3."""
+
+    def admission_order(self, waiting, state):
+        return waiting
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+    def token_budget(self, state):
+        return 8
+
+    def chunk_size(self, request, budget_left):
+        return 3
+
+
+def test_a_budget_policy_sets_the_budget_and_chunks():
+    scheduler, _, _ = make(SmallSteps())
+    for i in range(4):
+        scheduler.add(request(i, range(10)))
+    batch = scheduler.schedule()
+    assert batch.num_scheduled_tokens == [3, 3, 2]
+
+
+def test_a_victim_already_scheduled_is_taken_out_of_the_step():
+    """A policy may preempt a request that was scheduled earlier in the same step: it leaves the
+    batch and its tokens go back to the budget."""
+
+    class OldestVictim:
+        def admission_order(self, waiting, state):
+            return waiting
+
+        def preemption_victim(self, running, state):
+            return running[0]
+
+    scheduler, kv, _ = make(OldestVictim(), num_blocks=4)
+    a = request(0, range(32), max_tokens=20, ignore_eos=True)
+    b = request(1, range(100, 132), max_tokens=20, ignore_eos=True)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    batch = scheduler.schedule()  # a is scheduled, then b needs a block and a is the victim
+    assert batch.requests == [b] and batch.num_scheduled_tokens == [1]
+    assert a.status is RequestStatus.WAITING and not kv.block_table(a) and a.num_preemptions == 1
+
+
+def test_views_are_read_only():
+    scheduler, _, _ = make()
+    r = request(0, [1, 2, 3], priority=2)
+    r.metadata["tenant"] = "a"
+    scheduler.add(r)
+    view = r.view
+    assert (view.request_id, view.priority, view.num_prompt_tokens, view.status) == (0, 2, 3, "waiting")
+    with pytest.raises(AttributeError):
+        view.priority = 0
+    with pytest.raises(TypeError):
+        view.metadata["tenant"] = "b"

@@ -72,9 +72,9 @@ def test_greedy_equals_one_rank_and_hf(engine, request, hf_greedy):
     for prompt, out in zip(prompts, outputs):
         assert out["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
     # again: the prompts' full blocks now come from the prefix cache, on every rank
-    hits_before = llm.kv_cache.num_hit_tokens
+    hits_before = llm.kv_manager.prefix_cache_stats()[0]
     assert llm.generate(prompts, GREEDY, use_tqdm=False) == outputs
-    assert llm.kv_cache.num_hit_tokens > hits_before
+    assert llm.kv_manager.prefix_cache_stats()[0] > hits_before
 
 
 @pytest.mark.parametrize("engine", ["tied", "untied"])
@@ -109,7 +109,7 @@ def test_two_engines_at_once(tied, untied, hf_greedy):
     while not (tied.is_finished() and untied.is_finished()):
         for llm in (tied, untied):
             if not llm.is_finished():
-                done[llm] += llm.step()[0]
+                done[llm] += llm.step().finished
     for llm, finished in done.items():
         assert len(finished) == len(prompts)
         for seq in finished:
@@ -126,7 +126,7 @@ def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
     with LLM(path, tensor_parallel_size=2, **sized) as llm:
         pids = llm.runner.workers.pids
         assert llm.runner.model.kv_cache_spec()[1] == 1
-        assert llm.kv_cache.num_blocks == llm.runner.num_kv_blocks == 4 * 256 // 16
+        assert llm.kv_manager.num_blocks == llm.runner.num_kv_blocks == 4 * 256 // 16
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(alive(pid) for pid in pids)
     assert not any(alive(pid) for pid in pids)

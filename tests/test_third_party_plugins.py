@@ -1,6 +1,7 @@
 """The example plugin packages, installed offline as a user would install theirs, and used through
-the CLI (with their own Hydra config nodes) and through LLM: the spf scheduler and, for a second
-kind, the ban sampler. The README's plugin section must be those very files."""
+the CLI (with their options as Hydra config nodes) and through LLM: the sjf, edf and vtc scheduler
+policies and, for a second kind, the ban sampler. Each example's own tests (the conformance suite
+with one import) pass, and the docs' plugin walk-through shows the very files."""
 
 import json
 import os
@@ -17,13 +18,14 @@ from inferlab.core import plugins
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
+EXAMPLE_PACKAGES = ("sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler")
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """A directory holding the installed example packages (put it on the path to use them)."""
     root = tmp_path_factory.mktemp("plugins")
-    sources = [shutil.copytree(EXAMPLES / name, root / "src" / name) for name in ("spf_scheduler", "ban_sampler")]
+    sources = [shutil.copytree(EXAMPLES / name, root / "src" / name) for name in EXAMPLE_PACKAGES]
     subprocess.run(
         [
             sys.executable,
@@ -53,24 +55,44 @@ def run(args, cwd, site, check=True):
     return proc
 
 
-def test_readme_and_docs_show_the_example_files():
-    for doc in (REPO / "README.md", REPO / "docs" / "plugins.md"):
-        text = doc.read_text()
-        assert "## Write your own scheduler" in text
-        for label, path in (
-            ("`inferlab_spf/scheduler.py`:", "inferlab_spf/scheduler.py"),
-            ("`pyproject.toml`:", "pyproject.toml"),
-        ):
-            block = re.search(re.escape(label) + r"\n\n```\w+\n(.*?)\n```", text, re.S)
-            assert block, f"{doc.name} has no code block after {label}"
-            assert block[1] == (EXAMPLES / "spf_scheduler" / path).read_text().rstrip("\n"), (
-                f"{doc.name}: {path} differs"
-            )
+def test_docs_show_the_example_files():
+    text = (REPO / "docs" / "plugins.md").read_text()
+    assert "## Write your own scheduler" in text
+    for label, path in (
+        ("`inferlab_sjf/policy.py`:", "inferlab_sjf/policy.py"),
+        ("`pyproject.toml`:", "pyproject.toml"),
+    ):
+        block = re.search(re.escape(label) + r"\n\n```\w+\n(.*?)\n```", text, re.S)
+        assert block, f"docs/plugins.md has no code block after {label}"
+        assert block[1] == (EXAMPLES / "sjf_scheduler" / path).read_text().rstrip("\n"), (
+            f"docs/plugins.md: {path} differs"
+        )
+
+
+def test_example_policies_are_short_and_import_no_builtin_plugin():
+    for name in ("sjf", "edf", "vtc"):
+        source = (EXAMPLES / f"{name}_scheduler" / f"inferlab_{name}" / "policy.py").read_text()
+        assert "inferlab.plugins" not in source
+        policy_class = re.search(r"^class \w+:\n(.*?)(?=^@hookimpl)", source, re.S | re.M)[0]
+        assert len([line for line in policy_class.splitlines() if line.strip()]) <= 40, name
+
+
+@pytest.mark.parametrize("package", ["sjf_scheduler", "edf_scheduler", "vtc_scheduler"])
+def test_each_example_passes_its_own_tests(site, tmp_path, package):
+    """What a plugin author runs: their tests, the conformance suite among them, in their package."""
+    proc = run(
+        ["pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / package / "tests")], tmp_path, site, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
 def test_listed_with_distribution_and_options(site, tmp_path):
     out = run(["inferlab.list_plugins"], tmp_path, site).stdout
-    assert re.search(r"^  spf +inferlab-spf 0\.1\.0 \(plugin 'spf'\)  options: longest_first=False$", out, re.M)
+    assert re.search(r"^  sjf +inferlab-sjf 0\.1\.0 \(plugin 'sjf'\)  options: include_prompt=False$", out, re.M)
+    assert re.search(
+        r"^  vtc +inferlab-vtc 0\.1\.0 \(plugin 'vtc'\)  options: input_weight=1\.0, output_weight=2\.0$", out, re.M
+    )
     assert re.search(r"^  ban +inferlab-ban 0\.1\.0 \(plugin 'ban'\)  options: token_ids=\[\]$", out, re.M)
     assert "problems:" not in out
 
@@ -80,8 +102,8 @@ def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
         [
             "inferlab",
             "job=bench",
-            "scheduler=spf",
-            "scheduler.longest_first=true",
+            "scheduler=sjf",
+            "scheduler.include_prompt=true",
             "sampler=ban",
             "sampler.token_ids=[3,4]",
             f"model.path={checkpoint('gqa2-tied')}",
@@ -99,16 +121,16 @@ def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
         site,
     )
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["plugins"]["scheduler"] == "spf" and result["plugins"]["sampler"] == "ban"
-    assert result["plugin_options"]["scheduler"] == {"longest_first": True}
+    assert result["plugins"]["scheduler"] == "sjf" and result["plugins"]["sampler"] == "ban"
+    assert result["plugin_options"]["scheduler"] == {"include_prompt": True}
     assert result["plugin_options"]["sampler"] == {"token_ids": [3, 4]}
     assert "tok/s" in proc.stdout
 
 
 def test_cli_checks_their_parameters(site, tmp_path):
-    proc = run(["inferlab", "scheduler=spf", "scheduler.longest_first=maybe"], tmp_path, site, check=False)
+    proc = run(["inferlab", "scheduler=sjf", "scheduler.include_prompt=maybe"], tmp_path, site, check=False)
     assert proc.returncode == 1
-    assert "Value 'maybe' is not a valid bool" in proc.stderr and "object_type=SPFOptions" in proc.stderr
+    assert "Value 'maybe' is not a valid bool" in proc.stderr and "object_type=SJFOptions" in proc.stderr
     proc = run(["inferlab", "sampler=ban", "sampler.tokens=[1]"], tmp_path, site, check=False)
     assert proc.returncode == 1 and "Key 'tokens' not in 'BanOptions'" in proc.stderr
 
@@ -121,23 +143,25 @@ def installed(site, monkeypatch):
 
 
 def test_llm_uses_the_scheduler_and_its_option(installed, checkpoint):
-    for longest_first, expected in ((False, [3, 6, 9]), (True, [9, 6, 3])):
+    """With include_prompt the job size counts the prompt: the long prompt with few tokens to
+    generate is no longer the shortest job."""
+    for include_prompt, expected in ((False, [1, 2, 3]), (True, [2, 3, 1])):
         llm = LLM(
             checkpoint("gqa2-tied"),
-            scheduler="spf",
-            scheduler_options={"longest_first": longest_first},
+            scheduler="sjf",
+            scheduler_options={"include_prompt": include_prompt},
             max_num_seqs=1,
             kvcache_block_size=16,
             num_kvcache_blocks=32,
             device="cpu",
         )
-        assert type(llm.scheduler).__name__ == "ShortestPromptFirst"
-        for length in (9, 3, 6):
-            llm.add_request(list(range(1, length + 1)), SamplingParams(max_tokens=1))
+        assert type(llm.scheduler.policy).__name__ == "ShortestJobFirst"
+        for prompt_len, max_tokens in ((40, 1), (3, 2), (4, 3)):
+            llm.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         finished = []
         while not llm.is_finished():
-            finished += llm.step()[0]
-        assert [seq.num_prompt_tokens for seq in finished] == expected
+            finished += llm.step().finished
+        assert [r.params.max_tokens for r in finished] == expected
 
 
 def test_llm_uses_the_sampler_and_its_option(installed, checkpoint):

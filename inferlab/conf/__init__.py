@@ -1,7 +1,7 @@
 """Hydra configs: the typed schema of an inferlab run and one config group per plugin kind.
 
 Every registered plugin becomes an option of its kind's group (`scheduler=lpm`), typed by the
-dataclass its package registered through `register_config_nodes` (`scheduler.max_sort_waiting=64`),
+options class its package registered with it (`scheduler.max_sort_waiting=64`),
 plus `name` (and, for models, `path`). `engine` mirrors EngineConfig's settings; `job` picks
 what the command does; `generate` and `bench` hold each job's settings.
 
@@ -14,12 +14,12 @@ import typing
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from inferlab.core.config import EngineConfig
-from inferlab.core.plugins import KINDS, PluginFailure, PluginRegistry, get_registry
+from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
 
 # Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
 AUTO_CHOICE_KINDS = ("attention", "model")
@@ -28,11 +28,11 @@ PROMPTS = ["Hello, world! How are you today?", "The quick brown fox", "Once upon
 
 
 def _omegaconf_type(hint: Any) -> Any:
-    """OmegaConf takes Optional[X] but not `X | None`, and only plain value types."""
+    """OmegaConf types only plain value types (and their optional forms)."""
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         inner = [a for a in args if a is not type(None)]
-        return Optional[_omegaconf_type(inner[0])] if len(inner) == 1 else Any
+        return _omegaconf_type(inner[0]) | None if len(inner) == 1 else Any
     return hint if hint in (int, float, bool, str) else Any
 
 
@@ -107,7 +107,7 @@ def plugin_node_class(kind: str, name: str, options: type | None = None) -> type
     checkpoint `path` for models)."""
     extra = [("name", str, field(default=name))]
     if kind == "model":
-        extra.append(("path", Optional[str], field(default=None)))
+        extra.append(("path", str | None, field(default=None)))
     if options is None:
         class_name = "".join(part.capitalize() for part in f"{name}_{kind}".replace("-", "_").split("_")) + "Config"
         return make_dataclass(class_name, extra)
@@ -129,31 +129,8 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
     for kind in KINDS:
         names = registry.names(kind) + (["auto"] if kind in AUTO_CHOICE_KINDS else [])
         for name in names:
-            store.store(group=kind, name=name, node=checked_node_class(registry, kind, name))
-
-
-def checked_node_class(registry: PluginRegistry, kind: str, name: str) -> type:
-    """The option's node class; one OmegaConf cannot type (a field of a type it does not support)
-    is reported as the plugin's failure and replaced by a node without options, so that one bad
-    plugin does not break the command line."""
-    options = registry.config_nodes.get((kind, name))
-    node = plugin_node_class(kind, name, options)
-    if options is None:
-        return node
-    try:
-        OmegaConf.structured(node)
-    except Exception as e:
-        entry = registry.entries[kind].get(name)
-        failure = PluginFailure(
-            entry.plugin if entry else name,
-            entry.distribution if entry else "",
-            f"config node {options.__qualname__} for {kind} {name!r} is not a valid Hydra "
-            f"structured config: {str(e).splitlines()[0]}",
-        )
-        registry.failures.append(failure)
-        del registry.config_nodes[kind, name]  # nor list options that cannot be set
-        return plugin_node_class(kind, name)
-    return node
+            entry = registry.entries[kind].get(name)
+            store.store(group=kind, name=name, node=plugin_node_class(kind, name, entry.options if entry else None))
 
 
 def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -> DictConfig:

@@ -5,44 +5,34 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inferlab.core.sequence import Sequence
+from inferlab.core.request import Request
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """The scheduler's decision for one step: these sequences, this many new tokens each.
+    """One step as the core scheduler decided it: these requests, this many new tokens each, in
+    these KV blocks. A request samples a token this step when its scheduled tokens reach the end
+    of what it holds; a prefill chunk that stops short computes K/V only."""
 
-    A sequence samples a token this step when its scheduled tokens reach the end of what it
-    holds; a prefill chunk that stops short computes K/V only.
-    """
-
-    seqs: list[Sequence]
+    requests: list[Request]
     num_scheduled_tokens: list[int]
+    block_tables: list[list[int]]  # each request's blocks, as the KV manager holds them
 
     def __len__(self):
-        return len(self.seqs)
+        return len(self.requests)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
     @property
-    def samples(self) -> list[bool]:
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_scheduled_tokens)]
-
-    @property
     def num_decode_tokens(self) -> int:
-        """Sequences computing exactly their last token (decoding); the rest of the tokens are prefill."""
+        """Requests computing exactly their last token (decoding); the rest of the tokens are prefill."""
         return sum(
             1
-            for s, n in zip(self.seqs, self.num_scheduled_tokens)
-            if n == 1 and s.num_computed_tokens == s.num_tokens - 1
+            for r, n in zip(self.requests, self.num_scheduled_tokens)
+            if n == 1 and r.num_computed_tokens == len(r.token_ids) - 1
         )
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence computes exactly its last token: the shape CUDA graphs capture."""
-        return self.num_decode_tokens == len(self.seqs)
 
 
 @dataclass(slots=True)

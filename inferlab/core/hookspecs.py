@@ -6,14 +6,16 @@ A plugin is a module (or any object) with functions marked `@hookimpl`, register
     [project.entry-points.inferlab]
     my_scheduler = "my_package.scheduler"
 
-Each hook receives `register(name, factory)`; call it once per thing the plugin provides. The
-name is what users select (`LLM(..., scheduler="name")`, `inferlab scheduler=name`). The factory
-is called when that plugin is selected, with the arguments listed under each hook plus the user's
-options for it as keyword arguments, and must return an object satisfying the kind's Protocol in
-`inferlab.core.protocols`; one that does not is rejected, naming what it lacks.
-
-The last hook, `register_config_nodes`, describes the options a plugin's factory takes, so that
-Hydra (`inferlab <kind>=<name> <kind>.<option>=...`) can type and check them.
+Each hook receives `register(name, factory, options=None)`; call it once per thing the plugin
+provides. The name is what users select (`LLM(..., scheduler="name")`, `inferlab
+scheduler=name`). `options`, when the plugin takes any, is a dataclass whose fields (with
+defaults) are the factory's keyword options: it is the plugin's Hydra config node (`inferlab
+<kind>=<name> <kind>.<field>=value`, typed and checked) and `LLM(..., <kind>_options={...})` is
+checked against it the same way, __post_init__ included. The factory is called when the plugin is
+selected, with the arguments listed under each hook plus the checked options as keyword
+arguments, and must return an object satisfying the kind's Protocol in `inferlab.core.protocols`;
+one that does not is rejected, naming what it lacks. A plugin registered without options takes
+none.
 """
 
 import pluggy
@@ -24,8 +26,9 @@ hookimpl = pluggy.HookimplMarker("inferlab")
 
 @hookspec
 def register_schedulers(register):
-    """Schedulers. factory(config: EngineConfig, kv_cache: KVCacheManager, **options) -> Scheduler.
-    Called once when the plugin registry loads."""
+    """Scheduler policies. factory(**options) -> SchedulerPolicy (optionally also a
+    PreemptivePolicy and a BudgetPolicy). A policy only decides; the core scheduler carries its
+    decisions out. Called once when the plugin registry loads."""
 
 
 @hookspec
@@ -51,13 +54,3 @@ def register_models(register):
 @hookspec
 def register_samplers(register):
     """Samplers. factory(config: EngineConfig, **options) -> Sampler."""
-
-
-@hookspec
-def register_config_nodes(register):
-    """The plugin's parameters, for Hydra. Call register(kind, name, node) for each plugin that
-    takes options: kind is one of scheduler, kv_cache, attention, model, sampler; name the name the
-    plugin was registered under; node a dataclass type whose fields (with defaults) are the
-    keyword options its factory accepts. `inferlab <kind>=<name> <kind>.<field>=value` then works,
-    typed and checked, and the values reach the factory as `<kind>_options`. A plugin without a
-    node is still selectable on the command line; it then takes no options there."""

@@ -71,13 +71,13 @@ class ModelRunner:
                     tp_group=tp_group,
                     dtype=self.dtype,
                     device=self.device,
-                    **config.model_options,
+                    options=config.model_options,
                 )
         finally:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(model_path)
         self.model.eval()
-        self.sampler = registry.create("sampler", config.sampler, config, **config.sampler_options)
+        self.sampler = registry.create("sampler", config.sampler, config, options=config.sampler_options)
         self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
         # Step inputs go up, and samples come down, on streams of their own beside the compute
@@ -133,7 +133,7 @@ class ModelRunner:
                 reasons.append(f"{name}: not installed")
                 continue
             try:
-                backend = registry.create("attention", name, self.config, **self.config.attention_options)
+                backend = registry.create("attention", name, self.config, options=self.config.attention_options)
             except ImportError as e:
                 reasons.append(f"{name}: {e}")
                 if self.config.attention != "auto":
@@ -212,8 +212,8 @@ class ModelRunner:
 
     def _warmup(self) -> torch.Tensor:
         """One prefill of max_num_batched_tokens tokens (sequences of max_model_len) on a scratch cache."""
+        from inferlab.core.request import Request
         from inferlab.core.sampling_params import SamplingParams
-        from inferlab.core.sequence import Sequence
 
         max_len = self.config.max_model_len
         num_tokens = max(self.config.max_num_batched_tokens, max_len)
@@ -223,14 +223,13 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
         cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
-        seqs, next_block = [], 0
-        for n in lengths:
-            seq = Sequence([0] * n, SamplingParams(temperature=0))
+        requests, tables, next_block = [], [], 0
+        for i, n in enumerate(lengths):
+            requests.append(Request(i, [0] * n, SamplingParams(temperature=0)))
             used = -(-n // self.block_size)
-            seq.block_table = list(range(next_block, next_block + used))
+            tables.append(list(range(next_block, next_block + used)))
             next_block += used
-            seqs.append(seq)
-        self.launch(ScheduledBatch(seqs, lengths), list(cache.unbind(0))).tokens()
+        self.launch(ScheduledBatch(requests, lengths, tables), list(cache.unbind(0))).tokens()
         torch.cuda.synchronize(self.device)
         return cache
 
@@ -249,7 +248,7 @@ class ModelRunner:
         logits = self.forward_logits(step, kv_caches)
         if logits is None:
             return StepHandle(len(batch), step.sample_rows, None)
-        sampled = self.sampler(logits, self.sampling_tensors([batch.seqs[i] for i in step.sample_rows]))
+        sampled = self.sampler(logits, self.sampling_tensors([batch.requests[i] for i in step.sample_rows]))
         self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
         return StepHandle(len(batch), step.sample_rows, sampled, self.download_stream)
 
@@ -284,7 +283,7 @@ class ModelRunner:
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side batch layout, vectorized with numpy (no per-token Python loop), packed in two
         buffers (int64 and int32) that go to the device in two copies."""
-        seqs, n, bs = batch.seqs, len(batch.seqs), self.block_size
+        seqs, n, bs = batch.requests, len(batch.requests), self.block_size
         counts = np.array(batch.num_scheduled_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         totals = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
@@ -303,12 +302,12 @@ class ModelRunner:
             positions = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts) + starts[seq_index]
         query_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
-        table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
+        table_lens = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
         block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int64)
         flat_rows = np.repeat(np.arange(n), table_lens)
         block_tables[
             flat_rows, np.arange(len(flat_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
-        ] = np.fromiter(chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=len(flat_rows))
+        ] = np.fromiter(chain.from_iterable(batch.block_tables), dtype=np.int64, count=len(flat_rows))
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         samples = ends == totals
         sample_rows = np.flatnonzero(samples).tolist()
@@ -365,7 +364,7 @@ class ModelRunner:
     def sampling_tensors(self, seqs) -> SamplingTensors:
         """Per-row settings; rebuilt only when the rows change (decode repeats the same batch), the
         token index (steps) is sent every time."""
-        key = [s.seq_id for s in seqs]
+        key = [s.request_id for s in seqs]
         steps = self._to_device(
             np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs)), torch.int64
         )

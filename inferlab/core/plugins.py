@@ -1,16 +1,17 @@
 """The plugin registry: finds plugins through the `inferlab` entry points, collects what each
-registers (plugins and their config nodes), checks it against its Protocol, and builds the
+registers (each plugin with its options class), checks it against its Protocol, and builds the
 selected ones."""
 
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
 import pluggy
+from omegaconf import OmegaConf
 
 from inferlab.core import hookspecs, protocols
 
@@ -18,7 +19,7 @@ log = logging.getLogger("inferlab")
 
 # kind -> (hook name, Protocol)
 KINDS: dict[str, tuple[str, type]] = {
-    "scheduler": ("register_schedulers", protocols.Scheduler),
+    "scheduler": ("register_schedulers", protocols.SchedulerPolicy),
     "kv_cache": ("register_kv_caches", protocols.KVCacheManager),
     "attention": ("register_attention_backends", protocols.AttentionBackend),
     "model": ("register_models", protocols.Model),
@@ -37,6 +38,7 @@ class PluginEntry:
     factory: Callable[..., Any]
     plugin: str  # the pluggy plugin (entry point) that registered it
     distribution: str  # "name version" of the package providing it, or "" when registered by hand
+    options: type | None = None  # the dataclass of the factory's keyword options, its Hydra config node
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,6 @@ class PluginRegistry:
         self.entries: dict[str, dict[str, PluginEntry]] = {kind: {} for kind in KINDS}
         self.failures: list[PluginFailure] = []
         self.collisions: dict[tuple[str, str], list[PluginEntry]] = {}
-        # (kind, name) -> the dataclass of that plugin's options, from register_config_nodes
-        self.config_nodes: dict[tuple[str, str], type] = {}
         self._distributions: dict[str, str] = {}
         if load_entry_points:
             for ep in entry_points(group="inferlab"):
@@ -118,28 +118,24 @@ class PluginRegistry:
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name == name:
                     self._collect(kind, impl, name, distribution)
-        for impl in self.pm.hook.register_config_nodes.get_hookimpls():  # after the plugins they describe
-            if impl.plugin_name == name:
-                self._collect_config_nodes(impl, name, distribution)
 
     def _collect(self, kind: str, impl, plugin_name: str, distribution: str) -> None:
         protocol = KINDS[kind][1]
 
-        def register(entry_name: str, factory: Callable[..., Any]) -> None:
+        def register(entry_name: str, factory: Callable[..., Any], options: type | None = None) -> None:
             if not isinstance(entry_name, str) or not entry_name:
                 raise PluginError(f"plugin {plugin_name!r} registered a {kind} with an invalid name {entry_name!r}")
             # Classes are checked now; plain factory functions when they build their object.
             missing = missing_members(factory, protocol, check_attributes=False) if inspect.isclass(factory) else []
-            if missing:
-                self.failures.append(
-                    PluginFailure(
-                        plugin_name,
-                        distribution,
-                        f"{kind} {entry_name!r} ({factory.__qualname__}) does not satisfy {protocol.__name__}: missing {missing}",
-                    )
-                )
+            problem = (
+                f"{kind} {entry_name!r} ({factory.__qualname__}) does not satisfy {protocol.__name__}: missing {missing}"
+                if missing
+                else options_problem(kind, entry_name, factory, options)
+            )
+            if problem:
+                self.failures.append(PluginFailure(plugin_name, distribution, problem))
                 return
-            entry = PluginEntry(kind, entry_name, factory, plugin_name, distribution)
+            entry = PluginEntry(kind, entry_name, factory, plugin_name, distribution, options)
             existing = self.entries[kind].get(entry_name)
             if existing is not None:
                 self.collisions.setdefault((kind, entry_name), [existing]).append(entry)
@@ -152,46 +148,6 @@ class PluginRegistry:
             self.failures.append(
                 PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}")
             )
-
-    def _collect_config_nodes(self, impl, plugin_name: str, distribution: str) -> None:
-        def register(kind: str, entry_name: str, node: type) -> None:
-            problem = self._config_node_problem(kind, entry_name, node)
-            if problem:
-                self.failures.append(PluginFailure(plugin_name, distribution, problem))
-            else:
-                self.config_nodes[kind, entry_name] = node
-
-        try:
-            impl.function(register=register)
-        except Exception as e:
-            self.failures.append(
-                PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}")
-            )
-
-    def _config_node_problem(self, kind: str, name: str, node: Any) -> str | None:
-        """Why a config node cannot be used, or None when it can."""
-        if kind not in KINDS:
-            return f"config node {name!r} is for an unknown kind {kind!r}; kinds: {sorted(KINDS)}"
-        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
-            return f"config node for {kind} {name!r} must be a dataclass type, got {node!r}"
-        if (kind, name) in self.config_nodes:
-            return f"config node for {kind} {name!r} is registered twice"
-        entry = self.entries[kind].get(name)
-        if entry is None:
-            return None  # its plugin may come from another package, registered later
-        try:
-            parameters = inspect.signature(entry.factory).parameters
-        except (TypeError, ValueError):
-            return None  # a builtin or C factory: nothing to check against
-        if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-            return None
-        unknown = sorted({f.name for f in dataclasses.fields(node)} - set(parameters))
-        if unknown:
-            return (
-                f"config node {node.__qualname__} for {kind} {name!r} has fields {unknown} that its factory "
-                f"{getattr(entry.factory, '__qualname__', entry.factory)!r} does not accept"
-            )
-        return None
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])
@@ -215,17 +171,19 @@ class PluginRegistry:
             raise PluginError(message)
         return entry
 
-    def create(self, kind: str, name: str, *args, **kwargs) -> Any:
-        """Builds the selected plugin and checks the result against its Protocol."""
+    def create(self, kind: str, name: str, *args, options: Mapping[str, Any] | None = None, **kwargs) -> Any:
+        """Builds the selected plugin from the engine's arguments (args, kwargs) and the user's
+        options (checked against the plugin's options class first), and checks the result
+        against its Protocol."""
         entry = self.get(kind, name)
+        kwargs.update(validated_options(entry, options or {}))
         try:
             obj = entry.factory(*args, **kwargs)
         except (PluginError, ImportError):
             raise  # ImportError: lets attention=auto fall through to the next backend
         except Exception as e:
             raise PluginError(
-                f"{kind} {name!r} from plugin {entry.plugin!r} failed to build "
-                f"(options {sorted(kwargs)}): {type(e).__name__}: {e}"
+                f"{kind} {name!r} from plugin {entry.plugin!r} failed to build: {type(e).__name__}: {e}"
             ) from e
         protocol = KINDS[kind][1]
         missing = missing_members(obj, protocol)
@@ -234,6 +192,58 @@ class PluginRegistry:
                 f"{kind} {name!r} from plugin {entry.plugin!r} does not satisfy {protocol.__name__}: missing {missing}"
             )
         return obj
+
+
+def options_problem(kind: str, name: str, factory: Callable[..., Any], options: Any) -> str | None:
+    """Why an options class cannot serve as the plugin's options, or None when it can: it must be a
+    dataclass OmegaConf can type (it is the plugin's Hydra config node) whose fields the factory
+    accepts as keywords."""
+    if options is None:
+        return None
+    if not (isinstance(options, type) and dataclasses.is_dataclass(options)):
+        return f"the options of {kind} {name!r} must be a dataclass type, got {options!r}"
+    try:
+        OmegaConf.structured(options)
+    except Exception as e:
+        first_line = str(e).splitlines()[0]
+        return f"the options class {options.__qualname__} of {kind} {name!r} is not a valid Hydra structured config: {first_line}"
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None  # a builtin or C factory: nothing to check against
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return None
+    unknown = sorted({f.name for f in dataclasses.fields(options)} - set(parameters))
+    if unknown:
+        return (
+            f"the options class {options.__qualname__} of {kind} {name!r} has fields {unknown} that its factory "
+            f"{getattr(factory, '__qualname__', factory)!r} does not accept"
+        )
+    return None
+
+
+def validated_options(entry: PluginEntry, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's options for a plugin, checked as the command line checks them (the options
+    class typed through OmegaConf, then built, so its __post_init__ checks run too), as keyword
+    arguments for its factory."""
+    what = f"{entry.kind} {entry.name!r}"
+    if not isinstance(options, Mapping):
+        raise PluginError(f"{entry.kind}_options must be a dict of {what}'s options, got {type(options).__name__}")
+    if entry.options is None:
+        if options:
+            raise PluginError(f"{what} takes no options, got {sorted(options)}")
+        return {}
+    allowed = ", ".join(
+        f"{f.name}={f.default!r}" if f.default is not dataclasses.MISSING else f.name
+        for f in dataclasses.fields(entry.options)
+    )
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(entry.options), dict(options))
+        built = OmegaConf.to_object(node)
+    except Exception as e:
+        reason = str(e).splitlines()[0]
+        raise PluginError(f"bad options for {what}: {reason}; its options (with defaults): {allowed}") from None
+    return {f.name: getattr(built, f.name) for f in dataclasses.fields(entry.options)}
 
 
 _default: PluginRegistry | None = None

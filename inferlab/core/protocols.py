@@ -1,70 +1,146 @@
-"""The five plugin kinds. Each Protocol is the whole contract a plugin must satisfy."""
+"""The five plugin kinds, each Protocol the whole contract a plugin must satisfy, and the optional
+capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance."""
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch
-from inferlab.core.sequence import Sequence
+from inferlab.core.batch import AttentionInputs, SamplingTensors
+from inferlab.core.request import Request, RequestView
 
 
 @runtime_checkable
 class KVCacheManager(Protocol):
-    """Block bookkeeping for the paged KV cache. Knows no tensors: the runner owns the cache,
-    the attention backend its layout. Writes each sequence's `block_table` and
-    `num_computed_tokens`/`num_cached_tokens` on admission."""
+    """Block book-keeping for the paged KV cache: which blocks each request holds, which cached
+    prefixes can be reused, whether a request could ever fit. Knows no tensors (the runner owns
+    the cache, the attention backend its layout) and never changes a request: it reads a
+    request's `request_id`, `token_ids` and `num_computed_tokens`."""
 
     block_size: int
     num_blocks: int
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (free, including freed blocks still cached)."""
+        """Blocks that can be handed out now (free ones, including freed blocks still cached)."""
 
-    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens of seq's prefix already in the cache, without side effects. Always leaves at
-        least the last token to compute, so a fully cached prompt still yields logits."""
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Leading tokens of a request holding no blocks that the prefix cache holds, without side
+        effects. Always leaves at least the last token to compute, so that it yields logits."""
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Makes room for num_new_tokens more tokens of seq. For a sequence without blocks this
-        first takes its cached prefix (setting num_computed_tokens). Returns False, changing
-        nothing, when free blocks do not suffice."""
+    def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
+        """Makes room for num_new_tokens more tokens after request.num_computed_tokens. For a
+        request holding no blocks, num_cached_tokens is what num_cached_prefix_tokens has just
+        answered for it: its first num_cached_tokens tokens are taken from the prefix cache and
+        the new ones follow them. Returns False, changing nothing, when free blocks do not
+        suffice."""
 
-    def commit(self, seq: Sequence) -> None:
-        """Called after a step computed seq's tokens: registers its newly full blocks in the prefix
-        cache."""
+    def block_table(self, request: Request) -> list[int]:
+        """The blocks holding request's tokens, in order (empty when it holds none). The caller
+        reads it and never changes it."""
 
-    def free(self, seq: Sequence) -> None:
-        """Releases seq's blocks (cached ones stay reusable until evicted) and clears its table."""
+    def commit(self, request: Request) -> None:
+        """Called after a step computed more of request's tokens (request.num_computed_tokens has
+        grown): registers its newly full blocks in the prefix cache."""
+
+    def free(self, request: Request) -> None:
+        """Releases everything held for the request (cached blocks stay reusable until evicted).
+        Called when it is preempted and when it finishes, wherever it was."""
+
+    def could_ever_fit(self, num_tokens: int) -> bool:
+        """Whether one request holding num_tokens tokens of K/V fits in the whole cache, with
+        nothing else running: False means no schedule could ever serve it."""
 
 
 @runtime_checkable
-class Scheduler(Protocol):
-    """Decides each step's batch and owns the waiting/running queues and the preemption policy.
-    Knows nothing about tensors."""
+class PrefixCacheStats(Protocol):
+    """Optional KV manager capability: how much of the prompts the prefix cache served."""
 
-    def add(self, seq: Sequence) -> None:
-        """Queues a new request."""
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        """(tokens served from the cache, tokens looked up) since the manager was built, counted
+        at each admission."""
 
-    def schedule(self) -> ScheduledBatch:
-        """Picks the next batch within the token and sequence budgets, allocating KV blocks through
-        the KVCacheManager and preempting when they run out. An empty batch means nothing can run."""
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advances the batch after the forward pass: sampled[i] is the new token of batch.seqs[i]
-        or None for a prefill chunk that does not sample. Under overlap scheduling a token may be a
-        negative placeholder, filled in by the engine before the next postprocess (only length can
-        end a sequence on a placeholder). Skips sequences finished meanwhile. Returns the sequences
-        that finished."""
+@runtime_checkable
+class PrefixCacheReset(Protocol):
+    """Optional KV manager capability: forgetting cached prefixes, so that a benchmark's timed
+    pass does not reuse the previous pass's K/V."""
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends a running or waiting sequence now (a stop string matched, or an abort) and frees it."""
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block that no request holds."""
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Removes the request wherever it is and frees its blocks; returns it, or None if unknown."""
 
-    def is_finished(self) -> bool:
-        """True when no request is waiting or running."""
+@dataclass(frozen=True, slots=True)
+class SchedulerState:
+    """What a policy may consult besides the requests, as of the step being scheduled."""
+
+    now: float  # the engine's clock, in seconds (virtual under simulation)
+    step: int  # steps scheduled so far
+    running: tuple[RequestView, ...]  # in admission order, oldest first
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@runtime_checkable
+class SchedulerPolicy(Protocol):
+    """A scheduler plugin: the decisions of scheduling, over read-only request views. The core
+    scheduler carries them out: token budgets, chunked prefill, KV allocation, recompute
+    preemption, and finishing requests. Each step it first continues the running requests
+    (decodes and unfinished prefill chunks, oldest admitted first), then admits waiting ones."""
+
+    def admission_order(self, waiting: tuple[RequestView, ...], state: SchedulerState) -> Iterable[RequestView]:
+        """The waiting requests to try admitting this step, first first (waiting is in queue
+        order: arrival, preempted requests in front). The core admits them in this order while
+        the token budget, max_num_seqs and free KV blocks allow, and stops at the first that does
+        not fit. Leaving requests out (all of them, even) declines to admit them this step.
+        Called only when there are waiting requests and room to admit one (or when the policy is
+        a PreemptivePolicy)."""
+
+    def preemption_victim(self, running: tuple[RequestView, ...], state: SchedulerState) -> RequestView:
+        """Which of the running requests (admission order, oldest first) to preempt when KV blocks
+        run out while continuing them: its blocks are freed and it is recomputed from its prompt
+        and outputs when admitted again. It may be the request that needed the blocks, or one
+        already scheduled this step (which is then taken out of the step)."""
+
+
+@runtime_checkable
+class PreemptivePolicy(Protocol):
+    """Optional policy capability: a waiting request may displace a running one."""
+
+    def preempts(
+        self, request: RequestView, running: tuple[RequestView, ...], state: SchedulerState
+    ) -> RequestView | None:
+        """Called when the waiting `request`, next in admission order, cannot be admitted for lack
+        of KV blocks or of a sequence slot: the running request to preempt in its favour, or None
+        to stop admitting this step. `running` leaves out requests admitted this step."""
+
+
+@runtime_checkable
+class BudgetPolicy(Protocol):
+    """Optional policy capability: the step's token budget and each prefill's chunk size, in
+    place of max_num_batched_tokens and 'as much of the prompt as the budget allows'."""
+
+    def token_budget(self, state: SchedulerState) -> int:
+        """The most tokens this step computes (decodes count one each); at least 1."""
+
+    def chunk_size(self, request: RequestView, budget_left: int) -> int:
+        """How many of request's remaining prefill tokens to compute this step, from 1 to
+        budget_left (the core clamps to what remains of the prompt)."""
+
+
+@runtime_checkable
+class ObservingPolicy(Protocol):
+    """Optional policy capability: seeing each step's work, for policies that account for the
+    service requests receive (fair share, for instance)."""
+
+    def observe(self, scheduled: tuple[tuple[RequestView, int], ...], state: SchedulerState) -> None:
+        """Called once each step is scheduled, with the requests it computes and how many tokens
+        each (their views still show the counts before the step)."""
 
 
 @runtime_checkable

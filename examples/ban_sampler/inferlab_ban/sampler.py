@@ -1,6 +1,6 @@
 """A sampler plugin: the default sampler, except that the banned token ids are never picked.
-The same two hooks as a scheduler plugin, for another kind: `inferlab sampler=ban
-'sampler.token_ids=[1,2]'` or `LLM(..., sampler="ban", sampler_options={"token_ids": [1, 2]})`."""
+The same hook as a scheduler plugin, for another kind: `inferlab sampler=ban 'sampler.token_ids=[1,2]'`
+or `LLM(..., sampler="ban", sampler_options={"token_ids": [1, 2]})`."""
 
 from dataclasses import dataclass, field
 
@@ -16,7 +16,7 @@ class BanOptions:
 
 
 class BanSampler:
-    def __init__(self, config, token_ids=()):
+    def __init__(self, config, token_ids):
         self.token_ids = torch.tensor(list(token_ids), dtype=torch.int64)
         self.inner = DefaultSampler(config)
 
@@ -28,9 +28,4 @@ class BanSampler:
 
 @hookimpl
 def register_samplers(register):
-    register("ban", BanSampler)
-
-
-@hookimpl
-def register_config_nodes(register):
-    register("sampler", "ban", BanOptions)
+    register("ban", BanSampler, options=BanOptions)

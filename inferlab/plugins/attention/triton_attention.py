@@ -209,9 +209,4 @@ class TritonAttention:
 
 @hookimpl
 def register_attention_backends(register):
-    register("triton", TritonAttention)
-
-
-@hookimpl
-def register_config_nodes(register):
-    register("attention", "triton", TritonAttentionOptions)
+    register("triton", TritonAttention, options=TritonAttentionOptions)

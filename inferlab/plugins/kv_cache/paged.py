@@ -13,7 +13,9 @@ import numpy as np
 import xxhash
 
 from inferlab.core.hookspecs import hookimpl
-from inferlab.core.sequence import Sequence
+from inferlab.core.request import Request
+
+NO_BLOCKS: list[int] = []  # the table of a request holding none; never changed
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
@@ -23,9 +25,7 @@ def chain_hash(parent: int, tokens: list[int]) -> int:
 
 
 class PagedKVCache:
-    def __init__(self, config, num_blocks: int, **options):
-        if options:
-            raise TypeError(f"the paged KV cache takes no options, got {sorted(options)}")
+    def __init__(self, config, num_blocks: int):
         self.block_size = config.kvcache_block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -39,7 +39,9 @@ class PagedKVCache:
         self.cached: dict[int, int] = {}  # hash -> block holding that content
         # Blocks nobody references, in eviction order (front goes first); cached ones keep content.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.num_committed: dict[int, int] = {}  # seq_id -> its leading blocks already hashed
+        self.tables: dict[int, list[int]] = {}  # request id -> its blocks
+        self.hashes: dict[int, list[int]] = {}  # request id -> chained hashes of its leading full blocks
+        self.num_committed: dict[int, int] = {}  # request id -> its leading blocks already in the cache
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
@@ -47,65 +49,80 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    @property
-    def usage(self) -> float:
-        return 1 - self.num_free_blocks / self.num_blocks
+    def block_table(self, request: Request) -> list[int]:
+        return self.tables.get(request.request_id, NO_BLOCKS)
 
-    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """seq's chained block hashes for its first num_blocks full blocks (memoized on seq)."""
-        hashes, bs = seq.block_hashes, self.block_size
+    def could_ever_fit(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) <= self.num_blocks
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self.num_hit_tokens, self.num_queried_tokens
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's chained block hashes for its first num_blocks full blocks (memoized
+        until it is freed)."""
+        hashes = self.hashes.setdefault(request.request_id, [])
+        bs, tokens = self.block_size, request.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
+    def _prefix_hits(self, request: Request) -> list[int]:
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
+        bs, tokens = self.block_size, request.token_ids
         # Leave the last token uncached so that it is computed and yields logits.
         hits, parent_id = [], 0
-        for i, h in enumerate(self._hashes(seq, (seq.num_tokens - 1) // bs)):
+        for i, h in enumerate(self._hashes(request, (len(tokens) - 1) // bs)):
             block = self.cached.get(h)
             if (
                 block is None
                 or self.block_parent_id[block] != parent_id
-                or self.block_tokens[block] != tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                or self.block_tokens[block] != tuple(tokens[i * bs : (i + 1) * bs])
             ):
                 break
             hits.append(block)
             parent_id = self.block_content_id[block]
         return hits
 
-    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        return len(self._prefix_hits(seq)) * self.block_size
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        return len(self._prefix_hits(request)) * self.block_size
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         bs = self.block_size
-        if seq.block_table and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * bs:
-            return True  # fits in the blocks it has: most decode steps
-        hits = []
-        if not seq.block_table:
-            hits = self._prefix_hits(seq)
-            num_computed = len(hits) * bs
-        else:
-            num_computed = seq.num_computed_tokens
-        blocks_needed = -(-(num_computed + num_new_tokens) // bs) - len(seq.block_table) - len(hits)
+        table = self.tables.get(request.request_id)
+        if table:
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(table) * bs:
+                return True  # fits in the blocks it has: most decode steps
+            blocks_needed = -(-num_tokens // bs) - len(table)
+            if blocks_needed > self.num_free_blocks:
+                return False
+            for _ in range(blocks_needed):
+                table.append(self._take_free_block())
+            return True
+        hits = self._prefix_hits(request)[: num_cached_tokens // bs] if num_cached_tokens else []
+        if len(hits) * bs != num_cached_tokens:
+            raise ValueError(
+                f"request {request.request_id}: {num_cached_tokens} cached tokens asked for, but the prefix "
+                f"cache holds {len(hits) * bs} of its leading tokens now"
+            )
+        blocks_needed = -(-(num_cached_tokens + num_new_tokens) // bs) - len(hits)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # hits taken out of the free queue
         if blocks_needed + revived > self.num_free_blocks:
             return False
-        if not seq.block_table:
-            for block in hits:
-                if self.ref_counts[block] == 0:
-                    del self.free_queue[block]
-                self.ref_counts[block] += 1
-            seq.block_table = list(hits)
-            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
-            self.num_committed[seq.seq_id] = len(hits)
-            self.num_hit_tokens += num_computed
-            self.num_queried_tokens += seq.num_tokens
-        for _ in range(max(0, blocks_needed)):
-            seq.block_table.append(self._take_free_block())
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+        table = list(hits)
+        for _ in range(blocks_needed):
+            table.append(self._take_free_block())
+        self.tables[request.request_id] = table
+        self.num_committed[request.request_id] = len(hits)
+        self.num_hit_tokens += num_cached_tokens
+        self.num_queried_tokens += len(request.token_ids)
         return True
 
     def _take_free_block(self) -> int:
@@ -123,44 +140,44 @@ class PagedKVCache:
             self.block_hash[block] = self.block_tokens[block] = None
             self.block_content_id[block] = self.block_parent_id[block] = 0
 
-    def commit(self, seq: Sequence) -> None:
+    def commit(self, request: Request) -> None:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        start = self.num_committed.get(seq.seq_id, 0)
+        num_full = request.num_computed_tokens // bs
+        start = self.num_committed.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._hashes(seq, num_full)
+        hashes = self._hashes(request, num_full)
+        table, tokens = self.tables[request.request_id], request.token_ids
         for i in range(start, num_full):
-            block = seq.block_table[i]
+            block = table[i]
             if self.block_hash[block] is None:
                 self.block_hash[block] = hashes[i]
-                self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.block_tokens[block] = tuple(tokens[i * bs : (i + 1) * bs])
                 self.block_content_id[block] = self.next_content_id
-                self.block_parent_id[block] = self.block_content_id[seq.block_table[i - 1]] if i else 0
+                self.block_parent_id[block] = self.block_content_id[table[i - 1]] if i else 0
                 self.next_content_id += 1
                 self.cached.setdefault(hashes[i], block)
-        self.num_committed[seq.seq_id] = num_full
+        self.num_committed[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached block that nobody references (for benchmarks that repeat prompts)."""
         for block in self.free_queue:
             self._evict(block)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, request: Request) -> None:
+        request_id = request.request_id
+        self.hashes.pop(request_id, None)
+        self.num_committed.pop(request_id, None)
         # Tail blocks first: a prompt's last blocks are the least likely to be shared again.
-        for block in reversed(seq.block_table):
+        for block in reversed(self.tables.pop(request_id, NO_BLOCKS)):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] < 0:
-                raise RuntimeError(f"block {block} freed more often than allocated (sequence {seq.seq_id})")
+                raise RuntimeError(f"block {block} freed more often than allocated (request {request_id})")
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
                 if self.block_hash[block] is None:
                     self.free_queue.move_to_end(block, last=False)  # nothing to keep: reuse it first
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        self.num_committed.pop(seq.seq_id, None)
 
 
 @hookimpl

@@ -337,9 +337,4 @@ def _checkpoint_name(loaded_key) -> str:
 
 @hookimpl
 def register_models(register):
-    register("qwen3", Qwen3ForCausalLM)
-
-
-@hookimpl
-def register_config_nodes(register):
-    register("model", "qwen3", Qwen3Options)
+    register("qwen3", Qwen3ForCausalLM, options=Qwen3Options)

@@ -1,0 +1,182 @@
+"""One request inside the engine, and the read-only view of it that scheduler policies get."""
+
+from enum import Enum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from inferlab.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inferlab.core.protocols import KVCacheManager
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Token ids (prompt, then output), how far their K/V has been computed, and when things
+    happened. Only the core (engine and core scheduler) changes a request; plugins read it.
+
+    num_computed_tokens counts tokens whose K/V is in the cache, prefix-cache hits included.
+    Under overlap scheduling the newest output token may be a placeholder (a negative id) until
+    the step that sampled it is read back; token_times holds one host time per output token
+    already known, so the known outputs are output_token_ids[:len(token_times)].
+    """
+
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "priority",
+        "metadata",
+        "arrival_time",
+        "eos_token_id",
+        "max_model_len",
+        "seed",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "finish_reason",
+        "first_scheduled_time",
+        "token_times",
+        "finish_time",
+        "view",
+    )
+
+    def __init__(
+        self,
+        request_id: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        metadata: dict[str, Any] | None = None,
+        eos_token_id: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        self.request_id = request_id
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.priority = priority
+        self.metadata = dict(metadata or {})
+        self.arrival_time = arrival_time
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.seed = seed  # params.seed, or one drawn for the request: its sampling noise is a function of it
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served at the latest admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.first_scheduled_time: float | None = None
+        self.token_times: list[float] = []
+        self.finish_time: float | None = None
+        self.view: RequestView | None = None  # set by the core scheduler, which knows the KV manager
+
+    def __repr__(self):
+        return (
+            f"Request(id={self.request_id}, status={self.status.value}, tokens={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+class RequestView:
+    """What a scheduler policy sees of a request: read-only, always current.
+
+    num_cached_prefix_tokens asks the KV manager for a waiting request (how much of it the
+    prefix cache would serve if admitted now) and reports what it served for a running one.
+    """
+
+    __slots__ = ("_request", "_kv", "_metadata")
+
+    def __init__(self, request: Request, kv: "KVCacheManager"):
+        self._request = request
+        self._kv = kv
+        self._metadata = MappingProxyType(request.metadata)
+
+    def __repr__(self):
+        r = self._request
+        return f"RequestView(id={r.request_id}, {r.status.value}, priority={r.priority})"
+
+    @property
+    def request_id(self) -> int:
+        return self._request.request_id
+
+    @property
+    def arrival_time(self) -> float:
+        return self._request.arrival_time
+
+    @property
+    def status(self) -> str:
+        """'waiting', 'running' or 'finished'."""
+        return self._request.status.value
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._request.num_prompt_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._request.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._request.num_output_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self._request.token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self._request.params.max_tokens
+
+    @property
+    def num_cached_prefix_tokens(self) -> int:
+        r = self._request
+        if r.status is RequestStatus.WAITING:
+            return self._kv.num_cached_prefix_tokens(r)
+        return r.num_cached_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._request.num_preemptions
+
+    @property
+    def priority(self) -> int:
+        """Lower is served first (vLLM's convention); 0 unless given at submission."""
+        return self._request.priority
+
+    @property
+    def metadata(self) -> MappingProxyType:
+        """The free-form dict given at submission (tenant, deadline, ...), read-only."""
+        return self._metadata

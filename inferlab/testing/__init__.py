@@ -1,0 +1,15 @@
+"""Conformance suites a plugin author runs against their own plugin: subclass one in a pytest
+file, name your plugin, and pytest runs the suite's tests against it through public interfaces.
+
+    from inferlab.testing import SchedulerPolicySuite
+
+    class TestMyPolicy(SchedulerPolicySuite):
+        scheduler = "my_policy"
+
+Needs pytest and hypothesis (`pip install inferlab[test]`).
+"""
+
+from inferlab.testing.kv_cache import KVCacheManagerSuite
+from inferlab.testing.scheduler import SchedulerPolicySuite
+
+__all__ = ["KVCacheManagerSuite", "SchedulerPolicySuite"]
