@@ -1,4 +1,4 @@
-"""The CUDA sampling kernel (sampling_kernel.sample_tokens), run by Triton's interpreter on CPU and
+"""The CUDA sampling kernel (inferlab.kernels.sampling.sample_tokens), run by Triton's interpreter on CPU and
 compiled on a GPU, against the float64 inverse-transform reference: greedy rows exactly, sampled
 rows on a token whose share of the cumulative mass holds the row's target, up to float32 rounding."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CHECKS = textwrap.dedent("""
     import torch
     from inferlab.plugins.samplers.default import inverse_transform_reference, relative_mass, row_uniform
-    from inferlab.plugins.samplers.sampling_kernel import sample_tokens
+    from inferlab.kernels.sampling import sample_tokens
 
     def check_tokens(logits, temperatures, seeds, steps, tolerance=1e-5):
         got = sample_tokens(logits, temperatures, seeds, steps)

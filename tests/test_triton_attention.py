@@ -20,6 +20,7 @@ from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.batch import AttentionInputs  # noqa: E402
 from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
+from inferlab.kernels.kv_store import store_kv  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
 from inferlab.plugins.attention.torch_sdpa import TorchAttention  # noqa: E402
 from inferlab.plugins.attention.triton_attention import TritonAttention  # noqa: E402
@@ -95,7 +96,7 @@ def test_store_writes_each_token_to_its_slot_and_skips_minus_one():
     k = torch.randn(5, num_kv_heads, head_dim, device=DEVICE)
     v = torch.randn(5, num_kv_heads, head_dim, device=DEVICE)
     slots = torch.tensor([17, 3, -1, 63, 40], dtype=torch.int64, device=DEVICE)
-    triton_kernels.store_kv(k, v, cache, slots)
+    store_kv(k, v, cache, slots)
     expected = torch.zeros_like(cache)
     keep = slots >= 0
     expected[0].view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep]
@@ -110,7 +111,7 @@ def test_store_reads_strided_rows_of_a_fused_projection():
     k = fused[:, : num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
     v = fused[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
     cache = torch.zeros(2, 1, 16, num_kv_heads, head_dim, device=DEVICE)
-    triton_kernels.store_kv(k, v, cache, torch.tensor([0, 5, 9], device=DEVICE))
+    store_kv(k, v, cache, torch.tensor([0, 5, 9], device=DEVICE))
     torch.testing.assert_close(cache[1, 0, [0, 5, 9]], v, rtol=0, atol=0)
     torch.testing.assert_close(cache[0, 0, [0, 5, 9]], k, rtol=0, atol=0)
 
@@ -135,7 +136,7 @@ def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, q
 def test_prefill_programs_of_one_head_or_a_whole_group_agree():
     inputs, q, k, v, cache = make_batch([33, 7], [17, 64], 32, 2, 32, 4, seed=4)
     expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.3)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
+    store_kv(k, v, cache, inputs.slot_mapping)
     for heads in (1, 4):  # one query head a program, or the four sharing a KV head
         got = triton_kernels.paged_prefill(
             q,
@@ -194,7 +195,7 @@ def test_split_decode_combines_partials_exactly(num_splits):
     context_lens = [100, 9, 47]
     inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
     expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
+    store_kv(k, v, cache, inputs.slot_mapping)
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
     for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
@@ -326,7 +327,7 @@ def test_store_into_an_fp8_cache_rounds_as_torch_bit_for_bit(dtype):
     v = -k.flip(0)
     cache = torch.zeros(2, -(-num_tokens // 16), 16, num_kv_heads, head_dim, dtype=FP8, device=DEVICE)
     slots = torch.arange(num_tokens, device=DEVICE)
-    triton_kernels.store_kv(k, v, cache, slots)
+    store_kv(k, v, cache, slots)
     for got, want in ((cache[0], k), (cache[1], v)):
         got = got.view(-1, num_kv_heads, head_dim)[:num_tokens]
         assert torch.equal(got.view(torch.uint8), to_cache_dtype(want, FP8).view(torch.uint8))
@@ -449,7 +450,7 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
 
 
 def test_static_inputs_kernel_resolves_placeholders_and_pads():
-    from inferlab.core.graph_inputs_kernel import fill_static_inputs
+    from inferlab.kernels.graph_inputs import fill_static_inputs
 
     out = {
         "input_ids": torch.full((8,), 7, dtype=torch.int64),

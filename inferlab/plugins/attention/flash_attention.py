@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
-from inferlab.plugins.attention.triton_attention import TritonAttention, import_kernels, kernel_mode_problems
+from inferlab.plugins.attention.triton_attention import TritonAttention, import_kernels
 
 # flash-attn's paged KV path rejects other block sizes ("must be divisible by 256")
 PAGED_BLOCK_MULTIPLE = 256
@@ -40,7 +40,7 @@ class FlashAttention:
             ) from e
         self.varlen_func = flash_attn_varlen_func
         self.with_kvcache = flash_attn_with_kvcache
-        self.kernels = import_kernels(self.name)
+        self.store_kv = import_kernels()[1].store_kv
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
@@ -54,7 +54,10 @@ class FlashAttention:
             reasons.append(f"flash-attn runs on CUDA devices only, got {device.type!r}")
         else:
             try:
-                reasons += kernel_mode_problems(import_kernels(cls.name), device)
+                import_kernels()
+                from inferlab.kernels.pdl import kernel_mode_problems
+
+                reasons += kernel_mode_problems(device)
             except ImportError as e:
                 reasons.append(str(e))
         if dtype not in (torch.float16, torch.bfloat16):
@@ -82,7 +85,7 @@ class FlashAttention:
     def forward(self, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale):
         inputs = metadata.inputs
         if k is not None:
-            self.kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
+            self.store_kv(k, v, kv_cache, inputs.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if inputs.is_decode:
             out = self.with_kvcache(

@@ -3,7 +3,6 @@ prefill that reads the cached prefix through the block tables, and a split-conte
 decode that serves all query heads of a KV head at once. Needs no flash-attn; on CPU it runs under
 TRITON_INTERPRET=1 (slowly: for tests)."""
 
-import importlib
 from dataclasses import dataclass
 
 import torch
@@ -12,37 +11,22 @@ from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import FP8, kv_cache_dtype_problems
 
-KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
 
 
-def import_kernels(backend: str):
-    """The Triton kernel module, imported on first use (Triton fixes interpreter mode at import)."""
+def import_kernels():
+    """The backend's Triton kernels and the K/V store, imported on first use (Triton fixes
+    interpreter mode at import)."""
     try:
-        return importlib.import_module(KERNELS)
+        from inferlab.kernels import kv_store
+        from inferlab.plugins.attention import triton_kernels
     except ImportError as e:
         raise ImportError(
-            f"the {backend} attention backend needs Triton, which does not import: {e}; "
+            f"the triton attention backend needs Triton, which does not import: {e}; "
             "install it with pip install 'inferlab[triton]'"
         ) from e
-
-
-def kernel_mode_problems(kernels, device: torch.device) -> list[str]:
-    """Why the kernels, as imported, cannot run on device (compiled vs interpreted)."""
-    if device.type == "cpu" and not kernels.INTERPRETED:
-        return [
-            "on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before inferlab's Triton kernels are first imported"
-        ]
-    if device.type == "cuda" and kernels.INTERPRETED:
-        return [
-            "TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
-            "interpreter; unset it to run them on CUDA"
-        ]
-    if device.type not in ("cpu", "cuda"):
-        return [f"runs on cuda (or cpu in Triton's interpreter), got device {device.type!r}"]
-    return []
+    return triton_kernels, kv_store
 
 
 @dataclass
@@ -100,7 +84,8 @@ class TritonAttention:
         decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
         decode_order: str = TritonAttentionOptions.decode_order,
     ):
-        self.kernels = import_kernels(self.name)
+        self.kernels, kv_store = import_kernels()
+        self.store_kv = kv_store.store_kv
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
         self.block_m = block_m or (16 if small else 32)
@@ -127,10 +112,12 @@ class TritonAttention:
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
         try:
-            kernels = import_kernels(cls.name)
+            kernels, _ = import_kernels()
         except ImportError as e:
             return [str(e)]
-        reasons = kernel_mode_problems(kernels, device)
+        from inferlab.kernels.pdl import kernel_mode_problems  # Triton imports: it just did
+
+        reasons = kernel_mode_problems(device)
         if dtype not in DTYPES:
             reasons.append(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
         reasons += kv_cache_dtype_problems(dtype, kv_cache_dtype)
@@ -160,7 +147,7 @@ class TritonAttention:
         inputs = metadata.inputs
         kernels = self.kernels
         if k is not None:
-            kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
+            self.store_kv(k, v, kv_cache, inputs.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.kernels import pdl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 

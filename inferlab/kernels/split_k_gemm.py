@@ -6,7 +6,7 @@ only a few dozen column blocks, so a few dozen of the GPU's 132 multiprocessors 
 Splitting K fills the others, but the partial sums then need adding, and a separate reduction
 kernel costs what the split saves (cuBLAS adds one of its own at these sizes). Here each program
 stores its fp32 partial [BLOCK_M, BLOCK_N] tile into partials[split], and the add + RMSNorm kernel
-that reads the projection's output anyway (rms_norm_kernel.py) sums them as it loads.
+that reads the projection's output anyway (rms_norm.py) sums them as it loads.
 Measured on an H200 (BENCHMARKS.md, session 5): with cold weights at 8 to 64 tokens, 4.2-6.0 µs
 for the partials against cuBLAS's 6.0-8.1 µs (item 32); in the model, up to 256 tokens, the
 28-layer decoder stack 1.2% (256 sequences) to 6.6% (30) faster, and the bench 3.3% (item 33).
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.kernels import pdl
 
 
 class SplitKPlan(NamedTuple):

@@ -29,6 +29,23 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def kernel_mode_problems(device: torch.device) -> list[str]:
+    """Why inferlab's Triton kernels, as imported, cannot run on device (compiled vs interpreted)."""
+    if device.type == "cpu" and not INTERPRETED:
+        return [
+            "on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before inferlab's Triton kernels are first imported"
+        ]
+    if device.type == "cuda" and INTERPRETED:
+        return [
+            "TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
+            "interpreter; unset it to run them on CUDA"
+        ]
+    if device.type not in ("cpu", "cuda"):
+        return [f"runs on cuda (or cpu in Triton's interpreter), got device {device.type!r}"]
+    return []
+
+
 @functools.cache
 def _enabled(device_index: int) -> bool:
     if os.environ.get("INFERLAB_PDL", "1") == "0" or INTERPRETED:
