@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 # cumulative mass, as a fraction of the row's total (float32 sums over a chunk of a few thousand).
 CHECKS = textwrap.dedent("""
     import torch
-    from inferlab.plugins.samplers.default import inverse_transform_reference, relative_mass, row_uniform
+    from inferlab.plugins.samplers.default_sampler import inverse_transform_reference, relative_mass, row_uniform
     from inferlab.kernels.sampling import sample_tokens
 
     def check_tokens(logits, temperatures, seeds, steps, tolerance=1e-5):

@@ -21,7 +21,7 @@ from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginRegistry
 from inferlab.core.workers import TensorParallelError
-from inferlab.plugins.attention.torch_sdpa import TorchAttention
+from inferlab.plugins.attention.torch_backend import TorchBackend
 from inferlab.plugins.models import qwen3
 from inferlab.plugins.models.qwen3 import CheckpointError, Qwen3ForCausalLM
 
@@ -183,7 +183,7 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
         reads = {}
         real_open = qwen3.safe_open
         monkeypatch.setattr(qwen3, "safe_open", lambda *a, **k: RecordingFile(real_open(*a, **k), reads))
-        model = Qwen3ForCausalLM(config, backend=TorchAttention(), tp_group=TPGroup(rank, 2))
+        model = Qwen3ForCausalLM(config, backend=TorchBackend(), tp_group=TPGroup(rank, 2))
         model.load_weights(path)
         monkeypatch.undo()
         params = dict(model.named_parameters())

@@ -13,8 +13,8 @@ The Gumbel-max kernel it replaced drew a hashed uniform and took two logarithms 
 was bound by arithmetic: 49 against 32 µs for 256 rows of 151,936 on an H200, where reading the
 logits takes 18 (BENCHMARKS.md item 91).
 
-The token depends on float32 sums, so it may differ from the float64 reference
-(default.inverse_transform_reference) where u lands within rounding of a boundary between two
+The token depends on float32 sums, so it may differ from the float64 reference (the default
+sampler's inverse_transform_reference) where u lands within rounding of a boundary between two
 tokens' shares; never on a token of probability zero.
 """
 
@@ -38,7 +38,7 @@ def _log2_scale(temperatures_ptr, row):
 @triton.jit
 def row_uniform(seed, step):
     """u in [0, 1) from the low 32 bits of seed and step (murmur3's finalizer), with 24 bits, so
-    every value is exact in float32: default.row_uniform computes the same on the host."""
+    every value is exact in float32: the default sampler's row_uniform computes the same on the host."""
     x = seed.to(tl.uint32) * 0x9E3779B1 + step.to(tl.uint32) * 0x85EBCA77
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B

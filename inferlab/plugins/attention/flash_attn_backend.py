@@ -9,19 +9,19 @@ import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
-from inferlab.plugins.attention.triton_attention import TritonAttention, import_kernels
+from inferlab.plugins.attention.triton_backend import TritonBackend, import_kernels
 
 # flash-attn's paged KV path rejects other block sizes ("must be divisible by 256")
 PAGED_BLOCK_MULTIPLE = 256
 
 
 @dataclass(slots=True)
-class FlashAttentionMetadata:
+class FlashAttnMetadata:
     inputs: AttentionInputs
     cu_seqlens_k: torch.Tensor | None  # int32 [B+1]: prefix sums of seq_lens; None for decode
 
 
-class FlashAttention:
+class FlashAttnBackend:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
     torch backend's; K and V are each the [num_blocks, block_size, Hkv, D] tensor flash-attn pages."""
 
@@ -74,15 +74,15 @@ class FlashAttention:
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    kv_store_target = TritonAttention.kv_store_target  # the same cache layout and slot_mapping
+    kv_store_target = TritonBackend.kv_store_target  # the same cache layout and slot_mapping
 
-    def build_metadata(self, inputs: AttentionInputs) -> FlashAttentionMetadata:
+    def build_metadata(self, inputs: AttentionInputs) -> FlashAttnMetadata:
         if inputs.is_decode:  # flash_attn_with_kvcache takes seq_lens itself
-            return FlashAttentionMetadata(inputs, None)
+            return FlashAttnMetadata(inputs, None)
         cu_seqlens_k = F.pad(torch.cumsum(inputs.seq_lens, 0, dtype=torch.int32), (1, 0))
-        return FlashAttentionMetadata(inputs, cu_seqlens_k)
+        return FlashAttnMetadata(inputs, cu_seqlens_k)
 
-    def forward(self, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata: FlashAttnMetadata, scale):
         inputs = metadata.inputs
         if k is not None:
             self.store_kv(k, v, kv_cache, inputs.slot_mapping)
@@ -115,4 +115,4 @@ class FlashAttention:
 
 @hookimpl
 def register_attention_backends(register):
-    register("flash_attn", FlashAttention)
+    register("flash_attn", FlashAttnBackend)

@@ -30,7 +30,7 @@ def import_kernels():
 
 
 @dataclass
-class TritonAttentionOptions:
+class TritonOptions:
     """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
     Tile sizes left at None take 32 tokens x 32 keys (prefill; BENCHMARKS.md item 55) and 128 keys
     (decode), or 16 in Triton's interpreter; min_split_len None takes 256 (16 in the interpreter)."""
@@ -51,7 +51,7 @@ class TritonAttentionOptions:
 
 
 @dataclass(slots=True)
-class TritonAttentionMetadata:
+class TritonMetadata:
     inputs: AttentionInputs
     # Decode plan and scratch, made by the first layer's forward and reused by the others.
     num_splits: int = 0
@@ -60,10 +60,10 @@ class TritonAttentionMetadata:
     seq_order: torch.Tensor | None = None  # int32 [B], the order decode programs start in
 
 
-class TritonAttention:
+class TritonBackend:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
     torch backend's, in the model's dtype or fp8 (engine kv_cache_dtype). Options
-    (TritonAttentionOptions): prefill tile sizes block_m/block_n; for decode the tile
+    (TritonOptions): prefill tile sizes block_m/block_n; for decode the tile
     decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys one split of a
     sequence takes) and decode_programs_per_sm (how many programs the split plan
     aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
@@ -79,10 +79,10 @@ class TritonAttention:
         block_n: int | None = None,
         decode_block_n: int | None = None,
         min_split_len: int | None = None,
-        decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
-        decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
-        decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-        decode_order: str = TritonAttentionOptions.decode_order,
+        decode_num_warps: int = TritonOptions.decode_num_warps,
+        decode_num_stages: int = TritonOptions.decode_num_stages,
+        decode_programs_per_sm: int = TritonOptions.decode_programs_per_sm,
+        decode_order: str = TritonOptions.decode_order,
     ):
         self.kernels, kv_store = import_kernels()
         self.store_kv = kv_store.store_kv
@@ -138,12 +138,12 @@ class TritonAttention:
         # K and V are contiguous halves of the cache, so a model's kernel may store into them
         return kv_cache[0], kv_cache[1], metadata.inputs.slot_mapping
 
-    def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+    def build_metadata(self, inputs: AttentionInputs) -> TritonMetadata:
         # Nothing to compute on the device: the kernels read the runner's tensors directly, which
         # is what lets a CUDA graph replay them from static buffers.
-        return TritonAttentionMetadata(inputs)
+        return TritonMetadata(inputs)
 
-    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, scale):
         inputs = metadata.inputs
         kernels = self.kernels
         if k is not None:
@@ -196,9 +196,9 @@ class TritonAttention:
 
 @hookimpl
 def register_attention_backends(register):
-    register("triton", TritonAttention)
+    register("triton", TritonBackend)
 
 
 @hookimpl
 def register_config_nodes(register):
-    register("attention", "triton", TritonAttentionOptions)
+    register("attention", "triton", TritonOptions)
