@@ -24,6 +24,7 @@ class TorchBackend:
 
     name = "torch"
     supports_cuda_graphs = False  # build_metadata reads token counts back to the host
+    auto_priority = {"cuda": 10, "cpu": 10}  # the fallback on CUDA; the choice on CPU, where Triton only interprets
 
     def __init__(self, config=None, **options):
         if options:

@@ -15,6 +15,7 @@ from torch import nn
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
+from inferlab.core.protocols import FusedKVStore
 from inferlab.plugins.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -69,7 +70,7 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.scale = head_dim**-0.5
         self.qk_norm_rope = qk_norm_rope
-        self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
+        self.kv_store_target = backend.kv_store_target if isinstance(backend, FusedKVStore) else None
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         qkv = self.qkv_proj(hidden)
