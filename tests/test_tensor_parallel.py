@@ -125,7 +125,7 @@ def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
     sized = {**SETTINGS, "num_kvcache_blocks": -1, "max_num_seqs": 4, "max_model_len": 256}
     with LLM(path, tensor_parallel_size=2, **sized) as llm:
         pids = llm.runner.workers.pids
-        assert llm.runner.model.kv_cache_spec()[1] == 1
+        assert llm.runner.model_runner.model.kv_cache_spec()[1] == 1
         assert llm.kv_cache.num_blocks == llm.runner.num_kv_blocks == 4 * 256 // 16
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(alive(pid) for pid in pids)
