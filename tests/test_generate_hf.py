@@ -64,10 +64,10 @@ def test_chunks_across_several_sequences(checkpoint):
         llm.add_request(prompt, GREEDY)
     batch = llm.scheduler.schedule()
     assert batch.num_scheduled_tokens == [20]
-    llm.scheduler.postprocess(batch, llm.runner.execute(batch))
+    llm.scheduler.postprocess(batch, llm.runner.launch(batch).tokens())
     batch = llm.scheduler.schedule()
     assert batch.num_scheduled_tokens == [10, 10]
-    llm.scheduler.postprocess(batch, llm.runner.execute(batch))
+    llm.scheduler.postprocess(batch, llm.runner.launch(batch).tokens())
     partial = [s for s in llm.scheduler.running if 0 < s.num_computed_tokens < s.num_prompt_tokens]
     assert len(partial) == 1
     while not llm.is_finished():

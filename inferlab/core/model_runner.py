@@ -244,10 +244,6 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return cache
 
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Runs one step; returns each sequence's sampled token, None where it does not sample."""
-        return self.launch(batch).tokens()
-
     @torch.inference_mode()
     def launch(
         self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None, step: StepInputs | None = None

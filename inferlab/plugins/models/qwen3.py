@@ -270,7 +270,7 @@ class Qwen3ForCausalLM(nn.Module):
             raise CheckpointError(f"checkpoint {path!r} has tensors the model does not know: {sorted(unexpected)[:20]}")
         missing = []
         for name, module in self.named_modules():
-            for suffix, param in module.named_parameters(recurse=False):
+            for suffix, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{suffix}"
                 if full == "lm_head.weight" and self.tie_word_embeddings:
                     continue
