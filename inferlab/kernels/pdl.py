@@ -10,11 +10,13 @@ for its predecessor to finish before it finishes) a kernel also sees everything 
 the stream. The kernel then lets its own successor launch.
 
 Measured on an H200 (scripts/microbench_launch.py): 280 RMSNorm kernels in a row take 1.63 µs a
-kernel with PDL against 1.94 µs without at 256 tokens; the bench's steady runs are 0.6% faster
-(BENCHMARKS.md, session 4).
+kernel with PDL against 1.94 µs without at 256 tokens; the bench's steady runs are 0.6% faster.
 
 On by default where it works: CUDA, compute capability 9.0 or more, compiled (not interpreted)
-Triton. INFERLAB_PDL=0 turns it off, for ablations."""
+Triton. INFERLAB_PDL=0 turns it off, for ablations.
+
+Triton fixes at import whether our kernels run compiled or interpreted; INTERPRETED and
+kernel_mode_problems say which, for every kernel module."""
 
 import functools
 import os

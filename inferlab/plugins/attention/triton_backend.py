@@ -32,16 +32,17 @@ def import_kernels():
 @dataclass
 class TritonOptions:
     """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
-    Tile sizes left at None take 32 tokens x 32 keys (prefill; BENCHMARKS.md item 55) and 128 keys
-    (decode), or 16 in Triton's interpreter; min_split_len None takes 256 (16 in the interpreter)."""
+    Tile sizes left at None take 32 tokens x 32 keys (prefill: 9-12% faster than 64 x 64 on a
+    bench prefill chunk on an H200) and 128 keys (decode), or 16 in Triton's interpreter;
+    min_split_len None takes 256 (16 in the interpreter)."""
 
     block_m: int | None = None
     block_n: int | None = None
     decode_block_n: int | None = None
     min_split_len: int | None = None
-    # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200
-    # (BENCHMARKS.md): 128-key tiles, 3 stages and 4 warps were the best of 60 configurations; with
-    # the sequence-major grid and longest-first order, 8 programs per SM reach 95% of the K/V floor.
+    # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200:
+    # 128-key tiles, 3 stages and 4 warps were the fastest of 60 configurations; with the
+    # sequence-major grid and longest-first order, 8 programs per SM reach 95% of the K/V floor.
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     decode_programs_per_sm: int = 8

@@ -172,14 +172,14 @@ class Qwen3Options:
     torch_compile: bool | None = None
     triton_kernels: bool | None = None
     # Batches of at most this many tokens run o_proj and down_proj as split-K Triton GEMMs whose
-    # partial sums the next RMSNorm kernel adds up (kernels/split_k_gemm.py), on one GPU, with the Triton
-    # kernels, where the projection is narrow enough to gain. 0: cuBLAS always. 256 (every decode
-    # step of the bench) measured 3.3% faster than 0 and 64 about 1.5% (BENCHMARKS.md item 33).
+    # partial sums the next RMSNorm kernel adds up (kernels/split_k_gemm.py), on one GPU, with the
+    # Triton kernels, where the projection is narrow enough to gain. 0: cuBLAS always. On an H200
+    # the bench ran 3.3% faster with 256 (every decode step) than with 0, and 1.5% with 64.
     split_k_tokens: int = 256
     # Batches of at most this many tokens run qkv_proj and gate_up_proj through our Triton GEMM
-    # (kernels/split_k_gemm.py's linear, launched with PDL) instead of cuBLAS, with the Triton kernels. 0: never.
-    # 64 made the decoder stack 1.8% faster at 30 and 63 sequences and the bench 0.4%, within its
-    # noise; 128 was 1.8% slower at 126 (BENCHMARKS.md item 38).
+    # (kernels/split_k_gemm.py's linear, launched with PDL) instead of cuBLAS, with the Triton
+    # kernels. 0: never. On an H200 64 made the decoder stack 1.8% faster at 30 and 63 sequences
+    # and the bench 0.4%, within its noise; 128 was 1.8% slower at 126.
     triton_gemm_tokens: int = 64
 
 
