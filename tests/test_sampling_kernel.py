@@ -1,6 +1,7 @@
-"""The CUDA sampling kernel (inferlab.kernels.sampling.sample_tokens), run by Triton's interpreter on CPU and
-compiled on a GPU, against the float64 inverse-transform reference: greedy rows exactly, sampled
-rows on a token whose share of the cumulative mass holds the row's target, up to float32 rounding."""
+"""The CUDA sampling kernel (inferlab.kernels.sampling.sample_tokens), run by Triton's interpreter
+on CPU and compiled on a GPU, against the float64 inverse-transform reference: greedy rows exactly,
+sampled rows on a token whose share of the cumulative mass holds the row's target, up to float32
+rounding."""
 
 import importlib.util
 import os

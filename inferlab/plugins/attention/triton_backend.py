@@ -1,7 +1,8 @@
-"""Attention with inferlab's own Triton kernels over the paged cache: a store kernel, a causal varlen
-prefill that reads the cached prefix through the block tables, and a split-context (flash-decoding)
-decode that serves all query heads of a KV head at once. Needs no flash-attn; on CPU it runs under
-TRITON_INTERPRET=1 (slowly: for tests)."""
+"""Attention with inferlab's own Triton kernels over the paged cache: the shared K/V store
+(inferlab.kernels.kv_store), and this backend's causal varlen prefill that reads the cached prefix
+through the block tables and split-context (flash-decoding) decode that serves all query heads of a
+KV head at once (triton_kernels.py). Needs no flash-attn; on CPU it runs under TRITON_INTERPRET=1
+(slowly: for tests)."""
 
 from dataclasses import dataclass
 
