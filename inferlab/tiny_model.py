@@ -3,9 +3,12 @@ tokenizer trained here on a built-in text, so that the engine runs with no downl
 make_checkpoint to build checkpoints of other shapes with the same tokenizer."""
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+
+log = logging.getLogger("inferlab")
 
 CACHE_DIR = os.environ.get("INFERLAB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "inferlab"))
 VERSION = 2  # bump when the recipe changes, so stale caches are not reused
@@ -84,9 +87,21 @@ def make_checkpoint(path: str, seed: int = 0, max_shard_size: str | None = None,
     return path
 
 
+_announced = False  # the embedded model is announced once a process
+
+
 def default_model_path() -> str:
     """The embedded model's directory, created on first use (atomically, so concurrent first
-    runs cannot see half a checkpoint)."""
+    runs cannot see half a checkpoint). Says once a process, as a warning, that its text is
+    gibberish: whoever forgot the model path should not take it for the engine's output."""
+    global _announced
+    if not _announced:
+        _announced = True
+        log.warning(
+            "no model path given: running inferlab's embedded tiny model, whose weights are random, "
+            "so its text is gibberish; give a checkpoint directory (LLM(path), or model.path=PATH "
+            "on the command line)"
+        )
     path = os.path.join(CACHE_DIR, f"tiny-qwen3-v{VERSION}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path

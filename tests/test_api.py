@@ -1,5 +1,7 @@
 """The nano-vllm-compatible surface: LLM(path, **settings).generate(prompts, params, use_tqdm)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -96,6 +98,20 @@ def test_embedded_default_model_runs():
     # the default device: CUDA where there is one (this file also runs on the GPU machine)
     assert llm.runner.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert llm.runner.dtype.is_floating_point
+
+
+def test_embedded_model_says_once_that_its_text_is_gibberish(checkpoint, monkeypatch, caplog):
+    from inferlab import tiny_model
+
+    monkeypatch.setattr(tiny_model, "_announced", False)  # as in a fresh process
+    caplog.set_level(logging.WARNING, logger="inferlab")
+    LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+    assert "embedded tiny model" not in caplog.text  # a path given: nothing to say
+    for _ in range(2):
+        LLM(kvcache_block_size=16, num_kvcache_blocks=32, device="cpu")
+    said = [r.getMessage() for r in caplog.records if "embedded tiny model" in r.getMessage()]
+    assert len(said) == 1
+    assert "weights are random, so its text is gibberish" in said[0] and "LLM(path)" in said[0]
 
 
 def test_embedded_model_is_built_deterministically(tmp_path):

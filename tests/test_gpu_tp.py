@@ -82,12 +82,13 @@ def run_engine(path, workload, attention, enforce_eager, ranks, sampler=None):
     )
     try:
         assert isinstance(llm.runner, TensorParallelRunner) == (ranks > 1)
-        assert llm.runner.backend.name == attention
-        assert (llm.runner.decode_graphs is not None) == (not enforce_eager)
+        model_runner = llm.runner.model_runner if ranks > 1 else llm.runner  # rank 0's
+        assert model_runner.backend.name == attention
+        assert (model_runner.decode_graphs is not None) == (not enforce_eager)
         if ranks > 1:  # rank 1 holds its weights and KV cache on the second GPU
             assert gpu_bytes_in_use(1) - on_gpu1_before > 100 * 2**20
         if sampler is not None:
-            llm.runner.sampler = sampler  # rank 0 samples; the others take its samples
+            model_runner.sampler = sampler  # rank 0 samples; the others take its samples
         outputs = []
         for group in workload:
             prompts, params = zip(*group)

@@ -121,11 +121,11 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
         "split_k_tokens": 0,
         "triton_gemm_tokens": 16,
     }
-    from inferlab.plugins.attention.triton_attention import TritonAttention, TritonAttentionOptions
+    from inferlab.plugins.attention.triton_backend import TritonBackend, TritonOptions
 
     # the node's defaults are the factory's: one source for both
-    defaults = {k: v.default for k, v in inspect.signature(TritonAttention).parameters.items() if k != "config"}
-    assert defaults == {f.name: f.default for f in fields(TritonAttentionOptions)}
+    defaults = {k: v.default for k, v in inspect.signature(TritonBackend).parameters.items() if k != "config"}
+    assert defaults == {f.name: f.default for f in fields(TritonOptions)}
 
 
 @pytest.mark.parametrize(

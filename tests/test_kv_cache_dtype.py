@@ -9,8 +9,8 @@ import torch
 from inferlab import LLM, SamplingParams
 from inferlab.conf import compose, engine_arguments
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype
-from inferlab.plugins.attention.flash_attention import FlashAttention
-from inferlab.plugins.attention.torch_sdpa import TorchAttention
+from inferlab.plugins.attention.flash_attn_backend import FlashAttnBackend
+from inferlab.plugins.attention.torch_backend import TorchBackend
 
 ENGINE = dict(attention="torch", device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256)
 
@@ -35,11 +35,11 @@ def test_fp8_rounds_to_nearest_even_and_saturates():
 
 def test_backends_say_whether_they_read_an_fp8_cache():
     cpu = torch.device("cpu")
-    assert TorchAttention.validate(cpu, torch.bfloat16, 16, 64, FP8) == []
-    assert TorchAttention.validate(cpu, torch.bfloat16, 16, 64, torch.float16) == [
+    assert TorchBackend.validate(cpu, torch.bfloat16, 16, 64, FP8) == []
+    assert TorchBackend.validate(cpu, torch.bfloat16, 16, 64, torch.float16) == [
         "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"
     ]
-    reasons = FlashAttention.validate(cpu, torch.bfloat16, 256, 128, FP8)
+    reasons = FlashAttnBackend.validate(cpu, torch.bfloat16, 256, 128, FP8)
     assert any(
         "flash-attn needs the KV cache in the model's dtype torch.bfloat16, got torch.float8_e4m3fn "
         "(use attention='triton' for kv_cache_dtype=fp8)" in r

@@ -15,7 +15,10 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.core.parallel import TPGroup  # noqa: E402
-from inferlab.plugins.models import rms_norm_kernel, split_k_kernel  # noqa: E402
+from inferlab.kernels import rms_norm as rms_norm_kernel  # noqa: E402
+from inferlab.kernels import split_k_gemm  # noqa: E402
+from inferlab.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from inferlab.kernels.silu_mul import silu_and_mul as silu_mul_kernel  # noqa: E402
 from inferlab.plugins.models.layers import (  # noqa: E402  # noqa: E402
     ColumnParallelLinear,
     RotaryEmbedding,
@@ -24,8 +27,6 @@ from inferlab.plugins.models.layers import (  # noqa: E402  # noqa: E402
     rms_norm,
     silu_and_mul,
 )
-from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
-from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -244,20 +245,20 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
     prompt = [(7 * i + 3) % 97 + 1 for i in range(prompt_len)]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out["token_ids"] == hf_greedy(path, prompt, 4)
-    assert split_k_kernel.plan(128, 256, prompt_len) == tiling and prompt_len in rows and 1 in rows
+    assert split_k_gemm.plan(128, 256, prompt_len) == tiling and prompt_len in rows and 1 in rows
 
 
 def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
-    assert split_k_kernel.plan(1024, 2048) == (32, 128, 4)  # Qwen3-0.6B's o_proj: 32 column blocks
-    assert split_k_kernel.plan(1024, 3072, 64) == (32, 128, 4)  # its down_proj
-    assert split_k_kernel.plan(1024, 3072, 65) == (32, 128, 2)  # two row blocks: fewer splits
-    assert split_k_kernel.plan(1024, 3072, 128) == (32, 128, 2)
-    assert split_k_kernel.plan(1024, 3072, 129) == (64, 128, 2)  # three or more: wider tiles too
-    assert split_k_kernel.plan(128, 256) == (32, 128, 2)  # 256 = 2 whole steps, not 4
-    assert split_k_kernel.plan(4096, 4096) is None  # Qwen3-8B's o_proj: 128 column blocks fill the GPU
-    assert split_k_kernel.plan(128, 192) is None  # no split into whole 128-wide steps
-    assert split_k_kernel.plan(100, 256) is None  # no whole column blocks
-    assert split_k_kernel.plan(32, 256, 200) is None  # no whole 64-wide column blocks
+    assert split_k_gemm.plan(1024, 2048) == (32, 128, 4)  # Qwen3-0.6B's o_proj: 32 column blocks
+    assert split_k_gemm.plan(1024, 3072, 64) == (32, 128, 4)  # its down_proj
+    assert split_k_gemm.plan(1024, 3072, 65) == (32, 128, 2)  # two row blocks: fewer splits
+    assert split_k_gemm.plan(1024, 3072, 128) == (32, 128, 2)
+    assert split_k_gemm.plan(1024, 3072, 129) == (64, 128, 2)  # three or more: wider tiles too
+    assert split_k_gemm.plan(128, 256) == (32, 128, 2)  # 256 = 2 whole steps, not 4
+    assert split_k_gemm.plan(4096, 4096) is None  # Qwen3-8B's o_proj: 128 column blocks fill the GPU
+    assert split_k_gemm.plan(128, 192) is None  # no split into whole 128-wide steps
+    assert split_k_gemm.plan(100, 256) is None  # no whole column blocks
+    assert split_k_gemm.plan(32, 256, 200) is None  # no whole 64-wide column blocks
 
 
 @pytest.mark.parametrize(
@@ -276,8 +277,8 @@ def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dty
     torch.manual_seed(n + num_tokens)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
-    tiling = split_k_kernel.plan(n, k, num_tokens)
-    partials = split_k_kernel.linear_partials(x, weight)
+    tiling = split_k_gemm.plan(n, k, num_tokens)
+    partials = split_k_gemm.linear_partials(x, weight)
     assert partials.shape == (tiling.split, num_tokens, n) and partials.dtype == torch.float32
     part = k // tiling.split
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
@@ -366,7 +367,7 @@ def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
     torch.manual_seed(n + num_tokens)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
-    got = split_k_kernel.linear(x, weight)
+    got = split_k_gemm.linear(x, weight)
     assert got.shape == (num_tokens, n) and got.dtype == dtype
     want = (x.float() @ weight.float().T).to(dtype)  # the float32 product rounded once
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
@@ -374,10 +375,10 @@ def test_triton_linear_is_the_matmul(num_tokens, n, k, dtype):
 
 
 def test_wide_plan_and_column_parallel_linear_use_of_it():
-    assert split_k_kernel.wide_plan(4096, 1024) == (32, 128, 1)  # Qwen3-0.6B's qkv_proj: 128 column blocks
-    assert split_k_kernel.wide_plan(6144, 1024) == (64, 128, 1)  # its gate_up_proj
-    assert split_k_kernel.wide_plan(96, 192) is None  # K not in whole 128-wide steps
-    assert split_k_kernel.wide_plan(100, 256) is None  # no whole column blocks
+    assert split_k_gemm.wide_plan(4096, 1024) == (32, 128, 1)  # Qwen3-0.6B's qkv_proj: 128 column blocks
+    assert split_k_gemm.wide_plan(6144, 1024) == (64, 128, 1)  # its gate_up_proj
+    assert split_k_gemm.wide_plan(96, 192) is None  # K not in whole 128-wide steps
+    assert split_k_gemm.wide_plan(100, 256) is None  # no whole column blocks
     assert not ColumnParallelLinear(256, 128, TPGroup(), bias=True).use_triton_gemm(64)
     assert not ColumnParallelLinear(256, 128, TPGroup()).use_triton_gemm(0)
     assert not ColumnParallelLinear(192, 128, TPGroup()).use_triton_gemm(64)
@@ -440,7 +441,7 @@ def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default
 def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
     """Kernels launch with programmatic dependent launch on CUDA devices of compute capability 9.0
     or more, compiled, unless INFERLAB_PDL=0; never on CPU or under the interpreter."""
-    from inferlab.plugins import pdl
+    from inferlab.kernels import pdl
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     capability = {"value": (9, 0)}

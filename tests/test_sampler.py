@@ -5,7 +5,12 @@ import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.batch import SamplingTensors
-from inferlab.plugins.samplers.default import DefaultSampler, filter_logits, inverse_transform_reference, row_uniform
+from inferlab.plugins.samplers.default_sampler import (
+    DefaultSampler,
+    filter_logits,
+    inverse_transform_reference,
+    row_uniform,
+)
 
 
 def tensors(n, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, seeds=None, steps=None, vocab=8):

@@ -1,6 +1,7 @@
-"""The CUDA sampling kernel (sampling_kernel.sample_tokens), run by Triton's interpreter on CPU and
-compiled on a GPU, against the float64 inverse-transform reference: greedy rows exactly, sampled
-rows on a token whose share of the cumulative mass holds the row's target, up to float32 rounding."""
+"""The CUDA sampling kernel (inferlab.kernels.sampling.sample_tokens), run by Triton's interpreter
+on CPU and compiled on a GPU, against the float64 inverse-transform reference: greedy rows exactly,
+sampled rows on a token whose share of the cumulative mass holds the row's target, up to float32
+rounding."""
 
 import importlib.util
 import os
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 # cumulative mass, as a fraction of the row's total (float32 sums over a chunk of a few thousand).
 CHECKS = textwrap.dedent("""
     import torch
-    from inferlab.plugins.samplers.default import inverse_transform_reference, relative_mass, row_uniform
-    from inferlab.plugins.samplers.sampling_kernel import sample_tokens
+    from inferlab.plugins.samplers.default_sampler import inverse_transform_reference, relative_mass, row_uniform
+    from inferlab.kernels.sampling import sample_tokens
 
     def check_tokens(logits, temperatures, seeds, steps, tolerance=1e-5):
         got = sample_tokens(logits, temperatures, seeds, steps)

@@ -21,7 +21,7 @@ from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginRegistry
 from inferlab.core.workers import TensorParallelError
-from inferlab.plugins.attention.torch_sdpa import TorchAttention
+from inferlab.plugins.attention.torch_backend import TorchBackend
 from inferlab.plugins.models import qwen3
 from inferlab.plugins.models.qwen3 import CheckpointError, Qwen3ForCausalLM
 
@@ -125,7 +125,7 @@ def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
     sized = {**SETTINGS, "num_kvcache_blocks": -1, "max_num_seqs": 4, "max_model_len": 256}
     with LLM(path, tensor_parallel_size=2, **sized) as llm:
         pids = llm.runner.workers.pids
-        assert llm.runner.model.kv_cache_spec()[1] == 1
+        assert llm.runner.model_runner.model.kv_cache_spec()[1] == 1
         assert llm.kv_manager.num_blocks == llm.runner.num_kv_blocks == 4 * 256 // 16
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(alive(pid) for pid in pids)
@@ -183,7 +183,7 @@ def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
         reads = {}
         real_open = qwen3.safe_open
         monkeypatch.setattr(qwen3, "safe_open", lambda *a, **k: RecordingFile(real_open(*a, **k), reads))
-        model = Qwen3ForCausalLM(config, backend=TorchAttention(), tp_group=TPGroup(rank, 2))
+        model = Qwen3ForCausalLM(config, backend=TorchBackend(), tp_group=TPGroup(rank, 2))
         model.load_weights(path)
         monkeypatch.undo()
         params = dict(model.named_parameters())

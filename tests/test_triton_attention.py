@@ -20,9 +20,10 @@ from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.batch import AttentionInputs  # noqa: E402
 from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
+from inferlab.kernels.kv_store import store_kv  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
-from inferlab.plugins.attention.torch_sdpa import TorchAttention  # noqa: E402
-from inferlab.plugins.attention.triton_attention import TritonAttention  # noqa: E402
+from inferlab.plugins.attention.torch_backend import TorchBackend  # noqa: E402
+from inferlab.plugins.attention.triton_backend import TritonBackend  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_kernels.INTERPRETED:
     triton_kernels = importlib.reload(triton_kernels)
@@ -73,7 +74,7 @@ def make_batch(query_lens, context_lens, block_size, num_kv_heads, head_dim, gro
 
 def run_both(inputs, q, k, v, cache, scale=0.3, backend=None):
     """(triton output, torch output, triton cache, torch cache) for the same batch and cache."""
-    torch_backend, triton_backend = TorchAttention(), backend or TritonAttention()
+    torch_backend, triton_backend = TorchBackend(), backend or TritonBackend()
     torch_cache, triton_cache = cache.clone(), cache.clone()
     expected = torch_backend.forward(q, k, v, torch_cache, torch_backend.build_metadata(inputs), scale)
     got = triton_backend.forward(q, k, v, triton_cache, triton_backend.build_metadata(inputs), scale)
@@ -95,7 +96,7 @@ def test_store_writes_each_token_to_its_slot_and_skips_minus_one():
     k = torch.randn(5, num_kv_heads, head_dim, device=DEVICE)
     v = torch.randn(5, num_kv_heads, head_dim, device=DEVICE)
     slots = torch.tensor([17, 3, -1, 63, 40], dtype=torch.int64, device=DEVICE)
-    triton_kernels.store_kv(k, v, cache, slots)
+    store_kv(k, v, cache, slots)
     expected = torch.zeros_like(cache)
     keep = slots >= 0
     expected[0].view(-1, num_kv_heads, head_dim)[slots[keep]] = k[keep]
@@ -110,7 +111,7 @@ def test_store_reads_strided_rows_of_a_fused_projection():
     k = fused[:, : num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
     v = fused[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].view(3, num_kv_heads, head_dim)
     cache = torch.zeros(2, 1, 16, num_kv_heads, head_dim, device=DEVICE)
-    triton_kernels.store_kv(k, v, cache, torch.tensor([0, 5, 9], device=DEVICE))
+    store_kv(k, v, cache, torch.tensor([0, 5, 9], device=DEVICE))
     torch.testing.assert_close(cache[1, 0, [0, 5, 9]], v, rtol=0, atol=0)
     torch.testing.assert_close(cache[0, 0, [0, 5, 9]], k, rtol=0, atol=0)
 
@@ -134,8 +135,8 @@ def test_prefill_with_cached_prefix_matches_torch(block_size, group, head_dim, q
 
 def test_prefill_programs_of_one_head_or_a_whole_group_agree():
     inputs, q, k, v, cache = make_batch([33, 7], [17, 64], 32, 2, 32, 4, seed=4)
-    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.3)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
+    expected = TorchBackend().forward(q, k, v, cache.clone(), TorchBackend().build_metadata(inputs), 0.3)
+    store_kv(k, v, cache, inputs.slot_mapping)
     for heads in (1, 4):  # one query head a program, or the four sharing a KV head
         got = triton_kernels.paged_prefill(
             q,
@@ -185,7 +186,7 @@ DECODE_CASES = [
 def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     inputs, q, k, v, cache = make_batch([1] * len(context_lens), context_lens, block_size, 2, head_dim, group, seed=1)
     assert inputs.is_decode
-    assert_matches_torch(inputs, q, k, v, cache, backend=TritonAttention(decode_order=order))
+    assert_matches_torch(inputs, q, k, v, cache, backend=TritonBackend(decode_order=order))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
@@ -193,8 +194,8 @@ def test_split_decode_combines_partials_exactly(num_splits):
     # more splits than some sequences have keys: their empty splits must weigh nothing
     context_lens = [100, 9, 47]
     inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
-    expected = TorchAttention().forward(q, k, v, cache.clone(), TorchAttention().build_metadata(inputs), 0.25)
-    triton_kernels.store_kv(k, v, cache, inputs.slot_mapping)
+    expected = TorchBackend().forward(q, k, v, cache.clone(), TorchBackend().build_metadata(inputs), 0.25)
+    store_kv(k, v, cache, inputs.slot_mapping)
     partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
     partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
     for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
@@ -242,7 +243,7 @@ def test_slots_past_a_sequence_never_reach_its_output(query_lens, context_lens):
         for pos in range(context_lens[row]):  # keep the cached context, poison the rest
             slot = int(inputs.block_tables[row, pos // 16]) * 16 + pos % 16
             poisoned[:, slot // 16, slot % 16] = cache[:, slot // 16, slot % 16]
-    backend = TritonAttention()
+    backend = TritonBackend()
     got = backend.forward(q, k, v, poisoned, backend.build_metadata(inputs), 0.3)
     _, expected, _, _ = run_both(inputs, q, k, v, cache)  # the torch backend on the clean cache
     assert not got.isnan().any()
@@ -287,7 +288,7 @@ def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
         is_decode=True,
         block_size=16,
     )
-    backend = TritonAttention(min_split_len=16)
+    backend = TritonBackend(min_split_len=16)
     padded_cache = cache.clone()
     got = backend.forward(
         torch.cat([q, torch.randn_like(q)]),
@@ -326,7 +327,7 @@ def test_store_into_an_fp8_cache_rounds_as_torch_bit_for_bit(dtype):
     v = -k.flip(0)
     cache = torch.zeros(2, -(-num_tokens // 16), 16, num_kv_heads, head_dim, dtype=FP8, device=DEVICE)
     slots = torch.arange(num_tokens, device=DEVICE)
-    triton_kernels.store_kv(k, v, cache, slots)
+    store_kv(k, v, cache, slots)
     for got, want in ((cache[0], k), (cache[1], v)):
         got = got.view(-1, num_kv_heads, head_dim)[:num_tokens]
         assert torch.equal(got.view(torch.uint8), to_cache_dtype(want, FP8).view(torch.uint8))
@@ -349,19 +350,19 @@ def test_attention_over_an_fp8_cache_matches_torch(query_lens, context_lens):
 
 
 def test_validate_names_unsupported_settings():
-    reasons = TritonAttention.validate(DEVICE, torch.int8, 24, 48, torch.int8)
+    reasons = TritonBackend.validate(DEVICE, torch.int8, 24, 48, torch.int8)
     assert any("dtype" in r for r in reasons)
     assert any("block size must be a power of two >= 16, got 24" in r for r in reasons)
     assert any("head_dim must be a power of two" in r for r in reasons)
-    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, torch.float32) == []
-    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, FP8) == []
-    assert TritonAttention.validate(DEVICE, torch.float32, 16, 32, torch.float16) == [
+    assert TritonBackend.validate(DEVICE, torch.float32, 16, 32, torch.float32) == []
+    assert TritonBackend.validate(DEVICE, torch.float32, 16, 32, FP8) == []
+    assert TritonBackend.validate(DEVICE, torch.float32, 16, 32, torch.float16) == [
         "kv_cache_dtype must be the model's dtype or torch.float8_e4m3fn, got torch.float16"
     ]
     with pytest.raises(ValueError, match="block_m must be a power of two"):
-        TritonAttention(block_m=24)
+        TritonBackend(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
-        TritonAttention(decode_order="shortest")
+        TritonBackend(decode_order="shortest")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -449,7 +450,7 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
 
 
 def test_static_inputs_kernel_resolves_placeholders_and_pads():
-    from inferlab.core.graph_inputs_kernel import fill_static_inputs
+    from inferlab.kernels.graph_inputs import fill_static_inputs
 
     out = {
         "input_ids": torch.full((8,), 7, dtype=torch.int64),

@@ -3,7 +3,7 @@
 decode batch is copied into the buffers, padded to the next captured size (padding rows store
 nothing and attend to nothing) and replayed, which removes the per-kernel launch cost that
 dominates small decode steps. The copy-in, the padding and the swap of placeholder ids for the
-previous step's samples are one kernel (graph_inputs_kernel.py)."""
+previous step's samples are one kernel (inferlab.kernels.graph_inputs)."""
 
 import bisect
 import logging
@@ -115,7 +115,7 @@ class DecodeGraphs:
         if num_seqs > self.batch_sizes[-1] or width > self.max_blocks:
             return None
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
-        from inferlab.core.graph_inputs_kernel import fill_static_inputs  # Triton: imported where it runs
+        from inferlab.kernels.graph_inputs import fill_static_inputs  # Triton: imported where it runs
 
         fill_static_inputs(
             batch,

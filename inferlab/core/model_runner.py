@@ -1,6 +1,7 @@
 """Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
 
+import importlib
 import logging
 from dataclasses import replace
 from itertools import chain
@@ -18,10 +19,6 @@ from inferlab.core.plugins import PluginError, PluginRegistry
 
 log = logging.getLogger("inferlab")
 
-# attention=auto tries these in order and takes the first that builds and validates. On CUDA our
-# triton backend comes first: on an H200 its decode reads K/V at 95% of bandwidth where flash-attn's
-# reaches 82%, over the bench workload's decode batches (BENCHMARKS.md).
-AUTO_ATTENTION = {"cuda": ("triton", "flash_attn", "torch"), "cpu": ("torch",)}
 MASK64 = (1 << 64) - 1
 
 
@@ -113,6 +110,11 @@ class ModelRunner:
         if not self.backend.supports_cuda_graphs:
             log.info("attention backend %r does not support CUDA graphs: decode runs eagerly", self.backend.name)
             return None
+        try:  # the graphs' inputs are filled by a Triton kernel
+            importlib.import_module("inferlab.kernels.graph_inputs")
+        except ImportError as e:
+            log.warning("CUDA graphs need Triton, which does not import (%s): decode runs eagerly", e)
+            return None
         return DecodeGraphs(
             self.model,
             self.backend,
@@ -126,17 +128,15 @@ class ModelRunner:
         )
 
     def _make_backend(self, registry: PluginRegistry, head_dim: int):
-        names = AUTO_ATTENTION[self.device.type] if self.config.attention == "auto" else (self.config.attention,)
-        reasons = []
+        auto = self.config.attention == "auto"
+        names = self._auto_attention_order(registry) if auto else [self.config.attention]
+        reasons = [] if names else [f"no attention backend declares an auto_priority for {self.device.type}"]
         for name in names:
-            if self.config.attention == "auto" and name not in registry.entries["attention"]:
-                reasons.append(f"{name}: not installed")
-                continue
             try:
                 backend = registry.create("attention", name, self.config, options=self.config.attention_options)
             except ImportError as e:
                 reasons.append(f"{name}: {e}")
-                if self.config.attention != "auto":
+                if not auto:
                     raise PluginError(f"attention backend {name!r} cannot be used: {e}") from e
                 continue
             problems = backend.validate(self.device, self.dtype, self.block_size, head_dim, self.kv_cache_dtype)
@@ -150,6 +150,16 @@ class ModelRunner:
             f"kv_cache_dtype={self.kv_cache_dtype}, block size={self.block_size}, head_dim={head_dim}: "
             + " | ".join(reasons)
         )
+
+    def _auto_attention_order(self, registry: PluginRegistry) -> list[str]:
+        """The backends attention=auto tries on this device, highest auto_priority first (see
+        AttentionBackend); ties in name order."""
+        device = self.device.type
+        priorities = {
+            name: getattr(entry.factory, "auto_priority", {}) for name, entry in registry.entries["attention"].items()
+        }
+        candidates = [name for name, priority in priorities.items() if device in priority]
+        return sorted(candidates, key=lambda name: (-priorities[name][device], name))
 
     @staticmethod
     def _model_for(registry: PluginRegistry, hf_config) -> str:
@@ -232,10 +242,6 @@ class ModelRunner:
         self.launch(ScheduledBatch(requests, lengths, tables), list(cache.unbind(0))).tokens()
         torch.cuda.synchronize(self.device)
         return cache
-
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Runs one step; returns each sequence's sampled token, None where it does not sample."""
-        return self.launch(batch).tokens()
 
     @torch.inference_mode()
     def launch(

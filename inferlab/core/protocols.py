@@ -148,6 +148,8 @@ class AttentionBackend(Protocol):
     """Paged attention: declares its KV layout and constraints, builds per-batch metadata and
     computes attention for prefill (cached prefix, chunks) and decode.
 
+    name: the name it registers under, which users select (`attention=name`).
+
     supports_cuda_graphs: when True, the runner captures decode steps in CUDA graphs. It then calls
     build_metadata and forward inside the capture, with AttentionInputs whose tensors are static
     buffers sized for the graph's batch (padding rows: seq_lens 0, slot_mapping -1, which must
@@ -155,14 +157,17 @@ class AttentionBackend(Protocol):
     then do device work only (no host sync, no shapes read from tensor values). When False,
     decode runs eagerly.
 
-    Optional: a backend whose cache holds K and V as contiguous [num_blocks, block_size, Hkv, D]
-    arrays may define kv_store_target(kv_cache, metadata) -> (k_cache, v_cache, slot_mapping).
-    A model may then write each new token's k and v into slot slot_mapping[t] itself (-1: none;
-    e.g. from a kernel it runs anyway), converted to the cache's dtype as
-    inferlab.core.kv_cache_dtype.to_cache_dtype does, and call forward with k = v = None."""
+    auto_priority: where `attention=auto` may choose this backend, a class attribute of its factory
+    mapping a device type ("cuda", "cpu") to a priority. On a device auto tries the backends that
+    name its type, highest priority first, and takes the first that builds and validates; a
+    backend whose auto_priority lacks the device type is never chosen there by auto (`{}`: only
+    when selected by name).
+
+    A backend may also implement FusedKVStore, so that a model stores the new K and V itself."""
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
+    auto_priority: ClassVar[dict[str, int]]
 
     @classmethod
     def validate(
@@ -182,8 +187,21 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, scale: float
     ) -> torch.Tensor:
         """Stores k, v [T, Hkv, D] into kv_cache (unless both are None: the model stored them, see
-        kv_store_target) and returns attention of q [T, H, D] over each sequence's cached context
+        FusedKVStore) and returns attention of q [T, H, D] over each sequence's cached context
         plus its new tokens, causally: [T, H, D]."""
+
+
+@runtime_checkable
+class FusedKVStore(Protocol):
+    """Optional for an AttentionBackend whose cache holds K and V as contiguous
+    [num_blocks, block_size, Hkv, D] arrays: a model may then write each new token's k and v into
+    slot slot_mapping[t] itself (-1: none; e.g. from a kernel it runs anyway), converted to the
+    cache's dtype as inferlab.core.kv_cache_dtype.to_cache_dtype does, and call the backend's
+    forward with k = v = None. Checked with isinstance(backend, FusedKVStore)."""
+
+    def kv_store_target(self, kv_cache: torch.Tensor, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache, slot_mapping) of one layer's cache for the step that metadata
+        describes (build_metadata's result)."""
 
 
 @runtime_checkable

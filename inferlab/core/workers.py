@@ -297,10 +297,11 @@ def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
         log.warning("aborting the NCCL communicator failed: %s", e)
 
 
-class TensorParallelRunner(ModelRunner):
-    """Rank 0's ModelRunner, which also drives ranks 1..N-1 in worker processes. The engine uses it
-    like a ModelRunner; close() (or the engine's) stops the workers. After a failure or close() it
-    refuses to run steps: its ranks may be out of step."""
+class TensorParallelRunner:
+    """Rank 0's runner: holds rank 0's ModelRunner (model_runner) and drives ranks 1..N-1 in
+    worker processes. The engine uses it as it uses a ModelRunner (launch, and the settings it
+    copies from rank 0's); close() (or the engine's) stops the workers. After a failure or close()
+    it refuses to run steps: its ranks may be out of step."""
 
     def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry):
         size = config.tensor_parallel_size
@@ -320,13 +321,18 @@ class TensorParallelRunner(ModelRunner):
         # port 0: the OS picks a free one, so engines started side by side never collide
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         self.closed_because: str | None = None
-        self.starting = True
         self.workers = Workers(config, hf_config, model_path, registry, backend, self.store.port)
         try:
             self.workers.receive("started")
             self.group = self._join_group(backend, size)
             self.workers.groups.append(self.group)
-            super().__init__(config, hf_config, model_path, registry, TPGroup(0, size, self.group))
+            # every rank builds its runner (and runs its warm-up) by itself, in step with the others
+            self.model_runner = ModelRunner(config, hf_config, model_path, registry, TPGroup(0, size, self.group))
+            # what the engine and the bench read of a runner: rank 0's
+            runner = self.model_runner
+            self.device, self.dtype, self.kv_cache_dtype = runner.device, runner.dtype, runner.kv_cache_dtype
+            self.block_size, self.num_kv_blocks = runner.block_size, runner.num_kv_blocks
+            self.backend, self.decode_graphs = runner.backend, runner.decode_graphs
             if self.decode_graphs is not None:
                 self.workers.decode_graphs.append(self.decode_graphs)
             counts = self.workers.receive("ready")
@@ -334,7 +340,6 @@ class TensorParallelRunner(ModelRunner):
                 raise RuntimeError(f"the ranks hold different numbers of KV blocks: {[self.num_kv_blocks, *counts]}")
         except BaseException as e:
             self._fail(e, "its start-up failed")
-        self.starting = False
         if backend == "nccl":
             self.workers.start_watchdog(self.group)
         log.info("tensor parallelism: %d ranks over %s, workers %s", size, backend, self.workers.pids)
@@ -365,18 +370,14 @@ class TensorParallelRunner(ModelRunner):
             raise box["error"]
         return box["group"]
 
-    def launch(
-        self, batch: ScheduledBatch, kv_caches: list[torch.Tensor] | None = None, step: StepInputs | None = None
-    ) -> "TensorParallelStep":
+    def launch(self, batch: ScheduledBatch) -> "TensorParallelStep":
         """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched."""
-        if self.starting:  # the warm-up inside ModelRunner.__init__, which every rank runs for itself
-            return super().launch(batch, kv_caches, step)
         if self.closed_because:
             raise TensorParallelError(f"this tensor-parallel engine is shut down: {self.closed_because}")
         try:
-            step = step if step is not None else self.prepare_inputs(batch)
+            step = self.model_runner.prepare_inputs(batch)
             self.workers.send(step)
-            handle = super().launch(batch, kv_caches, step)
+            handle = self.model_runner.launch(batch, step=step)
             self.workers.receive("ack")
         except BaseException as e:
             self._fail(e, f"a step raised {type(e).__name__}")
@@ -501,8 +502,8 @@ def worker_main(
         )
         conn.send_bytes(pickle.dumps(("ready", runner.num_kv_blocks)))
         # This process lives for one engine: its start-up objects are frozen for good, so a full
-        # garbage collection in the step loop (a pause every rank would wait for) walks only
-        # what came after (BENCHMARKS.md item 85)
+        # garbage collection in the step loop (a pause every rank would wait for; one such pause
+        # took 245 ms of a bench run on an H200) walks only what came after
         gc.collect()
         gc.freeze()
         while (payload := conn.recv_bytes()) != STOP:

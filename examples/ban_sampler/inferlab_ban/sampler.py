@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inferlab.core.hookspecs import hookimpl
-from inferlab.plugins.samplers.default import DefaultSampler
+from inferlab.plugins.samplers.default_sampler import DefaultSampler
 
 
 @dataclass

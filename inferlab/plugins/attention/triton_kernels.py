@@ -1,4 +1,6 @@
-"""Triton kernels over the paged KV cache, shared by the triton and flash_attn backends.
+"""The triton attention backend's kernels over the paged KV cache: a causal varlen prefill that
+reads the cached prefix through the block tables and a split-context decode (the K/V store they
+read from is inferlab.kernels.kv_store).
 
 Cache layout (one layer): [2, num_blocks, block_size, num_kv_heads, head_dim], K then V, in the
 model's dtype or float8_e4m3fn (inferlab.core.kv_cache_dtype; read back in q's dtype). Token j of
@@ -6,7 +8,7 @@ a sequence lives in slot block_table[j // block_size] * block_size + j % block_s
 gather block ids per token, so any power-of-two block size works with any tile size.
 
 Triton decides at import whether kernels are compiled or interpreted (TRITON_INTERPRET=1, the only
-way they run on CPU), so this module is imported only when a Triton-based backend is built.
+way they run on CPU), so this module is imported only when the triton backend is built.
 """
 
 import functools
@@ -15,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
-from inferlab.plugins.cache_store import cache_value
-from inferlab.plugins.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
+from inferlab.kernels import pdl
+from inferlab.kernels.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
 
 # Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
 MIN_DOT_ROWS = 16
@@ -36,61 +37,6 @@ DECODE_RUNTIME_INTS = [
     "lse_stride_head",
 ]
 REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    k_stride_token,
-    v_stride_token,
-    cache_stride_slot,
-    ROW: tl.constexpr,
-    ROW_POW2: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.wait_for_inputs(PDL)
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
-    if slot < 0:  # a padding row of a CUDA-graph batch: nothing to store
-        return
-    offsets = tl.arange(0, ROW_POW2)
-    mask = offsets < ROW
-    k = tl.load(k_ptr + token * k_stride_token + offsets, mask=mask)
-    v = tl.load(v_ptr + token * v_stride_token + offsets, mask=mask)
-    tl.store(k_cache_ptr + slot * cache_stride_slot + offsets, cache_value(k, k_cache_ptr), mask=mask)
-    tl.store(v_cache_ptr + slot * cache_stride_slot + offsets, cache_value(v, v_cache_ptr), mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Writes k, v [T, Hkv, D] into kv_cache at slot_mapping [T] (int64; -1 skips the token)."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    k, v = _rows_contiguous(k), _rows_contiguous(v)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    row = num_kv_heads * head_dim
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        k_cache.stride(1),
-        ROW=row,
-        ROW_POW2=triton.next_power_of_2(row),
-        **pdl.launch_options(k.device),
-    )
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """x [T, Hkv, D] with each token's Hkv * D values contiguous (a split of a fused QKV is)."""
-    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-        return x
-    return x.contiguous()
 
 
 @triton.jit

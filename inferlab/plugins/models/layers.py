@@ -34,7 +34,7 @@ def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; the output stays sharded.
 
-    After use_triton_gemm(n), batches of up to n tokens go through split_k_kernel.linear instead
+    After use_triton_gemm(n), batches of up to n tokens go through inferlab.kernels.split_k_gemm.linear instead
     of cuBLAS."""
 
     triton_tokens = 0
@@ -52,11 +52,11 @@ class ColumnParallelLinear(nn.Module):
         weight and there is no bias. Whether it will."""
         if max_tokens <= 0 or self.bias is not None:
             return False
-        from inferlab.plugins.models import split_k_kernel
+        from inferlab.kernels import split_k_gemm
 
-        if split_k_kernel.wide_plan(*self.weight.shape) is None:
+        if split_k_gemm.wide_plan(*self.weight.shape) is None:
             return False
-        self.triton_tokens, self._triton_linear = max_tokens, split_k_kernel.linear
+        self.triton_tokens, self._triton_linear = max_tokens, split_k_gemm.linear
         return True
 
     def forward(self, x):
@@ -127,7 +127,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced.
 
     After return_partials(n), batches of up to n tokens get float32 split-K partials [S, T, out]
-    instead of y (split_k_kernel.py), for a next kernel that sums them as it reads them."""
+    instead of y (inferlab.kernels.split_k_gemm), for a next kernel that sums them as it reads them."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
         super().__init__()
@@ -143,11 +143,11 @@ class RowParallelLinear(nn.Module):
         (no all-reduce), no bias. Whether it will."""
         if max_tokens <= 0 or self.tp.size > 1 or self.bias is not None:
             return False
-        from inferlab.plugins.models import split_k_kernel
+        from inferlab.kernels import split_k_gemm
 
-        if any(split_k_kernel.plan(*self.weight.shape, tokens) is None for tokens in {1, max_tokens}):
+        if any(split_k_gemm.plan(*self.weight.shape, tokens) is None for tokens in {1, max_tokens}):
             return False
-        self.partials_tokens, self._split_k = max_tokens, split_k_kernel.linear_partials
+        self.partials_tokens, self._split_k = max_tokens, split_k_gemm.linear_partials
         return True
 
     def forward(self, x):
@@ -236,7 +236,7 @@ def add_rms_norm(x, residual, weight, eps: float):
 class RMSNorm(nn.Module):
     """RMSNorm in float32; with `residual` it first adds it and returns the new residual too.
     fused=True runs it through torch.compile (for CUDA); kernels, a (rms_norm, add_rms_norm) pair
-    with these functions' signatures (rms_norm_kernel.py), replaces both."""
+    with these functions' signatures (inferlab.kernels.rms_norm), replaces both."""
 
     def __init__(self, size: int, eps: float, fused: bool = False, per_head: bool = False, kernels=None):
         super().__init__()

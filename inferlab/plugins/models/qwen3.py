@@ -15,6 +15,7 @@ from torch import nn
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import SINGLE, TPGroup
+from inferlab.core.protocols import FusedKVStore
 from inferlab.plugins.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -37,9 +38,9 @@ class CheckpointError(ValueError):
 class ModelKernels(NamedTuple):
     """The Triton kernels the model runs in place of its torch code (Qwen3Options.triton_kernels)."""
 
-    qk_norm_rope: Callable  # q/k per-head RMSNorm + rotary (+ the K/V store): qk_norm_rope_kernel.py
-    silu_and_mul: Callable  # silu_mul_kernel.py
-    rms_norm: Callable  # these two: rms_norm_kernel.py
+    qk_norm_rope: Callable  # q/k per-head RMSNorm + rotary (+ the K/V store): kernels/qk_norm_rope.py
+    silu_and_mul: Callable  # kernels/silu_mul.py
+    rms_norm: Callable  # these two: kernels/rms_norm.py
     add_rms_norm: Callable
 
     @property
@@ -69,7 +70,7 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, fused, per_head=True)
         self.scale = head_dim**-0.5
         self.qk_norm_rope = qk_norm_rope
-        self.kv_store_target = getattr(backend, "kv_store_target", None)  # optional, see AttentionBackend
+        self.kv_store_target = backend.kv_store_target if isinstance(backend, FusedKVStore) else None
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         qkv = self.qkv_proj(hidden)
@@ -171,14 +172,14 @@ class Qwen3Options:
     torch_compile: bool | None = None
     triton_kernels: bool | None = None
     # Batches of at most this many tokens run o_proj and down_proj as split-K Triton GEMMs whose
-    # partial sums the next RMSNorm kernel adds up (split_k_kernel.py), on one GPU, with the Triton
-    # kernels, where the projection is narrow enough to gain. 0: cuBLAS always. 256 (every decode
-    # step of the bench) measured 3.3% faster than 0 and 64 about 1.5% (BENCHMARKS.md item 33).
+    # partial sums the next RMSNorm kernel adds up (kernels/split_k_gemm.py), on one GPU, with the
+    # Triton kernels, where the projection is narrow enough to gain. 0: cuBLAS always. On an H200
+    # the bench ran 3.3% faster with 256 (every decode step) than with 0, and 1.5% with 64.
     split_k_tokens: int = 256
     # Batches of at most this many tokens run qkv_proj and gate_up_proj through our Triton GEMM
-    # (split_k_kernel.linear, launched with PDL) instead of cuBLAS, with the Triton kernels. 0: never.
-    # 64 made the decoder stack 1.8% faster at 30 and 63 sequences and the bench 0.4%, within its
-    # noise; 128 was 1.8% slower at 126 (BENCHMARKS.md item 38).
+    # (kernels/split_k_gemm.py's linear, launched with PDL) instead of cuBLAS, with the Triton
+    # kernels. 0: never. On an H200 64 made the decoder stack 1.8% faster at 30 and 63 sequences
+    # and the bench 0.4%, within its noise; 128 was 1.8% slower at 126.
     triton_gemm_tokens: int = 64
 
 
@@ -269,7 +270,7 @@ class Qwen3ForCausalLM(nn.Module):
             raise CheckpointError(f"checkpoint {path!r} has tensors the model does not know: {sorted(unexpected)[:20]}")
         missing = []
         for name, module in self.named_modules():
-            for suffix, param in module.named_parameters(recurse=False):
+            for suffix, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{suffix}"
                 if full == "lm_head.weight" and self.tie_word_embeddings:
                     continue
@@ -296,13 +297,13 @@ def _triton_kernels(config, on_cuda: bool, asked: bool | None) -> ModelKernels |
         problem = f"triton_kernels needs a power-of-two head_dim >= 16, got {head_dim}"
     else:
         try:
-            from inferlab.plugins.models import rms_norm_kernel
-            from inferlab.plugins.models.qk_norm_rope_kernel import qk_norm_rope
-            from inferlab.plugins.models.silu_mul_kernel import silu_and_mul as silu_mul_kernel
+            from inferlab.kernels import rms_norm
+            from inferlab.kernels.qk_norm_rope import qk_norm_rope
+            from inferlab.kernels.silu_mul import silu_and_mul as silu_mul_kernel
         except ImportError as e:
             problem = f"triton_kernels needs Triton, which does not import: {e}"
     if problem is None:
-        return ModelKernels(qk_norm_rope, silu_mul_kernel, rms_norm_kernel.rms_norm, rms_norm_kernel.add_rms_norm)
+        return ModelKernels(qk_norm_rope, silu_mul_kernel, rms_norm.rms_norm, rms_norm.add_rms_norm)
     if asked:
         raise ValueError(f"{problem}; set model_options.triton_kernels=false")
     log.info("qwen3: %s; using the torch code for the norms, rotary and SiLU*mul", problem)

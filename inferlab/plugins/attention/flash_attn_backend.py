@@ -1,7 +1,10 @@
-"""Attention with FlashAttention 2 over the paged cache: inferlab's Triton kernel stores new K/V,
-flash_attn_varlen_func with block tables computes prefill (cached prefixes, chunks) and
-flash_attn_with_kvcache computes decode. flash-attn is imported only when this backend is built."""
+"""Attention with FlashAttention 2 over the paged cache: inferlab's Triton K/V store kernel (or,
+where Triton does not import, a torch store) writes new K/V, flash_attn_varlen_func with block
+tables computes prefill (cached prefixes, chunks) and flash_attn_with_kvcache computes decode.
+flash-attn is imported only when this backend is built."""
 
+import importlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -9,24 +12,45 @@ import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
-from inferlab.plugins.attention.triton_attention import TritonAttention, import_kernels, kernel_mode_problems
+from inferlab.core.kv_cache_dtype import to_cache_dtype
+
+log = logging.getLogger("inferlab")
 
 # flash-attn's paged KV path rejects other block sizes ("must be divisible by 256")
 PAGED_BLOCK_MULTIPLE = 256
 
 
+def import_triton_kv_store():
+    """inferlab's Triton K/V store module, or the ImportError that says why Triton does not import
+    (Triton fixes interpreter mode at import, so it is imported when the backend is built)."""
+    try:
+        return importlib.import_module("inferlab.kernels.kv_store")
+    except ImportError as e:
+        return e
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The K/V store in torch, for where Triton does not import: k, v [T, Hkv, D] into their slots.
+    Every slot must be real (>= 0): only CUDA graphs' padding rows have none, and without Triton
+    the runner captures no graphs (their input kernel is a Triton kernel too)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = to_cache_dtype(k, kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = to_cache_dtype(v, kv_cache.dtype)
+
+
 @dataclass(slots=True)
-class FlashAttentionMetadata:
+class FlashAttnMetadata:
     inputs: AttentionInputs
     cu_seqlens_k: torch.Tensor | None  # int32 [B+1]: prefix sums of seq_lens; None for decode
 
 
-class FlashAttention:
+class FlashAttnBackend:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
     torch backend's; K and V are each the [num_blocks, block_size, Hkv, D] tensor flash-attn pages."""
 
     name = "flash_attn"
     supports_cuda_graphs = True
+    auto_priority = {"cuda": 20}  # after triton, before torch
 
     def __init__(self, config=None, **options):
         if options:
@@ -40,7 +64,12 @@ class FlashAttention:
             ) from e
         self.varlen_func = flash_attn_varlen_func
         self.with_kvcache = flash_attn_with_kvcache
-        self.kernels = import_kernels(self.name)
+        kv_store = import_triton_kv_store()
+        if isinstance(kv_store, ImportError):
+            log.info("flash_attn: Triton does not import (%s); new K/V are stored with torch", kv_store)
+            self.store_kv = store_kv_torch
+        else:
+            self.store_kv = kv_store.store_kv
 
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
@@ -52,11 +81,10 @@ class FlashAttention:
             )
         if device.type != "cuda":
             reasons.append(f"flash-attn runs on CUDA devices only, got {device.type!r}")
-        else:
-            try:
-                reasons += kernel_mode_problems(import_kernels(cls.name), device)
-            except ImportError as e:
-                reasons.append(str(e))
+        elif not isinstance(import_triton_kv_store(), ImportError):  # without Triton a torch store serves
+            from inferlab.kernels.pdl import kernel_mode_problems
+
+            reasons += kernel_mode_problems(device)
         if dtype not in (torch.float16, torch.bfloat16):
             reasons.append(f"flash-attn needs dtype float16 or bfloat16, got {dtype}")
         if block_size % PAGED_BLOCK_MULTIPLE:
@@ -71,18 +99,20 @@ class FlashAttention:
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    kv_store_target = TritonAttention.kv_store_target  # the same cache layout and slot_mapping
+    def kv_store_target(self, kv_cache, metadata: FlashAttnMetadata):
+        # K and V are contiguous halves of the cache, so a model's kernel may store into them
+        return kv_cache[0], kv_cache[1], metadata.inputs.slot_mapping
 
-    def build_metadata(self, inputs: AttentionInputs) -> FlashAttentionMetadata:
+    def build_metadata(self, inputs: AttentionInputs) -> FlashAttnMetadata:
         if inputs.is_decode:  # flash_attn_with_kvcache takes seq_lens itself
-            return FlashAttentionMetadata(inputs, None)
+            return FlashAttnMetadata(inputs, None)
         cu_seqlens_k = F.pad(torch.cumsum(inputs.seq_lens, 0, dtype=torch.int32), (1, 0))
-        return FlashAttentionMetadata(inputs, cu_seqlens_k)
+        return FlashAttnMetadata(inputs, cu_seqlens_k)
 
-    def forward(self, q, k, v, kv_cache, metadata: FlashAttentionMetadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata: FlashAttnMetadata, scale):
         inputs = metadata.inputs
         if k is not None:
-            self.kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
+            self.store_kv(k, v, kv_cache, inputs.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if inputs.is_decode:
             out = self.with_kvcache(
@@ -112,4 +142,4 @@ class FlashAttention:
 
 @hookimpl
 def register_attention_backends(register):
-    register("flash_attn", FlashAttention)
+    register("flash_attn", FlashAttnBackend)

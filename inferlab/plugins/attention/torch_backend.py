@@ -12,18 +12,19 @@ from inferlab.core.kv_cache_dtype import kv_cache_dtype_problems, to_cache_dtype
 
 
 @dataclass(slots=True)
-class TorchAttentionMetadata:
+class TorchMetadata:
     inputs: AttentionInputs
     token_seq: torch.Tensor  # int64 [T]: which sequence each new token belongs to
     token_row: torch.Tensor  # int64 [T]: its row within that sequence's padded queries
     mask: torch.Tensor  # bool [B, 1, max_q, max_k]: causal over cached + new tokens, no padding
 
 
-class TorchAttention:
+class TorchBackend:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)."""
 
     name = "torch"
     supports_cuda_graphs = False  # build_metadata reads token counts back to the host
+    auto_priority = {"cuda": 10, "cpu": 10}  # the fallback on CUDA; the choice on CPU, where Triton only interprets
 
     def __init__(self, config=None, **options):
         if options:
@@ -39,7 +40,7 @@ class TorchAttention:
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def build_metadata(self, inputs: AttentionInputs) -> TorchAttentionMetadata:
+    def build_metadata(self, inputs: AttentionInputs) -> TorchMetadata:
         device = inputs.seq_lens.device
         starts = inputs.query_start_loc.long()
         query_lens = starts[1:] - starts[:-1]
@@ -55,9 +56,9 @@ class TorchAttention:
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
         # padded query rows attend to key 0 so their (discarded) softmax stays finite
         mask[:, :, 0] = True
-        return TorchAttentionMetadata(inputs, token_seq, token_row, mask.unsqueeze(1))
+        return TorchMetadata(inputs, token_seq, token_row, mask.unsqueeze(1))
 
-    def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata: TorchMetadata, scale):
         inputs = metadata.inputs
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
@@ -82,4 +83,4 @@ class TorchAttention:
 
 @hookimpl
 def register_attention_backends(register):
-    register("torch", TorchAttention)
+    register("torch", TorchBackend)

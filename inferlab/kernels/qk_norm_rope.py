@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
-from inferlab.plugins.cache_store import cache_value
+from inferlab.kernels import pdl
+from inferlab.kernels.kv_store import cache_value
 
 
 @triton.jit

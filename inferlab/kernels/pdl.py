@@ -10,11 +10,13 @@ for its predecessor to finish before it finishes) a kernel also sees everything 
 the stream. The kernel then lets its own successor launch.
 
 Measured on an H200 (scripts/microbench_launch.py): 280 RMSNorm kernels in a row take 1.63 µs a
-kernel with PDL against 1.94 µs without at 256 tokens; the bench's steady runs are 0.6% faster
-(BENCHMARKS.md, session 4).
+kernel with PDL against 1.94 µs without at 256 tokens; the bench's steady runs are 0.6% faster.
 
 On by default where it works: CUDA, compute capability 9.0 or more, compiled (not interpreted)
-Triton. INFERLAB_PDL=0 turns it off, for ablations."""
+Triton. INFERLAB_PDL=0 turns it off, for ablations.
+
+Triton fixes at import whether our kernels run compiled or interpreted; INTERPRETED and
+kernel_mode_problems say which, for every kernel module."""
 
 import functools
 import os
@@ -27,6 +29,23 @@ import triton.language as tl
 # CPU). Triton decides that when a kernel is decorated, so this is read once, at import, as Triton
 # reads it; the kernel modules import it from here.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_mode_problems(device: torch.device) -> list[str]:
+    """Why inferlab's Triton kernels, as imported, cannot run on device (compiled vs interpreted)."""
+    if device.type == "cpu" and not INTERPRETED:
+        return [
+            "on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before inferlab's Triton kernels are first imported"
+        ]
+    if device.type == "cuda" and INTERPRETED:
+        return [
+            "TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
+            "interpreter; unset it to run them on CUDA"
+        ]
+    if device.type not in ("cpu", "cuda"):
+        return [f"runs on cuda (or cpu in Triton's interpreter), got device {device.type!r}"]
+    return []
 
 
 @functools.cache

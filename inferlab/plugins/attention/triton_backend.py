@@ -1,9 +1,9 @@
-"""Attention with inferlab's own Triton kernels over the paged cache: a store kernel, a causal varlen
-prefill that reads the cached prefix through the block tables, and a split-context (flash-decoding)
-decode that serves all query heads of a KV head at once. Needs no flash-attn; on CPU it runs under
-TRITON_INTERPRET=1 (slowly: for tests)."""
+"""Attention with inferlab's own Triton kernels over the paged cache: the shared K/V store
+(inferlab.kernels.kv_store), and this backend's causal varlen prefill that reads the cached prefix
+through the block tables and split-context (flash-decoding) decode that serves all query heads of a
+KV head at once (triton_kernels.py). Needs no flash-attn; on CPU it runs under TRITON_INTERPRET=1
+(slowly: for tests)."""
 
-import importlib
 from dataclasses import dataclass
 
 import torch
@@ -12,52 +12,38 @@ from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import FP8, kv_cache_dtype_problems
 
-KERNELS = "inferlab.plugins.attention.triton_kernels"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
 
 
-def import_kernels(backend: str):
-    """The Triton kernel module, imported on first use (Triton fixes interpreter mode at import)."""
+def import_kernels():
+    """The backend's Triton kernels and the K/V store, imported on first use (Triton fixes
+    interpreter mode at import)."""
     try:
-        return importlib.import_module(KERNELS)
+        from inferlab.kernels import kv_store
+        from inferlab.plugins.attention import triton_kernels
     except ImportError as e:
         raise ImportError(
-            f"the {backend} attention backend needs Triton, which does not import: {e}; "
+            f"the triton attention backend needs Triton, which does not import: {e}; "
             "install it with pip install 'inferlab[triton]'"
         ) from e
-
-
-def kernel_mode_problems(kernels, device: torch.device) -> list[str]:
-    """Why the kernels, as imported, cannot run on device (compiled vs interpreted)."""
-    if device.type == "cpu" and not kernels.INTERPRETED:
-        return [
-            "on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before inferlab's Triton kernels are first imported"
-        ]
-    if device.type == "cuda" and kernels.INTERPRETED:
-        return [
-            "TRITON_INTERPRET=1 was set when the Triton kernels were imported, so they would run in the "
-            "interpreter; unset it to run them on CUDA"
-        ]
-    if device.type not in ("cpu", "cuda"):
-        return [f"runs on cuda (or cpu in Triton's interpreter), got device {device.type!r}"]
-    return []
+    return triton_kernels, kv_store
 
 
 @dataclass
-class TritonAttentionOptions:
+class TritonOptions:
     """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
-    Tile sizes left at None take 32 tokens x 32 keys (prefill; BENCHMARKS.md item 55) and 128 keys
-    (decode), or 16 in Triton's interpreter; min_split_len None takes 256 (16 in the interpreter)."""
+    Tile sizes left at None take 32 tokens x 32 keys (prefill: 9-12% faster than 64 x 64 on a
+    bench prefill chunk on an H200) and 128 keys (decode), or 16 in Triton's interpreter;
+    min_split_len None takes 256 (16 in the interpreter)."""
 
     block_m: int | None = None
     block_n: int | None = None
     decode_block_n: int | None = None
     min_split_len: int | None = None
-    # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200
-    # (BENCHMARKS.md): 128-key tiles, 3 stages and 4 warps were the best of 60 configurations; with
-    # the sequence-major grid and longest-first order, 8 programs per SM reach 95% of the K/V floor.
+    # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200:
+    # 128-key tiles, 3 stages and 4 warps were the fastest of 60 configurations; with the
+    # sequence-major grid and longest-first order, 8 programs per SM reach 95% of the K/V floor.
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     decode_programs_per_sm: int = 8
@@ -67,7 +53,7 @@ class TritonAttentionOptions:
 
 
 @dataclass(slots=True)
-class TritonAttentionMetadata:
+class TritonMetadata:
     inputs: AttentionInputs
     # Decode plan and scratch, made by the first layer's forward and reused by the others.
     num_splits: int = 0
@@ -76,16 +62,20 @@ class TritonAttentionMetadata:
     seq_order: torch.Tensor | None = None  # int32 [B], the order decode programs start in
 
 
-class TritonAttention:
+class TritonBackend:
     """K/V cache layout: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), as the
     torch backend's, in the model's dtype or fp8 (engine kv_cache_dtype). Options
-    (TritonAttentionOptions): prefill tile sizes block_m/block_n; for decode the tile
+    (TritonOptions): prefill tile sizes block_m/block_n; for decode the tile
     decode_block_n, its num_warps and num_stages, min_split_len (the fewest keys one split of a
     sequence takes) and decode_programs_per_sm (how many programs the split plan
     aims to give each multiprocessor), decode_order (which sequences' programs start first)."""
 
     name = "triton"
     supports_cuda_graphs = True
+    # First on CUDA: over the bench workload's decode batches on an H200 its decode reads K/V at 95%
+    # of the memory bandwidth where flash-attn's reaches 82%. Never auto on CPU, where Triton runs
+    # only in its interpreter.
+    auto_priority = {"cuda": 30}
 
     def __init__(
         self,
@@ -95,12 +85,13 @@ class TritonAttention:
         block_n: int | None = None,
         decode_block_n: int | None = None,
         min_split_len: int | None = None,
-        decode_num_warps: int = TritonAttentionOptions.decode_num_warps,
-        decode_num_stages: int = TritonAttentionOptions.decode_num_stages,
-        decode_programs_per_sm: int = TritonAttentionOptions.decode_programs_per_sm,
-        decode_order: str = TritonAttentionOptions.decode_order,
+        decode_num_warps: int = TritonOptions.decode_num_warps,
+        decode_num_stages: int = TritonOptions.decode_num_stages,
+        decode_programs_per_sm: int = TritonOptions.decode_programs_per_sm,
+        decode_order: str = TritonOptions.decode_order,
     ):
-        self.kernels = import_kernels(self.name)
+        self.kernels, kv_store = import_kernels()
+        self.store_kv = kv_store.store_kv
         # Small tiles in the interpreter, so tiny test shapes still span several tiles and splits.
         small = self.kernels.INTERPRETED
         self.block_m = block_m or (16 if small else 32)
@@ -127,10 +118,12 @@ class TritonAttention:
     @classmethod
     def validate(cls, device, dtype, block_size, head_dim, kv_cache_dtype) -> list[str]:
         try:
-            kernels = import_kernels(cls.name)
+            kernels, _ = import_kernels()
         except ImportError as e:
             return [str(e)]
-        reasons = kernel_mode_problems(kernels, device)
+        from inferlab.kernels.pdl import kernel_mode_problems  # Triton imports: it just did
+
+        reasons = kernel_mode_problems(device)
         if dtype not in DTYPES:
             reasons.append(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
         reasons += kv_cache_dtype_problems(dtype, kv_cache_dtype)
@@ -147,20 +140,20 @@ class TritonAttention:
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def kv_store_target(self, kv_cache, metadata):
+    def kv_store_target(self, kv_cache, metadata: TritonMetadata):
         # K and V are contiguous halves of the cache, so a model's kernel may store into them
         return kv_cache[0], kv_cache[1], metadata.inputs.slot_mapping
 
-    def build_metadata(self, inputs: AttentionInputs) -> TritonAttentionMetadata:
+    def build_metadata(self, inputs: AttentionInputs) -> TritonMetadata:
         # Nothing to compute on the device: the kernels read the runner's tensors directly, which
         # is what lets a CUDA graph replay them from static buffers.
-        return TritonAttentionMetadata(inputs)
+        return TritonMetadata(inputs)
 
-    def forward(self, q, k, v, kv_cache, metadata: TritonAttentionMetadata, scale):
+    def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, scale):
         inputs = metadata.inputs
         kernels = self.kernels
         if k is not None:
-            kernels.store_kv(k, v, kv_cache, inputs.slot_mapping)
+            self.store_kv(k, v, kv_cache, inputs.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
@@ -209,4 +202,4 @@ class TritonAttention:
 
 @hookimpl
 def register_attention_backends(register):
-    register("triton", TritonAttention, options=TritonAttentionOptions)
+    register("triton", TritonBackend, options=TritonOptions)

@@ -9,7 +9,7 @@ The rounding follows layers.rms_norm and layers.add_rms_norm: the sum x + residu
 float32 for the norm and rounded to the model dtype as the new residual; the normalized values are
 rounded to the model dtype before the weight multiplies them.
 
-x may also be a projection's float32 split-K partials [S, T, hidden] (split_k_kernel.py): the
+x may also be a projection's float32 split-K partials [S, T, hidden] (split_k_gemm.py): the
 kernel adds them up as it loads the row, so the split needs no reduction kernel of its own.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.kernels import pdl
 
 
 @triton.jit

@@ -14,7 +14,7 @@ LOG2E = 1.4426950408889634
 def row_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """A uniform in [0, 1) per row from a 32-bit integer hash of (seed, step), 24 bits of it (exact
     in float32): the same seed and step give the same uniform on any device and in any batch
-    (sampling_kernel.row_uniform computes the same)."""
+    (inferlab.kernels.sampling.row_uniform computes the same)."""
     x = (seeds * 0x9E3779B1 + steps * 0x85EBCA77) & MASK32
     # murmur3's finalizer; products wrap in int64 and the mask keeps the low 32 bits
     x = x ^ (x >> 16)
@@ -60,7 +60,7 @@ class DefaultSampler:
             logits = filter_logits(logits.float() * inverse[:, None], params)
             temperatures = sampling.float()  # already scaled; 0 keeps greedy rows greedy
         if logits.is_cuda:
-            from inferlab.plugins.samplers.sampling_kernel import sample_tokens
+            from inferlab.kernels.sampling import sample_tokens
 
             return sample_tokens(logits, temperatures, params.seeds, params.steps)
         return inverse_transform_reference(logits, temperatures, params.seeds, params.steps)
@@ -76,7 +76,7 @@ def relative_mass(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Ten
 def inverse_transform_reference(logits, temperatures, seeds, steps) -> torch.Tensor:
     """Per row, the first token whose cumulative softmax(logits / T) mass (in float64) exceeds
     row_uniform(seed, step) times the total; plain argmax where T == 0. The CUDA kernel
-    (sampling_kernel.sample_tokens) computes the same in float32."""
+    (inferlab.kernels.sampling.sample_tokens) computes the same in float32."""
     sampling = temperatures > 0
     mass = relative_mass(logits, temperatures)
     cumulative = mass.cumsum(dim=-1)

@@ -11,10 +11,10 @@
 
 The Gumbel-max kernel it replaced drew a hashed uniform and took two logarithms an element and
 was bound by arithmetic: 49 against 32 µs for 256 rows of 151,936 on an H200, where reading the
-logits takes 18 (BENCHMARKS.md item 91).
+logits takes 18.
 
-The token depends on float32 sums, so it may differ from the float64 reference
-(default.inverse_transform_reference) where u lands within rounding of a boundary between two
+The token depends on float32 sums, so it may differ from the float64 reference (the default
+sampler's inverse_transform_reference) where u lands within rounding of a boundary between two
 tokens' shares; never on a token of probability zero.
 """
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.kernels import pdl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -38,7 +38,7 @@ def _log2_scale(temperatures_ptr, row):
 @triton.jit
 def row_uniform(seed, step):
     """u in [0, 1) from the low 32 bits of seed and step (murmur3's finalizer), with 24 bits, so
-    every value is exact in float32: default.row_uniform computes the same on the host."""
+    every value is exact in float32: the default sampler's row_uniform computes the same on the host."""
     x = seed.to(tl.uint32) * 0x9E3779B1 + step.to(tl.uint32) * 0x85EBCA77
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B

@@ -6,10 +6,10 @@ only a few dozen column blocks, so a few dozen of the GPU's 132 multiprocessors 
 Splitting K fills the others, but the partial sums then need adding, and a separate reduction
 kernel costs what the split saves (cuBLAS adds one of its own at these sizes). Here each program
 stores its fp32 partial [BLOCK_M, BLOCK_N] tile into partials[split], and the add + RMSNorm kernel
-that reads the projection's output anyway (rms_norm_kernel.py) sums them as it loads.
-Measured on an H200 (BENCHMARKS.md, session 5): with cold weights at 8 to 64 tokens, 4.2-6.0 µs
-for the partials against cuBLAS's 6.0-8.1 µs (item 32); in the model, up to 256 tokens, the
-28-layer decoder stack 1.2% (256 sequences) to 6.6% (30) faster, and the bench 3.3% (item 33).
+that reads the projection's output anyway (rms_norm.py) sums them as it loads.
+Measured on an H200: with cold weights at 8 to 64 tokens, 4.2-6.0 µs for the partials against
+cuBLAS's 6.0-8.1 µs; in the model, up to 256 tokens, the 28-layer decoder stack 1.2% (256
+sequences) to 6.6% (30) faster, and the bench 3.3%.
 
 The sum of the partials is the product in float32, rounded once by the norm kernel, where cuBLAS
 rounds the product to the model dtype before the residual add: both are the projection to within
@@ -18,7 +18,7 @@ one rounding.
 Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of batches of up to
 64 tokens (`linear`): there it gains nothing from its tiling but from its PDL launch, which lets
 it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
-sequences (item 38), and it loses to cuBLAS above 64.
+sequences, and it loses to cuBLAS above 64.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
 from typing import NamedTuple
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.kernels import pdl
 
 
 class SplitKPlan(NamedTuple):
@@ -42,11 +42,12 @@ MIN_COLUMN_BLOCKS = 64
 
 def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
     """The tiling for num_tokens rows against a [n, k] weight, in whole 128-wide K steps: 32 columns
-    and a split of 4 (or 2) for up to 64 rows, 64 columns and a split of 2 above 128 (the best of
-    item 32's sweep at 8, 64 and 256 rows); between them 32 columns and a split of 2, which gives
-    65-128 rows (two row blocks) as many programs as 256 rows get (item 53). None where a split
-    does not pay (n wide enough to fill the GPU with column blocks) or does not divide (then use a
-    plain GEMM)."""
+    and a split of 4 (or 2) for up to 64 rows, 64 columns and a split of 2 above 128 (the fastest
+    of 32/64 columns, 128/256-wide K steps and splits of 1, 2, 4 at 8, 64 and 256 rows on an H200);
+    between them 32 columns and a split of 2, which gives 65-128 rows (two row blocks) as many
+    programs as 256 rows get and made the decoder stack 1.1-1.7% faster at 71-126 sequences. None
+    where a split does not pay (n wide enough to fill the GPU with column blocks) or does not
+    divide (then use a plain GEMM)."""
     if num_tokens <= 64:
         return fit(n, k, 32, (4, 2))
     return fit(n, k, 32 if num_tokens <= 128 else 64, (2,))
@@ -99,8 +100,8 @@ def _split_k_kernel(
 
 def wide_plan(n: int, k: int) -> SplitKPlan | None:
     """The tiling of the same kernel unsplit, for a weight too wide to gain from a split (qkv_proj,
-    gate_up_proj): 32 columns a program up to 4,096 outputs, 64 above, 128-wide K steps (the best
-    of session 4's sweep at 8 and 64 tokens, BENCHMARKS.md item 24). None where they do not divide."""
+    gate_up_proj): 32 columns a program up to 4,096 outputs, 64 above, 128-wide K steps (the
+    fastest tilings at 8 and 64 tokens on an H200). None where they do not divide."""
     block_n = 32 if n <= 4096 else 64
     if n % block_n or k % 128:
         return None

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.plugins import pdl
+from inferlab.kernels import pdl
 
 BLOCK = 1024
 
