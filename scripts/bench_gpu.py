@@ -264,8 +264,8 @@ def run_one(args) -> dict:
         llm.stats.wait_seconds,
     )
     runs, compiles, conditions = [], [], []
-    # what each run ran under, to tell a slow run's cause (BENCHMARKS.md items 28, 84, 85): the engine's
-    # step and wait times, the garbage collector's pauses, the GPU's clocks and throttle reasons
+    # what each run ran under, so a slow run's cause shows (a full garbage collection, a power-capped
+    # clock): the engine's step and wait times, the garbage collector's pauses, the GPU's clocks and throttle reasons
     gc_pauses = GcPauses()
     sampler = GpuSampler(torch.cuda.current_device()) if torch.cuda.is_available() else None
     for _ in range(args.repeats):
