@@ -64,3 +64,35 @@ def test_submitit_local_sweep_then_report(tmp_path):
     assert [line.split()[:2] for line in lines[2:4]] == [["0", "fcfs"], ["1", "lpm"]]
     assert not any("failed" in line for line in lines)
     assert (sweep / "report.csv").is_file() and (sweep / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_documented_slurm_overrides_compose(tmp_path):
+    """docs/experiments.md's submitit_slurm command: one GPU per job, its partition and time limit."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inferlab",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.partition=gpu",
+            "hydra.launcher.gpus_per_node=1",
+            "hydra.launcher.cpus_per_task=8",
+            "hydra.launcher.mem_gb=64",
+            "hydra.launcher.timeout_min=60",
+            "job=bench",
+            "--cfg",
+            "hydra",
+            "--package",
+            "hydra.launcher",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    from omegaconf import OmegaConf
+
+    launcher = OmegaConf.create(proc.stdout)  # the hydra.launcher node alone
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min) == ("gpu", 1, 60)
