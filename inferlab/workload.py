@@ -68,8 +68,9 @@ def bench_problems(bench) -> list[str]:
             + (" (set bench.time_scale to replay a trace faster or slower)" if arrival == "trace" else ""),
         )
     check(
-        arrival == "poisson" and bench.burstiness != 1,
-        f"bench.burstiness={bench.burstiness} applies to arrival=gamma (poisson is gamma with burstiness 1)",
+        arrival in ARRIVALS and arrival != "gamma" and bench.burstiness != 1,
+        f"bench.burstiness={bench.burstiness} applies to arrival=gamma, not {arrival}"
+        + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
     )
     if arrival == "trace":
         check(
@@ -122,8 +123,8 @@ class WorkloadRequest:
     arrival_s: float
     prompt_token_ids: list[int]
     output_len: int  # max_tokens; with ignore_eos, the exact number of output tokens
-    priority: int = 0
-    metadata: dict = field(default_factory=dict)
+    priority: int = 0  # for the engine's scheduler; the workloads here give every request 0
+    metadata: dict = field(default_factory=dict)  # passed to the engine with the request
 
 
 @dataclass

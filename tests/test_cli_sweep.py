@@ -101,7 +101,8 @@ def test_sweep_writes_one_result_per_run(sweep, checkpoint):
         assert result["device"] == "cpu" and result["dtype"] == "float32"
         assert result["torch_version"] and result["inferlab_version"]
         assert "git_commit" in result
-        assert result["triton_interpret"] is False
+        # the sweep ran with this process's environment, where other test modules may set it
+        assert result["triton_interpret"] == (os.environ.get("TRITON_INTERPRET") == "1")
         assert {"distribution": "inferlab", "version": result["inferlab_version"]}.items() <= next(
             p for p in result["plugin_packages"] if p["distribution"] == "inferlab"
         ).items()

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from inferlab.bench import write_latency_outputs
+from inferlab.conf import BenchConfig
 from inferlab.latency import (
     RequestRecord,
     RunRecords,
@@ -18,7 +19,6 @@ from inferlab.latency import (
     latency_figures,
     write_requests_jsonl,
 )
-from inferlab.conf import BenchConfig
 
 
 def hand_made_records() -> list[RequestRecord]:

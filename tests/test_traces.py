@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from inferlab.conf import BenchConfig
 from inferlab.traces import (
     MOONCAKE_BLOCK_SIZE,
     detect_trace_format,
@@ -16,7 +17,6 @@ from inferlab.traces import (
     trace_prompt,
 )
 from inferlab.workload import build_workload
-from inferlab.conf import BenchConfig
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")

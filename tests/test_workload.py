@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from inferlab.conf import BenchConfig, compose
 from inferlab.workload import (
     BenchConfigError,
     arrival_times,
@@ -19,7 +20,6 @@ from inferlab.workload import (
     fit_lengths,
     validate_bench,
 )
-from inferlab.conf import BenchConfig, compose
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")
@@ -125,6 +125,7 @@ BAD_SETTINGS = [
     ([f"bench.trace={MOONCAKE}"], "bench.trace is set but bench.arrival=burst"),
     (["bench.time_scale=0.5"], "bench.time_scale applies to arrival=trace, not burst"),
     (["bench.request_rate=3"], "bench.request_rate applies to arrival=poisson or gamma, not burst"),
+    (["bench.burstiness=0.5"], "bench.burstiness=0.5 applies to arrival=gamma, not burst"),
     (["bench.fit=squeeze"], "bench.fit must be one of clip, scale"),
     (["bench.repeats=0"], "bench.repeats must be >= 1"),
     (["bench.slo_ttft_s=0"], "bench.slo_ttft_s must be a positive number of seconds"),
