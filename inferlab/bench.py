@@ -5,75 +5,30 @@ bench.py: random.seed(0); 256 prompts of randint(100, 1024) token ids randint(0,
 each a max_tokens of randint(100, 1024); temperature 0.6, ignore_eos; one warm-up generate; then
 output tokens / wall time of one generate over all of them. bench.shared_prefix_len and
 bench.num_prefixes put one of a few shared prefixes before each prompt, for prefix-cache ablations.
+
+The workload itself (arrival processes, traces, fitting, validation) is inferlab.workload; the
+latency figures of per-request records, inferlab.latency; a run's Perfetto trace, inferlab.timeline.
 """
 
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
+from importlib import metadata
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
+from inferlab.latency import RunRecords, aggregate_repeats, latency_figures, write_requests_jsonl
+from inferlab.timeline import write_timeline
+from inferlab.workload import bench_workload, build_workload, validate_bench
 
-
-def bench_workload(bench, vocab_size: int, max_model_len: int):
-    """(prompt token ids, SamplingParams) per request, drawn in bench.py's order so that the default
-    settings give bench.py's exact workload. Ids are taken modulo the vocabulary (a no-op for real
-    vocabularies; clipping would make a tiny vocabulary's prompts runs of one token), and each
-    request is cut to fit max_model_len: the prompt first, then max_tokens."""
-    from inferlab.core.sampling_params import SamplingParams
-
-    min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
-    max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
-    problems = [
-        message
-        for bad, message in (
-            (bench.num_seqs < 1, f"bench.num_seqs must be >= 1, got {bench.num_seqs}"),
-            (
-                not 1 <= bench.min_len <= bench.max_len,
-                f"bench needs 1 <= min_len <= max_len, got {bench.min_len}, {bench.max_len}",
-            ),
-            (
-                not 1 <= min_out <= max_out,
-                f"bench needs 1 <= min_output_len <= max_output_len, got {min_out}, {max_out}",
-            ),
-            (bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}"),
-            (bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}"),
-        )
-        if bad
-    ]
-    if problems:
-        raise ValueError("; ".join(problems))
-    rng = random.Random(bench.seed)  # the same stream as bench.py's random.seed(seed) + randint
-    prompts = [
-        [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(rng.randint(bench.min_len, bench.max_len))]
-        for _ in range(bench.num_seqs)
-    ]
-    max_tokens = [rng.randint(min_out, max_out) for _ in range(bench.num_seqs)]
-    if bench.shared_prefix_len:  # drawn after bench.py's numbers, which stay the same
-        prefixes = [
-            [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(bench.shared_prefix_len)]
-            for _ in range(bench.num_prefixes)
-        ]
-        prompts = [prefixes[rng.randrange(bench.num_prefixes)] + prompt for prompt in prompts]
-    token_ids, params = [], []
-    for prompt, num_tokens in zip(prompts, max_tokens):
-        prompt = [t % vocab_size for t in prompt[: max_model_len - 1]]
-        token_ids.append(prompt)
-        params.append(
-            SamplingParams(
-                temperature=bench.temperature,
-                ignore_eos=bench.ignore_eos,
-                max_tokens=min(num_tokens, max_model_len - len(prompt)),
-            )
-        )
-    return token_ids, params
+__all__ = ["bench_workload", "build_workload", "measure", "run_bench", "validate_bench", "write_latency_outputs"]
+TRUE_VALUES = ("1", "true", "yes", "on")  # how Triton reads TRITON_INTERPRET
 
 
 def resolved_plugins(llm) -> dict[str, str]:
@@ -158,7 +113,21 @@ def environment(llm) -> dict:
         "inferlab_version": inferlab.__version__,
         "python_version": platform.python_version(),
         **git_state(),
+        "plugin_packages": plugin_packages(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_VALUES,
     }
+
+
+def plugin_packages() -> list[dict]:
+    """The installed distributions that register inferlab plugins (entry points of group "inferlab"),
+    with their versions and the entry points each registers."""
+    packages = {}
+    for entry_point in metadata.entry_points(group="inferlab"):
+        dist = entry_point.dist
+        name, version = (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+        package = packages.setdefault(name, {"distribution": name, "version": version, "entry_points": []})
+        package["entry_points"].append(entry_point.name)
+    return sorted(packages.values(), key=lambda p: str(p["distribution"]))
 
 
 def git_state() -> dict:
@@ -181,11 +150,45 @@ def git_state() -> dict:
     return {"git_commit": commit.stdout.strip(), "git_dirty": bool(status.stdout.strip())}
 
 
+def needs_latency_driver(bench) -> list[str]:
+    """The settings that ask for per-request timings, which one generate over the workload (measure)
+    cannot give: they need the engine's step loop with arrivals (the latency driver)."""
+    asked = []
+    if bench.arrival != "burst":
+        asked.append(f"bench.arrival={bench.arrival}")
+    asked += [f"bench.{name}" for name in ("slo_ttft_s", "slo_tpot_s") if getattr(bench, name) is not None]
+    if bench.timeline:
+        asked.append("bench.timeline=true")
+    return asked
+
+
+def write_latency_outputs(output_dir: str, bench, runs: Sequence[RunRecords]) -> dict:
+    """What a latency run writes beside result.json, and the figures result.json holds: one
+    RunRecords per repeat (bench.repeats of them, each on a fresh prefix cache). Writes
+    requests.jsonl (every request of every repeat) and, with bench.timeline, timeline.json (one
+    run) or timeline-<repeat>.json (several). Returns the latency figures (latency_figures with
+    bench's SLOs), aggregated over repeats (aggregate_repeats)."""
+    if not runs:
+        raise ValueError("no runs to write: bench.repeats is at least 1")
+    os.makedirs(output_dir, exist_ok=True)
+    write_requests_jsonl(os.path.join(output_dir, "requests.jsonl"), [run.requests for run in runs])
+    figures = aggregate_repeats(
+        [latency_figures(run.requests, run.wall_time_s, bench.slo_ttft_s, bench.slo_tpot_s) for run in runs]
+    )
+    if bench.timeline:
+        names = ["timeline.json"] if len(runs) == 1 else [f"timeline-{i}.json" for i in range(len(runs))]
+        for name, run in zip(names, runs):
+            write_timeline(os.path.join(output_dir, name), run.steps, run.requests)
+        figures["timeline_files"] = names
+    return figures
+
+
 def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     """Runs the benchmark cfg describes and writes result.json into output_dir (default: the Hydra
-    run's output directory)."""
-    from inferlab import LLM
-    from inferlab.conf import PLUGIN_FIELDS, engine_arguments, flat_choices
+    run's output directory). The bench settings are checked first (BenchConfigError), before
+    anything is built. A run that fails writes result.json with its error and settings (so that a
+    sweep's report lists it), then raises."""
+    from inferlab.conf import flat_choices
 
     overrides = []
     if output_dir is None:
@@ -193,12 +196,63 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
 
         output_dir = HydraConfig.get().runtime.output_dir
         overrides = list(HydraConfig.get().overrides.task)
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "result.json")
+    context = {
+        "bench": OmegaConf.to_container(cfg.bench, resolve=True),
+        "choices": flat_choices(cfg),
+        "overrides": overrides,
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+    try:
+        validate_bench(cfg.bench)
+        result = {**_bench_figures(cfg), **context, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    except Exception as e:
+        with open(path, "w") as f:
+            json.dump({"error": f"{type(e).__name__}: {e}", **context}, f, indent=2)
+        raise
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    rate = lambda value: f"{value:.0f}" if value is not None else "-"  # noqa: E731
+    repeats = f" (mean of {result['num_repeats']} repeats)" if "num_repeats" in result else ""
+    print(
+        f"{result['num_output_tokens']} output tokens in {result['wall_time_s']:.2f} s: "
+        f"{result['output_tokens_per_s']:.0f} tok/s{repeats} (prefill {rate(result['prefill_tokens_per_s'])} tok/s, "
+        f"decode {rate(result['decode_tokens_per_s'])} tok/s, {result['num_preemptions']} preemptions) -> {path}"
+    )
+    print(
+        f"floor on this device: {result['floor_seconds']:.3f} s ({result['floor_output_tokens_per_s']:.0f} tok/s, "
+        f"{result['bandwidth_GBps']:.0f} GB/s and {result['matmul_TFLOPs']:.3g} TFLOP/s measured): "
+        f"this run reached {result['percent_of_floor']:.1f}% of it"
+    )
+    return result
+
+
+def _bench_figures(cfg: DictConfig) -> dict:
+    """Builds the engine, runs the burst workload bench.repeats times (a fresh prefix cache each
+    time after the first) and returns the figures with what ran and where."""
+    from inferlab import LLM
+    from inferlab.conf import PLUGIN_FIELDS, engine_arguments
+
+    asked = needs_latency_driver(cfg.bench)
+    if asked:
+        raise NotImplementedError(
+            f"{', '.join(asked)} need per-request timings from the engine's step loop, which this version's "
+            "bench job does not drive yet; it runs bench.arrival=burst without SLOs or a timeline"
+        )
     model_path, settings = engine_arguments(cfg)
     with LLM(model_path, **settings) as llm:
-        prompts, params = bench_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)
-        figures = measure(llm, prompts, params, warmup=cfg.bench.warmup)
-        result = {
-            **figures,
+        workload = build_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)
+        prompts = [r.prompt_token_ids for r in workload.requests]
+        params = workload.sampling_params(cfg.bench)
+        runs = []
+        for repeat in range(cfg.bench.repeats):
+            if repeat:
+                llm.reset_prefix_cache()
+            runs.append(measure(llm, prompts, params, warmup=cfg.bench.warmup and not repeat))
+        return {
+            **aggregate_repeats(runs),
+            "workload": workload.summary(),
             "plugins": resolved_plugins(llm),
             "plugin_options": {
                 kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")
@@ -206,26 +260,5 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in PLUGIN_FIELDS},
             "num_kvcache_blocks": llm.kv_manager.num_blocks,
             "model_path": llm.model_path,
-            "bench": OmegaConf.to_container(cfg.bench, resolve=True),
-            "choices": flat_choices(cfg),
-            "overrides": overrides,
             **environment(llm),
-            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "result.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    rate = lambda value: f"{value:.0f}" if value is not None else "-"  # noqa: E731
-    print(
-        f"{figures['num_output_tokens']} output tokens in {figures['wall_time_s']:.2f} s: "
-        f"{figures['output_tokens_per_s']:.0f} tok/s (prefill {rate(figures['prefill_tokens_per_s'])} tok/s, "
-        f"decode {rate(figures['decode_tokens_per_s'])} tok/s, {figures['num_preemptions']} preemptions) -> {path}"
-    )
-    print(
-        f"floor on this device: {figures['floor_seconds']:.3f} s ({figures['floor_output_tokens_per_s']:.0f} tok/s, "
-        f"{figures['bandwidth_GBps']:.0f} GB/s and {figures['matmul_TFLOPs']:.3g} TFLOP/s measured): "
-        f"this run reached {figures['percent_of_floor']:.1f}% of it"
-    )
-    return result

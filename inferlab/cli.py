@@ -31,8 +31,13 @@ def main() -> None:
 def run(cfg: DictConfig) -> None:
     if cfg.job.name == JobName.bench:
         from inferlab.bench import run_bench
+        from inferlab.workload import BenchConfigError
 
-        run_bench(cfg)
+        try:
+            run_bench(cfg)  # checks the bench settings before it builds anything
+        except BenchConfigError as e:  # the user's settings: a message, not a traceback
+            print(f"inferlab: {e}", file=sys.stderr)
+            sys.exit(2)
     else:
         generate(cfg)
 

@@ -1,6 +1,7 @@
 """The bench workload: bench.py's exact numbers by default, fitted to the model, shared prefixes
 on request."""
 
+import json
 import random
 
 import pytest
@@ -70,3 +71,44 @@ def test_shared_prefixes_keep_bench_py_numbers_after_them():
 def test_bad_settings_are_named(settings, message):
     with pytest.raises(ValueError, match=message):
         bench_workload(BenchConfig(**settings), vocab_size=384, max_model_len=4096)
+
+
+TINY = [
+    "job=bench",
+    "engine.device=cpu",
+    "engine.kvcache_block_size=16",
+    "engine.num_kvcache_blocks=128",
+    "engine.max_model_len=128",
+    "bench.num_seqs=3",
+    "bench.min_len=8",
+    "bench.max_len=24",
+    "bench.min_output_len=2",
+    "bench.max_output_len=4",
+]
+
+
+def test_repeats_report_mean_and_std(tmp_path, one_torch_thread):
+    from inferlab.bench import run_bench
+    from inferlab.conf import compose
+
+    result = run_bench(compose([*TINY, "bench.repeats=2", "bench.warmup=false"]), output_dir=str(tmp_path))
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["num_repeats"] == 2 and len(saved["per_repeat"]) == 2
+    per_repeat = [r["output_tokens_per_s"] for r in saved["per_repeat"]]
+    assert saved["output_tokens_per_s"] == pytest.approx(sum(per_repeat) / 2)
+    assert saved["std"]["output_tokens_per_s"] == pytest.approx(abs(per_repeat[0] - per_repeat[1]) / 2**0.5)
+    # the same tokens each time: a fresh prefix cache per repeat, so no repeat hits the one before
+    assert [r["num_prefill_tokens"] for r in saved["per_repeat"]] == [saved["num_prompt_tokens"]] * 2
+    assert saved["num_output_tokens"] == result["num_output_tokens"] and saved["std"]["num_output_tokens"] == 0
+
+
+def test_a_failed_run_writes_its_error_into_result_json(tmp_path):
+    from inferlab.bench import run_bench
+    from inferlab.conf import compose
+
+    cfg = compose([*TINY, f"model.path={tmp_path / 'no-such-checkpoint'}"])
+    with pytest.raises(Exception) as error:
+        run_bench(cfg, output_dir=str(tmp_path / "run"))
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["error"] == f"{type(error.value).__name__}: {error.value}"
+    assert saved["choices"]["bench.num_seqs"] == 3 and saved["bench"]["num_seqs"] == 3

@@ -101,6 +101,12 @@ def test_sweep_writes_one_result_per_run(sweep, checkpoint):
         assert result["device"] == "cpu" and result["dtype"] == "float32"
         assert result["torch_version"] and result["inferlab_version"]
         assert "git_commit" in result
+        # the sweep ran with this process's environment, where other test modules may set it
+        assert result["triton_interpret"] == (os.environ.get("TRITON_INTERPRET") == "1")
+        assert {"distribution": "inferlab", "version": result["inferlab_version"]}.items() <= next(
+            p for p in result["plugin_packages"] if p["distribution"] == "inferlab"
+        ).items()
+        assert result["workload"]["arrival"] == "burst" and result["workload"]["num_requests"] == 6
         assert "attention=torch" in result["overrides"]
     assert results[1]["plugin_options"]["scheduler"] == {"max_sort_waiting": 1024}
 
@@ -110,10 +116,11 @@ def test_report_table_csv_and_png(sweep, capsys):
     report_main([str(sweep_dir)])
     out = capsys.readouterr().out.splitlines()
     header = out[0].split()
-    # Only what differs across runs is a column: the scheduler and lpm's own option, not attention.
-    assert header[:3] == ["run", "scheduler", "scheduler.max_sort_waiting"]
-    assert "attention" not in header and "output" in header
-    assert out[2].split()[:3] == ["0", "fcfs", "-"] and out[3].split()[:3] == ["1", "lpm", "1024"]
+    # Only what differs across runs is a column: the scheduler, not attention, nor lpm's own option,
+    # which every run that has it holds at one value.
+    assert header[:3] == ["run", "scheduler", "output"]
+    assert "attention" not in header and "scheduler.max_sort_waiting" not in header
+    assert out[2].split()[:2] == ["0", "fcfs"] and out[3].split()[:2] == ["1", "lpm"]
     with open(sweep_dir / "report.csv") as f:
         rows = list(csv.DictReader(f))
     results = [json.loads((sweep_dir / str(i) / "result.json").read_text()) for i in range(2)]
@@ -154,5 +161,6 @@ def test_sweep_over_triton_under_the_interpreter(tmp_path, checkpoint):
     )
     results = [json.loads((tmp_path / "sweep" / str(i) / "result.json").read_text()) for i in range(2)]
     assert [r["plugins"]["attention"] for r in results] == ["torch", "triton"]
+    assert all(r["triton_interpret"] for r in results)
     header, rows = report(str(tmp_path / "sweep"))
     assert header[1] == "attention" and [row[1] for row in rows] == ["torch", "triton"]

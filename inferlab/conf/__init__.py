@@ -74,19 +74,39 @@ class GenerateConfig:
 
 @dataclass
 class BenchConfig:
-    """`inferlab job=bench`: nano-vllm's bench.py workload, plus shared prefixes for cache ablations."""
+    """`inferlab job=bench`: a workload (nano-vllm's bench.py by default, generated arrivals, or a
+    trace) and what to measure of it. inferlab.workload.validate_bench says which
+    combinations can run; compose() and the command check them before any model loads."""
 
+    # Generated workloads (arrival burst, poisson, gamma): bench.py's draws.
     num_seqs: int = 256
     min_len: int = 100  # prompt lengths uniform in [min_len, max_len] (bench.py's 100..1024)
     max_len: int = 1024
     min_output_len: int | None = None  # None: min_len, as in bench.py
     max_output_len: int | None = None  # None: max_len
-    seed: int = 0
+    seed: int = 0  # prompts, lengths and arrivals (each from its own stream)
     temperature: float = 0.6
-    ignore_eos: bool = True
+    ignore_eos: bool = True  # output lengths are exact only with it
     shared_prefix_len: int = 0  # > 0: each prompt starts with one of num_prefixes random prefixes this long
     num_prefixes: int = 1
     warmup: bool = True
+    # When requests arrive: burst (all at t=0), poisson, gamma, or trace.
+    arrival: str = "burst"
+    request_rate: float | None = None  # requests/s, for poisson and gamma
+    burstiness: float = 1.0  # gamma's shape: 1 is Poisson, below 1 burstier, above more regular
+    # Traces (arrival=trace): a Mooncake JSONL or Azure CSV file, its format read from its content.
+    trace: str | None = None
+    time_scale: float = 1.0  # multiplies the trace's inter-arrival times: 0.5 replays twice as fast
+    max_requests: int | None = None  # the trace's first requests only; None: all
+    # Every workload: lengths fitted to max_model_len. clip: prompts to max_model_len - 1, then
+    # outputs to what is left; scale: every length times the factor that makes the longest fit.
+    fit: str = "clip"
+    # What to measure: SLOs for slo_attainment and goodput, repeats of the whole workload (mean and
+    # std of every figure), and a Perfetto timeline of the run.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    repeats: int = 1
+    timeline: bool = False
 
 
 @dataclass
@@ -134,13 +154,19 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
 
 
 def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -> DictConfig:
-    """The config `inferlab <overrides>` would run, built with Hydra's compose API."""
+    """The config `inferlab <overrides>` would run, built with Hydra's compose API. Raises
+    inferlab.workload.BenchConfigError for bench settings that cannot run (job=bench)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
     store_configs(registry)
     with initialize_config_module("inferlab.conf", version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+        cfg = hydra_compose("config", overrides=list(overrides))
+    if cfg.job.name == JobName.bench:
+        from inferlab.workload import validate_bench
+
+        validate_bench(cfg.bench)  # settings that cannot run fail here, before any model loads
+    return cfg
 
 
 def engine_arguments(cfg: DictConfig) -> tuple[str | None, dict]:

@@ -1,0 +1,207 @@
+"""Request traces: reading the Mooncake and Azure formats, and the token ids of Mooncake's hash blocks.
+
+Mooncake (JSONL, kvcache-ai/Mooncake's FAST'25 release): one object a line with `timestamp`
+(milliseconds), `input_length`, `output_length` and `hash_ids`, one id per 512-token block of the
+prompt (the last block may be partial); requests listing the same id share that block's tokens.
+
+Azure LLM inference trace (CSV, Azure/AzurePublicDataset): header `TIMESTAMP,ContextTokens,
+GeneratedTokens`, timestamps as date-times such as `2023-11-16 18:15:46.6805900` (100 ns ticks;
+the 2024 release appends a UTC offset). It has no prefix information: every prompt is its own.
+
+Both read into TraceRequests whose arrivals count seconds from the trace's first request.
+"""
+
+import csv
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+
+TRACE_FORMATS = ("mooncake", "azure")
+MOONCAKE_BLOCK_SIZE = 512  # tokens per hash id
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+TOKEN_ID_RANGE = 10001  # ids drawn as bench.py draws them, in [0, 10000], then taken modulo the vocabulary
+
+AZURE_TIMESTAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?\s*(Z|[+-]\d{2}:?\d{2})?")
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    arrival_s: float  # seconds after the trace's first request
+    input_length: int
+    output_length: int
+    hash_ids: list[int] | None = None  # Mooncake's 512-token prefix blocks; None: a prompt of its own
+
+
+def detect_trace_format(path: str) -> str:
+    """ "mooncake" or "azure", from the file's first line (a JSON object, or a CSV header); raises
+    ValueError naming the formats when it is neither, and OSError when the file cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        first = next((line.strip() for line in f if line.strip()), "")
+    if first.startswith("{"):
+        try:
+            record = json.loads(first)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"trace {path!r}: line 1 is not JSON ({e})") from None
+        missing = [key for key in MOONCAKE_KEYS if key not in record]
+        if not missing:
+            return "mooncake"
+        raise ValueError(
+            f"trace {path!r}: a JSONL trace needs Mooncake's keys {list(MOONCAKE_KEYS)}; line 1 lacks {missing}"
+        )
+    columns = [column.strip() for column in first.split(",")]
+    if all(column in columns for column in AZURE_COLUMNS):
+        return "azure"
+    raise ValueError(
+        f"trace {path!r} is in no known format: expected Mooncake JSONL (objects with {', '.join(MOONCAKE_KEYS)}, "
+        f"hash_ids) or an Azure CSV (header {','.join(AZURE_COLUMNS)}); its first line is {first[:120]!r}"
+    )
+
+
+def read_trace(path: str) -> tuple[str, list[TraceRequest]]:
+    """(format, requests in arrival order, the first at 0 s) of a Mooncake or Azure trace file."""
+    trace_format = detect_trace_format(path)
+    requests = read_mooncake(path) if trace_format == "mooncake" else read_azure(path)
+    if not requests:
+        raise ValueError(f"trace {path!r} holds no requests")
+    requests.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep the file's order
+    start = requests[0].arrival_s
+    for request in requests:
+        request.arrival_s -= start
+    return trace_format, requests
+
+
+def _length(value, what: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        raise ValueError(f"{where}: {what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def read_mooncake(path: str) -> list[TraceRequest]:
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"trace {path!r} line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e})") from None
+            if not isinstance(record, dict) or any(key not in record for key in MOONCAKE_KEYS):
+                raise ValueError(f"{where}: a Mooncake record needs {list(MOONCAKE_KEYS)}, got {line.strip()[:120]!r}")
+            timestamp = record["timestamp"]
+            if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
+                raise ValueError(f"{where}: timestamp must be non-negative milliseconds, got {timestamp!r}")
+            hash_ids = record.get("hash_ids")
+            if hash_ids is not None and (
+                not isinstance(hash_ids, list)
+                or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)
+            ):
+                raise ValueError(f"{where}: hash_ids must be a list of non-negative integers, got {hash_ids!r}")
+            requests.append(
+                TraceRequest(
+                    arrival_s=timestamp / 1000,
+                    input_length=_length(record["input_length"], "input_length", where),
+                    output_length=_length(record["output_length"], "output_length", where),
+                    hash_ids=hash_ids,
+                )
+            )
+    return requests
+
+
+def parse_azure_timestamp(text: str) -> tuple[int, float]:
+    """(whole seconds since the epoch, fraction of a second) of an Azure trace date-time; kept apart
+    so that 100 ns ticks survive (a float of the epoch seconds keeps only about 0.2 us). A time
+    without an offset is taken as UTC, as the dataset's are."""
+    match = AZURE_TIMESTAMP.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a date-time like '2023-11-16 18:15:46.6805900'")
+    year, month, day, hour, minute, second = (int(match[i]) for i in range(1, 7))
+    fraction = int(match[7]) / 10 ** len(match[7]) if match[7] else 0.0
+    zone = timezone.utc
+    if match[8] and match[8] != "Z":
+        sign = -1 if match[8][0] == "-" else 1
+        digits = match[8][1:].replace(":", "")
+        zone = timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:])))
+    whole = datetime(year, month, day, hour, minute, second, tzinfo=zone)
+    return int(whole.timestamp()), fraction
+
+
+def read_azure(path: str) -> list[TraceRequest]:
+    rows = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f, skipinitialspace=True)
+        for number, row in enumerate(reader, 2):
+            where = f"trace {path!r} line {number}"
+            try:
+                seconds, fraction = parse_azure_timestamp(row["TIMESTAMP"] or "")
+                context, generated = (float(row[column]) for column in AZURE_COLUMNS[1:])
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{where}: {e}") from None
+            rows.append(
+                (
+                    seconds,
+                    fraction,
+                    _length(context, "ContextTokens", where),
+                    _length(generated, "GeneratedTokens", where),
+                )
+            )
+    if not rows:
+        return []
+    first_second = min(seconds for seconds, *_ in rows)
+    return [
+        TraceRequest(arrival_s=(seconds - first_second) + fraction, input_length=context, output_length=generated)
+        for seconds, fraction, context, generated in rows
+    ]
+
+
+def _mix(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64s: equal inputs give equal outputs, near inputs far ones."""
+    x = values.astype(np.uint64)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+# Salts keep hash-id blocks and per-request tokens in separate streams.
+HASH_BLOCK_SALT = 0x5EED_B10C
+OWN_TOKENS_SALT = 0x0DD_5EED
+
+
+def _token_ids(keys: np.ndarray, length: int, seed: int, salt: int, vocab_size: int) -> np.ndarray:
+    """A row of `length` token ids per key, a pure function of (seed, salt, key, position)."""
+    base = _mix(np.array([(seed * 0x9E3779B97F4A7C15 + salt) % 2**64], dtype=np.uint64))
+    rows = _mix(base ^ keys.astype(np.uint64))[:, None] + np.arange(length, dtype=np.uint64)[None, :]
+    return (_mix(rows) % np.uint64(TOKEN_ID_RANGE) % np.uint64(vocab_size)).astype(np.int64)
+
+
+def trace_prompt(
+    hash_ids: list[int] | None,
+    num_tokens: int,
+    block_size: int,
+    request_index: int,
+    seed: int,
+    vocab_size: int,
+) -> list[int]:
+    """The prompt of a trace request: block i holds the `block_size` tokens of hash_ids[i] (the same
+    tokens wherever that id appears, so requests sharing ids share those blocks); tokens past the
+    listed blocks, and every token of a request without hash ids, are the request's own."""
+    num_blocks = min(len(hash_ids or ()), -(-num_tokens // block_size))
+    prompt = np.empty(num_tokens, dtype=np.int64)
+    if num_blocks:
+        blocks = _token_ids(np.asarray(hash_ids[:num_blocks]), block_size, seed, HASH_BLOCK_SALT, vocab_size)
+        covered = min(num_tokens, num_blocks * block_size)
+        prompt[:covered] = blocks.reshape(-1)[:covered]
+    else:
+        covered = 0
+    if covered < num_tokens:
+        own = _token_ids(np.array([request_index]), num_tokens - covered, seed, OWN_TOKENS_SALT, vocab_size)
+        prompt[covered:] = own[0]
+    return prompt.tolist()

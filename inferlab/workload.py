@@ -1,0 +1,281 @@
+"""The requests a bench job submits, and when: `bench.arrival` picks the arrival process.
+
+- `burst`: every request at t=0 (nano-vllm's bench.py; the default, whose prompts and lengths
+  are bench.py's exact numbers);
+- `poisson`: exponential inter-arrival times at `bench.request_rate` requests/s;
+- `gamma`: gamma inter-arrival times with shape `bench.burstiness` and scale
+  1 / (request_rate * burstiness), as vLLM's serving benchmark draws them: the same mean rate,
+  burstier below 1, more regular above (1 is Poisson);
+- `trace`: the arrivals and lengths of a Mooncake or Azure trace (inferlab.traces), with
+  `bench.time_scale` stretching time and `bench.max_requests` taking the first requests.
+
+Generated workloads (burst, poisson, gamma) draw the same prompts and output lengths for a seed,
+so the arrival process is the only difference between them; arrivals come from a stream of
+their own. Every workload is fitted to the model (`bench.fit`), and the workload says how many
+requests that changed.
+"""
+
+import math
+import os
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from inferlab.traces import MOONCAKE_BLOCK_SIZE, detect_trace_format, read_trace, trace_prompt
+
+ARRIVALS = ("burst", "poisson", "gamma", "trace")
+FITS = ("clip", "scale")
+BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
+
+
+class BenchConfigError(ValueError):
+    """bench settings that cannot work together; raised before any model loads."""
+
+
+def bench_problems(bench) -> list[str]:
+    """What is wrong with the bench settings (a BenchConfig or its Hydra node), as messages that name
+    the setting and the allowed values; empty when they can run. A setting that the chosen arrival
+    would ignore is a problem too, so that a sweep never varies something that has no effect."""
+    problems = []
+
+    def check(bad: bool, message: str) -> None:
+        if bad:
+            problems.append(message)
+
+    arrival = bench.arrival
+    check(arrival not in ARRIVALS, f"bench.arrival must be one of {', '.join(ARRIVALS)}; got {arrival!r}")
+    check(bench.fit not in FITS, f"bench.fit must be one of {', '.join(FITS)}; got {bench.fit!r}")
+    check(bench.repeats < 1, f"bench.repeats must be >= 1, got {bench.repeats}")
+    for name in ("slo_ttft_s", "slo_tpot_s"):
+        value = getattr(bench, name)
+        check(value is not None and not value > 0, f"bench.{name} must be a positive number of seconds, got {value}")
+    check(not bench.burstiness > 0, f"bench.burstiness must be > 0 (1 is Poisson), got {bench.burstiness}")
+    check(not bench.time_scale > 0, f"bench.time_scale must be > 0 (0.5 replays twice as fast), got {bench.time_scale}")
+    check(
+        bench.max_requests is not None and bench.max_requests < 1,
+        f"bench.max_requests must be >= 1 or null, got {bench.max_requests}",
+    )
+    if arrival in ("poisson", "gamma"):
+        check(
+            bench.request_rate is None or not bench.request_rate > 0,
+            f"bench.arrival={arrival} needs bench.request_rate > 0 (requests/s), got {bench.request_rate}",
+        )
+    else:
+        check(
+            bench.request_rate is not None and arrival in ARRIVALS,
+            f"bench.request_rate applies to arrival=poisson or gamma, not {arrival}"
+            + (" (set bench.time_scale to replay a trace faster or slower)" if arrival == "trace" else ""),
+        )
+    check(
+        arrival in ARRIVALS and arrival != "gamma" and bench.burstiness != 1,
+        f"bench.burstiness={bench.burstiness} applies to arrival=gamma, not {arrival}"
+        + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
+    )
+    if arrival == "trace":
+        check(
+            bench.shared_prefix_len != 0,
+            "bench.shared_prefix_len applies to generated workloads: a trace brings its own prefixes",
+        )
+        if bench.trace is None:
+            problems.append("bench.arrival=trace needs bench.trace=PATH (a Mooncake .jsonl or Azure .csv trace)")
+        elif not os.path.isfile(bench.trace):
+            problems.append(f"bench.trace: no file {bench.trace!r}")
+        else:
+            try:
+                detect_trace_format(bench.trace)
+            except (OSError, ValueError) as e:
+                problems.append(f"bench.trace: {e}")
+    elif arrival in ARRIVALS:
+        check(bench.trace is not None, f"bench.trace is set but bench.arrival={arrival}: use bench.arrival=trace")
+        check(bench.time_scale != 1, f"bench.time_scale applies to arrival=trace, not {arrival}")
+        check(
+            bench.max_requests is not None,
+            "bench.max_requests applies to arrival=trace; a generated workload has bench.num_seqs requests",
+        )
+        min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
+        max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
+        check(bench.num_seqs < 1, f"bench.num_seqs must be >= 1, got {bench.num_seqs}")
+        check(
+            not 1 <= bench.min_len <= bench.max_len,
+            f"bench needs 1 <= min_len <= max_len, got {bench.min_len}, {bench.max_len}",
+        )
+        check(
+            not 1 <= min_out <= max_out, f"bench needs 1 <= min_output_len <= max_output_len, got {min_out}, {max_out}"
+        )
+        check(bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}")
+        check(bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}")
+    return problems
+
+
+def validate_bench(bench) -> None:
+    """Raises BenchConfigError listing every problem of the bench settings (see bench_problems)."""
+    problems = bench_problems(bench)
+    if problems:
+        raise BenchConfigError("; ".join(problems))
+
+
+@dataclass(slots=True)
+class WorkloadRequest:
+    """One request to submit once the run's clock reaches arrival_s."""
+
+    index: int  # position in the workload (arrival order)
+    arrival_s: float
+    prompt_token_ids: list[int]
+    output_len: int  # max_tokens; with ignore_eos, the exact number of output tokens
+    priority: int = 0  # for the engine's scheduler; the workloads here give every request 0
+    metadata: dict = field(default_factory=dict)  # passed to the engine with the request
+
+
+@dataclass
+class Workload:
+    arrival: str
+    requests: list[WorkloadRequest]  # in arrival order
+    num_fitted: int  # requests whose lengths bench.fit changed to fit max_model_len
+    length_scale: float = 1.0  # bench.fit=scale's factor on every length (1: nothing scaled)
+    trace_format: str | None = None
+
+    def sampling_params(self, bench) -> list:
+        """Each request's SamplingParams: bench.temperature and bench.ignore_eos, max_tokens = its output length."""
+        from inferlab.core.sampling_params import SamplingParams
+
+        return [
+            SamplingParams(temperature=bench.temperature, ignore_eos=bench.ignore_eos, max_tokens=r.output_len)
+            for r in self.requests
+        ]
+
+    def summary(self) -> dict:
+        """What result.json records of the workload. offered_request_rate is the arrival rate the
+        workload asks for: requests after the first over the span of arrivals (None for a burst)."""
+        span = self.requests[-1].arrival_s - self.requests[0].arrival_s
+        return {
+            "arrival": self.arrival,
+            "trace_format": self.trace_format,
+            "num_requests": len(self.requests),
+            "num_fitted": self.num_fitted,
+            "length_scale": self.length_scale,
+            "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in self.requests),
+            "num_output_tokens": sum(r.output_len for r in self.requests),
+            "arrival_span_s": span,
+            "offered_request_rate": (len(self.requests) - 1) / span if span > 0 else None,
+        }
+
+
+def arrival_times(
+    num_requests: int, arrival: str, request_rate: float | None = None, burstiness: float = 1.0, seed: int = 0
+) -> np.ndarray:
+    """Arrival times (s) of a generated workload: the first request at 0, then num_requests - 1
+    inter-arrival gaps drawn from numpy's generator seeded with seed."""
+    if arrival == "burst":
+        return np.zeros(num_requests)
+    if arrival not in ("poisson", "gamma"):
+        raise ValueError(f"arrival must be burst, poisson or gamma for generated arrivals, got {arrival!r}")
+    if request_rate is None or not request_rate > 0:
+        raise ValueError(f"arrival={arrival} needs request_rate > 0, got {request_rate}")
+    shape = 1.0 if arrival == "poisson" else burstiness
+    if not shape > 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    gaps = np.random.default_rng(seed).gamma(shape=shape, scale=1.0 / (request_rate * shape), size=num_requests - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def fit_lengths(
+    input_lengths: list[int], output_lengths: list[int], max_model_len: int, fit: str
+) -> tuple[list[int], list[int], float]:
+    """(input lengths, output lengths, scale) that fit max_model_len, every length at least 1.
+    clip: each prompt cut to max_model_len - 1, then each output to what is left (scale 1).
+    scale: every length times one factor, the largest under which the longest request fits
+    (prompt + output <= max_model_len, prompt <= max_model_len - 1), rounded down."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2 to hold a prompt token and an output token, got {max_model_len}")
+    inputs = [max(1, n) for n in input_lengths]
+    outputs = [max(1, n) for n in output_lengths]
+    scale = 1.0
+    if fit == "scale":
+        scale = min(
+            1.0,
+            max_model_len / max(i + o for i, o in zip(inputs, outputs)),
+            (max_model_len - 1) / max(inputs),
+        )
+        if scale < 1:
+            inputs = [max(1, math.floor(n * scale)) for n in inputs]
+            outputs = [max(1, math.floor(n * scale)) for n in outputs]
+    elif fit != "clip":
+        raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+    inputs = [min(n, max_model_len - 1) for n in inputs]  # clip; for scale a guard against float rounding
+    outputs = [min(o, max_model_len - i) for i, o in zip(inputs, outputs)]
+    return inputs, outputs, scale
+
+
+def _generated_lengths_and_prompts(bench) -> tuple[list[list[int]], list[int]]:
+    """bench.py's draws, in its order: random.seed(seed), prompt lengths and token ids, then each
+    request's output length; shared prefixes are drawn after them, so bench.py's numbers stay."""
+    min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
+    max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
+    rng = random.Random(bench.seed)  # the same stream as bench.py's random.seed(seed) + randint
+    prompts = [
+        [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(rng.randint(bench.min_len, bench.max_len))]
+        for _ in range(bench.num_seqs)
+    ]
+    output_lengths = [rng.randint(min_out, max_out) for _ in range(bench.num_seqs)]
+    if bench.shared_prefix_len:
+        prefixes = [
+            [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(bench.shared_prefix_len)]
+            for _ in range(bench.num_prefixes)
+        ]
+        prompts = [prefixes[rng.randrange(bench.num_prefixes)] + prompt for prompt in prompts]
+    return prompts, output_lengths
+
+
+def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
+    """The workload bench describes, with token ids valid for vocab_size (taken modulo it: a no-op
+    for real vocabularies, where clipping would make a tiny vocabulary's prompts runs of one token)
+    and lengths fitted to max_model_len. Raises BenchConfigError for settings that cannot work."""
+    validate_bench(bench)
+    if bench.arrival == "trace":
+        return _trace_workload(bench, vocab_size, max_model_len)
+    prompts, output_lengths = _generated_lengths_and_prompts(bench)
+    inputs, outputs, scale = fit_lengths([len(p) for p in prompts], output_lengths, max_model_len, bench.fit)
+    arrivals = arrival_times(bench.num_seqs, bench.arrival, bench.request_rate, bench.burstiness, bench.seed)
+    requests = [
+        WorkloadRequest(
+            index=i,
+            arrival_s=float(arrivals[i]),
+            prompt_token_ids=[t % vocab_size for t in prompts[i][: inputs[i]]],
+            output_len=outputs[i],
+        )
+        for i in range(bench.num_seqs)
+    ]
+    num_fitted = sum((len(p), o) != (i, fo) for p, o, i, fo in zip(prompts, output_lengths, inputs, outputs))
+    return Workload(bench.arrival, requests, num_fitted, scale)
+
+
+def _trace_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
+    try:
+        trace_format, trace = read_trace(bench.trace)
+    except (OSError, ValueError) as e:  # validate_bench read only the first line
+        raise BenchConfigError(f"bench.trace: {e}") from None
+    trace = trace[: bench.max_requests]
+    inputs, outputs, scale = fit_lengths(
+        [r.input_length for r in trace], [r.output_length for r in trace], max_model_len, bench.fit
+    )
+    # Scaling shrinks the hash blocks with the prompts, so the requests still share the same fractions.
+    block_size = math.ceil(MOONCAKE_BLOCK_SIZE * scale)
+    requests = [
+        WorkloadRequest(
+            index=i,
+            arrival_s=r.arrival_s * bench.time_scale,
+            prompt_token_ids=trace_prompt(r.hash_ids, inputs[i], block_size, i, bench.seed, vocab_size),
+            output_len=outputs[i],
+        )
+        for i, r in enumerate(trace)
+    ]
+    num_fitted = sum((r.input_length, r.output_length) != (i, o) for r, i, o in zip(trace, inputs, outputs))
+    return Workload("trace", requests, num_fitted, scale, trace_format)
+
+
+def bench_workload(bench, vocab_size: int, max_model_len: int):
+    """(prompt token ids, SamplingParams) of every request, arrival times aside: what one generate
+    over the whole workload submits (the burst benchmark's input)."""
+    workload = build_workload(bench, vocab_size, max_model_len)
+    return [r.prompt_token_ids for r in workload.requests], workload.sampling_params(bench)

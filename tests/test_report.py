@@ -1,0 +1,167 @@
+"""inferlab-report on fabricated sweeps: latency-load curves whose plotted points are the results,
+labels that name only what varied, and failed runs listed rather than dropped."""
+
+import json
+import os
+
+import matplotlib
+import pytest
+
+from inferlab.report import (
+    latency_figure,
+    latency_series,
+    load_runs,
+    plot_throughput,
+    report,
+    run_label,
+    swept_keys,
+)
+
+matplotlib.use("Agg")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(root, name, choices, overrides=None, **figures):
+    directory = os.path.join(root, name)
+    os.makedirs(os.path.join(directory, ".hydra"), exist_ok=True)
+    with open(os.path.join(directory, ".hydra", "config.yaml"), "w") as f:
+        f.write("job:\n  name: bench\n")
+    with open(os.path.join(directory, ".hydra", "overrides.yaml"), "w") as f:
+        f.write("".join(f"- {o}\n" for o in overrides or []))
+    if figures:
+        with open(os.path.join(directory, "result.json"), "w") as f:
+            json.dump({"choices": choices, "overrides": overrides or [], **figures}, f)
+
+
+def latency(ttft50, ttft99, tpot50, tpot99, std=None):
+    result = {
+        "output_tokens_per_s": 100.0,
+        "request_throughput": 1.0,
+        "ttft_s": {"mean": ttft50, "p50": ttft50, "p90": ttft99, "p99": ttft99},
+        "tpot_s": {"mean": tpot50, "p50": tpot50, "p90": tpot99, "p99": tpot99},
+    }
+    if std is not None:
+        result["std"] = {"ttft_s": {"p50": std, "p99": std}, "tpot_s": {"p50": std / 10, "p99": std / 10}}
+        result["num_repeats"] = 3
+    return result
+
+
+BASE = {"model": "qwen3", "kv_cache": "paged", "attention": "torch", "bench.arrival": "poisson", "bench.num_seqs": 64}
+
+
+@pytest.fixture
+def rate_sweep(tmp_path):
+    """fcfs and sjf at 1, 2, 4 and 16 requests/s (TTFT p99 growing 256-fold), sjf at 16 failed."""
+    number = 0
+    for scheduler, factor in (("fcfs", 1.0), ("sjf", 0.5)):
+        for rate in (1.0, 2.0, 4.0, 16.0):
+            choices = {**BASE, "scheduler": scheduler, "bench.request_rate": rate}
+            overrides = [f"scheduler={scheduler}", f"bench.request_rate={rate}"]
+            if scheduler == "sjf" and rate == 16.0:
+                write_run(tmp_path, str(number), choices, overrides)  # killed: no result.json
+            else:
+                figures = latency(0.1 * rate * factor, 0.05 * rate**2, 0.01 * (1 + rate / 10), 0.02, std=0.01 * rate)
+                write_run(tmp_path, str(number), choices, overrides, **figures)
+            number += 1
+    return tmp_path
+
+
+def test_latency_curves_plot_the_results(rate_sweep, capsys):
+    report(str(rate_sweep))
+    out = capsys.readouterr().out
+    assert (rate_sweep / "latency.png").read_bytes()[:8] == PNG_MAGIC
+    assert (rate_sweep / "report.png").read_bytes()[:8] == PNG_MAGIC
+    assert "latency.png" in out.splitlines()[-1]
+    results, failed = load_runs(str(rate_sweep))
+    series = latency_series(results, "bench.request_rate")
+    assert [line["label"] for line in series] == ["fcfs", "sjf"]
+    fig = latency_figure(series, "request rate (requests/s)", "test")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (s)", "TPOT p99 (s)"]
+    by_label = {}
+    for _, result in results:
+        by_label.setdefault(result["choices"]["scheduler"], []).append(result)
+    for ax, (metric, stat) in zip(
+        fig.axes, [("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")]
+    ):
+        assert len(ax.containers) == 2
+        for container, label in zip(ax.containers, ["fcfs", "sjf"]):
+            line = container.lines[0]
+            assert container.get_label() == label
+            runs = by_label[label]
+            assert list(line.get_xdata()) == [r["choices"]["bench.request_rate"] for r in runs]
+            assert list(line.get_ydata()) == [r[metric][stat] for r in runs]
+            assert container.has_yerr
+            segments = container.lines[2][0].get_segments()  # the error bars: y +- std
+            assert [s[1][1] - s[0][1] for s in segments] == pytest.approx([2 * r["std"][metric][stat] for r in runs])
+    assert fig.axes[1].get_yscale() == "log"  # TTFT p99 spans 0.05 .. 12.8
+    assert fig.axes[3].get_yscale() == "linear"  # TPOT p99 is flat
+    assert fig.axes[0].get_xscale() == "log" and list(fig.axes[0].get_xticks()) == [1.0, 2.0, 4.0, 16.0]
+
+
+def test_failed_runs_are_listed(rate_sweep, capsys):
+    write_run(
+        rate_sweep,
+        "8",
+        {**BASE, "scheduler": "lpm"},
+        ["scheduler=lpm", "bench.request_rate=16.0"],
+        error="RuntimeError: the scheduler stalled",
+    )
+    header, rows = report(str(rate_sweep))
+    out = capsys.readouterr().out
+    assert len(rows) == 7
+    assert "failed runs (2):" in out
+    assert "  7  scheduler=sjf bench.request_rate=16.0: no result.json: the job did not finish" in out
+    assert "  8  scheduler=lpm bench.request_rate=16.0: RuntimeError: the scheduler stalled" in out
+
+
+def test_a_sweep_of_only_failed_runs_still_reports_them(tmp_path, capsys):
+    write_run(tmp_path, "0", {}, ["scheduler=fcfs"])
+    header, rows = report(str(tmp_path))
+    assert rows == [] and "failed runs (1):" in capsys.readouterr().out
+
+
+def test_labels_name_only_what_varied(tmp_path):
+    triton_options = {"attention.decode_block_n": 64, "attention.prefill_block_m": 32, "attention.num_warps": 4}
+    torch_run = {**BASE, "scheduler": "fcfs", "attention": "torch"}
+    triton_run = {**BASE, "scheduler": "fcfs", "attention": "triton", **triton_options}
+    assert swept_keys([{"choices": torch_run}, {"choices": triton_run}]) == ["attention"]
+    assert run_label(triton_run, ["attention"]) == "triton"
+    write_run(tmp_path, "0", torch_run, output_tokens_per_s=120.0)
+    write_run(tmp_path, "1", triton_run, output_tokens_per_s=80.0)
+    results, _ = load_runs(str(tmp_path))
+    drawn = plot_throughput(str(tmp_path / "report.png"), results, "attention")
+    assert drawn == {"output_tokens_per_s": [120.0, 80.0]}
+    header, rows = report(str(tmp_path))
+    assert header[:2] == ["run", "attention"] and "attention.decode_block_n" not in header
+    # settings that vary are named briefly, keys kept whole where their last part would clash
+    keys = ["scheduler", "engine.max_num_seqs", "bench.seed", "scheduler.seed"]
+    choices = {"scheduler": "lpm", "engine.max_num_seqs": 8, "bench.seed": 1, "scheduler.seed": 2}
+    assert run_label(choices, keys) == "lpm, max_num_seqs=8, bench.seed=1, scheduler.seed=2"
+    assert run_label({"bench.request_rate": 0.5}, ["bench.request_rate"]) == "request_rate=0.5"
+
+
+def test_time_scaled_traces_are_placed_at_their_offered_rate(tmp_path):
+    for number, (scale, offered) in enumerate([(1.0, 3.4), (0.5, 6.8), (0.25, 13.6)]):
+        choices = {**BASE, "scheduler": "fcfs", "bench.arrival": "trace", "bench.time_scale": scale}
+        write_run(
+            tmp_path,
+            str(number),
+            choices,
+            **latency(0.1 / scale, 0.3 / scale, 0.01, 0.02),
+            workload={"offered_request_rate": offered},
+        )
+    report(str(tmp_path))
+    results, _ = load_runs(str(tmp_path))
+    (line,) = latency_series(results, "bench.time_scale")
+    assert line["x"] == [3.4, 6.8, 13.6] and line["ttft_s.p50"] == ([0.1, 0.2, 0.4], None)
+    assert (tmp_path / "latency.png").is_file()
+
+
+def test_no_latency_plot_when_the_load_does_not_vary(tmp_path, capsys):
+    for number, scheduler in enumerate(["fcfs", "lpm"]):
+        write_run(tmp_path, str(number), {**BASE, "scheduler": scheduler}, **latency(0.1, 0.2, 0.01, 0.02))
+    header, rows = report(str(tmp_path))
+    assert not (tmp_path / "latency.png").exists()
+    assert "TTFT p50 s" in header and [row[1] for row in rows] == ["fcfs", "lpm"]
