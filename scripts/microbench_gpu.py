@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from inferlab.floor import device_rates  # noqa: E402
+from inferlab.kernels.sampling import sample_tokens  # noqa: E402
 from inferlab.plugins.attention.triton_kernels import paged_prefill  # noqa: E402
-from inferlab.plugins.samplers.sampling_kernel import sample_tokens  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, VOCAB = 16, 8, 128, 256, 151936
 # the triton backend's prefill tiles and launch on CUDA: (block_m, block_n, warps, stages)

@@ -4,7 +4,7 @@ parts were built by calling their classes directly. After construction both call
 on the same kind of objects, so the difference should be noise; this measures it.
 
 The forward pass is replaced by a stub that returns fixed tokens, so that what is timed is the
-engine's own per-step work (scheduler, KV manager, postprocess), where plugin calls happen on the
+engine's own per-step work (scheduler policy, core scheduler, KV manager), where plugin calls happen on the
 host; attention and model calls run inside the forward pass (and inside CUDA graphs on GPU).
 
     python scripts/plugin_overhead.py [--repeats 15]"""
@@ -17,14 +17,17 @@ import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.plugins import PluginRegistry
+from inferlab.core.scheduler import Scheduler
 from inferlab.plugins.kv_cache.paged import PagedKVCache
-from inferlab.plugins.samplers.default import DefaultSampler
-from inferlab.plugins.schedulers.fcfs import FCFSScheduler
+from inferlab.plugins.samplers.default_sampler import DefaultSampler
+from inferlab.plugins.schedulers.fcfs import FCFSPolicy
 
 
 class StubHandle:
     def __init__(self, batch):
-        self.samples = batch.samples
+        self.samples = [
+            r.num_computed_tokens + n == r.num_tokens for r, n in zip(batch.requests, batch.num_scheduled_tokens)
+        ]
 
     def tokens(self):
         return [7 if s else None for s in self.samples]
@@ -40,8 +43,10 @@ def stub_forward(llm: LLM) -> LLM:
 
 def direct(llm: LLM) -> LLM:
     """The same engine with its plugins rebuilt by direct construction, no registry involved."""
-    llm.kv_cache = PagedKVCache(llm.config, llm.runner.num_kv_blocks)
-    llm.scheduler = FCFSScheduler(llm.config, llm.kv_cache)
+    llm.kv_manager = PagedKVCache(llm.config, llm.runner.num_kv_blocks)
+    llm.scheduler = Scheduler(
+        llm.config, llm.kv_manager, FCFSPolicy(), policy_name="fcfs", clock=llm.clock, decode=llm.tokenizer.decode
+    )
     llm.runner.sampler = DefaultSampler(llm.config)
     return llm
 

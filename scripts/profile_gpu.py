@@ -43,11 +43,11 @@ def timeline(llm, prompts, params):
         end.record()
         records.append(
             {
-                "seqs": len(batch.seqs),
+                "seqs": len(batch.requests),
                 "tokens": batch.total_tokens,
                 "decode": batch.num_decode_tokens == batch.total_tokens,
                 # every token the step attends over: each sequence's context plus its new tokens
-                "kv_tokens": sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_scheduled_tokens)),
+                "kv_tokens": sum(s.num_computed_tokens + n for s, n in zip(batch.requests, batch.num_scheduled_tokens)),
                 "start": start,
                 "end": end,
             }

@@ -49,7 +49,7 @@ def test_core_and_kernels_import_no_plugin():
 def test_no_builtin_plugin_imports_another_plugins_module():
     plugins = {ep.value for ep in entry_points(group="inferlab") if ep.value.startswith("inferlab.plugins.")}
     assert {"inferlab.plugins.attention.triton_backend", "inferlab.plugins.attention.flash_attn_backend"} <= plugins
-    for plugin in plugins - {"inferlab.plugins.schedulers.lpm"}:  # lpm still extends fcfs's scheduler class
+    for plugin in plugins:
         reached, pending = set(), [plugin]
         while pending:  # every module of inferlab.plugins it imports, directly or not
             for name in imported_names(SOURCES[pending.pop()]):

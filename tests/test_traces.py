@@ -158,12 +158,12 @@ def test_shared_hash_ids_give_prefix_cache_hits(tmp_path, one_torch_thread):
         workload = build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
         hits = []
         for request in workload.requests:  # one at a time, as their arrivals are far apart
-            before = llm.kv_cache.num_hit_tokens
+            before = llm.kv_manager.prefix_cache_stats()[0]
             outputs = llm.generate(
                 [request.prompt_token_ids],
                 SamplingParams(max_tokens=request.output_len, ignore_eos=True),
                 use_tqdm=False,
             )
             assert len(outputs[0]["token_ids"]) == 2
-            hits.append(llm.kv_cache.num_hit_tokens - before)
+            hits.append(llm.kv_manager.prefix_cache_stats()[0] - before)
     assert hits == [0, MOONCAKE_BLOCK_SIZE, 0]  # the second reuses block 0, 32 cache blocks of 16

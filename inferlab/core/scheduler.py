@@ -131,7 +131,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         remaining = len(request.token_ids) - num_computed
-        num_tokens = min(remaining, budget)
+        num_tokens = remaining if remaining < budget else budget
         if self.budgeted and remaining > 1:
             chunk = self.policy.chunk_size(request.view, budget)
             if not isinstance(chunk, int) or chunk < 1:
@@ -142,12 +142,14 @@ class Scheduler:
         return num_tokens
 
     def _continue_running(self, step: "_Step") -> None:
-        running, kv = self.running, self.kv
+        # The hot loop of every decode step: one pass over the running requests, in admission order.
+        running, allocate, num_new_tokens = self.running, self.kv.allocate, self._num_new_tokens
+        requests, counts = step.requests, step.counts
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
-            num_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
-            while not kv.allocate(request, num_tokens):
+            num_tokens = num_new_tokens(request, request.num_computed_tokens, step.budget)
+            while not allocate(request, num_tokens):
                 victim = self._own(
                     self.policy.preemption_victim(tuple(r.view for r in running), step.state()),
                     RUNNING,
@@ -159,8 +161,11 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                step.add(request, num_tokens)
+                requests.append(request)
+                counts.append(num_tokens)
+                step.budget -= num_tokens
                 i += 1
+        step.invalidate()
 
     def _admit(self, step: "_Step") -> None:
         order = self.policy.admission_order(tuple(r.view for r in self.waiting), step.state())
@@ -247,18 +252,19 @@ class Scheduler:
         max_model_len finishes now, so that it is not scheduled again; it is reported by
         resolve. Returns (request, row, position) of every appended token, for resolve."""
         appended = []
-        kv = self.kv
+        commit = self.kv.commit
         for row, (request, num_tokens, token) in enumerate(zip(batch.requests, batch.num_scheduled_tokens, sampled)):
             if request.status is not RUNNING:  # finished (aborted, a stop) while its step ran
                 continue
             request.num_computed_tokens += num_tokens
-            kv.commit(request)
+            commit(request)
             if token is None:
                 continue
-            appended.append((request, row, len(request.token_ids)))
-            request.token_ids.append(token)
-            if request.num_output_tokens >= request.params.max_tokens or (
-                request.max_model_len is not None and len(request.token_ids) >= request.max_model_len
+            token_ids = request.token_ids
+            appended.append((request, row, len(token_ids)))
+            token_ids.append(token)
+            if len(token_ids) - request.num_prompt_tokens >= request.params.max_tokens or (
+                request.max_model_len is not None and len(token_ids) >= request.max_model_len
             ):
                 self.finish(request, "length")
         return appended
@@ -272,20 +278,19 @@ class Scheduler:
             token = tokens[row]
             request.token_ids[position] = token
             request.token_times.append(now)
+            params = request.params
+            stops = (token == request.eos_token_id and not params.ignore_eos) or (
+                params.stop_token_ids and token in params.stop_token_ids
+            )
             if request.status is FINISHED:
                 if request.finish_reason == "length":
-                    if self._is_stop_token(request, token):
+                    if stops:
                         request.finish_reason = "stop"  # the token decides, as when it was known at once
                     finished.append(request)
-            elif self._is_stop_token(request, token) or (request.params.stop and self._hits_stop_string(request)):
+            elif stops or (params.stop and self._hits_stop_string(request)):
                 self.finish(request, "stop")
                 finished.append(request)
         return finished
-
-    @staticmethod
-    def _is_stop_token(request: Request, token: int) -> bool:
-        params = request.params
-        return (token == request.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
 
     def _hits_stop_string(self, request: Request) -> bool:
         # A stop string of m characters spans at most m tokens; a few more cover merges at the edge.
@@ -320,6 +325,10 @@ class _Step:
         self.counts.append(num_tokens)
         self.budget -= num_tokens
         self._state = None  # running and free blocks changed
+
+    def invalidate(self) -> None:
+        """The queues or free blocks changed: the policy's view is built again when next asked."""
+        self._state = None
 
     def remove(self, request: Request) -> None:
         """Takes a preempted request out of the step, if it was in it."""
