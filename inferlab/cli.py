@@ -29,7 +29,11 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def run(cfg: DictConfig) -> None:
-    if cfg.job.name == JobName.bench:
+    if cfg.job.name == JobName.profile:
+        from inferlab.sim.profiling import run_profile_job
+
+        run_profile_job(cfg)
+    elif cfg.job.name == JobName.bench:
         from inferlab.bench import run_bench
         from inferlab.workload import BenchConfigError
 

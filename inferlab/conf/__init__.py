@@ -20,10 +20,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.sim.executor import SimulatedOptions
+from inferlab.sim.profiling import ProfileConfig
 
 # Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
 AUTO_CHOICE_KINDS = ("attention", "model")
-PLUGIN_FIELDS = {"model_path", *KINDS, *(f"{kind}_options" for kind in KINDS)}
+PLUGIN_FIELDS = {"model_path", *KINDS, *(f"{kind}_options" for kind in KINDS), "executor", "executor_options"}
 PROMPTS = ["Hello, world! How are you today?", "The quick brown fox", "Once upon a time,"]
 
 
@@ -54,6 +56,7 @@ EngineSettings = _engine_settings_class()
 class JobName(Enum):
     generate = "generate"
     bench = "bench"
+    profile = "profile"  # measure step times on a GPU for the simulated executor (inferlab.sim.profiling)
 
 
 @dataclass
@@ -116,10 +119,12 @@ class InferlabConfig:
     kv_cache: Any = MISSING
     attention: Any = MISSING
     sampler: Any = MISSING
+    executor: Any = MISSING
     engine: EngineSettings = field(default_factory=EngineSettings)
     job: JobConfig = MISSING
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def plugin_node_class(kind: str, name: str, options: type | None = None) -> type:
@@ -146,6 +151,9 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
     store.store(name="inferlab_schema", node=InferlabConfig)
     for job in JobName:
         store.store(group="job", name=job.value, node=JobConfig(name=job))
+    # The device, or a step-cost model on a virtual clock standing in for it (inferlab.sim).
+    store.store(group="executor", name="real", node=plugin_node_class("executor", "real"))
+    store.store(group="executor", name="simulated", node=plugin_node_class("executor", "simulated", SimulatedOptions))
     for kind in KINDS:
         names = registry.names(kind) + (["auto"] if kind in AUTO_CHOICE_KINDS else [])
         for name in names:
@@ -179,6 +187,9 @@ def engine_arguments(cfg: DictConfig) -> tuple[str | None, dict]:
         if kind == "model":
             model_path = options.pop("path")
         settings[f"{kind}_options"] = options
+    executor = OmegaConf.to_container(cfg.executor, resolve=True)
+    settings["executor"] = executor.pop("name")
+    settings["executor_options"] = executor
     return model_path, settings
 
 
@@ -186,7 +197,7 @@ def flat_choices(cfg: DictConfig) -> dict[str, Any]:
     """What a run asked for, as the override keys a user types: {"scheduler": "lpm",
     "scheduler.max_sort_waiting": 1024, "engine.max_num_seqs": 512, "bench.num_seqs": 256, ...}."""
     choices = {}
-    for kind in KINDS:
+    for kind in (*KINDS, "executor"):
         node = OmegaConf.to_container(cfg[kind], resolve=True)
         choices[kind] = node.pop("name")
         choices.update({f"{kind}.{key}": value for key, value in node.items()})

@@ -96,20 +96,29 @@ class LLMEngine:
             name = getattr(config, kind)
             if name != "auto":
                 validated_options(self.registry.get(kind, name), getattr(config, f"{kind}_options"))
-        if model_path is None:
-            from inferlab.tiny_model import default_model_path
+        simulated = config.executor == "simulated"
+        if simulated:
+            from inferlab.sim.executor import SimulatedRunner, simulated_checkpoint
 
-            model_path = default_model_path()
+            profile, hf_config, self.tokenizer, model_path = simulated_checkpoint(config, model_path)
+        else:
+            if model_path is None:
+                from inferlab.tiny_model import default_model_path
+
+                model_path = default_model_path()
+            hf_config, self.tokenizer = load_checkpoint_files(os.fspath(model_path))
         self.model_path = model_path = os.fspath(model_path)
-        hf_config, self.tokenizer = load_checkpoint_files(model_path)
         self.config = config
         self.hf_config = hf_config
         config.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
-        if config.tensor_parallel_size > 1:  # rank 0 runs here, ranks 1..N-1 in worker processes
+        if simulated:
+            self.runner = SimulatedRunner(config, hf_config, profile, self.tokenizer.eos_token_id)
+        elif config.tensor_parallel_size > 1:  # rank 0 runs here, ranks 1..N-1 in worker processes
             self.runner = TensorParallelRunner(config, hf_config, model_path, self.registry)
         else:
             self.runner = ModelRunner(config, hf_config, model_path, self.registry)
-        self.clock = perf_counter  # the time requests and steps are stamped with
+        # The time requests and steps are stamped with: the host's, or a simulation's virtual one.
+        self.clock = self.runner.clock if simulated else perf_counter
         try:
             self.kv_manager = self.registry.create(
                 "kv_cache", config.kv_cache, config, self.runner.num_kv_blocks, options=config.kv_cache_options

@@ -1,0 +1,184 @@
+"""Step-cost models: how long the GPU work of one engine step takes, from the step's composition.
+
+A step is described by what drives its cost: its prefill tokens and the (query, key) pairs their
+attention covers (so cached context counts), its decode sequences and the cached tokens they read,
+and whether it replays a CUDA graph. Two models predict a step's seconds from that:
+
+- `MeasuredCostModel`, fitted to a profile's measurements of real steps (`inferlab job=profile`):
+  a decode-only step costs a fixed part and a part per cached token read, both functions of the
+  batch size interpolated between the measured sizes (they move from weight-bound to
+  compute-bound as the batch grows, which no single line captures); a step with prefill costs a
+  fixed part, a part per prefill token, per attention pair and per decode request, fitted by
+  least squares, plus its decode requests' K/V reads.
+- `RooflineCostModel`, from a device's memory bandwidth and matmul rate alone: the larger of the
+  step's bytes over the bandwidth and its FLOPs over the matmul rate, plus a per-step overhead.
+  It serves any model shape and device, as a floor rather than a prediction.
+"""
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from inferlab.floor import DeviceRates, ModelCost
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """The composition of one step, as a cost model sees it."""
+
+    prefill_tokens: int = 0
+    prefill_pairs: int = 0  # (query, key) pairs of the prefill tokens' attention, cached context included
+    prefill_requests: int = 0
+    decode_requests: int = 0
+    decode_context: int = 0  # cached tokens the decode requests read, their new token included
+    graph: bool = False  # a decode-only step that replays a CUDA graph
+
+    @classmethod
+    def of(cls, batch, graph_batch_limit: int = 0) -> "StepShape":
+        """The shape of a ScheduledBatch, read before the step advances its requests."""
+        prefill_tokens = prefill_pairs = prefill_requests = decode_requests = decode_context = 0
+        for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens):
+            context = request.num_computed_tokens
+            if num_tokens == 1 and context == len(request.token_ids) - 1:
+                decode_requests += 1
+                decode_context += context + 1
+            else:
+                prefill_requests += 1
+                prefill_tokens += num_tokens
+                prefill_pairs += num_tokens * context + num_tokens * (num_tokens + 1) // 2
+        graph = not prefill_tokens and 0 < decode_requests <= graph_batch_limit
+        return cls(prefill_tokens, prefill_pairs, prefill_requests, decode_requests, decode_context, graph)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class MeasuredCostModel:
+    """Fitted to measured step times: see the module docstring. `measurements` are dicts with the
+    StepShape fields and `seconds`."""
+
+    def __init__(self, measurements: list[dict]):
+        if not measurements:
+            raise ValueError("a measured cost model needs measurements; the profile has none")
+        shapes = [(StepShape(**{k: m[k] for k in StepShape.__slots__}), float(m["seconds"])) for m in measurements]
+        self.decode = {
+            graph: _DecodeFit([(s, t) for s, t in shapes if not s.prefill_tokens and s.graph == graph])
+            for graph in (True, False)
+        }
+        if not self.decode[True].sizes and not self.decode[False].sizes:
+            raise ValueError("the profile has no decode-only measurements")
+        mixed = [(s, t) for s, t in shapes if s.prefill_tokens]
+        if not mixed:
+            raise ValueError("the profile has no measurements of steps with prefill")
+        # A step with prefill runs one eager forward over all its tokens: a fixed part, a part per
+        # prefill token, per attention pair and per decode request, and the decode requests' K/V
+        # reads at the rate decode-only steps of that batch size read it.
+        rows = np.array([[1.0, s.prefill_tokens, s.prefill_pairs, s.decode_requests] for s, _ in mixed])
+        rest = np.array([t - self._context_seconds(s.decode_requests, s.decode_context) for s, t in mixed])
+        self.prefill_coefficients = nonnegative_least_squares(rows, rest)
+
+    def _fit(self, graph: bool) -> "_DecodeFit":
+        return self.decode[graph] if self.decode[graph].sizes else self.decode[not graph]
+
+    def _context_seconds(self, requests: int, context: int) -> float:
+        return self._fit(True)._at(self._fit(True).per_token, requests) * context if requests else 0.0
+
+    def __call__(self, shape: StepShape) -> float:
+        if not shape.prefill_tokens:
+            return self._fit(shape.graph)(shape.decode_requests, shape.decode_context) if shape.decode_requests else 0.0
+        base, per_token, per_pair, per_decode = self.prefill_coefficients
+        return (
+            base
+            + per_token * shape.prefill_tokens
+            + per_pair * shape.prefill_pairs
+            + per_decode * shape.decode_requests
+            + self._context_seconds(shape.decode_requests, shape.decode_context)
+        )
+
+    def describe(self) -> dict:
+        """The fitted coefficients, for results and docs."""
+        base, per_token, per_pair, per_decode = self.prefill_coefficients
+        return {
+            "decode": {("graph" if g else "eager"): fit.describe() for g, fit in self.decode.items() if fit.sizes},
+            "with_prefill": {
+                "base_s": base,
+                "per_prefill_token_s": per_token,
+                "per_pair_s": per_pair,
+                "per_decode_request_s": per_decode,
+            },
+        }
+
+
+class _DecodeFit:
+    """Decode-only steps: seconds = fixed(B) + per_token(B) * context, both piecewise linear in
+    the batch size B between the measured sizes (and extrapolated linearly beyond them)."""
+
+    def __init__(self, points: list[tuple[StepShape, float]]):
+        by_size: dict[int, list[tuple[int, float]]] = {}
+        for shape, seconds in points:
+            by_size.setdefault(shape.decode_requests, []).append((shape.decode_context, seconds))
+        self.sizes, self.fixed, self.per_token = [], [], []
+        for size in sorted(by_size):
+            context, seconds = map(np.array, zip(*by_size[size]))
+            if len(set(context.tolist())) > 1:
+                fixed, per_token = nonnegative_least_squares(np.stack([np.ones_like(context), context], 1), seconds)
+            else:
+                fixed, per_token = float(seconds.mean()), 0.0
+            self.sizes.append(size)
+            self.fixed.append(fixed)
+            self.per_token.append(per_token)
+
+    def _at(self, values: list[float], size: int) -> float:
+        sizes = self.sizes
+        if len(sizes) == 1:
+            return values[0] * size / sizes[0] if size > sizes[0] else values[0]
+        i = min(max(bisect.bisect_left(sizes, size), 1), len(sizes) - 1)
+        lo, hi = sizes[i - 1], sizes[i]
+        return max(0.0, values[i - 1] + (values[i] - values[i - 1]) * (size - lo) / (hi - lo))
+
+    def __call__(self, requests: int, context: int) -> float:
+        return self._at(self.fixed, requests) + self._at(self.per_token, requests) * context
+
+    def describe(self) -> dict:
+        return {"batch_sizes": self.sizes, "fixed_s": self.fixed, "per_context_token_s": self.per_token}
+
+
+class RooflineCostModel:
+    """The larger of bytes / bandwidth and FLOPs / matmul rate, plus a fixed overhead per step."""
+
+    def __init__(self, cost: ModelCost, rates: DeviceRates, step_overhead_s: float = 0.0):
+        self.cost, self.rates, self.step_overhead_s = cost, rates, step_overhead_s
+
+    def __call__(self, shape: StepShape) -> float:
+        cost = self.cost
+        tokens = shape.prefill_tokens + shape.decode_requests
+        context_bytes = cost.kv_bytes_per_token * (shape.decode_context + shape.prefill_tokens)
+        flops = (
+            tokens * (cost.flops_per_token - cost.head_flops_per_token)
+            + (shape.decode_requests + shape.prefill_requests) * cost.head_flops_per_token
+            + cost.attention_flops_per_pair * (shape.prefill_pairs + shape.decode_context)
+        )
+        compute = max((cost.weight_bytes + context_bytes) / self.rates.bandwidth, flops / self.rates.matmul_rate)
+        return self.step_overhead_s + compute
+
+    def describe(self) -> dict:
+        return {
+            "bandwidth_GBps": self.rates.bandwidth / 1e9,
+            "matmul_TFLOPs": self.rates.matmul_rate / 1e12,
+            "step_overhead_s": self.step_overhead_s,
+        }
+
+
+def nonnegative_least_squares(rows: np.ndarray, targets: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0 (a cost never falls as work grows): solve, drop
+    the most negative coefficient, repeat."""
+    active = list(range(rows.shape[1]))
+    while True:
+        solution = np.zeros(rows.shape[1])
+        if active:
+            solution[active] = np.linalg.lstsq(rows[:, active], targets, rcond=None)[0]
+        negative = [i for i in active if solution[i] < 0]
+        if not negative:
+            return [float(x) for x in solution]
+        active.remove(min(negative, key=lambda i: solution[i]))

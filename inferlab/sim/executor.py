@@ -1,0 +1,190 @@
+"""The simulated executor: the engine's runner replaced by a step-cost model on a virtual clock.
+
+The scheduler policy, the KV cache manager and the engine loop run as they do on a GPU; only the
+forward pass and sampling are replaced: each launched step advances the virtual clock by the
+time the cost model predicts for it, and every sampling row gets a synthetic token (never EOS),
+so output lengths come from max_tokens (the workloads use ignore_eos). The KV cache holds as
+many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
+eviction happen as on the device.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from inferlab.sim.cost_model import StepShape
+from inferlab.sim.profile import Profile, load_profile, model_fields, roofline_profile
+
+log = logging.getLogger("inferlab")
+
+
+@dataclass
+class SimulatedOptions:
+    """`executor=simulated` settings (`executor.profile=...`)."""
+
+    # A shipped profile's name (inferlab.sim.profile.shipped_profiles()), a profile file, or
+    # "roofline" for an estimate from roofline_device's rates that serves any model shape.
+    profile: str = "roofline"
+    roofline_device: str = "h200"
+    roofline_step_overhead_s: float = 0.0005  # per step, for the roofline estimate only
+
+    def __post_init__(self):
+        if not self.profile:
+            raise ValueError("executor profile must name a profile, a profile file or 'roofline'")
+        if self.roofline_step_overhead_s < 0:
+            raise ValueError(f"roofline_step_overhead_s must be >= 0, got {self.roofline_step_overhead_s}")
+
+
+def simulated_options(options: dict) -> SimulatedOptions:
+    from dataclasses import fields
+
+    allowed = [f.name for f in fields(SimulatedOptions)]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown simulated executor option(s) {unknown}; allowed: {allowed}")
+    return SimulatedOptions(**options)
+
+
+class VirtualClock:
+    """Seconds since the simulation began; only steps and waits move it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+def load_simulated_profile(options: SimulatedOptions, hf_config, config) -> Profile:
+    if options.profile != "roofline":
+        return load_profile(options.profile)
+    dtype = "bfloat16" if config.dtype == "auto" else config.dtype
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else "float8_e4m3fn"
+    return roofline_profile(
+        hf_config,
+        options.roofline_device,
+        dtype,
+        kv_dtype,
+        config.tensor_parallel_size,
+        config.gpu_memory_utilization,
+        options.roofline_step_overhead_s,
+    )
+
+
+def simulated_checkpoint(config, model_path: str | None):
+    """(profile, HF config, tokenizer, model path) of a simulated engine. With a checkpoint
+    directory, its config.json and tokenizer (no weights are read); without one, a measured
+    profile's own model shape with the embedded model's tokenizer (prompts are token ids)."""
+    from inferlab.core.engine import load_checkpoint_files
+    from inferlab.tiny_model import default_model_path
+
+    options = simulated_options(config.executor_options)
+    if model_path is None and options.profile != "roofline":
+        profile = load_profile(options.profile)
+        _, tokenizer = load_checkpoint_files(default_model_path())
+        return profile, profile_model_config(profile), tokenizer, f"(model shape of profile {options.profile})"
+    model_path = model_path if model_path is not None else default_model_path()
+    hf_config, tokenizer = load_checkpoint_files(str(model_path))
+    return load_simulated_profile(options, hf_config, config), hf_config, tokenizer, model_path
+
+
+def profile_model_config(profile: Profile):
+    """A transformers config with the profile's model shape, for an engine given no checkpoint."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in profile.model.items() if k not in ("model_type", "architectures") and v is not None}
+    config = AutoConfig.for_model(profile.model.get("model_type") or "qwen3", **fields)
+    config.architectures = profile.model.get("architectures")
+    return config
+
+
+class SimulatedRunner:
+    """Stands in for ModelRunner: same launch() and handles, no device work."""
+
+    def __init__(self, config, hf_config, profile: Profile, avoid_token: int | None):
+        self.config = config
+        self.profile = profile
+        self.clock = VirtualClock()
+        self.cost_model = profile.cost_model()
+        self.device = torch.device("cpu")  # nothing runs anywhere: no overlap, no CUDA graphs to capture
+        self.dtype = getattr(torch, profile.dtype)
+        self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
+        self.block_size = config.kvcache_block_size
+        self.graph_batch_limit = 0 if config.enforce_eager else min(profile.graph_batch_limit, config.max_num_seqs)
+        self.num_kv_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else self._blocks_from_profile()
+        # a token that ends nothing: sampling rows get it, so lengths come from max_tokens
+        self.token = 1 if avoid_token != 1 else 2
+        self.num_steps = 0
+        self.simulated_seconds = 0.0
+        self._check_shape(hf_config)
+
+    def _blocks_from_profile(self) -> int:
+        model = self.profile.model
+        kv_heads = max(1, model["num_key_value_heads"] // self.profile.tensor_parallel_size)
+        block_bytes = 2 * model["num_hidden_layers"] * kv_heads * model["head_dim"] * self.block_size
+        block_bytes *= self.kv_cache_dtype.itemsize
+        return max(1, self.profile.kv_cache_bytes // block_bytes)
+
+    def _check_shape(self, hf_config) -> None:
+        """A measured profile predicts only the model it was measured on."""
+        if self.profile.kind != "measured":
+            return
+        mine, theirs = model_fields(hf_config), self.profile.model
+        differ = [
+            k
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+            )
+            if mine.get(k) != theirs.get(k)
+        ]
+        if differ:
+            raise ValueError(
+                f"the profile was measured on another model shape ({', '.join(f'{k}: {theirs.get(k)} != {mine.get(k)}' for k in differ)}); "
+                "use a profile of this model (inferlab job=profile on a GPU) or executor.profile=roofline"
+            )
+        if self.config.tensor_parallel_size != self.profile.tensor_parallel_size:
+            raise ValueError(
+                f"the profile was measured with tensor_parallel_size={self.profile.tensor_parallel_size}, "
+                f"not {self.config.tensor_parallel_size}"
+            )
+
+    def launch(self, batch) -> "SimulatedStep":
+        seconds = self.cost_model(StepShape.of(batch, self.graph_batch_limit))
+        self.clock.now += seconds
+        self.simulated_seconds += seconds
+        self.num_steps += 1
+        sample_rows = [
+            row
+            for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
+            if request.num_computed_tokens + num_tokens == len(request.token_ids)
+        ]
+        return SimulatedStep(len(batch.requests), sample_rows, self.token)
+
+    def close(self) -> None:
+        pass
+
+
+class SimulatedStep:
+    def __init__(self, num_rows: int, sample_rows: list[int], token: int):
+        self.num_rows, self.sample_rows, self.token = num_rows, sample_rows, token
+
+    def tokens(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_rows
+        for row in self.sample_rows:
+            out[row] = self.token
+        return out
+
+    def placeholders(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_rows
+        for k, row in enumerate(self.sample_rows):
+            out[row] = -(k + 1)
+        return out

@@ -1,0 +1,202 @@
+"""`inferlab job=profile`: measure step times of the real engine over a grid of step compositions
+and write them as a step-time profile for the simulated executor.
+
+Each composition (decode batches of several sizes and contexts, with and without CUDA graphs;
+prefill chunks of several sizes with and without cached context, alone, split over requests and
+mixed with decodes) is built as requests holding real KV blocks and launched back to back as the
+engine does under overlap scheduling (the next launch before the previous tokens are read), so a
+step's time is what a run pays for it: the device's work or, where it is longer, the host's.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inferlab.core.batch import ScheduledBatch
+from inferlab.core.cuda_graphs import MAX_GRAPH_BATCH
+from inferlab.core.model_runner import ModelRunner
+from inferlab.core.request import Request
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.sim.cost_model import StepShape
+from inferlab.sim.profile import Profile, model_fields
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
+DECODE_CONTEXTS = (128, 512, 1024, 2048)
+EAGER_BATCHES = (1, 8, 64, 256)
+PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 16384)
+PREFILL_CONTEXTS = (0, 4096)
+
+
+@dataclass
+class ProfileConfig:
+    """`inferlab job=profile`: where to write the profile and how long to time each step."""
+
+    out: str = "profile.json"
+    repeats: int = 10  # timed launches per composition (after 3 untimed ones)
+    decode_batches: list[int] = field(default_factory=lambda: list(DECODE_BATCHES))
+    decode_contexts: list[int] = field(default_factory=lambda: list(DECODE_CONTEXTS))
+    prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
+    commit: str | None = None  # recorded in the profile (default: the checkout's)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Builds steps of a given composition on an engine's own KV cache and times them."""
+
+    def __init__(self, llm, repeats: int, seed: int = 0):
+        self.llm, self.repeats = llm, repeats
+        self.rng = random.Random(seed)
+        self.next_id = 10**9  # far from the engine's own request ids
+        self.params = SamplingParams(temperature=0.6, max_tokens=1 << 20, ignore_eos=True, seed=0)
+
+    def _request(self, context: int, new_tokens: int) -> Request:
+        vocab = min(self.llm.hf_config.vocab_size, 10_000)
+        tokens = [self.rng.randrange(vocab) for _ in range(context + new_tokens)]
+        request = Request(self.next_id, tokens, self.params)
+        self.next_id += 1
+        if not self.llm.kv_manager.allocate(request, context + new_tokens):
+            raise MemoryError
+        request.num_computed_tokens = context
+        return request
+
+    def fits(self, parts: list[tuple[int, int]]) -> bool:
+        kv = self.llm.kv_manager
+        return sum(-(-(c + n) // kv.block_size) for c, n in parts) <= kv.num_free_blocks
+
+    def time(self, parts: list[tuple[int, int]], graphs: bool = True) -> dict | None:
+        """Seconds a step of these (cached context, new tokens) requests takes, with its shape;
+        None when the KV cache cannot hold them."""
+        if not self.fits(parts):
+            return None
+        llm, runner = self.llm, self.llm.runner
+        requests = [self._request(c, n) for c, n in parts]
+        batch = ScheduledBatch(requests, [n for _, n in parts], [llm.kv_manager.block_table(r) for r in requests])
+        saved = runner.decode_graphs
+        if not graphs:
+            runner.decode_graphs = None
+        try:
+            for _ in range(3):
+                runner.launch(batch).tokens()
+            synchronize(runner.device)
+            start, previous = time.perf_counter(), None
+            for _ in range(self.repeats):
+                handle = runner.launch(batch)
+                if previous is not None:
+                    previous.tokens()
+                previous = handle
+            previous.tokens()
+            synchronize(runner.device)
+            seconds = (time.perf_counter() - start) / self.repeats
+        finally:
+            runner.decode_graphs = saved
+            for request in requests:
+                llm.kv_manager.free(request)
+        limit = min(MAX_GRAPH_BATCH, llm.config.max_num_seqs) if graphs and saved is not None else 0
+        return {**StepShape.of(batch, limit).as_dict(), "seconds": seconds}
+
+
+def measure(llm, settings: ProfileConfig) -> list[dict]:
+    timer = StepTimer(llm, settings.repeats)
+    config, out = llm.config, []
+    max_len = config.max_model_len
+
+    def add(parts, graphs=True):
+        if len(parts) <= config.max_num_seqs and all(c + n <= max_len for c, n in parts):
+            measurement = timer.time(parts, graphs)
+            if measurement is not None:
+                out.append(measurement)
+
+    for batch in settings.decode_batches:
+        for context in settings.decode_contexts:
+            add([(context, 1)] * batch)
+    if isinstance(llm.runner, ModelRunner) and llm.runner.decode_graphs is not None:  # rank 0 alone can go eager
+        for batch in EAGER_BATCHES:
+            add([(512, 1)] * batch, graphs=False)
+    for tokens in settings.prefill_tokens:
+        if tokens > config.max_num_batched_tokens:
+            continue
+        for context in PREFILL_CONTEXTS:
+            add([(context, tokens)])
+        if tokens >= 1024:  # the same tokens as a chunk of several prompts
+            add([(0, tokens // 8)] * 8)
+        for decodes in (16, 128):
+            if tokens <= 4096:
+                add([(0, tokens)] + [(1024, 1)] * decodes)
+    return out
+
+
+def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
+    from inferlab.bench import git_state, resolved_plugins
+
+    measurements = measure(llm, settings)
+    runner = llm.runner
+    model = model_fields(llm.hf_config)
+    kv_heads = max(1, model["num_key_value_heads"] // llm.config.tensor_parallel_size)
+    block_bytes = 2 * model["num_hidden_layers"] * kv_heads * model["head_dim"] * llm.config.kvcache_block_size
+    block_bytes *= runner.kv_cache_dtype.itemsize
+    graphs = runner.decode_graphs is not None
+    return Profile(
+        kind="measured",
+        device=torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu",
+        model=model,
+        dtype=str(runner.dtype).replace("torch.", ""),
+        kv_cache_dtype=str(runner.kv_cache_dtype).replace("torch.", ""),
+        attention=resolved_plugins(llm)["attention"],
+        tensor_parallel_size=llm.config.tensor_parallel_size,
+        kv_cache_bytes=runner.num_kv_blocks * block_bytes,
+        graph_batch_limit=min(MAX_GRAPH_BATCH, llm.config.max_num_seqs) if graphs else 0,
+        measurements=measurements,
+        source={
+            "commit": settings.commit or git_state()["git_commit"],
+            "date": time.strftime("%Y-%m-%d"),
+            "command": command,
+            "torch": torch.__version__,
+            "engine": {
+                k: getattr(llm.config, k)
+                for k in (
+                    "kvcache_block_size",
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "gpu_memory_utilization",
+                    "enforce_eager",
+                    "max_model_len",
+                )
+            },
+        },
+    )
+
+
+def run_profile_job(cfg) -> None:
+    """The `job=profile` entry point: the configured engine, measured, written to profile.out."""
+    from omegaconf import OmegaConf
+
+    from inferlab import LLM
+    from inferlab.conf import engine_arguments
+    from inferlab.sim.cost_model import MeasuredCostModel
+
+    settings = ProfileConfig(**OmegaConf.to_container(cfg.profile, resolve=True))
+    model_path, engine_settings = engine_arguments(cfg)
+    with LLM(model_path, **engine_settings) as llm:
+        if llm.runner.device.type != "cuda":
+            raise ValueError("job=profile measures a GPU: run it on a CUDA device (the simulator then runs anywhere)")
+        profile = run_profile(llm, settings, " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
+    profile.save(settings.out)
+    model = MeasuredCostModel(profile.measurements)
+    errors = [
+        abs(model(StepShape(**{k: m[k] for k in StepShape.__slots__})) / m["seconds"] - 1) for m in profile.measurements
+    ]
+    print(f"{len(profile.measurements)} step compositions measured -> {settings.out}")
+    print(
+        f"the fitted model on its own measurements: median error {100 * sorted(errors)[len(errors) // 2]:.1f}%, "
+        f"worst {100 * max(errors):.1f}%"
+    )
+    print(json.dumps(model.describe(), indent=1))

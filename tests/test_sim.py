@@ -1,0 +1,192 @@
+"""The simulated executor: cost models fitted and evaluated as specified, the engine run on a
+virtual clock with the real policy and KV manager, and the profiling job's measurements."""
+
+import json
+
+import numpy as np
+import pytest
+
+from inferlab import LLM, SamplingParams
+from inferlab.floor import DeviceRates, ModelCost
+from inferlab.sim.cost_model import MeasuredCostModel, RooflineCostModel, StepShape, nonnegative_least_squares
+from inferlab.sim.profile import Profile, load_profile, model_fields, shipped_profiles
+
+
+def linear_truth(shape: StepShape) -> float:
+    """A device whose steps cost 2 ms + 10 us a decode request + 1 ns a context token, and for
+    prefill 3 ms + 20 ns a token + 0.5 ps a pair on top."""
+    seconds = 0.0
+    if shape.decode_requests:
+        seconds += 2e-3 + 1e-5 * shape.decode_requests + 1e-9 * shape.decode_context
+    if shape.prefill_tokens:
+        seconds += 3e-3 + 2e-8 * shape.prefill_tokens + 5e-13 * shape.prefill_pairs
+    return seconds
+
+
+def measured(shapes) -> list[dict]:
+    return [{**s.as_dict(), "seconds": linear_truth(s)} for s in shapes]
+
+
+GRID = [StepShape(decode_requests=b, decode_context=b * c, graph=True) for b in (1, 4, 16, 64) for c in (128, 1024)]
+GRID += [StepShape(decode_requests=b, decode_context=b * 512, graph=False) for b in (1, 64)]
+GRID += [
+    StepShape(prefill_tokens=n, prefill_pairs=n * c + n * (n + 1) // 2, prefill_requests=1)
+    for n in (16, 256, 4096)
+    for c in (0, 2048)
+]
+GRID += [
+    StepShape(
+        prefill_tokens=256,
+        prefill_pairs=256 * 257 // 2,
+        prefill_requests=1,
+        decode_requests=16,
+        decode_context=16 * 1024,
+    )
+]
+
+
+def test_the_measured_model_recovers_a_linear_device():
+    model = MeasuredCostModel(measured(GRID))
+    unseen = [
+        StepShape(decode_requests=32, decode_context=32 * 700, graph=True),
+        StepShape(prefill_tokens=1000, prefill_pairs=1000 * 500 + 500_500, prefill_requests=1),
+    ]
+    for shape in GRID + unseen:
+        assert model(shape) == pytest.approx(linear_truth(shape), rel=1e-6)
+    described = model.describe()
+    assert described["with_prefill"]["per_prefill_token_s"] == pytest.approx(2e-8, rel=1e-6)
+    assert described["decode"]["graph"]["batch_sizes"] == [1, 4, 16, 64]
+
+
+def test_nonnegative_least_squares_drops_negative_costs():
+    rows = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    assert nonnegative_least_squares(rows, np.array([3.0, 2.0, 1.0])) == pytest.approx([2.0, 0.0])
+
+
+def test_roofline_is_the_larger_of_bytes_and_flops():
+    cost = ModelCost(
+        weight_bytes=1000,
+        kv_bytes_per_token=10,
+        flops_per_token=100.0,
+        head_flops_per_token=20.0,
+        attention_flops_per_pair=1.0,
+    )
+    model = RooflineCostModel(cost, DeviceRates("test", bandwidth=1000.0, matmul_rate=1e5), step_overhead_s=0.5)
+    decode = StepShape(decode_requests=2, decode_context=30)
+    # bytes: 1000 + 10 * 30 = 1300 -> 1.3 s; flops: 2 * 80 + 2 * 20 + 30 = 230 -> 0.0023 s
+    assert model(decode) == pytest.approx(0.5 + 1.3)
+    prefill = StepShape(prefill_tokens=1000, prefill_pairs=500_500, prefill_requests=1)
+    flops = 1000 * 80 + 20 + 500_500  # layers for every token, the head once, attention pairs
+    assert model(prefill) == pytest.approx(0.5 + max((1000 + 10 * 1000) / 1000, flops / 1e5))
+
+
+def hand_profile(tmp_path, **extra) -> str:
+    """A measured profile of the embedded model's shape whose steps cost linear_truth."""
+    llm = LLM(device="cpu", num_kvcache_blocks=8)
+    profile = Profile(
+        kind="measured",
+        device="hand-written",
+        model=model_fields(llm.hf_config),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        attention="torch",
+        tensor_parallel_size=1,
+        kv_cache_bytes=10**9,
+        graph_batch_limit=512,
+        measurements=measured(GRID),
+        **extra,
+    )
+    path = tmp_path / "hand.json"
+    profile.save(str(path))
+    return str(path)
+
+
+def test_a_simulated_run_equals_the_hand_computation(tmp_path):
+    """Two requests arriving together: one prefill step for both (a 10- and a 6-token prompt),
+    which samples their first tokens, then two decode steps of both and two of the longer one. The clock ends at the sum of the steps' costs."""
+    profile = hand_profile(tmp_path)
+    llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
+    outputs = llm.generate([list(range(1, 11)), list(range(1, 7))], params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outputs] == [3, 5]
+    prefill = 3e-3 + 2e-8 * 16 + 5e-13 * (10 * 11 // 2 + 6 * 7 // 2)
+    # decode steps: both requests at contexts (11, 7) and (12, 8), then the second alone at 9 and 10
+    decode_two = [2e-3 + 2e-5 + 1e-9 * (11 + 7), 2e-3 + 2e-5 + 1e-9 * (12 + 8)]
+    decode_one = [2e-3 + 1e-5 + 1e-9 * c for c in (9, 10)]
+    assert llm.clock() == pytest.approx(prefill + sum(decode_two) + sum(decode_one), rel=1e-9)
+    assert llm.runner.num_steps == 5
+
+
+def test_capacity_comes_from_the_profile_or_the_setting(tmp_path):
+    profile = hand_profile(tmp_path)
+    llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)
+    model = llm.runner.profile.model
+    block_bytes = 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 16 * 4
+    assert llm.kv_manager.num_blocks == 10**9 // block_bytes
+    small = LLM(
+        executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16, num_kvcache_blocks=3
+    )
+    assert small.kv_manager.num_blocks == 3
+    outputs = small.generate([list(range(1, 30))] * 3, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert small.stats.num_preemptions > 0 and all(len(o["token_ids"]) == 8 for o in outputs)
+
+
+def test_a_measured_profile_refuses_another_model(tmp_path, checkpoint):
+    profile = hand_profile(tmp_path)
+    with pytest.raises(ValueError, match="measured on another model shape"):
+        LLM(checkpoint("gqa4-untied"), executor="simulated", executor_options={"profile": profile})
+
+
+def test_bad_executor_settings_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="executor must be one of"):
+        LLM(executor="fast")
+    with pytest.raises(ValueError, match=r"unknown simulated executor option\(s\) \['speed'\]"):
+        LLM(executor="simulated", executor_options={"speed": 2})
+    with pytest.raises(FileNotFoundError, match="no step-time profile 'nope'"):
+        load_profile("nope")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": 99}))
+    with pytest.raises(ValueError, match="not a step-time profile"):
+        load_profile(str(bad))
+
+
+def test_the_roofline_profile_serves_any_shape(checkpoint):
+    llm = LLM(checkpoint("gqa4-untied"), executor="simulated", kvcache_block_size=16)
+    assert "roofline estimate" in llm.runner.profile.label()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert llm.clock() > 0
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_shipped_profiles_load_and_fit(name):
+    profile = load_profile(name)
+    assert profile.kind == "measured" and profile.measurements
+    model = profile.cost_model()
+    errors = [
+        abs(model(StepShape(**{k: m[k] for k in StepShape.__slots__})) / m["seconds"] - 1) for m in profile.measurements
+    ]
+    assert np.median(errors) < 0.05, f"the fit misses its own measurements by {np.median(errors):.1%} (median)"
+
+
+def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
+    """job=profile's measurement on the CPU engine (on a GPU it is the same code): every
+    composition of the grid that fits becomes a measurement, and the profile loads and fits."""
+    from inferlab.sim.profiling import ProfileConfig, measure, run_profile
+
+    settings = ProfileConfig(repeats=2, decode_batches=[1, 4], decode_contexts=[16, 64], prefill_tokens=[16, 64])
+    with LLM(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        measurements = measure(llm, settings)
+        shapes = {(m["decode_requests"], m["decode_context"], m["prefill_tokens"]) for m in measurements}
+        # decode batches of 1 and 4 at contexts 16 and 64, prefills of 16 and 64 tokens; the mixed
+        # steps' decodes (at context 1024) exceed max_model_len and are left out
+        assert shapes == {(1, 17, 0), (1, 65, 0), (4, 68, 0), (4, 260, 0), (0, 0, 16), (0, 0, 64)}
+        assert all(m["seconds"] > 0 for m in measurements)
+        assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks  # every measured step's blocks freed
+        profile = run_profile(llm, settings, "test")
+    path = tmp_path / "cpu.json"
+    profile.save(str(path))
+    loaded = load_profile(str(path))
+    assert loaded.kind == "measured" and loaded.source["command"] == "test"
+    sim = LLM(executor="simulated", executor_options={"profile": str(path)}, kvcache_block_size=16)
+    sim.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert sim.clock() > 0
