@@ -77,7 +77,7 @@ def workload_floor(prompt_lens, output_lens, cost: ModelCost, rates: DeviceRates
         ).sum()
     )
     prefill_s = prefill_flops / rates.matmul_rate
-    decode_s = 0.0
+    decode_s = decode_bytes = decode_flops = 0.0
     # decode step t computes token t of every request with more than t outputs (token 0 came from prefill)
     for t in range(1, int(outputs.max()) if len(outputs) else 0):
         active = outputs > t
@@ -85,9 +85,15 @@ def workload_floor(prompt_lens, output_lens, cost: ModelCost, rates: DeviceRates
         step_bytes = cost.weight_bytes + cost.kv_bytes_per_token * context.sum()
         step_flops = active.sum() * cost.flops_per_token + cost.attention_flops_per_pair * context.sum()
         decode_s += float(max(step_bytes / rates.bandwidth, step_flops / rates.matmul_rate))
+        decode_bytes += step_bytes
+        decode_flops += step_flops
     total = prefill_s + decode_s
+    # A step that mixes prefill with memory-bound decode can hide prefill FLOPs behind the reads:
+    # the strict bound takes the workload's bytes and FLOPs as wholes, whichever takes longer.
+    strict = float(max(decode_bytes / rates.bandwidth, (decode_flops + prefill_flops) / rates.matmul_rate))
     return {
         "floor_seconds": total,
+        "strict_floor_seconds": strict,
         "floor_prefill_seconds": prefill_s,
         "floor_decode_seconds": decode_s,
         "floor_output_tokens_per_s": float(outputs.sum()) / total if total else 0.0,

@@ -93,3 +93,14 @@ def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
     second = device_rates(torch.device("cpu"))
     assert first == second and len(calls) == 1
     assert first.bandwidth > 1e8 and first.matmul_rate > 1e8
+
+
+def test_the_strict_floor_lets_prefill_flops_hide_behind_decode_reads():
+    """Per step, prefill adds its FLOP time to decode's read time; the strict bound takes the
+    workload's bytes and FLOPs as wholes (the larger of the two), so it is lower."""
+    rates = DeviceRates("test", bandwidth=4.0e12, matmul_rate=7.5e14)
+    cost = model_cost(QWEN3_06B, torch.bfloat16)
+    floor = workload_floor([1000] * 64, [200] * 64, cost, rates)
+    assert floor["strict_floor_seconds"] < floor["floor_seconds"]
+    reads = sum(cost.weight_bytes + cost.kv_bytes_per_token * 64 * (1000 + t) for t in range(1, 200)) / rates.bandwidth
+    assert floor["strict_floor_seconds"] == pytest.approx(reads, rel=1e-9)  # memory-bound: the reads decide
