@@ -133,10 +133,12 @@ def read_tensors(files: list[str], dtype: torch.dtype, device: torch.device) -> 
     for file in files:
         try:
             handle = safe_open(file, framework="pt", device="cpu")
-        except (SafetensorError, OSError) as e:
+        except SafetensorError as e:
             raise CheckpointError(
                 f"weight file {file!r} is not a readable safetensors file: {header_problem(file, e)}"
             ) from None
+        except OSError as e:
+            raise CheckpointError(f"weight file {file!r} cannot be read: {e}") from None
         with handle as f:
             for name in f.keys():
                 yield file, name, CheckedSlice(f.get_slice(name), file, name, dtype, device)

@@ -82,12 +82,23 @@ class Attention(nn.Module):
         if self.qk_rotary is not None:
             # where the backend lets it, the kernel also stores k and v, one kernel less a layer
             kv_store = self.kv_store_target(kv_cache, attn_metadata) if self.kv_store_target else None
-            heads = (self.num_heads, self.num_kv_heads, self.head_dim, kv_store)
             if self.q_norm is not None:
-                norms = (self.q_norm.weight, self.k_norm.weight, rotary.cos_sin, self.q_norm.eps)
-                q, k = self.qk_rotary(qkv, positions, *norms, *heads)
+                q, k = self.qk_rotary(
+                    qkv,
+                    positions,
+                    self.q_norm.weight,
+                    self.k_norm.weight,
+                    rotary.cos_sin,
+                    self.q_norm.eps,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    kv_store,
+                )
             else:
-                q, k = self.qk_rotary(qkv, positions, rotary.cos_sin, *heads)
+                q, k = self.qk_rotary(
+                    qkv, positions, rotary.cos_sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_store
+                )
             if kv_store is not None:
                 v = None
         else:
