@@ -57,31 +57,42 @@ def build_tokenizer(path: str) -> int:
     return len(fast)
 
 
-def make_checkpoint(path: str, seed: int = 0, max_shard_size: str | None = None, **shape) -> str:
-    """Writes a random-weight Qwen3ForCausalLM (HF format, safetensors) plus the tokenizer to path."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# the architectures make_checkpoint builds, with their transformers model_type
+MODEL_TYPES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
 
+
+def make_checkpoint(
+    path: str, seed: int = 0, max_shard_size: str | None = None, architecture: str = "Qwen3ForCausalLM", **shape
+) -> str:
+    """Writes a random-weight model of the given architecture (one of MODEL_TYPES; HF format,
+    safetensors) plus the tokenizer to path. shape: config fields over DEFAULT_SHAPE's."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    if architecture not in MODEL_TYPES:
+        raise ValueError(f"make_checkpoint builds {sorted(MODEL_TYPES)}, not {architecture!r}")
     os.makedirs(path, exist_ok=True)
     vocab_size = build_tokenizer(path)
-    settings = {**DEFAULT_SHAPE, **shape}
-    config = Qwen3Config(
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        bos_token_id=0,
-        eos_token_id=0,
-        **settings,
+    # a field given as None is left out of the config (e.g. head_dim, then hidden_size / heads)
+    settings = {key: value for key, value in {**DEFAULT_SHAPE, **shape}.items() if value is not None}
+    defaults = dict(
+        max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0
     )
+    config = AutoConfig.for_model(MODEL_TYPES[architecture], vocab_size=vocab_size, **{**defaults, **settings})
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = getattr(transformers, architecture)(config)
     with torch.no_grad():  # HF's init is tiny; wider weights give varied, tie-free logits
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0, 0.5 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.02)
+            else:  # biases (Qwen2's q/k/v) large enough that slicing them wrong would show
+                param.normal_(0, 0.5 / param.shape[-1] ** 0.5 if param.dim() > 1 else 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     return path

@@ -1,7 +1,8 @@
-"""nano-vllm's bench.py workload on a random-weight checkpoint with Qwen3-0.6B's shapes, for several
-(attention backend, CUDA graphs) combinations, each in a fresh process (a CUDA fault in one cannot
-poison the next, and each sizes its KV cache from the whole GPU). Prints output tokens/s per
-combination as a table and writes the results as JSON.
+"""nano-vllm's bench.py workload on a random-weight checkpoint with Qwen3-0.6B's shapes (--shape:
+Qwen3-8B's or Llama-3.1-8B's instead), for several (attention backend, CUDA graphs) combinations,
+each in a fresh process (a CUDA fault in one cannot poison the next, and each sizes its KV cache
+from the whole GPU). Prints output tokens/s per combination as a table and writes the results as
+JSON.
 
     python scripts/bench_gpu.py flash_attn:graphs flash_attn:eager triton:graphs triton:eager \\
         torch:graphs torch:eager --out bench.json
@@ -45,12 +46,35 @@ QWEN3_8B = dict(
     head_dim=128,
     tie_word_embeddings=False,
 )
-SHAPES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
+# Llama-3.1-8B: no q/k norms (the rotary-only kernel), llama3 rope scaling, a 128k vocabulary
+LLAMA_3_1_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    rms_norm_eps=1e-5,
+)
+SHAPES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B, "llama-8b": LLAMA_3_1_8B}
 ALL_COMBOS = ["flash_attn:graphs", "flash_attn:eager", "triton:graphs", "triton:eager", "torch:graphs", "torch:eager"]
 
 
 def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str:
-    """config.json, random bf16 safetensors with Qwen3-0.6B's shapes (tied embeddings) and the tiny
+    """config.json, random bf16 safetensors with the shapes of base (a SHAPES preset) and the tiny
     tokenizer (its vocabulary is smaller than the model's; the bench feeds token ids, all < 10000).
     Weights are drawn on the GPU when there is one (seconds, where the CPU takes a minute)."""
     import torch
@@ -65,25 +89,37 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
             if json.load(f) == shape:
                 return path
     os.makedirs(path, exist_ok=True)
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        **shape,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": "bfloat16",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "use_cache": True,
-        "rope_scaling": None,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": num_layers,
-    }
+    qwen3 = "model_type" not in shape  # the other presets name their architecture and rope settings
+    if qwen3:
+        config = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **shape,
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "torch_dtype": "bfloat16",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "use_cache": True,
+            "rope_scaling": None,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": num_layers,
+        }
+    else:
+        config = {
+            **shape,
+            "torch_dtype": "bfloat16",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     build_tokenizer(path)
@@ -107,8 +143,6 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
                 p + "self_attn.k_proj.weight": weight(kv_size, hidden),
                 p + "self_attn.v_proj.weight": weight(kv_size, hidden),
                 p + "self_attn.o_proj.weight": weight(hidden, q_size),
-                p + "self_attn.q_norm.weight": ones(head_dim),
-                p + "self_attn.k_norm.weight": ones(head_dim),
                 p + "mlp.gate_proj.weight": weight(inter, hidden),
                 p + "mlp.up_proj.weight": weight(inter, hidden),
                 p + "mlp.down_proj.weight": weight(hidden, inter),
@@ -116,6 +150,10 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
                 p + "post_attention_layernorm.weight": ones(hidden),
             }
         )
+        if qwen3:
+            tensors.update(
+                {p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
+            )
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(marker, "w") as f:
         json.dump(shape, f)
@@ -543,7 +581,12 @@ def main(argv=None):
     )
     parser.add_argument("--out", default="bench_gpu.json", help="where to write the JSON results")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "inferlab-bench-qwen3-0.6b-random"))
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="Qwen3 model shapes to bench")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="0.6b",
+        help="model shapes to bench: Qwen3-0.6B (0.6b), Qwen3-8B (8b), Llama-3.1-8B (llama-8b)",
+    )
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick smoke run")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -570,7 +613,8 @@ def main(argv=None):
     base = SHAPES[args.shape]
     args.num_layers = args.num_layers or base["num_hidden_layers"]
     if args.shape != "0.6b" and args.model_dir == parser.get_default("model_dir"):
-        args.model_dir = args.model_dir.replace("0.6b", args.shape)
+        model_name = args.shape if "model_type" in base else f"qwen3-{args.shape}"
+        args.model_dir = args.model_dir.replace("qwen3-0.6b", model_name)
 
     if args.build_only:
         build_checkpoint(args.model_dir, args.num_layers, base)

@@ -1,7 +1,8 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints (built once per session per shape), the
-Hugging Face reference for greedy decoding, plugins registered by hand, and one torch thread for
-modules that run many engine steps."""
+"""Shared fixtures: tiny random checkpoints of each architecture (built once per session per
+shape), the Hugging Face reference for greedy decoding, plugins registered by hand, and one torch
+thread for modules that run many engine steps."""
 
+import json
 import os
 import types
 
@@ -31,6 +32,53 @@ SHAPES = {
         tie_word_embeddings=False,
         intermediate_size=96,
     ),
+    # The Llama family (same tokenizer): between them GQA and MHA, tied and untied, Qwen2's q/k/v
+    # biases (with one KV head, replicated under tensor parallelism), llama3 and linear rope
+    # scaling and none, head_dim given (and not hidden / heads) or derived.
+    "llama-gqa-llama3": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        # a short original context and a low theta, so that the scaling changes the greedy tokens
+        rope_theta=10000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "llama-mha-linear-tied": dict(
+        architecture="LlamaForCausalLM",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="linear", factor=4.0),
+    ),
+    "mistral-gqa4": dict(
+        architecture="MistralForCausalLM",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=None,  # derived: 16
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        # Mistral's default sliding_window (4096) equals max_model_len: every token sees them all
+    ),
+    "qwen2-bias-kv1-tied": dict(
+        architecture="Qwen2ForCausalLM",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=None,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -42,7 +90,7 @@ def checkpoint(tmp_path_factory):
 
     def build(shape="gqa2-tied", **extra):
         settings = {**(SHAPES[shape] if isinstance(shape, str) else shape), **extra}
-        key = tuple(sorted(settings.items()))
+        key = json.dumps(settings, sort_keys=True)
         if key not in made:
             made[key] = make_checkpoint(os.path.join(root, f"ck{len(made)}"), **settings)
         return made[key]
@@ -52,7 +100,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_greedy():
-    """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' Qwen3ForCausalLM picks greedily."""
+    """hf_greedy(path, prompt_ids, n) -> the n tokens transformers' own implementation of the
+    checkpoint's architecture picks greedily, in float32."""
     from transformers import AutoModelForCausalLM
 
     models = {}

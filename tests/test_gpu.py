@@ -1,7 +1,9 @@
 """On a CUDA GPU: every attention backend, with and without CUDA graphs, against the torch backend
-on a small random-weight Qwen3 in bfloat16 (head_dim 128, GQA 4): teacher-forced logits on prefill
-(chunked, with a cached prefix) and decode (ragged, padded graph batches), free greedy generations,
-attention=auto's choice, and the KV cache sized from GPU memory.
+on a small random-weight model of each architecture in bfloat16 (head_dim 128, GQA 4; Qwen3 takes
+its fused q/k norm + rotary kernel, Llama with llama3 rope scaling and Qwen2 with its q/k/v biases
+the rotary-only one): teacher-forced logits on prefill (chunked, with a cached prefix) and decode
+(ragged, padded graph batches), free greedy generations, the fp8 cache; then, on Qwen3,
+attention=auto's choice and the KV cache sized from GPU memory.
 
 Run: python -m pytest -m gpu -rP tests/test_gpu.py (-rP prints the measured logit errors)."""
 
@@ -43,9 +45,34 @@ BACKENDS = [
 GRAPHS = [pytest.param(True, id="eager"), pytest.param(False, id="cuda-graphs")]
 
 
+# make_checkpoint's settings over SHAPE for each architecture
+ARCHITECTURES = {
+    "qwen3": dict(architecture="Qwen3ForCausalLM"),
+    "llama": dict(
+        architecture="LlamaForCausalLM",
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=512,
+        ),
+    ),
+    "qwen2": dict(architecture="Qwen2ForCausalLM"),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def model_path(request, tmp_path_factory):
+    """Each architecture in turn, for the comparisons against the torch backend."""
+    settings = {**SHAPE, **ARCHITECTURES[request.param]}
+    return make_checkpoint(str(tmp_path_factory.mktemp(f"gpu-{request.param}")), seed=0, **settings)
+
+
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return make_checkpoint(str(tmp_path_factory.mktemp("gpu-model")), seed=0, **SHAPE)
+def qwen3_path(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("gpu-qwen3")), seed=0, **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +188,14 @@ def test_fp8_cache_logits_match_torch_backend(
 
 
 @needs_flash_attn
-def test_flash_attn_refuses_an_fp8_cache_and_says_why(model_path):
+def test_flash_attn_refuses_an_fp8_cache_and_says_why(qwen3_path):
     with pytest.raises(ValueError, match=r"flash-attn needs the KV cache in the model's dtype"):
-        LLM(model_path, attention="flash_attn", kv_cache_dtype="fp8", **ENGINE)
+        LLM(qwen3_path, attention="flash_attn", kv_cache_dtype="fp8", **ENGINE)
 
 
-def test_auto_picks_triton(model_path, caplog):
+def test_auto_picks_triton(qwen3_path, caplog):
     caplog.set_level(logging.INFO, logger="inferlab")
-    llm = LLM(model_path, attention="auto", enforce_eager=True, num_kvcache_blocks=8, **ENGINE)
+    llm = LLM(qwen3_path, attention="auto", enforce_eager=True, num_kvcache_blocks=8, **ENGINE)
     chosen = llm.runner.backend.name
     del llm
     gc.collect()
@@ -176,7 +203,7 @@ def test_auto_picks_triton(model_path, caplog):
     assert chosen == "triton"
 
 
-def test_auto_falls_back_past_triton_and_says_why(model_path, caplog):
+def test_auto_falls_back_past_triton_and_says_why(qwen3_path, caplog):
     # blocks of 768: a multiple of 256 (flash-attn's paged cache) but not a power of two (triton's)
     caplog.set_level(logging.INFO, logger="inferlab")
     settings = dict(attention="auto", kvcache_block_size=768, enforce_eager=True, num_kvcache_blocks=8, **ENGINE)
@@ -184,7 +211,7 @@ def test_auto_falls_back_past_triton_and_says_why(model_path, caplog):
         # the torch backend needs power-of-two blocks too: no backend is left, and the error says
         # why for each
         with pytest.raises(ValueError, match="no attention backend can serve") as error:
-            LLM(model_path, **settings)
+            LLM(qwen3_path, **settings)
         for reason in (
             "triton: block size must be a power of two >= 16, got 768",
             "flash_attn: flash-attn is not installed or does not load",
@@ -192,7 +219,7 @@ def test_auto_falls_back_past_triton_and_says_why(model_path, caplog):
         ):
             assert reason in str(error.value)
         return
-    llm = LLM(model_path, **settings)
+    llm = LLM(qwen3_path, **settings)
     chosen = llm.runner.backend.name
     del llm
     gc.collect()
@@ -202,13 +229,13 @@ def test_auto_falls_back_past_triton_and_says_why(model_path, caplog):
 
 
 @pytest.mark.parametrize("attention", ["triton", pytest.param("flash_attn", marks=needs_flash_attn)])
-def test_kv_cache_is_sized_from_gpu_memory(model_path, attention, caplog):
+def test_kv_cache_is_sized_from_gpu_memory(qwen3_path, attention, caplog):
     caplog.set_level(logging.INFO, logger="inferlab")
     utilization = 0.5
     gc.collect()
     torch.cuda.empty_cache()
     settings = {**ENGINE, "gpu_memory_utilization": utilization}
-    llm = LLM(model_path, attention=attention, kvcache_block_size=256, **settings)
+    llm = LLM(qwen3_path, attention=attention, kvcache_block_size=256, **settings)
     try:
         free, total = torch.cuda.mem_get_info()
         num_blocks = llm.runner.num_kv_blocks

@@ -18,8 +18,9 @@ from inferlab.core.parallel import TPGroup  # noqa: E402
 from inferlab.kernels import rms_norm as rms_norm_kernel  # noqa: E402
 from inferlab.kernels import split_k_gemm  # noqa: E402
 from inferlab.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from inferlab.kernels.rotary import rotary as rotary_kernel  # noqa: E402
 from inferlab.kernels.silu_mul import silu_and_mul as silu_mul_kernel  # noqa: E402
-from inferlab.plugins.models.layers import (  # noqa: E402  # noqa: E402
+from inferlab.plugins.models.layers import (  # noqa: E402
     ColumnParallelLinear,
     RotaryEmbedding,
     RowParallelLinear,
@@ -152,6 +153,102 @@ def test_no_tokens_is_empty():
     assert q.shape == (0, 4, 32) and k.shape == (0, 2, 32)
 
 
+# Llama's rotary without the q/k norms: the same cases, plus a llama3-scaled table
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,dtype", CASES)
+def test_rotary_kernel_matches_unfused_rotary(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+    torch.manual_seed(num_tokens)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width, device=DEVICE) * 3).to(dtype)
+    positions = torch.randint(0, 500, (num_tokens,), device=DEVICE)
+    scaling = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, scaling=scaling).to(DEVICE)
+    before = qkv.clone()
+    q, k = rotary_kernel(qkv, positions, rotary.cos_sin, num_heads, num_kv_heads, head_dim)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    want_q, want_k = rotary(
+        positions,
+        qkv[:, :q_size].view(-1, num_heads, head_dim),
+        qkv[:, q_size : q_size + kv_size].view(-1, num_kv_heads, head_dim),
+    )
+    assert q.shape == want_q.shape and k.shape == want_k.shape and q.dtype == dtype
+    # one rounding of the same float32 rotation: a last-bit difference at most (an FMA on the GPU)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-6)
+    torch.testing.assert_close(q, want_q, **tolerance)
+    torch.testing.assert_close(k, want_k, **tolerance)
+    assert torch.equal(qkv, before)
+
+
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, None),
+        (torch.float32, FP8),
+        pytest.param(torch.bfloat16, None, marks=pytest.mark.gpu),
+        pytest.param(torch.bfloat16, FP8, marks=pytest.mark.gpu),
+    ],
+)
+def test_rotary_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
+    cache_dtype = cache_dtype or dtype
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
+    torch.manual_seed(0)
+    qkv = (torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE) * 3).to(dtype)
+    positions = torch.tensor([7, 0, 33, 2], device=DEVICE)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
+    slots = torch.tensor([5, -1, 40, 16], device=DEVICE)  # -1: a padding row, stores nothing
+    heads = (num_heads, num_kv_heads, head_dim)
+    q, k = rotary_kernel(qkv, positions, rotary.cos_sin, *heads, kv_store=(cache[0], cache[1], slots))
+    want_q, want_k = rotary_kernel(qkv, positions, rotary.cos_sin, *heads)
+    assert k is None and torch.equal(q, want_q)
+    want_v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
+    expected = torch.zeros_like(cache)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_k[token], cache_dtype)
+            expected[1].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_v[token], cache_dtype)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    empty_q, empty_k = rotary_kernel(qkv[:0], positions[:0], rotary.cos_sin, *heads)
+    assert empty_q.shape == (0, num_heads, head_dim) and empty_k.shape == (0, num_kv_heads, head_dim)
+
+
+QWEN2_WIDE = dict(
+    architecture="Qwen2ForCausalLM", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=None
+)
+
+
+# the Triton GEMM's batches for qkv_proj: none where its input is narrower than one 128-wide step
+# (hidden 64) or where it has a bias (Qwen2)
+@pytest.mark.parametrize(
+    "shape,qkv_triton_tokens",
+    [("llama-gqa-llama3", 0), ("mistral-gqa4", 64), (QWEN2_WIDE, 0)],
+    ids=["llama-gqa-llama3", "mistral-gqa4", "qwen2-wide"],
+)
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_greedy_generate_of_the_llama_family_through_the_kernels_matches_hf(
+    checkpoint, hf_greedy, shape, qkv_triton_tokens, attention
+):
+    """The rotary kernel in place of the q/k norm one, with the other kernels as for Qwen3."""
+    path = checkpoint(shape)
+    llm = LLM(
+        path,
+        kvcache_block_size=16,
+        num_kvcache_blocks=16,
+        max_num_batched_tokens=24,
+        attention=attention,
+        model_options={"triton_kernels": True, "split_k_tokens": 64, "triton_gemm_tokens": 64},
+    )
+    layer = llm.runner.model.layers[0]
+    assert layer.self_attn.qk_rotary is rotary_kernel and layer.self_attn.q_norm is None
+    assert layer.mlp.act is silu_mul_kernel and layer.input_layernorm.add_norm is rms_norm_kernel.add_rms_norm
+    assert (layer.self_attn.kv_store_target is not None) == (attention == "triton")
+    assert layer.self_attn.qkv_proj.triton_tokens == qkv_triton_tokens
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)):
+        assert out["token_ids"] == hf_greedy(path, prompt, 6)
+
+
 @pytest.mark.parametrize(
     "num_tokens,width,dtype",
     [
@@ -207,7 +304,7 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
         model_options={"triton_kernels": True, "split_k_tokens": split_k_tokens},
     )
     layer = llm.runner.model.layers[0]
-    assert layer.self_attn.qk_norm_rope is qk_norm_rope and layer.mlp.act is silu_mul_kernel
+    assert layer.self_attn.qk_rotary is qk_norm_rope and layer.mlp.act is silu_mul_kernel
     assert layer.input_layernorm.add_norm is rms_norm_kernel.add_rms_norm
     assert llm.runner.model.norm.norm is rms_norm_kernel.rms_norm
     assert (layer.self_attn.kv_store_target is not None) == (attention == "triton")
@@ -419,22 +516,22 @@ def test_asking_for_the_kernels_with_an_odd_head_dim_is_an_error_but_the_default
     path = checkpoint("gqa2-tied")
     from transformers import AutoConfig
 
-    from inferlab.plugins.models.qwen3 import _triton_kernels
+    from inferlab.plugins.models.decoder import triton_kernels_for
 
     config = AutoConfig.from_pretrained(path)
-    assert _triton_kernels(config, on_cuda=True, asked=None) == (
+    assert triton_kernels_for(config, qk_norm=True, on_cuda=True, asked=None) == (
         qk_norm_rope,
         silu_mul_kernel,
         rms_norm_kernel.rms_norm,
         rms_norm_kernel.add_rms_norm,
     )
-    assert _triton_kernels(config, on_cuda=False, asked=None) is None  # CPU: torch code
-    assert _triton_kernels(config, on_cuda=True, asked=False) is None
+    assert triton_kernels_for(config, qk_norm=True, on_cuda=False, asked=None) is None  # CPU: torch code
+    assert triton_kernels_for(config, qk_norm=True, on_cuda=True, asked=False) is None
     config.head_dim = 48
     with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 48; set model_options.triton_kernels=false"):
-        _triton_kernels(config, on_cuda=True, asked=True)
+        triton_kernels_for(config, qk_norm=True, on_cuda=True, asked=True)
     caplog.set_level("INFO", logger="inferlab")
-    assert _triton_kernels(config, on_cuda=True, asked=None) is None  # the CUDA default falls back
+    assert triton_kernels_for(config, qk_norm=True, on_cuda=True, asked=None) is None  # the CUDA default falls back
     assert "got 48; using the torch code" in caplog.text
 
 

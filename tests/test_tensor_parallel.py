@@ -2,6 +2,7 @@
 each rank reading only its shard of the weights, and failures that name the rank, arrive within
 seconds and leave no process or shared-memory segment behind."""
 
+import functools
 import os
 import shutil
 import signal
@@ -22,8 +23,12 @@ from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginRegistry
 from inferlab.core.workers import TensorParallelError
 from inferlab.plugins.attention.torch_backend import TorchBackend
-from inferlab.plugins.models import qwen3
-from inferlab.plugins.models.qwen3 import CheckpointError, Qwen3ForCausalLM
+from inferlab.plugins.models import checkpoint as checkpoint_files
+from inferlab.plugins.models.checkpoint import CheckpointError
+from inferlab.plugins.models.decoder import head_dim_of
+from inferlab.plugins.models.llama import LlamaForCausalLM
+from inferlab.plugins.models.qwen2 import Qwen2ForCausalLM
+from inferlab.plugins.models.qwen3 import Qwen3ForCausalLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 SETTINGS = dict(kvcache_block_size=16, num_kvcache_blocks=64, device="cpu")
@@ -170,55 +175,96 @@ class RecordingFile:
         return Slice()
 
 
-@pytest.mark.parametrize("shape", ["gqa2-tied", "gqa4-untied", "kv1"])
+def rank_part(name: str, tensor: torch.Tensor, rank: int, config) -> torch.Tensor:
+    """What rank `rank` of 2 holds of checkpoint tensor `name` (before the fused projections
+    concatenate q, k, v and gate, up)."""
+    d = head_dim_of(config)
+    heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    q = slice(rank * heads // 2 * d, (rank + 1) * heads // 2 * d)  # also o_proj's input columns
+    kv_start = rank * kv_heads // 2 if kv_heads < 2 else rank * (kv_heads // 2)  # one KV head: a replica
+    kv = slice(kv_start * d, (kv_start + max(1, kv_heads // 2)) * d)
+    mlp = slice(rank * inter // 2, (rank + 1) * inter // 2)
+    vocab_rows = -(-config.vocab_size // 2)
+    vocab = slice(rank * vocab_rows, min(config.vocab_size, (rank + 1) * vocab_rows))
+    is_bias = name.endswith(".bias")
+    for part, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("gate_proj", mlp), ("up_proj", mlp)):
+        if f".{part}." in name:
+            return tensor[rows]
+    for part, columns in (("o_proj", q), ("down_proj", mlp)):
+        if f".{part}." in name:
+            return tensor if is_bias else tensor[:, columns]  # a row-parallel bias is added once, whole
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return tensor[vocab]
+    return tensor  # the norms
+
+
+@pytest.mark.parametrize("shape", ["gqa2-tied", "gqa4-untied", "kv1", "qwen2-bias-kv1-tied", "llama-mha-linear-tied"])
 def test_each_rank_reads_only_its_shard(shape, checkpoint, monkeypatch):
     path = checkpoint(KV1 if shape == "kv1" else shape)
     full = load_file(os.path.join(path, "model.safetensors"))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    vocab_rows = -(-config.vocab_size // 2)
+    model_class = {"Qwen3ForCausalLM": Qwen3ForCausalLM, "Qwen2ForCausalLM": Qwen2ForCausalLM}.get(
+        config.architectures[0], LlamaForCausalLM
+    )
     for rank in range(2):
         reads = {}
-        real_open = qwen3.safe_open
-        monkeypatch.setattr(qwen3, "safe_open", lambda *a, **k: RecordingFile(real_open(*a, **k), reads))
-        model = Qwen3ForCausalLM(config, backend=TorchBackend(), tp_group=TPGroup(rank, 2))
+        real_open = checkpoint_files.safe_open
+        monkeypatch.setattr(
+            checkpoint_files, "safe_open", functools.partial(recording_open, real_open=real_open, reads=reads)
+        )
+        model = model_class(config, backend=TorchBackend(), tp_group=TPGroup(rank, 2))
         model.load_weights(path)
         monkeypatch.undo()
         params = dict(model.named_parameters())
-        q = slice(rank * heads // 2 * d, (rank + 1) * heads // 2 * d)  # also o_proj's input columns
-        kv_start = rank * kv_heads // 2 if kv_heads < 2 else rank * (kv_heads // 2)
-        kv = slice(kv_start * d, (kv_start + max(1, kv_heads // 2)) * d)
-        inter = slice(rank * config.intermediate_size // 2, (rank + 1) * config.intermediate_size // 2)
         for layer in range(config.num_hidden_layers):
-            ours = lambda name: params[f"layers.{layer}.{name}.weight"]  # noqa: E731
-            theirs = lambda name: full[f"model.layers.{layer}.{name}.weight"]  # noqa: E731
-            expected_qkv = torch.cat(
-                [theirs("self_attn.q_proj")[q], theirs("self_attn.k_proj")[kv], theirs("self_attn.v_proj")[kv]]
-            )
-            assert torch.equal(ours("self_attn.qkv_proj"), expected_qkv)
-            assert torch.equal(ours("self_attn.o_proj"), theirs("self_attn.o_proj")[:, q])
-            expected_gate_up = torch.cat([theirs("mlp.gate_proj")[inter], theirs("mlp.up_proj")[inter]])
-            assert torch.equal(ours("mlp.gate_up_proj"), expected_gate_up)
-            assert torch.equal(ours("mlp.down_proj"), theirs("mlp.down_proj")[:, inter])
-        vocab = slice(rank * vocab_rows, min(config.vocab_size, (rank + 1) * vocab_rows))
-        num_rows = vocab.stop - vocab.start
-        assert torch.equal(model.embed_tokens.weight[:num_rows], full["model.embed_tokens.weight"][vocab])
+            for ours, theirs in (
+                ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+            ):
+                prefix = f"model.layers.{layer}.{ours.split('.')[0]}."
+                for suffix in ("weight", "bias"):
+                    names = [f"{prefix}{part}.{suffix}" for part in theirs]
+                    if names[0] in full:
+                        expected = torch.cat([rank_part(n, full[n], rank, config) for n in names])
+                        assert torch.equal(params[f"layers.{layer}.{ours}.{suffix}"], expected)
+            for ours in ("self_attn.o_proj", "mlp.down_proj"):
+                for suffix in ("weight", "bias"):
+                    name = f"model.layers.{layer}.{ours}.{suffix}"
+                    if name in full:
+                        assert torch.equal(
+                            params[f"layers.{layer}.{ours}.{suffix}"], rank_part(name, full[name], rank, config)
+                        )
+        embedding = rank_part("model.embed_tokens.weight", full["model.embed_tokens.weight"], rank, config)
+        assert torch.equal(model.embed_tokens.weight[: len(embedding)], embedding)
         if config.tie_word_embeddings:
             assert model.lm_head.weight is model.embed_tokens.weight and "lm_head.weight" not in reads
         else:
-            assert torch.equal(model.lm_head.weight[:num_rows], full["lm_head.weight"][vocab])
+            head = rank_part("lm_head.weight", full["lm_head.weight"], rank, config)
+            assert torch.equal(model.lm_head.weight[: len(head)], head)
+        assert set(full) - {"lm_head.weight"} <= set(reads)
         for name, tensor in full.items():
-            sharded = any(
-                part in name
-                for part in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
-            )
-            replicated_kv = kv_heads < 2 and ("k_proj" in name or "v_proj" in name)
-            if "k_proj" in name or "v_proj" in name:
-                sharded = not replicated_kv
-            expected = -(-tensor.numel() // 2) if sharded else tensor.numel()
-            assert reads[name] <= expected, f"rank {rank} read {reads[name]} of {name}'s {tensor.numel()} elements"
+            if name in reads:
+                held = rank_part(name, tensor, rank, config).numel()
+                assert reads[name] == held, f"rank {rank} read {reads[name]} of {name}'s {tensor.numel()} elements"
+
+
+def recording_open(*args, real_open, reads, **kwargs):
+    return RecordingFile(real_open(*args, **kwargs), reads)
+
+
+@pytest.mark.parametrize("shape", ["llama-gqa-llama3", "llama-mha-linear-tied", "mistral-gqa4", "qwen2-bias-kv1-tied"])
+def test_the_llama_family_on_two_ranks_equals_one_rank(shape, checkpoint):
+    """Sharded attention heads and MLP, KV heads split or replicated, Qwen2's biases sliced with
+    them; chunked prefill, then the prompts again from the prefix cache."""
+    path = checkpoint(shape)
+    settings = {**SETTINGS, "max_num_batched_tokens": 24}
+    prompts = prompts_of([1, 7, 16, 33, 50])
+    with LLM(path, tensor_parallel_size=2, **settings) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.generate(prompts, GREEDY, use_tqdm=False) == outputs
+    assert outputs == LLM(path, **settings).generate(prompts, GREEDY, use_tqdm=False)
 
 
 # -- failures ----------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def register_attention_backends(register):
 @hookspec
 def register_models(register):
     """Model implementations. factory(hf_config, *, backend: AttentionBackend, tp_group: TPGroup,
-    dtype: torch.dtype, device: torch.device, **options) -> Model. The factory's `architectures`
+    dtype: torch.dtype, device: torch.device, max_model_len: int, **options) -> Model, where
+    max_model_len is the longest sequence the engine will run. The factory's `architectures`
     attribute lists the HF architectures it serves, for `model=auto`."""
 
 

@@ -68,6 +68,7 @@ class ModelRunner:
                     tp_group=tp_group,
                     dtype=self.dtype,
                     device=self.device,
+                    max_model_len=config.max_model_len,
                     options=config.model_options,
                 )
         finally:

@@ -3,6 +3,7 @@ and knows how to cut it from a checkpoint tensor. A checkpoint tensor arrives as
 slice (or a tensor), so a rank reads only its shard from disk."""
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -258,12 +259,45 @@ class RMSNorm(nn.Module):
         copy_checked(param, read(src), name)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half / NeoX layout) with a precomputed cos/sin table."""
+ROPE_TYPES = ("default", "linear", "llama3")
 
-    def __init__(self, head_dim: int, max_position: int, base: float, fused: bool = False):
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+    """The rotary frequencies [head_dim / 2] in float32, as transformers computes them for
+    scaling["rope_type"] (see ROPE_TYPES; no scaling: default) and the scaling's own fields."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
+    if rope_type == "default":
+        return inv_freq
+    needed = ["factor"] + (
+        ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"] if rope_type == "llama3" else []
+    )
+    absent = [key for key in needed if scaling.get(key) is None]
+    if absent:
+        raise ValueError(f"rope scaling of type {rope_type!r} needs {absent}; got {scaling!r}")
+    factor = scaling["factor"]
+    if rope_type == "linear":  # positions divided by factor, folded into the frequencies
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by factor, short ones kept, a smooth blend in between
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half / NeoX layout) with a precomputed cos/sin table;
+    scaling: see rope_inv_freq."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, fused: bool = False, scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq = rope_inv_freq(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         self.apply_rotary = compiled(apply_rotary) if fused else apply_rotary

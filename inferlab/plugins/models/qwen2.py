@@ -1,0 +1,18 @@
+"""Qwen2ForCausalLM (also Qwen2.5): Llama's architecture with a bias on the q, k and v projections
+(none on o_proj or the MLP)."""
+
+from inferlab.core.hookspecs import hookimpl
+from inferlab.plugins.models.decoder import Biases, DecoderForCausalLM, DecoderOptions
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    architectures = ("Qwen2ForCausalLM",)
+
+    @classmethod
+    def biases(cls, config) -> Biases:
+        return Biases(qkv=True, o=False, mlp=False)
+
+
+@hookimpl
+def register_models(register):
+    register("qwen2", Qwen2ForCausalLM, options=DecoderOptions)
