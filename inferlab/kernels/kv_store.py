@@ -97,3 +97,14 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
+
+
+def slot_stride(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """The elements from one slot to the next in contiguous [num_blocks, block_size, Hkv, D] caches."""
+    for cache in (k_cache, v_cache):
+        if tuple(cache.shape[-2:]) != (num_kv_heads, head_dim) or not cache.is_contiguous():
+            raise ValueError(
+                f"kv_store caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+                f"got shape {tuple(cache.shape)} strides {cache.stride()}"
+            )
+    return num_kv_heads * head_dim

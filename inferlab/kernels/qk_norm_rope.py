@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from inferlab.kernels import pdl
-from inferlab.kernels.kv_store import cache_value
+from inferlab.kernels.kv_store import cache_value, slot_stride
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def qk_norm_rope(
     else:
         k = None
         k_cache, v_cache, slot_mapping = kv_store
-        cache_stride_slot = _slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
+        cache_stride_slot = slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
     if num_tokens:
         rows = num_heads + num_kv_heads * (2 if kv_store is not None else 1)
         _qk_norm_rope_kernel[(num_tokens,)](
@@ -148,14 +148,3 @@ def qk_norm_rope(
             **pdl.launch_options(qkv.device),
         )
     return q, k
-
-
-def _slot_stride(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
-    """The elements from one slot to the next in contiguous [num_blocks, block_size, Hkv, D] caches."""
-    for cache in (k_cache, v_cache):
-        if tuple(cache.shape[-2:]) != (num_kv_heads, head_dim) or not cache.is_contiguous():
-            raise ValueError(
-                f"kv_store caches must be contiguous [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-                f"got shape {tuple(cache.shape)} strides {cache.stride()}"
-            )
-    return num_kv_heads * head_dim

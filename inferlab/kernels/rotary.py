@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 
 from inferlab.kernels import pdl
-from inferlab.kernels.kv_store import cache_value
-from inferlab.kernels.qk_norm_rope import _slot_stride
+from inferlab.kernels.kv_store import cache_value, slot_stride
 
 
 @triton.jit
@@ -107,7 +106,7 @@ def rotary(
     else:
         k = None
         k_cache, v_cache, slot_mapping = kv_store
-        cache_stride_slot = _slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
+        cache_stride_slot = slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
     if num_tokens:
         rows = num_heads + num_kv_heads * (2 if kv_store is not None else 1)
         _rotary_kernel[(num_tokens,)](
