@@ -150,7 +150,7 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
         (["engine.max_num_seqs=lots"], ConfigCompositionException, "could not be converted to Integer"),
         (["engine.max_num_seq=8"], ConfigCompositionException, "Key 'max_num_seq' not in 'EngineSettings'"),
         (["bench.num_seqs=1.5"], ConfigCompositionException, "could not be converted to Integer"),
-        (["job.name=train"], ConfigCompositionException, r"Invalid value 'train', expected one of \[generate, bench\]"),
+        (["job.name=train"], ConfigCompositionException, r"Invalid value 'train', expected one of \[generate, bench, serve\]"),
         (["typo=1"], ConfigCompositionException, "Could not override 'typo'"),
         (
             ["scheduler=nope"],

@@ -550,12 +550,16 @@ def test_job_serve_composes_the_engine_from_the_same_groups():
     assert settings["scheduler"] == "lpm" and settings["max_num_seqs"] == 8
 
 
-def test_the_api_key_may_come_from_the_environment(monkeypatch):
+def test_the_api_key_may_come_from_the_environment_and_max_tokens_defaults_to_what_fits(monkeypatch):
     monkeypatch.setenv("INFERLAB_API_KEY", "from-env")
-    engine = LLM(**{**SETTINGS, "num_kvcache_blocks": 16})
+    engine = LLM(**{**SETTINGS, "num_kvcache_blocks": 8})  # 128 tokens of KV, far below max_model_len
     with engine, InferenceServer(engine, ServeConfig(port=0, log_level="warning")) as server:
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
-        ok = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer from-env"})
-        assert ok.status_code == 200
+        headers = {"Authorization": "Bearer from-env"}
+        assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
+        body = {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60).json()
+        assert reply["choices"][0]["finish_reason"] == "length"
+        assert reply["usage"]["total_tokens"] == 8 * 16 + 1  # the last token is sampled, never cached
     assert server.engine_loop.thread is not None and not server.engine_loop.thread.is_alive()
     assert os.environ["INFERLAB_API_KEY"] == "from-env"

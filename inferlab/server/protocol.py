@@ -48,6 +48,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    num_cache_tokens: int  # what the whole KV cache holds: a default max_tokens must fit in it
     plugins: dict = field(default_factory=dict)  # the plugin serving each kind, for the model card
 
 
@@ -237,11 +238,14 @@ def engine_prompts(
     body: GenerationBody, prompts: list[list[int]], model: ServedModel, max_tokens: int | None
 ) -> list[Prompt]:
     """One engine Prompt per token list, with the body's sampling settings. max_tokens None: as
-    many as fit in max_model_len. Each prompt plus its max_tokens must fit max_model_len."""
+    many as fit in max_model_len and the KV cache. Each prompt plus its max_tokens must fit
+    max_model_len."""
     limit = model.max_model_len
+    # The last token is sampled, never cached: a request fits the cache with one token more than it holds.
+    room = min(limit, model.num_cache_tokens + 1)
     result = []
     for token_ids in prompts:
-        num_tokens = max_tokens if max_tokens is not None else limit - len(token_ids)
+        num_tokens = max_tokens if max_tokens is not None else max(1, room - len(token_ids))
         if len(token_ids) >= limit or len(token_ids) + num_tokens > limit:
             raise ApiError(
                 400,

@@ -79,8 +79,14 @@ class InferenceServer:
         self.config = config
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         name = config.model_name or os.path.basename(os.path.normpath(engine.model_path))
+        kv = engine.kv_manager
         self.model = ServedModel(
-            name, engine.config.max_model_len, engine.hf_config.vocab_size, engine.tokenizer, resolved_plugins(engine)
+            name,
+            engine.config.max_model_len,
+            engine.hf_config.vocab_size,
+            engine.tokenizer,
+            kv.num_blocks * kv.block_size,
+            resolved_plugins(engine),
         )
         self.engine_loop = EngineLoop(engine)
         self.metrics = ServerMetrics(lambda: self.engine_loop.snapshot)
