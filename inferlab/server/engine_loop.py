@@ -3,9 +3,9 @@
 HTTP handlers never call the engine. They put what they want (add these prompts, abort that
 stream) into the loop's inbox, a thread-safe queue; one thread takes it between steps, calls
 `engine.step()` while requests are pending, and after each step sends every followed request's
-newly known tokens to its stream: one hand-over to the event loop per step, carrying the
-updates of all streams (call_soon_threadsafe), so that the per-step cost of streaming is a pass
-over the requests that ran.
+newly known tokens to its stream: one hand-over to the event loop carries the updates of all
+streams (call_soon_threadsafe, at most once a step), so that the engine's per-step cost of
+streaming is a pass over the requests that ran.
 """
 
 import asyncio
