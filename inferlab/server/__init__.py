@@ -9,6 +9,14 @@ server        InferenceServer (uvicorn, signals, orderly shutdown) and the job's
 load          the latency bench's workload sent over HTTP (bench.url)
 """
 
-from inferlab.server.server import InferenceServer, run_serve
+try:
+    import fastapi  # noqa: F401
+    import httpx  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as e:  # an optional extra: say which
+    raise ImportError(f"the server and bench.url need the serve extra: pip install 'inferlab[serve]' ({e})") from e
+
+from inferlab.server.server import InferenceServer, run_serve  # noqa: E402
 
 __all__ = ["InferenceServer", "run_serve"]
