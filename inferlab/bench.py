@@ -187,7 +187,12 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     """Runs the benchmark cfg describes and writes result.json into output_dir (default: the Hydra
     run's output directory). The bench settings are checked first (BenchConfigError), before
     anything is built. A run that fails writes result.json with its error and settings (so that a
-    sweep's report lists it), then raises."""
+    sweep's report lists it), then raises. With bench.url, the workload goes to that server over
+    HTTP instead (inferlab.server.load)."""
+    if cfg.bench.url:
+        from inferlab.server.load import run_http_bench
+
+        return run_http_bench(cfg, output_dir)
     from inferlab.conf import flat_choices
 
     overrides = []

@@ -42,6 +42,10 @@ def run(cfg: DictConfig) -> None:
         except BenchConfigError as e:  # the user's settings: a message, not a traceback
             print(f"inferlab: {e}", file=sys.stderr)
             sys.exit(2)
+    elif cfg.job.name == JobName.serve:
+        from inferlab.server import run_serve
+
+        run_serve(cfg)
     else:
         generate(cfg)
 

@@ -11,7 +11,7 @@ import tempfile
 log = logging.getLogger("inferlab")
 
 CACHE_DIR = os.environ.get("INFERLAB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "inferlab"))
-VERSION = 2  # bump when the recipe changes, so stale caches are not reused
+VERSION = 3  # bump when the recipe changes, so stale caches are not reused
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A paged cache keeps keys and values in blocks.
@@ -25,6 +25,11 @@ def main(): print("hello") # code, too: for i in range(10): total += i * i
 Large language models predict the next token from the tokens before it, one step at a time.
 """
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen's chat models use it, so that /v1/chat/completions runs on the embedded model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 DEFAULT_SHAPE = dict(
     hidden_size=64,
@@ -53,6 +58,7 @@ def build_tokenizer(path: str) -> int:
     )
     tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return len(fast)
 

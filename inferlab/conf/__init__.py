@@ -3,7 +3,7 @@
 Every registered plugin becomes an option of its kind's group (`scheduler=lpm`), typed by the
 options class its package registered with it (`scheduler.max_sort_waiting=64`),
 plus `name` (and, for models, `path`). `engine` mirrors EngineConfig's settings; `job` picks
-what the command does; `generate` and `bench` hold each job's settings.
+what the command does; `generate`, `bench` and `serve` hold each job's settings.
 
     cfg = compose(["scheduler=lpm", "engine.max_num_seqs=8"])   # the CLI's config, from Python
     model_path, settings = engine_arguments(cfg)               # LLM(model_path, **settings)
@@ -57,6 +57,7 @@ class JobName(Enum):
     generate = "generate"
     bench = "bench"
     profile = "profile"  # measure step times on a GPU for the simulated executor (inferlab.sim.profiling)
+    serve = "serve"
 
 
 @dataclass
@@ -110,6 +111,22 @@ class BenchConfig:
     slo_tpot_s: float | None = None
     repeats: int = 1
     timeline: bool = False
+    # A running server (`inferlab job=serve`) to send the workload to over HTTP, e.g.
+    # http://127.0.0.1:8000, instead of building an engine here (inferlab.server.load).
+    url: str | None = None
+
+
+@dataclass
+class ServeConfig:
+    """`inferlab job=serve`: the engine behind an OpenAI-compatible HTTP server (docs/serving.md)."""
+
+    host: str = "127.0.0.1"  # loopback only; 0.0.0.0 to listen on every interface
+    port: int = 8000  # 0: any free port (the address is printed)
+    api_key: str | None = None  # the bearer token /v1/ requires; None: $INFERLAB_API_KEY, or none
+    model_name: str | None = None  # the name clients send as `model`; None: the checkpoint directory's name
+    max_queued_requests: int | None = 1024  # requests waiting for admission; past it, 429; None: no limit
+    shutdown_timeout_s: float = 10.0  # after SIGINT/SIGTERM, streams may finish for this long, then are aborted
+    log_level: str = "info"  # uvicorn's
 
 
 @dataclass
@@ -125,6 +142,7 @@ class InferlabConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 def plugin_node_class(kind: str, name: str, options: type | None = None) -> type:

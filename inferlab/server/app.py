@@ -1,0 +1,354 @@
+"""The HTTP endpoints: OpenAI's completions and chat completions (streamed as server-sent events
+or whole), the model card, health and Prometheus metrics. Handlers parse and check a request,
+tokenize it, and hand its prompts to the engine loop; the text comes back as the loop's steps
+produce tokens. docs/serving.md describes the fields, errors and metrics."""
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from inferlab.server.engine_loop import ACCEPTED, EngineLoop, Finish, Prompt, RequestStream
+from inferlab.server.metrics import ServerMetrics
+from inferlab.server.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    GenerationBody,
+    ServedModel,
+    chat_token_ids,
+    check_model,
+    completion_token_ids,
+    engine_prompts,
+    parse_body,
+)
+from inferlab.server.text import TextStream
+
+
+class Delta:
+    """What one choice gained in one update: its new text and token ids, and how it finished."""
+
+    __slots__ = ("index", "text", "token_ids", "finish")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], finish: Finish | None):
+        self.index = index
+        self.text = text
+        self.token_ids = token_ids
+        self.finish = finish
+
+
+class Generation:
+    """One HTTP request's prompts in the engine, as text: start() queues them (ApiError when the
+    engine refuses them), iterating yields each batch of updates as Deltas, close() aborts what
+    has not finished."""
+
+    def __init__(self, loop: EngineLoop, prompts: list[Prompt], tokenizer):
+        self.loop = loop
+        self.stream = RequestStream()
+        self.prompts = prompts
+        self.texts = [TextStream(tokenizer, p.token_ids, p.params.stop) for p in prompts]
+        self.num_output_tokens = [0] * len(prompts)
+        self.finishes: list[Finish | None] = [None] * len(prompts)
+        self.num_open = len(prompts)
+        self.backlog: list = []
+
+    async def start(self) -> None:
+        self.loop.submit(self.stream, self.prompts)
+        try:
+            items = await self.stream.get()
+        except BaseException:  # cancelled: the prompts may be added after all, so abort them
+            self.loop.abort(self.stream)
+            raise
+        first, self.backlog = items[0], items[1:]
+        if first is not ACCEPTED:
+            self.num_open = 0
+            error = first.error
+            if isinstance(error, (ValueError, TypeError)):
+                raise ApiError(400, str(error), code="invalid_request")
+            raise ApiError(503, str(error), code="unavailable")
+
+    async def __aiter__(self) -> AsyncIterator[list[Delta]]:
+        while self.num_open:
+            items, self.backlog = self.backlog or await self.stream.get(), []
+            deltas = [delta for item in items if (delta := self._delta(*item)) is not None]
+            if deltas:
+                yield deltas
+
+    def _delta(self, index: int, token_ids: list[int], finish: Finish | None) -> Delta | None:
+        if self.finishes[index] is not None:  # ended by a stop string before the engine saw it
+            return None
+        self.num_output_tokens[index] += len(token_ids)
+        text, stopped = self.texts[index].push(token_ids, last=finish is not None)
+        if stopped:
+            if finish is None:
+                self.loop.abort(self.stream, index)
+                finish = Finish("stop")
+            elif finish.reason == "length":
+                finish.reason = "stop"
+        if finish is not None:
+            self.finishes[index] = finish
+            self.num_open -= 1
+        return Delta(index, text, token_ids, finish)
+
+    def close(self) -> None:
+        if self.num_open:
+            self.num_open = 0
+            self.loop.abort(self.stream)
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(self.num_output_tokens)
+        cached = sum(f.num_cached_tokens for f in self.finishes if f is not None)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def finish_stats(finish: Finish) -> dict:
+    """The engine's figures for a finished choice (an extension field, "stats")."""
+    return {
+        "queue_s": finish.queue_s,
+        "num_cached_tokens": finish.num_cached_tokens,
+        "num_preemptions": finish.num_preemptions,
+    }
+
+
+def error_of(finish: Finish) -> dict:
+    return ApiError(500, finish.error or "the request failed", code="engine_error").body()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop, and close their source, the moment the client disconnects:
+    the source's cleanup (aborting the engine requests) runs then, not when a later send fails."""
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tasks:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    finally:
+                        tasks.cancel_scope.cancel()
+
+                tasks.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tasks.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # runs the source's cleanup now, whatever ended the stream
+
+
+async def disconnected(receive) -> None:
+    """Returns once the client has gone (after the request body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Responder:
+    """Turns a Generation into OpenAI's response for one endpoint (completions or chat)."""
+
+    def __init__(self, body: GenerationBody, model: ServedModel, chat: bool):
+        self.body = body
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model.name
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _choice(self, delta: Delta, stream: bool) -> dict:
+        finish = delta.finish
+        reason = None if finish is None else finish.reason
+        if not self.chat:
+            choice = {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": reason}
+        elif stream:
+            content = {"content": delta.text} if delta.text or finish is None else {}
+            choice = {"index": delta.index, "delta": content, "logprobs": None, "finish_reason": reason}
+        else:
+            message = {"role": "assistant", "content": delta.text}
+            choice = {"index": delta.index, "message": message, "logprobs": None, "finish_reason": reason}
+        if self.body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        if finish is not None:
+            choice["stats"] = finish_stats(finish)
+        return choice
+
+    def _chunk(self, choices: list[dict], **extra) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    async def stream(self, generation: Generation) -> AsyncIterator[str]:
+        """The server-sent events: a chunk per choice per update (empty text skipped unless token
+        ids were asked for), the usage when stream_options.include_usage, then [DONE]."""
+        try:
+            if self.chat:
+                for index in range(len(generation.prompts)):
+                    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                    yield sse(self._chunk([{**first, "finish_reason": None}]))
+            want_ids = self.body.return_token_ids
+            async for deltas in generation:
+                for delta in deltas:
+                    if delta.finish is not None and delta.finish.reason == "error":
+                        yield sse(error_of(delta.finish))
+                    elif delta.text or delta.finish is not None or (want_ids and delta.token_ids):
+                        yield sse(self._chunk([self._choice(delta, stream=True)]))
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield sse(self._chunk([], usage=generation.usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            generation.close()
+
+    async def whole(self, generation: Generation) -> dict:
+        """The complete response, once every choice has finished."""
+        texts = [[] for _ in generation.prompts]
+        token_ids = [[] for _ in generation.prompts]
+        finishes: list[Finish | None] = [None] * len(texts)
+        async for deltas in generation:
+            for delta in deltas:
+                texts[delta.index].append(delta.text)
+                token_ids[delta.index] += delta.token_ids
+                finishes[delta.index] = delta.finish
+        for finish in finishes:
+            if finish is not None and finish.reason == "error":
+                raise ApiError(500, finish.error or "the request failed", code="engine_error")
+        choices = [
+            self._choice(Delta(i, "".join(parts), ids, finish), stream=False)
+            for i, (parts, ids, finish) in enumerate(zip(texts, token_ids, finishes))
+        ]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": generation.usage()}  # fmt: skip
+
+
+def build_app(
+    loop: EngineLoop,
+    model: ServedModel,
+    metrics: ServerMetrics,
+    *,
+    api_key: str | None,
+    max_queued_requests: int | None,
+    draining: Callable[[], bool],
+    lifespan=None,
+) -> FastAPI:
+    """The FastAPI application over an engine loop. api_key: the bearer token /v1/ requires
+    (None: none); max_queued_requests: past it, 429; draining: whether the server is shutting
+    down (then 503 for new work)."""
+    app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    def authorize(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise ApiError(
+                401, "a valid API key is required: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        metrics.http_errors.labels(str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return await api_error(request, ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        return await api_error(request, ApiError(500, f"internal error: {type(error).__name__}: {error}"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if draining():
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "inferlab",
+            "max_model_len": model.max_model_len,
+            "vocab_size": model.vocab_size,
+            "plugins": model.plugins,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        body = parse_body(await request.body(), CompletionBody)
+        check_model(body, model)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        prompts = engine_prompts(body, completion_token_ids(body, model), model, max_tokens)
+        return await respond(request, Responder(body, model, chat=False), prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        body = parse_body(await request.body(), ChatBody)
+        check_model(body, model)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompts = engine_prompts(body, [chat_token_ids(body, model)], model, max_tokens)
+        return await respond(request, Responder(body, model, chat=True), prompts)
+
+    async def respond(request: Request, responder: Responder, prompts: list[Prompt]) -> Response:
+        if draining():
+            raise ApiError(503, "the server is shutting down", code="unavailable")
+        if max_queued_requests is not None and loop.num_queued() + len(prompts) > max_queued_requests:
+            raise ApiError(
+                429,
+                f"too many requests are waiting (serve.max_queued_requests={max_queued_requests}); retry later",
+                code="queue_full",
+            )
+        generation = Generation(loop, prompts, model.tokenizer)
+        await generation.start()
+        if responder.body.stream:
+            return EventStream(responder.stream(generation))
+        whole = asyncio.ensure_future(responder.whole(generation))
+        gone = asyncio.ensure_future(disconnected(request.receive))
+        try:
+            await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():  # the client left (or this handler was cancelled): free the engine's work
+                whole.cancel()
+                generation.close()
+        if not whole.done() or whole.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(whole.result())
+
+    return app

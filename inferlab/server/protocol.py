@@ -1,0 +1,277 @@
+"""The OpenAI request bodies the server accepts, checked into engine prompts, and OpenAI's error
+JSON for what it refuses.
+
+Fields are strictly typed (a string is not a number). Besides OpenAI's sampling fields
+(max_tokens, temperature, top_p, seed, stop) a body may carry top_k, min_p, ignore_eos,
+stop_token_ids, priority and metadata (for the scheduler policy), and return_token_ids (each
+choice also lists the token ids it generated). Fields OpenAI defines that the engine cannot
+honour are refused unless left at their defaults; unknown fields are ignored, as OpenAI's
+clients send some (user, store, ...).
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.server.engine_loop import Prompt
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+# OpenAI's error type for each status the server answers with; other 4xx are invalid requests.
+ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP side knows of the engine, fixed when the server starts."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    num_cache_tokens: int  # what the whole KV cache holds: a default max_tokens must fit in it
+    plugins: dict = field(default_factory=dict)  # the plugin serving each kind, for the model card
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class GenerationBody(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    priority: int = 0
+    metadata: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    # OpenAI's fields the engine cannot honour: accepted only at these defaults.
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something the engine cannot do, or None."""
+        if self.n not in (None, 1):
+            return "n"
+        if self.logprobs not in (None, False):
+            return "logprobs"
+        if self.top_logprobs not in (None, 0):
+            return "top_logprobs"
+        if self.logit_bias:
+            return "logit_bias"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                return name
+        return None
+
+
+def _check_prompt(value):
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in value):
+            return value
+    raise ValueError("must be a string, a list of token ids, or a non-empty list of strings or of token id lists")
+
+
+class CompletionBody(GenerationBody):
+    prompt: Any
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value):
+        return _check_prompt(value)
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, value):
+        """A string, or a list of {"type": "text", "text": ...} parts (joined)."""
+        if value is None or isinstance(value, str):
+            return value or ""
+        if isinstance(value, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
+        ):
+            return "".join(p["text"] for p in value)
+        raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
+
+
+class ChatBody(GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: Any = None
+    response_format: Any = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        return super().unsupported()
+
+
+def parse_body(raw: bytes, body_class: type[GenerationBody]) -> GenerationBody:
+    """The request body checked against body_class; ApiError 400 naming the culprit otherwise."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        body = body_class.model_validate(data)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {message}", param=param, code="invalid_type") from None
+    field = body.unsupported()
+    if field is not None:
+        raise ApiError(
+            400, f"{field}={getattr(body, field)!r} is not supported by this server", param=field, code="unsupported"
+        )
+    return body
+
+
+def check_model(body: GenerationBody, model: ServedModel) -> None:
+    if body.model is not None and body.model != model.name:
+        raise ApiError(
+            400,
+            f"model {body.model!r} is not served here; this server serves {model.name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def completion_token_ids(body: CompletionBody, model: ServedModel) -> list[list[int]]:
+    """The prompts of a completions body, as token ids (one list per prompt)."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    prompts = [model.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+    for i, token_ids in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not token_ids:
+            raise ApiError(400, f"{where} is empty: give at least one token", "prompt", "empty_prompt")
+        if min(token_ids) < 0 or max(token_ids) >= model.vocab_size:
+            bad = [t for t in token_ids if not 0 <= t < model.vocab_size][:10]
+            raise ApiError(
+                400, f"{where}: token ids {bad} are outside the vocabulary [0, {model.vocab_size})", "prompt"
+            )
+    return prompts
+
+
+def chat_token_ids(body: ChatBody, model: ServedModel) -> list[int]:
+    """The conversation through the tokenizer's chat template, ending in the assistant's turn."""
+    tokenizer = model.tokenizer
+    if not body.messages:
+        raise ApiError(400, "messages is empty: give at least one message", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, f"model {model.name!r} has no chat template: use /v1/completions", "messages")
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # the template's own checks (roles in order, ...)
+        raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def engine_prompts(
+    body: GenerationBody, prompts: list[list[int]], model: ServedModel, max_tokens: int | None
+) -> list[Prompt]:
+    """One engine Prompt per token list, with the body's sampling settings. max_tokens None: as
+    many as fit in max_model_len and the KV cache. Each prompt plus its max_tokens must fit
+    max_model_len."""
+    limit = model.max_model_len
+    # The last token is sampled, never cached: a request fits the cache with one token more than it holds.
+    room = min(limit, model.num_cache_tokens + 1)
+    result = []
+    for token_ids in prompts:
+        num_tokens = max_tokens if max_tokens is not None else max(1, room - len(token_ids))
+        if len(token_ids) >= limit or len(token_ids) + num_tokens > limit:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {limit} tokens; the request has {len(token_ids)} prompt "
+                f"tokens and asks for up to {num_tokens if max_tokens is not None else 'at least 1'} more",
+                "max_tokens" if max_tokens is not None and len(token_ids) < limit else "prompt",
+                "context_length_exceeded",
+            )
+        result.append(Prompt(token_ids, sampling_params(body, num_tokens), body.priority, body.metadata))
+    return result
+
+
+def sampling_params(body: GenerationBody, max_tokens: int) -> SamplingParams:
+    settings = {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": -1 if body.top_k is None else body.top_k,
+        "min_p": 0.0 if body.min_p is None else body.min_p,
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos,
+        "stop": [] if body.stop is None else body.stop,
+        "stop_token_ids": body.stop_token_ids or [],
+    }
+    try:
+        return SamplingParams(**settings)
+    except ValueError as e:  # SamplingParams' messages start with the field's name
+        field = str(e).split()[0]
+        raise ApiError(400, str(e), field if field in settings else None, "invalid_value") from None
