@@ -1,6 +1,6 @@
 """The built-in plugins pass the conformance suites plugin authors run: the scheduler policies, the
-KV manager and the attention backends (torch on CPU, triton in Triton's interpreter on CPU, and each in
-bfloat16 on a GPU).
+KV manager, the attention backends (torch on CPU, triton in Triton's interpreter on CPU, and each in
+bfloat16 on a GPU) and the default sampler (on CPU, and its CUDA kernel on a GPU).
 
 Without CUDA the triton backend's kernels run in Triton's interpreter, which Triton fixes when a
 kernel is decorated: so TRITON_INTERPRET is set here before inferlab's kernel modules are imported."""
@@ -18,6 +18,7 @@ from inferlab.core.plugins import get_registry  # noqa: E402
 from inferlab.testing import (  # noqa: E402
     AttentionBackendSuite,
     KVCacheManagerSuite,
+    SamplerSuite,
     SchedulerPolicySuite,
 )
 
@@ -59,6 +60,10 @@ class TestTritonAttentionInterpreted(AttentionBackendSuite):
     block_sizes = (16, 32)
 
 
+class TestDefaultSampler(SamplerSuite):
+    sampler = "default"
+
+
 # On a GPU, in the dtype models run in, at a real head_dim.
 
 
@@ -90,10 +95,19 @@ class TestFlashAttentionOnGPU(AttentionBackendSuite):
     heads = (8, 2, 128)
 
 
+@pytest.mark.gpu
+@needs_cuda
+class TestDefaultSamplerOnGPU(SamplerSuite):
+    sampler = "default"
+    device = "cuda"
+    dtypes = (torch.bfloat16, torch.float32)
+
+
 SUITES = {
     "scheduler": (SchedulerPolicySuite, "scheduler"),
     "kv_cache": (KVCacheManagerSuite, "kv_cache"),
     "attention": (AttentionBackendSuite, "attention"),
+    "sampler": (SamplerSuite, "sampler"),
 }
 
 
