@@ -1,9 +1,28 @@
-"""The built-in scheduler policies and KV manager pass the conformance suites plugin authors run."""
+"""The built-in plugins pass the conformance suites plugin authors run: the scheduler policies, the
+KV manager, the attention backends (torch on CPU, triton in Triton's interpreter on CPU, and each in
+bfloat16 on a GPU) and the default sampler (on CPU, and its CUDA kernel on a GPU).
+
+Without CUDA the triton backend's kernels run in Triton's interpreter, which Triton fixes when a
+kernel is decorated: so TRITON_INTERPRET is set here before inferlab's kernel modules are imported."""
+
+import importlib.util
+import os
 
 import pytest
+import torch
 
-from inferlab.core.plugins import get_registry
-from inferlab.testing import KVCacheManagerSuite, SchedulerPolicySuite
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from inferlab.core.plugins import get_registry  # noqa: E402
+from inferlab.testing import (  # noqa: E402
+    AttentionBackendSuite,
+    KVCacheManagerSuite,
+    SamplerSuite,
+    SchedulerPolicySuite,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 class TestFCFS(SchedulerPolicySuite):
@@ -27,9 +46,80 @@ class TestPaged(KVCacheManagerSuite):
     kv_cache = "paged"
 
 
-@pytest.mark.parametrize("kind", ["scheduler", "kv_cache"])
+class TestTorchAttention(AttentionBackendSuite):
+    attention = "torch"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested instead")
+class TestTritonAttentionInterpreted(AttentionBackendSuite):
+    """Small block sizes: Triton's interpreter takes seconds a call."""
+
+    attention = "triton"
+    block_sizes = (16, 32)
+
+
+class TestDefaultSampler(SamplerSuite):
+    sampler = "default"
+
+
+# On a GPU, in the dtype models run in, at a real head_dim.
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestTorchAttentionOnGPU(AttentionBackendSuite):
+    attention = "torch"
+    device = "cuda"
+    dtypes = (torch.bfloat16,)
+    heads = (8, 2, 128)
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestTritonAttentionOnGPU(AttentionBackendSuite):
+    attention = "triton"
+    device = "cuda"
+    dtypes = (torch.bfloat16, torch.float16)
+    heads = (8, 2, 128)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash_attn is not importable")
+class TestFlashAttentionOnGPU(AttentionBackendSuite):
+    attention = "flash_attn"
+    device = "cuda"
+    dtypes = (torch.bfloat16, torch.float16)
+    heads = (8, 2, 128)
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestDefaultSamplerOnGPU(SamplerSuite):
+    sampler = "default"
+    device = "cuda"
+    dtypes = (torch.bfloat16, torch.float32)
+
+
+SUITES = {
+    "scheduler": (SchedulerPolicySuite, "scheduler"),
+    "kv_cache": (KVCacheManagerSuite, "kv_cache"),
+    "attention": (AttentionBackendSuite, "attention"),
+    "sampler": (SamplerSuite, "sampler"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SUITES))
 def test_every_builtin_is_covered(kind):
-    covered = {"scheduler": {"fcfs", "lpm", "priority"}, "kv_cache": {"paged"}}[kind]
+    """Each built-in plugin has a suite class in this file (flash_attn's runs on a GPU only)."""
+    suite, attribute = SUITES[kind]
+    covered = {
+        getattr(cls, attribute)
+        for cls in globals().values()
+        if isinstance(cls, type) and issubclass(cls, suite) and cls is not suite
+    }
     builtin = {
         n for n in get_registry().names(kind) if get_registry().get(kind, n).distribution.startswith("inferlab ")
     }

@@ -77,7 +77,7 @@ def test_example_policies_are_short_and_import_no_builtin_plugin():
         assert len([line for line in policy_class.splitlines() if line.strip()]) <= 40, name
 
 
-@pytest.mark.parametrize("package", ["sjf_scheduler", "edf_scheduler", "vtc_scheduler"])
+@pytest.mark.parametrize("package", ["sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler"])
 def test_each_example_passes_its_own_tests(site, tmp_path, package):
     """What a plugin author runs: their tests, the conformance suite among them, in their package."""
     proc = run(

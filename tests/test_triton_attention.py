@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
-from inferlab.core.batch import AttentionInputs  # noqa: E402
 from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.kernels.kv_store import store_kv  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
 from inferlab.plugins.attention.torch_backend import TorchBackend  # noqa: E402
 from inferlab.plugins.attention.triton_backend import TritonBackend  # noqa: E402
+from inferlab.testing.attention import attention_inputs, padded_for_cuda_graphs  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_kernels.INTERPRETED:
     triton_kernels = importlib.reload(triton_kernels)
@@ -34,36 +34,14 @@ def make_batch(query_lens, context_lens, block_size, num_kv_heads, head_dim, gro
     """A batch over a random paged cache: sequence i has context_lens[i] cached tokens and
     query_lens[i] new ones, its blocks scattered over the cache (never in order)."""
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    blocks_needed = [-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)]
     num_blocks = sum(blocks_needed) + 3
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in blocks_needed:
         tables.append(order[used : used + n])
         used += n
-    block_tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
-    for row, table in enumerate(tables):
-        block_tables[row, : len(table)] = torch.tensor(table)
-    slots = [
-        tables[row][pos // block_size] * block_size + pos % block_size
-        for row in range(len(seq_lens))
-        for pos in range(context_lens[row], seq_lens[row])
-    ]
-    query_start = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    query_start[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    is_decode = all(q == 1 for q in query_lens)
-    inputs = AttentionInputs(
-        query_start_loc=query_start.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables.to(DEVICE),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        is_decode=is_decode,
-        block_size=block_size,
-    )
+    inputs = attention_inputs(context_lens, query_lens, tables, block_size, DEVICE)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(DEVICE)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(DEVICE)
@@ -275,19 +253,7 @@ def test_mixed_decode_and_prefill_chunks_match_torch():
 def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
     inputs, q, k, v, cache = make_batch([1, 1], [20, 44], 16, 2, 16, 2, seed=4)
     _, expected, _, expected_cache = run_both(inputs, q, k, v, cache)
-    # pad to 4 rows as the decode graphs do: seq_lens 0, slot -1, any block table
-    pad = 2
-    padded = AttentionInputs(
-        query_start_loc=torch.arange(5, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.cat([inputs.seq_lens, inputs.seq_lens.new_zeros(pad)]),
-        context_lens=torch.cat([inputs.context_lens, inputs.context_lens.new_zeros(pad)]),
-        block_tables=torch.cat([inputs.block_tables, inputs.block_tables[:1].expand(pad, -1)]),
-        slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((pad,), -1)]),
-        max_query_len=1,
-        max_seq_len=256,
-        is_decode=True,
-        block_size=16,
-    )
+    padded = padded_for_cuda_graphs(inputs, num_rows=4, max_blocks=16)  # as the decode graphs pad
     backend = TritonBackend(min_split_len=16)
     padded_cache = cache.clone()
     got = backend.forward(

@@ -36,7 +36,9 @@ def filter_logits(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
         if p.any_top_p:
             probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            keep &= mass_before < p.top_p[:, None]  # the top token always stays
+            # the top token always stays; rows without top_p keep all, though float32 sums over a
+            # large vocabulary reach 1 before their tail
+            keep &= (mass_before < p.top_p[:, None]) | (p.top_p[:, None] >= 1)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(~keep, float("-inf")))
     if p.any_min_p:
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
@@ -55,10 +57,11 @@ class DefaultSampler:
             return logits.argmax(dim=-1)
         temperatures = params.temperatures
         if params.any_top_k or params.any_top_p or params.any_min_p:
-            sampling = temperatures > 0
-            inverse = 1.0 / torch.where(sampling, temperatures, 1.0)
-            logits = filter_logits(logits.float() * inverse[:, None], params)
-            temperatures = sampling.float()  # already scaled; 0 keeps greedy rows greedy
+            inverse = 1.0 / torch.where(temperatures > 0, temperatures, 1.0)
+            excluded = filter_logits(logits.float() * inverse[:, None], params) == float("-inf")
+            # the filters only exclude tokens: the rest keep their logits and are drawn as without
+            # filters, so a row's draw never depends on whether other rows of its batch filter
+            logits = logits.masked_fill(excluded, float("-inf"))
         if logits.is_cuda:
             from inferlab.kernels.sampling import sample_tokens
 
