@@ -72,20 +72,65 @@ def test_request_that_can_never_fit_the_cache(llm, reference):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-        (dict(temperature=-0.1), "temperature must be a number >= 0"),
+        (dict(max_tokens=0), r"max_tokens must be an integer in \[1, 2\*\*63 - 1\], got 0"),
+        (dict(max_tokens=2**63), r"max_tokens must be an integer in \[1, 2\*\*63 - 1\]"),
+        (dict(max_tokens=5.0), "max_tokens must be an integer"),
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+        (dict(temperature="0.5"), "temperature must be a finite number >= 0"),
         (dict(top_p=0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=0), "top_k must be -1"),
+        (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=0), r"top_k must be -1 \(disabled\) or an integer in \[1, 2\*\*31 - 1\]"),
         (dict(top_k=-2), "top_k must be -1"),
+        (
+            dict(top_k=2**63),
+            r"top_k must be -1 \(disabled\) or an integer in \[1, 2\*\*31 - 1\], got 9223372036854775808",
+        ),
+        (dict(top_k=True), "top_k must be -1"),
         (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
         (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
-        (dict(stop=[""]), "stop must be non-empty strings"),
+        (dict(seed=-1), r"seed must be None or an integer in \[0, 2\*\*32 - 1\], got -1"),
+        (dict(seed=2**32), r"seed must be None or an integer in \[0, 2\*\*32 - 1\]"),
+        (dict(seed=2**64), r"seed must be None or an integer in \[0, 2\*\*32 - 1\]"),
+        (dict(seed=1.5), "seed must be None or an integer"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+        (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
+        (dict(stop=7), "stop must be a non-empty string or a list of them"),
+        (dict(stop_token_ids=[-1]), r"stop_token_ids must be token ids, each an integer in \[0, 2\*\*63 - 1\]"),
+        (dict(stop_token_ids=[2**63]), "stop_token_ids must be token ids"),
+        (dict(stop_token_ids=3), "stop_token_ids must be a list of token ids"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
+    """Every field is bounded where it is built, with the allowed range in the message: nothing
+    that passes can overflow the runner's int64 and float32 tensors."""
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_are_immutable_and_normalized():
+    import dataclasses
+
+    import numpy as np
+
+    params = SamplingParams(
+        temperature=np.float32(0.5), max_tokens=np.int64(3), seed=2**32 - 1, stop="\n", top_k=2**31 - 1
+    )
+    assert params.stop == ("\n",) and params.stop_token_ids == () and type(params.max_tokens) is int
+    assert type(params.temperature) is float and params.seed == 2**32 - 1
+    for name, value in [("top_p", 0), ("stop", ["x"]), ("max_tokens", 10)]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(params, name, value)
+    with pytest.raises(AttributeError):
+        params.stop.append("x")
+    assert dataclasses.replace(params, top_p=0.5).top_p == 0.5  # a changed copy is checked again
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        dataclasses.replace(params, top_p=0)
+    assert hash(params) == hash(
+        SamplingParams(temperature=0.5, max_tokens=3, seed=2**32 - 1, stop=["\n"], top_k=2**31 - 1)
+    )
 
 
 def test_mismatched_sampling_params_list(llm, reference):

@@ -169,7 +169,7 @@ class LLMEngine:
         if len(token_ids) > max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
         # Drawn before the cache check, so other requests' seeds do not depend on the cache size.
-        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
+        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(32)
         self.check_fits_cache(len(token_ids), params)
         request_id = self.next_request_id
         self.next_request_id += 1
