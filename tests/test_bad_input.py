@@ -5,7 +5,9 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from inferlab import LLM, SamplingParams
@@ -37,9 +39,20 @@ def still_works(llm, reference):
         ([1] * 65, "65 tokens, more than max_model_len=64"),
         ([5, 10**6], r"outside the vocabulary: ids must be in \[0, "),
         ([5, -1], "outside the vocabulary"),
-        ([[1, 2]], "string or a list of token ids"),
-        ([1, True], "string or a list of token ids"),  # a bool is an int to Python, not a token id
-        ([1, 2.0], "string or a list of token ids"),
+        ([[1, 2]], "string or a list of token ids .*; got a list holding list"),
+        ([1, True], "string or a list of token ids .*; got a list holding bool"),  # a bool is no token id
+        ([1, 2.0], "string or a list of token ids .*; got a list holding float 2.0"),
+        ([np.float64(1)], "got a list holding float64"),
+        (np.array([1.0, 2.0]), "string or a list of token ids .*; got a 1-D NumPy array of float64"),
+        (np.array([[1, 2]]), "got a 2-D NumPy array of int64"),
+        (np.array(5), "got a 0-D NumPy array"),
+        (np.array([True, False]), "got a 1-D NumPy array of bool"),
+        (torch.tensor([1.0]), "got a 1-D torch tensor of torch.float32"),
+        (torch.tensor([True]), "got a 1-D torch tensor of torch.bool"),
+        (np.array([], dtype=np.int64), "prompt is empty"),
+        (np.array([5, 10**6]), "outside the vocabulary"),
+        ({1, 2}, "string or a list of token ids .*; got set"),
+        (b"bytes", "got bytes"),
     ],
 )
 def test_bad_prompts(llm, reference, prompt, match):
@@ -47,6 +60,39 @@ def test_bad_prompts(llm, reference, prompt, match):
         llm.generate([[1, 2, 3], prompt], OK, use_tqdm=False)
     with pytest.raises((ValueError, TypeError), match=match):
         llm.add_request(prompt, OK)
+    still_works(llm, reference)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        np.array([5, 6, 7]),
+        np.array([5, 6, 7], dtype=np.int32),
+        np.array([5, 6, 7], dtype=np.uint16),
+        torch.tensor([5, 6, 7]),
+        torch.tensor([5, 6, 7], dtype=torch.int32),
+        [np.int64(5), np.int64(6), np.int64(7)],
+        (5, 6, 7),
+        [5, np.int32(6), 7],
+    ],
+    ids=["np-int64", "np-int32", "np-uint16", "torch-int64", "torch-int32", "list-of-np.int64", "tuple", "mixed"],
+)
+def test_integer_arrays_are_token_ids(llm, reference, prompt):
+    """What people pass as token ids: NumPy arrays, torch tensors, lists of NumPy integers."""
+    assert llm.generate(prompt, OK, use_tqdm=False) == reference  # one prompt
+    assert llm.generate([prompt, [5, 6, 7]], OK, use_tqdm=False) == reference * 2
+    request_id = llm.add_request(prompt, OK)
+    assert llm.requests[request_id].token_ids == [5, 6, 7]
+    while not llm.is_finished():
+        llm.step()
+    still_works(llm, reference)
+
+
+def test_a_2d_array_of_prompts_is_refused(llm, reference):
+    with pytest.raises(TypeError, match="prompts as a 2-D array are ambiguous .*padding"):
+        llm.generate(np.array([[5, 6, 7], [1, 2, 3]]), OK, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be one prompt or a list of prompts"):
+        llm.generate(5, OK, use_tqdm=False)
     still_works(llm, reference)
 
 
