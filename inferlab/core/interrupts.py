@@ -7,11 +7,11 @@ order of the changes makes every point between them consistent, and checking aft
 would cost every step, so the engine defers the interrupt instead: during its calls in the main
 thread (and while requests queued with add_request are pending) its own SIGINT handler stands in
 front of the previous one, and a Ctrl-C that arrives inside a `DEFERRED` block is delivered when
-the block ends. The forward pass and the wait for the device
-run inside `ALLOWED` blocks, where Ctrl-C acts at once (they change no books). A second Ctrl-C
-while the first is held back is delivered at once: a step that does not end (a hung
-tensor-parallel rank) can still be left. Only the main thread receives signals, so elsewhere
-(an engine driven from a server's thread) these blocks do nothing.
+the block ends. The forward pass and the wait for the device run inside `ALLOWED` blocks, where
+Ctrl-C acts at once (they change no books). A second Ctrl-C while the first is held back is
+delivered at once: a step that does not end (a hung tensor-parallel rank) can still be left. Only
+the main thread receives signals, so elsewhere (an engine driven from a server's thread) these
+blocks do nothing.
 """
 
 import signal
