@@ -576,8 +576,23 @@ def per_prompt(what: str, value, kind, prompts) -> list:
     return [value] * len(prompts)
 
 
+# Files that hold a tokenizer's vocabulary, in the formats transformers reads without a checkpoint's own code.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# Config fields the engine divides by or sizes tensors with: each must be a positive integer where present.
+POSITIVE_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+
+
 def load_checkpoint_files(path: str):
-    """The HF config and tokenizer of a model directory, with errors that name what is missing."""
+    """The HF config and tokenizer of a model directory, with errors that name the file and what
+    is wrong. No code from the directory ever runs (trust_remote_code is always False), and
+    nothing asks on stdin: a checkpoint that needs its own code is refused."""
     from transformers import AutoConfig, AutoTokenizer
 
     if not os.path.isdir(path):
@@ -585,9 +600,50 @@ def load_checkpoint_files(path: str):
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"model directory {path!r} has no config.json ({config_file!r})")
-    hf_config = AutoConfig.from_pretrained(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no usable tokenizer in {path!r}: {e}") from e
+        with open(config_file, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got a {type(fields).__name__}")
+    check_model_type(fields, config_file)
+    check_positive_fields(fields, config_file)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # transformers' own validation errors are of several kinds
+        raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
+    check_positive_fields({name: getattr(hf_config, name, None) for name in POSITIVE_CONFIG_FIELDS}, config_file)
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model directory {path!r} has no tokenizer: none of {list(TOKENIZER_FILES)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"no usable tokenizer in {path!r}: {e}") from e
+    if len(tokenizer) < 2:
+        raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} token(s): its vocabulary files are missing")
     return hf_config, tokenizer
+
+
+def check_positive_fields(fields: dict, config_file: str) -> None:
+    for name in POSITIVE_CONFIG_FIELDS:
+        value = fields.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+
+
+def check_model_type(fields: dict, config_file: str) -> None:
+    """A config.json must name a model_type that transformers implements itself: one it does not
+    would need Python code from the checkpoint (its auto_map), which inferlab never runs."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = fields.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return  # transformers' own classes serve it (an auto_map beside it is ignored)
+    if fields.get("auto_map"):
+        raise ValueError(
+            f"{config_file}: model_type {model_type!r} needs the checkpoint's own Python code (auto_map "
+            f"{fields['auto_map']}); inferlab never runs code from a model directory (trust_remote_code is off). "
+            f"Use a checkpoint whose model_type transformers knows"
+        )
+    raise ValueError(f"{config_file}: model_type {model_type!r} is not a model type transformers knows")
