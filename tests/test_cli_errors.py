@@ -2,6 +2,7 @@
 traceback only with HYDRA_FULL_ERROR=1); requests that fail are printed with why, exit status 1."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -61,3 +62,24 @@ def test_failed_requests_are_printed_and_fail_the_command(tmp_path):
     assert "inferlab: 3 of 3 requests failed" in proc.stderr
     ok = inferlab([*TINY, "engine.num_kvcache_blocks=4"], tmp_path)
     assert ok.returncode == 0 and " -> error" not in ok.stdout
+
+
+def test_ctrl_c_exits_130_with_a_one_line_message(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "inferlab", *TINY, "generate.max_tokens=4000", "generate.ignore_eos=true"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in process.stdout:  # the engine is built once the KV cache is announced
+            if "KV cache:" in line:
+                break
+        process.send_signal(signal.SIGINT)
+        rest = process.stdout.read()
+        assert process.wait(timeout=60) == 130
+        assert "inferlab: interrupted" in rest and "Traceback" not in rest
+    finally:
+        process.kill()
+        process.wait()
