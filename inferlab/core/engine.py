@@ -356,25 +356,31 @@ class LLMEngine:
         start = perf_counter()
         decode_tokens = batch.num_decode_tokens
         prefill_tokens = batch.total_tokens - decode_tokens
+        pending = self.pending
         try:
-            with ALLOWED:  # the forward pass changes no books: a Ctrl-C may stop it at once
+            with ALLOWED:  # the forward pass and the waits change no books: a Ctrl-C may stop them at once
                 handle = self.runner.launch(batch) if batch.requests else None
-            self._collect(self._resolve_pending(interruptible=True))  # the previous step's, while this one runs
+                # the tokens to read now: under overlap the previous step's (while this one runs), else this one's
+                waited = (pending and pending[1]) if self.overlap else handle
+                tokens = self._wait(waited) if waited is not None else None
+            finished = []
+            if pending is not None:
+                finished = scheduler.resolve(pending[0], tokens)
+                self.pending = None
             if handle is not None:
                 if self.overlap:
                     self.pending = (scheduler.advance(batch, handle.placeholders()), handle)
                 else:
-                    with ALLOWED:
-                        tokens = self._wait(handle)
-                    self._collect(scheduler.resolve(scheduler.advance(batch, tokens), tokens))
+                    finished = scheduler.resolve(scheduler.advance(batch, tokens), tokens)
         except BaseException:
             # This launch may have replaced the samples that the pending step's placeholders stand
             # for: read that step's tokens now, so that no placeholder outlives the step.
             try:
-                self._collect(self._resolve_pending(interruptible=False))
+                self._collect(self._resolve_pending())
             except Exception:
                 self.pending = None  # the runner failed: its samples are lost with it
             raise
+        self._collect(finished)
         elapsed = perf_counter() - start
         stats = self.stats
         stats.num_steps += 1
@@ -386,17 +392,12 @@ class LLMEngine:
             stats.decode_seconds += elapsed
         return StepOutput([], prefill_tokens, decode_tokens, len(batch))  # the caller takes the finished requests
 
-    def _resolve_pending(self, interruptible: bool) -> list[Request]:
+    def _resolve_pending(self) -> list[Request]:
         """Waits for the pending step's tokens and finishes what they end (under overlap)."""
         if self.pending is None:
             return []
         appended, handle = self.pending
-        if interruptible:
-            with ALLOWED:
-                tokens = self._wait(handle)
-        else:
-            tokens = self._wait(handle)
-        finished = self.scheduler.resolve(appended, tokens)
+        finished = self.scheduler.resolve(appended, self._wait(handle))
         self.pending = None
         return finished
 

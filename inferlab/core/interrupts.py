@@ -85,19 +85,22 @@ class Installed:
         restore()
 
 
+# Entered every step: the names they use are bound as defaults, local lookups being the cheapest.
+
+
 class Deferred:
     """Holds a Ctrl-C back until the outermost DEFERRED block ends, then raises it there."""
 
     __slots__ = ()
 
-    def __enter__(self):
-        if threading.get_ident() == MAIN_THREAD:
-            STATE.depth += 1
+    def __enter__(self, get_ident=threading.get_ident, state=STATE):
+        if get_ident() == MAIN_THREAD:
+            state.depth += 1
 
-    def __exit__(self, *exc):
-        if threading.get_ident() == MAIN_THREAD:
-            STATE.depth -= 1
-            if not STATE.depth and STATE.received is not None:
+    def __exit__(self, exc_type, exc, traceback, get_ident=threading.get_ident, state=STATE):
+        if get_ident() == MAIN_THREAD:
+            state.depth -= 1
+            if not state.depth and state.received is not None:
                 _deliver_received()
 
 
@@ -107,16 +110,16 @@ class Allowed:
 
     __slots__ = ()
 
-    def __enter__(self):
-        if threading.get_ident() == MAIN_THREAD:
-            if STATE.received is not None:
+    def __enter__(self, get_ident=threading.get_ident, state=STATE):
+        if get_ident() == MAIN_THREAD:
+            if state.received is not None:
                 _deliver_received()  # before changing anything: raising here skips __exit__
-            STATE.saved.append(STATE.depth)
-            STATE.depth = 0
+            state.saved.append(state.depth)
+            state.depth = 0
 
-    def __exit__(self, *exc):
-        if threading.get_ident() == MAIN_THREAD:
-            STATE.depth = STATE.saved.pop()
+    def __exit__(self, exc_type, exc, traceback, get_ident=threading.get_ident, state=STATE):
+        if get_ident() == MAIN_THREAD:
+            state.depth = state.saved.pop()
 
 
 INSTALLED, DEFERRED, ALLOWED = Installed(), Deferred(), Allowed()
