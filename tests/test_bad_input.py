@@ -88,6 +88,14 @@ def test_integer_arrays_are_token_ids(llm, reference, prompt):
     still_works(llm, reference)
 
 
+@pytest.mark.parametrize("arrival_time", ["now", float("nan"), float("inf"), True])
+def test_an_arrival_time_that_is_not_a_number(llm, reference, arrival_time):
+    """Policies compare arrival times every step: one that is not a number would fail them all."""
+    with pytest.raises(TypeError, match="arrival_time must be a finite number of seconds"):
+        llm.add_request([5, 6, 7], OK, arrival_time=arrival_time)
+    still_works(llm, reference)
+
+
 def test_a_2d_array_of_prompts_is_refused(llm, reference):
     with pytest.raises(TypeError, match="prompts as a 2-D array are ambiguous .*padding"):
         llm.generate(np.array([[5, 6, 7], [1, 2, 3]]), OK, use_tqdm=False)

@@ -4,13 +4,14 @@ runner computes and samples, and the core scheduler finishes what the tokens end
 import gc
 import json
 import logging
+import math
 import os
 import random
 import threading
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 from time import perf_counter
 from typing import Any
 
@@ -213,6 +214,13 @@ class LLMEngine:
             raise TypeError(f"priority must be an integer (lower is served first), got {priority!r}")
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a dict (or None), got {type(metadata).__name__}")
+        # policies compare arrival times every step: one that is not a number would fail them all
+        if arrival_time is not None and (
+            not isinstance(arrival_time, Real) or isinstance(arrival_time, bool) or not math.isfinite(arrival_time)
+        ):
+            raise TypeError(
+                f"arrival_time must be a finite number of seconds on the engine's clock, got {arrival_time!r}"
+            )
         if isinstance(prompt, str):
             try:
                 token_ids = self.tokenizer.encode(prompt)
