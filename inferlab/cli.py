@@ -7,8 +7,13 @@
 
 Plugins installed in the environment are options of their kind's group, with their own
 parameters (`scheduler.<param>=...`); `inferlab-plugins` lists them.
+
+A mistake in the settings, the model path or the prompts prints its message alone and exits with
+status 2 (HYDRA_FULL_ERROR=1 shows the traceback too); requests that fail (too large for the KV
+cache, say) are printed with why, and the exit status is 1; Ctrl-C exits with 130.
 """
 
+import os
 import re
 import sys
 import time
@@ -29,25 +34,41 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def run(cfg: DictConfig) -> None:
-    if cfg.job.name == JobName.profile:
-        from inferlab.sim.profiling import run_profile_job
+    try:
+        if cfg.job.name == JobName.profile:
+            from inferlab.sim.profiling import run_profile_job
 
-        run_profile_job(cfg)
-    elif cfg.job.name == JobName.bench:
-        from inferlab.bench import run_bench
-        from inferlab.workload import BenchConfigError
+            run_profile_job(cfg)
+        elif cfg.job.name == JobName.bench:
+            from inferlab.bench import run_bench
 
-        try:
             run_bench(cfg)  # checks the bench settings before it builds anything
-        except BenchConfigError as e:  # the user's settings: a message, not a traceback
-            print(f"inferlab: {e}", file=sys.stderr)
-            sys.exit(2)
-    elif cfg.job.name == JobName.serve:
-        from inferlab.server import run_serve
+        elif cfg.job.name == JobName.serve:
+            from inferlab.server import run_serve
 
-        run_serve(cfg)
-    else:
-        generate(cfg)
+            run_serve(cfg)
+        else:
+            generate(cfg)
+    except KeyboardInterrupt:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print("inferlab: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not is_user_error(e):
+            raise
+        print(f"inferlab: {e}", file=sys.stderr)  # the user's settings, path or prompts: a message, not a traceback
+        sys.exit(2)
+
+
+def is_user_error(error: Exception) -> bool:
+    """Errors whose message says what to change (bad settings, paths, prompts, checkpoints, plugin
+    names), and failures the engine explains itself (a tensor-parallel rank, a scheduler policy)."""
+    from inferlab.core.scheduler import PolicyError, SchedulerStallError
+    from inferlab.core.workers import TensorParallelError
+
+    explained = (ValueError, TypeError, OSError, LookupError, PolicyError, SchedulerStallError, TensorParallelError)
+    return isinstance(error, explained)
 
 
 def generate(cfg: DictConfig) -> None:
@@ -66,7 +87,11 @@ def generate(cfg: DictConfig) -> None:
         stats = llm.stats
     print(" ".join(f"{kind}={name}" for kind, name in plugins.items()))
     for prompt, out in zip(prompts, outputs):
-        print(f"{prompt!r} -> {out['text']!r}")
+        print(
+            f"{prompt!r} -> error: {out['error']}"
+            if out["finish_reason"] == "error"
+            else f"{prompt!r} -> {out['text']!r}"
+        )
     tokens = sum(len(o["token_ids"]) for o in outputs)
     prefill = stats.num_prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
     decode = stats.num_decode_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
@@ -74,6 +99,10 @@ def generate(cfg: DictConfig) -> None:
         f"{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.0f} tok/s "
         f"(prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s)"
     )
+    failed = sum(o["finish_reason"] == "error" for o in outputs)
+    if failed:
+        print(f"inferlab: {failed} of {len(outputs)} requests failed", file=sys.stderr)
+        sys.exit(1)
 
 
 def explain_unknown_choices(args: list[str], registry: PluginRegistry) -> None:

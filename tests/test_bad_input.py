@@ -5,7 +5,9 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from inferlab import LLM, SamplingParams
@@ -37,9 +39,20 @@ def still_works(llm, reference):
         ([1] * 65, "65 tokens, more than max_model_len=64"),
         ([5, 10**6], r"outside the vocabulary: ids must be in \[0, "),
         ([5, -1], "outside the vocabulary"),
-        ([[1, 2]], "string or a list of token ids"),
-        ([1, True], "string or a list of token ids"),  # a bool is an int to Python, not a token id
-        ([1, 2.0], "string or a list of token ids"),
+        ([[1, 2]], "string or a list of token ids .*; got a list holding list"),
+        ([1, True], "string or a list of token ids .*; got a list holding bool"),  # a bool is no token id
+        ([1, 2.0], "string or a list of token ids .*; got a list holding float 2.0"),
+        ([np.float64(1)], "got a list holding float64"),
+        (np.array([1.0, 2.0]), "string or a list of token ids .*; got a 1-D NumPy array of float64"),
+        (np.array([[1, 2]]), "got a 2-D NumPy array of int64"),
+        (np.array(5), "got a 0-D NumPy array"),
+        (np.array([True, False]), "got a 1-D NumPy array of bool"),
+        (torch.tensor([1.0]), "got a 1-D torch tensor of torch.float32"),
+        (torch.tensor([True]), "got a 1-D torch tensor of torch.bool"),
+        (np.array([], dtype=np.int64), "prompt is empty"),
+        (np.array([5, 10**6]), "outside the vocabulary"),
+        ({1, 2}, "string or a list of token ids .*; got set"),
+        (b"bytes", "got bytes"),
     ],
 )
 def test_bad_prompts(llm, reference, prompt, match):
@@ -47,6 +60,47 @@ def test_bad_prompts(llm, reference, prompt, match):
         llm.generate([[1, 2, 3], prompt], OK, use_tqdm=False)
     with pytest.raises((ValueError, TypeError), match=match):
         llm.add_request(prompt, OK)
+    still_works(llm, reference)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        np.array([5, 6, 7]),
+        np.array([5, 6, 7], dtype=np.int32),
+        np.array([5, 6, 7], dtype=np.uint16),
+        torch.tensor([5, 6, 7]),
+        torch.tensor([5, 6, 7], dtype=torch.int32),
+        [np.int64(5), np.int64(6), np.int64(7)],
+        (5, 6, 7),
+        [5, np.int32(6), 7],
+    ],
+    ids=["np-int64", "np-int32", "np-uint16", "torch-int64", "torch-int32", "list-of-np.int64", "tuple", "mixed"],
+)
+def test_integer_arrays_are_token_ids(llm, reference, prompt):
+    """What people pass as token ids: NumPy arrays, torch tensors, lists of NumPy integers."""
+    assert llm.generate(prompt, OK, use_tqdm=False) == reference  # one prompt
+    assert llm.generate([prompt, [5, 6, 7]], OK, use_tqdm=False) == reference * 2
+    request_id = llm.add_request(prompt, OK)
+    assert llm.requests[request_id].token_ids == [5, 6, 7]
+    while not llm.is_finished():
+        llm.step()
+    still_works(llm, reference)
+
+
+@pytest.mark.parametrize("arrival_time", ["now", float("nan"), float("inf"), True])
+def test_an_arrival_time_that_is_not_a_number(llm, reference, arrival_time):
+    """Policies compare arrival times every step: one that is not a number would fail them all."""
+    with pytest.raises(TypeError, match="arrival_time must be a finite number of seconds"):
+        llm.add_request([5, 6, 7], OK, arrival_time=arrival_time)
+    still_works(llm, reference)
+
+
+def test_a_2d_array_of_prompts_is_refused(llm, reference):
+    with pytest.raises(TypeError, match="prompts as a 2-D array are ambiguous .*padding"):
+        llm.generate(np.array([[5, 6, 7], [1, 2, 3]]), OK, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be one prompt or a list of prompts"):
+        llm.generate(5, OK, use_tqdm=False)
     still_works(llm, reference)
 
 
@@ -72,20 +126,65 @@ def test_request_that_can_never_fit_the_cache(llm, reference):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-        (dict(temperature=-0.1), "temperature must be a number >= 0"),
+        (dict(max_tokens=0), r"max_tokens must be an integer in \[1, 2\*\*63 - 1\], got 0"),
+        (dict(max_tokens=2**63), r"max_tokens must be an integer in \[1, 2\*\*63 - 1\]"),
+        (dict(max_tokens=5.0), "max_tokens must be an integer"),
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+        (dict(temperature="0.5"), "temperature must be a finite number >= 0"),
         (dict(top_p=0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=0), "top_k must be -1"),
+        (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=0), r"top_k must be -1 \(disabled\) or an integer in \[1, 2\*\*31 - 1\]"),
         (dict(top_k=-2), "top_k must be -1"),
+        (
+            dict(top_k=2**63),
+            r"top_k must be -1 \(disabled\) or an integer in \[1, 2\*\*31 - 1\], got 9223372036854775808",
+        ),
+        (dict(top_k=True), "top_k must be -1"),
         (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
         (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
-        (dict(stop=[""]), "stop must be non-empty strings"),
+        (dict(seed=-1), r"seed must be None or an integer in \[0, 2\*\*32 - 1\], got -1"),
+        (dict(seed=2**32), r"seed must be None or an integer in \[0, 2\*\*32 - 1\]"),
+        (dict(seed=2**64), r"seed must be None or an integer in \[0, 2\*\*32 - 1\]"),
+        (dict(seed=1.5), "seed must be None or an integer"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+        (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
+        (dict(stop=7), "stop must be a non-empty string or a list of them"),
+        (dict(stop_token_ids=[-1]), r"stop_token_ids must be token ids, each an integer in \[0, 2\*\*63 - 1\]"),
+        (dict(stop_token_ids=[2**63]), "stop_token_ids must be token ids"),
+        (dict(stop_token_ids=3), "stop_token_ids must be a list of token ids"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
+    """Every field is bounded where it is built, with the allowed range in the message: nothing
+    that passes can overflow the runner's int64 and float32 tensors."""
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_are_immutable_and_normalized():
+    import dataclasses
+
+    import numpy as np
+
+    params = SamplingParams(
+        temperature=np.float32(0.5), max_tokens=np.int64(3), seed=2**32 - 1, stop="\n", top_k=2**31 - 1
+    )
+    assert params.stop == ("\n",) and params.stop_token_ids == () and type(params.max_tokens) is int
+    assert type(params.temperature) is float and params.seed == 2**32 - 1
+    for name, value in [("top_p", 0), ("stop", ["x"]), ("max_tokens", 10)]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(params, name, value)
+    with pytest.raises(AttributeError):
+        params.stop.append("x")
+    assert dataclasses.replace(params, top_p=0.5).top_p == 0.5  # a changed copy is checked again
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        dataclasses.replace(params, top_p=0)
+    assert hash(params) == hash(
+        SamplingParams(temperature=0.5, max_tokens=3, seed=2**32 - 1, stop=["\n"], top_k=2**31 - 1)
+    )
 
 
 def test_mismatched_sampling_params_list(llm, reference):

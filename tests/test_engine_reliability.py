@@ -189,7 +189,7 @@ def test_other_bad_inputs_still_raise_and_queue_nothing(path, bad, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([[1, 2, 3], bad, large], SamplingParams(max_tokens=20), use_tqdm=False)
     assert_books_clean(llm)
-    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=-1)
 
 
@@ -219,8 +219,8 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
     older = [[]]  # a tracked container made before the call
     seen = {}
 
-    def recording(name):
-        real = getattr(llm, name)
+    def recording(owner, name):
+        real = getattr(owner, name)
 
         def wrapper(*args):
             if name not in seen:
@@ -229,21 +229,21 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
                 seen[name] = (gc.get_freeze_count() > 0, id(older) in ids, id(newer) in ids)
             return real(*args)
 
-        monkeypatch.setattr(llm, name, wrapper)
+        monkeypatch.setattr(owner, name, wrapper)
 
-    for name in ("make_request", "step", "output"):
-        recording(name)
+    for owner, name in ((llm, "make_request"), (llm.runner, "launch"), (llm, "output")):
+        recording(owner, name)
     prompts = prompts_of([9, 30], seed=4)
     assert gc.get_freeze_count() <= engine.FROZEN_AT_IMPORT
     assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
     # older frozen, the call's own objects not
-    assert seen == {name: (True, False, True) for name in ("make_request", "step", "output")}
+    assert seen == {name: (True, False, True) for name in ("make_request", "launch", "output")}
     assert gc.get_freeze_count() <= engine.FROZEN_AT_IMPORT and id(older) in tracked_ids()
 
-    def failing_step():
+    def failing_launch(batch):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm, "step", failing_step)
+    monkeypatch.setattr(llm.runner, "launch", failing_launch)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert gc.get_freeze_count() <= engine.FROZEN_AT_IMPORT
@@ -255,13 +255,13 @@ def test_generate_freezes_what_exists_before_it_and_unfreezes_after(path, refere
 def test_generate_leaves_a_callers_freeze_alone(path, reference, monkeypatch):
     llm = make_llm(path, num_kvcache_blocks=16)
     older, made_during = [[]], []
-    real_step = llm.step
+    real_launch = llm.runner.launch
 
-    def step():
+    def launch(batch):
         made_during.append([])
-        return real_step()
+        return real_launch(batch)
 
-    monkeypatch.setattr(llm, "step", step)
+    monkeypatch.setattr(llm.runner, "launch", launch)
     gc.freeze()
     try:
         prompts = prompts_of([12], seed=5)
@@ -286,3 +286,71 @@ def test_what_the_interpreter_keeps_frozen_is_not_a_callers_freeze(monkeypatch):
     finally:
         gc.unfreeze()
     assert id(startup) in tracked_ids()
+
+
+# -- one request's failure stays its own ------------------------------------------------------
+
+
+def test_settings_that_could_not_be_served_are_refused_where_they_are_made(path, reference):
+    """The issue's wedge: top_k=2**63 passed validation, then every later step overflowed."""
+    llm = make_llm(path, num_kvcache_blocks=16)
+    with pytest.raises(ValueError, match=r"top_k must be -1 \(disabled\) or an integer in \[1, 2\*\*31 - 1\]"):
+        llm.add_request("bye", SamplingParams(top_k=2**63))
+    largest = SamplingParams(temperature=1.0, top_k=2**31 - 1, max_tokens=2**63 - 1, seed=2**32 - 1)
+    llm.add_request([5, 6, 7], largest)  # the largest allowed values run
+    llm.step()
+    llm.abort(0)
+    prompts = prompts_of([9, 20], seed=12)
+    assert [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)
+    assert_books_clean(llm)
+
+
+def test_a_request_whose_tokens_cannot_be_decoded_fails_alone(path, reference, monkeypatch):
+    """Decoding can fail for one request (a tokenizer that rejects some ids): checking its stop
+    strings or building its text then ends that request with an error result, while the others
+    run on and the engine keeps serving."""
+    llm = make_llm(path, num_kvcache_blocks=16)
+    same, other = prompts_of([12, 15], seed=13)
+    tokens = reference([same, other])
+    poison = next(t for t in tokens[0][2:] if t not in tokens[1])  # in the first prompt's output only
+    real_decode = llm.tokenizer.decode
+
+    def decode(ids, *args, **kwargs):
+        if poison in ids:
+            raise ValueError(f"cannot decode id {poison}")
+        return real_decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "decode", decode)
+    monkeypatch.setattr(llm.scheduler, "decode", decode)
+    with_stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["never seen"])
+    outputs = llm.generate([same, same, other], [with_stop, GREEDY, GREEDY], use_tqdm=False)
+    cut = tokens[0].index(poison) + 1
+    assert outputs[0]["finish_reason"] == "error" and outputs[0]["token_ids"] == tokens[0][:cut]
+    assert (
+        outputs[0]["error"]
+        == f"decoding its newest tokens for the stop strings failed: ValueError: cannot decode id {poison}"
+    )
+    assert outputs[1]["finish_reason"] == "error" and outputs[1]["token_ids"] == tokens[0]
+    assert outputs[1]["error"] == f"decoding its output tokens failed: ValueError: cannot decode id {poison}"
+    assert (
+        outputs[2]["finish_reason"] == "length" and outputs[2]["token_ids"] == tokens[1] and "error" not in outputs[2]
+    )
+    assert llm.stats.num_failed_requests == 2
+    assert_books_clean(llm)
+    monkeypatch.undo()
+    assert [o["token_ids"] for o in llm.generate([same, other], GREEDY, use_tqdm=False)] == tokens
+
+
+def test_a_prompt_the_tokenizer_rejects_names_the_prompt_and_queues_nothing(path, monkeypatch):
+    llm = make_llm(path, num_kvcache_blocks=16)
+
+    def encode(text, *args, **kwargs):
+        raise RuntimeError("tokenizer panicked")
+
+    monkeypatch.setattr(llm.tokenizer, "encode", encode)
+    with pytest.raises(
+        ValueError, match="prompt 1: the tokenizer could not encode the prompt: RuntimeError: tokenizer panicked"
+    ):
+        llm.generate([[1, 2, 3], "boom"], GREEDY, use_tqdm=False)
+    assert llm.next_request_id == 0  # nothing drawn, nothing queued
+    assert_books_clean(llm)

@@ -1,8 +1,10 @@
 """On two CUDA GPUs (the device tool's nvidia-h200-x2): tensor_parallel_size=2 over NCCL against
 one rank, on the GPU tests' small random Qwen3 in bfloat16 (4 query heads and 1 KV head a rank):
 teacher-forced logits (chunked prefill, a cached prefix, ragged decode batches) and free greedy
-generations, with and without CUDA graphs; rank 1 really on cuda:1; and a worker killed
-mid-generation, reported by rank within seconds, after which a new engine runs on the same GPUs.
+generations, with and without CUDA graphs; rank 1 really on cuda:1; a worker killed
+mid-generation, reported by rank within seconds, after which a new engine runs on the same GPUs;
+a worker stopped (SIGSTOP), named within tp_step_timeout_s; and Ctrl-C, after which both ranks
+serve on.
 
 Run: python -m pytest -m gpu -rP tests/test_gpu_tp.py (-rP prints the measured logit errors)."""
 
@@ -162,3 +164,47 @@ def test_killed_worker_names_its_rank_and_the_gpus_serve_a_new_engine(model_path
     gc.collect()
     with LLM(model_paths["tied"], tensor_parallel_size=2, **settings) as again:
         assert again.generate(prompts, greedy, use_tqdm=False) == expected
+
+
+def test_stopped_worker_is_named_within_the_step_timeout(model_paths):
+    """A worker stopped with SIGSTOP leaves rank 0 waiting on its GPU for a collective that never
+    completes: the hang watch names it once a step has run tp_step_timeout_s, and kills it."""
+    settings = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=CACHE_TOKENS // BLOCK_SIZE, **ENGINE)
+    children_before, shm_before = child_pids(), shm_entries()
+    llm = LLM(model_paths["tied"], tensor_parallel_size=2, tp_step_timeout_s=3.0, **settings)
+    pids = llm.runner.workers.pids
+    error, seconds = run_until_failure(llm, lambda: os.kill(pids[0], signal.SIGSTOP))
+    print(f"stopped rank 1; {seconds:.2f} s later rank 0 raised: {str(error).splitlines()[0]}")
+    assert f"rank 1 (pid {pids[0]}) did not finish a step within tp_step_timeout_s=3 s: it is stopped" in str(error)
+    assert seconds < 15
+    assert_nothing_left(llm, pids, children_before, shm_before)
+
+
+def test_ctrl_c_leaves_the_two_ranks_usable(model_paths):
+    """A real SIGINT during generate on two GPUs: the call raises KeyboardInterrupt once the ranks
+    have finished the step, the workers live on, and the engine gives the same tokens again."""
+    import threading
+    import time
+
+    settings = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=CACHE_TOKENS // BLOCK_SIZE, **ENGINE)
+    greedy = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompts = prompts_of([6, 9, 40])
+    with LLM(model_paths["tied"], tensor_parallel_size=2, **settings) as llm:
+        expected = llm.generate(prompts, greedy, use_tqdm=False)
+        pids = llm.runner.workers.pids
+        for after_steps in (0, 5, 50):
+            start = llm.stats.num_steps
+
+            def interrupt(start=start, after_steps=after_steps):
+                while not llm.requests or llm.stats.num_steps < start + after_steps:
+                    time.sleep(0.0005)
+                os.kill(os.getpid(), signal.SIGINT)
+
+            thread = threading.Thread(target=interrupt, daemon=True)
+            thread.start()
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompts, greedy, use_tqdm=False)
+                time.sleep(5)
+            thread.join()
+            assert all(alive(pid) for pid in pids) and not llm.runner.closed_because
+            assert llm.generate(prompts, greedy, use_tqdm=False) == expected

@@ -18,14 +18,13 @@ def test_one_at_a_time_in_priority_order():
 def test_generate_takes_priorities_and_ties_are_first_come_first_served():
     with LLM(scheduler="priority", max_num_seqs=1, **SETTINGS) as llm:
         finished = []
-        real_step = llm.step
+        real_output = llm.output
 
-        def step():
-            out = real_step()
-            finished.extend(r.request_id for r in out.finished)
-            return out
+        def output(request):  # generate builds each request's output as it finishes
+            finished.append(request.request_id)
+            return real_output(request)
 
-        llm.step = step
+        llm.output = output
         first_id = llm.next_request_id
         outputs = llm.generate([[5, 6], [7, 8], [9, 10], [11, 12]], PARAMS, use_tqdm=False, priority=[1, 0, 1, 0])
         assert [len(o["token_ids"]) for o in outputs] == [4] * 4

@@ -172,3 +172,30 @@ def test_temperature_zero_is_greedy_and_allowed(greedy_llm):
     a = greedy_llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, seed=1), use_tqdm=False)[0]
     b = greedy_llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=8, seed=2), use_tqdm=False)[0]
     assert a == b and a["token_ids"]
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-20, 9.9e-6])
+def test_temperatures_below_the_threshold_are_greedy(greedy_llm, temperature):
+    """Dividing logits by 1e-39 overflows float32 and picked the last vocabulary id every time;
+    below 1e-5 (vLLM's _SAMPLING_EPS) a request samples greedily instead."""
+    params = SamplingParams(temperature=temperature, max_tokens=10, seed=1, ignore_eos=True)
+    assert params.greedy and params.temperature == temperature  # kept as given
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[3, 4], [7, 8, 9, 10]]
+    got = greedy_llm.generate(prompts, [params, SamplingParams(temperature=1.0, seed=4, max_tokens=4)], use_tqdm=False)
+    assert got[0]["token_ids"] == greedy_llm.generate([prompts[0]], greedy, use_tqdm=False)[0]["token_ids"]
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_each_seed_has_its_own_tokens_and_unusable_seeds_are_refused(greedy_llm):
+    """Seeds used to fold to 32 bits (-1, 0, 2**64 and 2**32 + 1 gave the same tokens): now every
+    seed in [0, 2**32) is honoured whole and the rest are refused where they are given."""
+    seeds = [0, 1, 2**31, 2**32 - 1]
+    params = [SamplingParams(temperature=1.5, max_tokens=24, seed=seed, ignore_eos=True) for seed in seeds]
+    outputs = greedy_llm.generate([[3, 4, 5]] * len(seeds), params, use_tqdm=False)
+    tokens = [tuple(o["token_ids"]) for o in outputs]
+    assert len(set(tokens)) == len(seeds)
+    assert greedy_llm.generate([[3, 4, 5]], params[-1], use_tqdm=False)[0]["token_ids"] == list(tokens[-1])
+    for seed in (-1, 2**32, 2**32 + 1, 2**64):
+        with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*32 - 1\]"):
+            SamplingParams(seed=seed)

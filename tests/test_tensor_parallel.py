@@ -438,3 +438,51 @@ def test_graphs_are_released_before_the_group_is_aborted_and_a_stuck_abort_is_le
         workers.shutdown_workers([], [], [], [StuckGroup()], [], grace=0.0)
     assert time.monotonic() - started < 2
     assert "abort did not finish within 0.2 s; leaving it behind" in caplog.text
+
+
+def test_hung_worker_is_named_within_the_step_timeout(checkpoint):
+    """A worker stopped with SIGSTOP answers nothing, and rank 0 waits in a collective with it:
+    the hang watch names the rank once a step has run tp_step_timeout_s, and stops it."""
+    children_before, shm_before = child_pids(), shm_entries()
+    llm = LLM(
+        checkpoint("gqa2-tied"),
+        tensor_parallel_size=2,
+        tp_step_timeout_s=2.0,
+        **{**SETTINGS, "num_kvcache_blocks": 128},
+    )
+    pids = llm.runner.workers.pids
+    error, seconds = run_until_failure(llm, lambda: os.kill(pids[0], signal.SIGSTOP))
+    assert f"rank 1 (pid {pids[0]}) did not finish a step within tp_step_timeout_s=2 s: it is stopped" in str(error)
+    assert 2 <= seconds < 15  # the timeout, then at most a poll interval and the report (slack for a loaded host)
+    assert_nothing_left(llm, pids, children_before, shm_before)
+
+
+def test_step_timeout_is_a_checked_setting(checkpoint):
+    with pytest.raises(ValueError, match="tp_step_timeout_s must be a positive number of seconds, got 0"):
+        LLM(checkpoint("gqa2-tied"), tensor_parallel_size=2, tp_step_timeout_s=0, **SETTINGS)
+
+
+def test_ctrl_c_leaves_a_tensor_parallel_engine_usable(tied):
+    """Ctrl-C (a real SIGINT) at several points of a generate: each time the call raises
+    KeyboardInterrupt, the workers live on, and the engine gives the same tokens as before."""
+    prompts = prompts_of([6, 30, 17], start=60)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = tied.generate(prompts, params, use_tqdm=False)
+    pids = tied.runner.workers.pids
+    for after_steps in (0, 1, 3, 7):
+        start = tied.stats.num_steps
+
+        def interrupt(start=start, after_steps=after_steps):
+            while not tied.requests or tied.stats.num_steps < start + after_steps:  # inside the call
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        thread = threading.Thread(target=interrupt, daemon=True)
+        thread.start()
+        with pytest.raises(KeyboardInterrupt):
+            tied.generate(prompts, params, use_tqdm=False)
+            time.sleep(5)  # the signal can arrive only just after the call: still a KeyboardInterrupt here
+        thread.join()
+        assert all(alive(pid) for pid in pids) and not tied.runner.closed_because
+        assert not tied.requests and tied.kv_manager.num_free_blocks == tied.kv_manager.num_blocks
+        assert tied.generate(prompts, params, use_tqdm=False) == expected

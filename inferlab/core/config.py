@@ -16,6 +16,7 @@ class EngineConfig:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    tp_step_timeout_s: float = 30.0  # a tensor-parallel rank silent through a step this long is taken for hung
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free device memory
@@ -56,6 +57,8 @@ class EngineConfig:
             raise ValueError(
                 f"num_kvcache_blocks must be -1 (size from memory) or >= 1, got {self.num_kvcache_blocks!r}"
             )
+        if not (isinstance(self.tp_step_timeout_s, (int, float)) and 0 < self.tp_step_timeout_s < float("inf")):
+            raise ValueError(f"tp_step_timeout_s must be a positive number of seconds, got {self.tp_step_timeout_s!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):

@@ -2,18 +2,26 @@
 runner computes and samples, and the core scheduler finishes what the tokens end; outputs in order."""
 
 import gc
+import json
 import logging
+import math
 import os
 import random
+import threading
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Integral, Real
 from time import perf_counter
 from typing import Any
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 
+from inferlab.core import interrupts
 from inferlab.core.config import EngineConfig
+from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
 from inferlab.core.model_runner import ModelRunner
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry, validated_options
 from inferlab.core.protocols import PrefixCacheReset
@@ -29,6 +37,11 @@ class RequestTooLargeError(ValueError):
     """A request needs more KV blocks than the whole cache has: no schedule could ever serve it."""
 
 
+class EngineBusyError(RuntimeError):
+    """An engine call was made from inside another call on the same engine, in the same thread (a
+    signal handler or a callback): it would interleave with the call under way."""
+
+
 @dataclass
 class EngineStats:
     """Counters over the engine's life, for users and benchmark results."""
@@ -41,7 +54,7 @@ class EngineStats:
     wait_seconds: float = 0.0  # blocked on the device's tokens; the rest of a step is CPU work
     num_preemptions: int = 0  # the core scheduler's count: requests evicted to be recomputed
     num_aborted_requests: int = 0
-    num_failed_requests: int = 0  # answered with an error result (too large for the whole cache)
+    num_failed_requests: int = 0  # answered with an error result (too large for the cache, undecodable tokens)
 
 
 # What the interpreter itself keeps frozen (375 tuples on Python 3.12, none on 3.11 or 3.13): more than
@@ -50,24 +63,68 @@ class EngineStats:
 FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
-def is_token_id_list(prompt) -> bool:
-    """Whether every item is an int (not a bool). The common case, all exactly int, is one C loop."""
-    types = set(map(type, prompt))
-    return types <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+ACCEPTED_PROMPTS = (
+    "a string or a list of token ids (a list or tuple of ints or NumPy integers, or a 1-D integer "
+    "NumPy array or torch tensor)"
+)
+
+
+def as_token_ids(prompt) -> list[int]:
+    """A prompt given as token ids, as a list of Python ints; TypeError for anything else. The
+    common case, a list of exactly int, is one C loop."""
+    if isinstance(prompt, (list, tuple)):
+        if set(map(type, prompt)) <= {int}:
+            return list(prompt)
+        if all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+            return [int(t) for t in prompt]
+        odd = next(t for t in prompt if not isinstance(t, Integral) or isinstance(t, bool))
+        got = f"a {type(prompt).__name__} holding {type(odd).__name__} {odd!r}"
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
+            return prompt.tolist()
+        got = f"a {prompt.ndim}-D NumPy array of {prompt.dtype}"
+    elif isinstance(prompt, torch.Tensor):
+        dtype = prompt.dtype
+        if prompt.dim() == 1 and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            return prompt.tolist()
+        got = f"a {prompt.dim()}-D torch tensor of {dtype}"
+    else:
+        got = type(prompt).__name__
+    raise TypeError(f"a prompt must be {ACCEPTED_PROMPTS}; got {got}")
+
+
+def as_prompt_list(prompts) -> list:
+    """generate's prompts: one prompt (a string, or token ids) or a list of them."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        if prompts.ndim == 1:
+            return [prompts]
+        raise TypeError(
+            f"prompts as a {prompts.ndim}-D array are ambiguous (padding would become prompt tokens): give one "
+            f"prompt as a 1-D array, or several as a list of 1-D arrays"
+        )
+    if isinstance(prompts, (list, tuple)):
+        if prompts and isinstance(prompts[0], Integral) and not isinstance(prompts[0], bool):
+            return [prompts]  # a single prompt of token ids
+        return list(prompts)
+    raise TypeError(
+        f"prompts must be one prompt or a list of prompts, each {ACCEPTED_PROMPTS}; got {type(prompts).__name__}"
+    )
 
 
 @contextmanager
 def older_objects_frozen():
     """Freezes every object the garbage collector tracks for the length of the block, unfreezing
     them after. A full collection walks every tracked object (torch, Triton, compiled graphs: about
-    250 ms on the bench's host) while the GPU idles, and one came every few bench runs. Inside the block, collections walk only what the block creates. Unfrozen after, so
-    cyclic garbage older than the block waits for its end, no longer. A caller's own freeze is
-    theirs to manage."""
+    250 ms on the bench's host) while the GPU idles, and one came every few bench runs. Inside the
+    block, collections walk only what the block creates. Unfrozen after, so cyclic garbage older
+    than the block waits for its end, no longer. A caller's own freeze is theirs to manage."""
     if gc.get_freeze_count() > FROZEN_AT_IMPORT:
         yield
         return
-    gc.freeze()
-    try:
+    try:  # frozen inside the try: an interrupt just after the freeze still unfreezes
+        gc.freeze()
         yield
     finally:
         gc.unfreeze()
@@ -143,6 +200,10 @@ class LLMEngine:
         overlap = config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
         self.pending = None  # (tokens advance appended, StepHandle) of the step launched last, under overlap
+        self.unreported: list[Request] = []  # finished, for the next step to report (a step that raised could not)
+        # One call at a time: generate holds it for its whole run, step, add_request and abort for theirs;
+        # other threads wait their turn, and a call from inside a call in the same thread is refused.
+        self.lock = threading.RLock()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -162,12 +223,20 @@ class LLMEngine:
             raise TypeError(f"priority must be an integer (lower is served first), got {priority!r}")
         if metadata is not None and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a dict (or None), got {type(metadata).__name__}")
+        # policies compare arrival times every step: one that is not a number would fail them all
+        if arrival_time is not None and (
+            not isinstance(arrival_time, Real) or isinstance(arrival_time, bool) or not math.isfinite(arrival_time)
+        ):
+            raise TypeError(
+                f"arrival_time must be a finite number of seconds on the engine's clock, got {arrival_time!r}"
+            )
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and is_token_id_list(prompt):
-            token_ids = list(prompt)
+            try:
+                token_ids = self.tokenizer.encode(prompt)
+            except Exception as e:  # the tokenizer's own error type (a Rust panic, say) would name no prompt
+                raise ValueError(f"the tokenizer could not encode the prompt: {type(e).__name__}: {e}") from e
         else:
-            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            token_ids = as_token_ids(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.hf_config.vocab_size
@@ -178,7 +247,7 @@ class LLMEngine:
         if len(token_ids) > max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
         # Drawn before the cache check, so other requests' seeds do not depend on the cache size.
-        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
+        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(32)
         self.check_fits_cache(len(token_ids), params)
         request_id = self.next_request_id
         self.next_request_id += 1
@@ -219,8 +288,12 @@ class LLMEngine:
         """Queues one request; returns its id (for abort() and for matching outputs). priority:
         lower is served first by policies that use it; metadata: a free-form dict the scheduler
         policy sees (tenant, deadline, ...); arrival_time: on the engine's clock, now if None."""
-        request = self.make_request(prompt, params or SamplingParams(), priority, metadata, arrival_time)
-        self._add(request)
+        self.refuse_reentry("add_request")
+        with self.lock:
+            interrupts.install()
+            with DEFERRED:
+                request = self.make_request(prompt, params or SamplingParams(), priority, metadata, arrival_time)
+                self._add(request)
         return request.request_id
 
     def _add(self, request: Request) -> None:
@@ -230,6 +303,11 @@ class LLMEngine:
     def abort(self, request_id: int) -> bool:
         """Stops a request (waiting, mid-prefill or decoding) and frees everything it holds; its
         finish_reason becomes "abort". True if it was still pending."""
+        self.refuse_reentry("abort")
+        with self.lock, DEFERRED:
+            return self._abort(request_id)
+
+    def _abort(self, request_id: int) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None or not self.scheduler.abort(request):
             return False
@@ -237,12 +315,24 @@ class LLMEngine:
         return True
 
     def is_finished(self) -> bool:
-        return not self.scheduler.has_unfinished() and self.pending is None
+        return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported
 
     def reset_prefix_cache(self) -> None:
         """Drops the prefix cache's unreferenced blocks, where the KV manager can."""
-        if isinstance(self.kv_manager, PrefixCacheReset):
-            self.kv_manager.reset_prefix_cache()
+        self.refuse_reentry("reset_prefix_cache")
+        with self.lock, DEFERRED:
+            if isinstance(self.kv_manager, PrefixCacheReset):
+                self.kv_manager.reset_prefix_cache()
+
+    def refuse_reentry(self, call: str) -> None:
+        """Raises EngineBusyError when this thread is inside a call on this engine already: the
+        new call would run in the middle of the other's step (other threads wait for the lock)."""
+        if self.lock._is_owned():  # RLock's own record of whether this thread holds it
+            raise EngineBusyError(
+                f"{call}() was called while this engine is inside another call in the same thread (from a signal "
+                f"handler or a callback during generate or step); the engine serves one call at a time: make it "
+                f"after that call returns"
+            )
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -251,7 +341,23 @@ class LLMEngine:
 
         With overlap scheduling a step's samples stay on the device as placeholders: the next
         step is scheduled and launched before they are read, and they are filled in (and stop
-        conditions checked) right after that launch, so the CPU works while the GPU computes."""
+        conditions checked) right after that launch, so the CPU works while the GPU computes.
+
+        A Ctrl-C during the step's bookkeeping takes effect when it ends, one during the forward
+        pass at once (see inferlab.core.interrupts); either way the engine stays usable."""
+        self.refuse_reentry("step")
+        with self.lock:
+            interrupts.install()
+            with DEFERRED:
+                output = self._step()
+                output.finished = self._take_finished()
+                if interrupts.held_back():  # raised on the way out, losing the output: the next step reports these
+                    self.unreported[:0] = output.finished
+            if self.is_finished():
+                interrupts.restore()
+        return output
+
+    def _step(self) -> StepOutput:
         scheduler = self.scheduler
         batch = scheduler.schedule()
         self.stats.num_preemptions = scheduler.num_preemptions
@@ -267,18 +373,31 @@ class LLMEngine:
         start = perf_counter()
         decode_tokens = batch.num_decode_tokens
         prefill_tokens = batch.total_tokens - decode_tokens
-        handle = self.runner.launch(batch) if batch.requests else None
-        finished = []
-        if self.pending is not None:  # the previous step's tokens, while this one runs
-            appended, previous = self.pending
-            self.pending = None
-            finished = scheduler.resolve(appended, self._wait(previous))
-        if handle is not None:
-            if self.overlap:
-                self.pending = (scheduler.advance(batch, handle.placeholders()), handle)
-            else:
-                tokens = self._wait(handle)
-                finished += scheduler.resolve(scheduler.advance(batch, tokens), tokens)
+        pending = self.pending
+        try:
+            with ALLOWED:  # the forward pass and the waits change no books: a Ctrl-C may stop them at once
+                handle = self.runner.launch(batch) if batch.requests else None
+                # the tokens to read now: under overlap the previous step's (while this one runs), else this one's
+                waited = (pending and pending[1]) if self.overlap else handle
+                tokens = self._wait(waited) if waited is not None else None
+            finished = []
+            if pending is not None:
+                finished = scheduler.resolve(pending[0], tokens)
+                self.pending = None
+            if handle is not None:
+                if self.overlap:
+                    self.pending = (scheduler.advance(batch, handle.placeholders()), handle)
+                else:
+                    finished = scheduler.resolve(scheduler.advance(batch, tokens), tokens)
+        except BaseException:
+            # This launch may have replaced the samples that the pending step's placeholders stand
+            # for: read that step's tokens now, so that no placeholder outlives the step.
+            try:
+                self._collect(self._resolve_pending())
+            except Exception:
+                self.pending = None  # the runner failed: its samples are lost with it
+            raise
+        self._collect(finished)
         elapsed = perf_counter() - start
         stats = self.stats
         stats.num_steps += 1
@@ -288,9 +407,31 @@ class LLMEngine:
             stats.prefill_seconds += elapsed
         else:
             stats.decode_seconds += elapsed
+        return StepOutput([], prefill_tokens, decode_tokens, len(batch))  # the caller takes the finished requests
+
+    def _resolve_pending(self) -> list[Request]:
+        """Waits for the pending step's tokens and finishes what they end (under overlap)."""
+        if self.pending is None:
+            return []
+        appended, handle = self.pending
+        finished = self.scheduler.resolve(appended, self._wait(handle))
+        self.pending = None
+        return finished
+
+    def _collect(self, finished: list[Request]) -> None:
+        """Keeps finished requests for the next report, counting those that failed."""
+        for request in finished:
+            if request.finish_reason == "error":
+                self.stats.num_failed_requests += 1
+        self.unreported += finished
+
+    def _take_finished(self) -> list[Request]:
+        """The requests finished since they were last reported, which stop being pending."""
+        finished = self.unreported
         for request in finished:
             self.requests.pop(request.request_id, None)
-        return StepOutput(finished, prefill_tokens, decode_tokens, len(batch))
+        self.unreported = []
+        return finished
 
     def _wait(self, handle) -> list[int | None]:
         start = perf_counter()
@@ -299,17 +440,29 @@ class LLMEngine:
         return tokens
 
     def output(self, request: Request) -> dict:
-        text = self.tokenizer.decode(request.output_token_ids)
+        """A finished request's result: its text, token ids, finish_reason and preemptions, and
+        "error" (why) when finish_reason is "error"."""
+        text = ""
+        if request.finish_reason != "error":
+            try:
+                text = self.tokenizer.decode(request.output_token_ids)
+            except Exception as e:  # one request's tokens the tokenizer cannot decode fail that request alone
+                request.finish_reason = "error"
+                request.error = f"decoding its output tokens failed: {type(e).__name__}: {e}"
+                self.stats.num_failed_requests += 1
         if request.params.stop:
             cuts = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
             if cuts:
                 text = text[: min(cuts)]
-        return {
+        output = {
             "text": text,
             "token_ids": request.output_token_ids,
             "finish_reason": request.finish_reason,
             "num_preemptions": request.num_preemptions,
         }
+        if request.finish_reason == "error":
+            output["error"] = request.error
+        return output
 
     @staticmethod
     def error_output(message: str) -> dict:
@@ -331,29 +484,32 @@ class LLMEngine:
         for the whole KV cache gets {"finish_reason": "error", "error": why} and no tokens while the
         others run, unless raise_on_error, which raises for it too. Objects older than the call are
         frozen from the garbage collector while it runs (older_objects_frozen; a loop over step()
-        can take the same context)."""
-        with older_objects_frozen():
+        can take the same context).
+
+        One call at a time: a generate from another thread waits until this one returns; one from
+        inside it in the same thread (a signal handler) raises EngineBusyError. A Ctrl-C ends the
+        call at the next forward pass (see inferlab.core.interrupts), aborting what it queued."""
+        self.refuse_reentry("generate")
+        with self.lock, INSTALLED, DEFERRED, older_objects_frozen():
             return self._generate(prompts, sampling_params, use_tqdm, raise_on_error, priority, metadata)
 
     def _generate(self, prompts, sampling_params, use_tqdm, raise_on_error, priority, metadata) -> list[dict]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
+        prompts = as_prompt_list(prompts)
         sampling_params = per_prompt("sampling params", sampling_params or SamplingParams(), SamplingParams, prompts)
         priorities = per_prompt("priorities", priority, int, prompts)
         metadatas = per_prompt("metadata", metadata, (Mapping, type(None)), prompts)
         # Validate everything before queueing anything, so a bad prompt leaves the engine as it was.
-        results: list[Request | str] = []  # a request, or why it cannot be served
         seed_state, next_id = self.seed_rng.getstate(), self.next_request_id
-        for i, args in enumerate(zip(prompts, sampling_params, priorities, metadatas)):
-            try:
-                results.append(self.make_request(*args))
-            except (ValueError, TypeError) as e:
-                if isinstance(e, RequestTooLargeError) and not raise_on_error:
-                    results.append(str(e))  # answered with an error result; the others still run
-                    continue
-                self.seed_rng.setstate(seed_state)
-                self.next_request_id = next_id
-                raise type(e)(f"prompt {i}: {e}") from None
+        try:
+            with ALLOWED:  # tokenizing may take a while, and what it changes is put back below
+                results = [  # a request, or why it cannot be served
+                    self._request_or_error(i, args, raise_on_error)
+                    for i, args in enumerate(zip(prompts, sampling_params, priorities, metadatas))
+                ]
+        except BaseException:
+            self.seed_rng.setstate(seed_state)
+            self.next_request_id = next_id
+            raise
         requests = [r for r in results if isinstance(r, Request)]
         self.stats.num_failed_requests += len(results) - len(requests)
         for request in requests:
@@ -363,17 +519,21 @@ class LLMEngine:
         # A request's output (its text decoded) is built when it finishes, while the device still
         # computes the others' tokens, not all at the end with the device idle.
         outputs: dict[int, dict] = {}
-        unreported = {r.request_id for r in requests}
+        mine = {r.request_id for r in requests}
+        unreported = set(mine)
+        others: list[Request] = []  # queued through add_request: the next step() reports them
         try:
             while unreported and not self.is_finished():
                 start = perf_counter()
-                step = self.step()
+                step = self._step()
                 elapsed = perf_counter() - start
                 if step.num_prefill_tokens:
                     prefill_rate = step.num_prefill_tokens / elapsed
                 else:
                     decode_rate = step.num_decode_tokens / elapsed
-                finished = [r for r in step.finished if r.request_id in unreported]
+                finished = []
+                for request in self._take_finished():
+                    (finished if request.request_id in mine else others).append(request)
                 for request in finished:
                     outputs[request.request_id] = self.output(request)
                     unreported.discard(request.request_id)
@@ -382,16 +542,30 @@ class LLMEngine:
                     bar.update(len(finished))
         except BaseException:
             for request in requests:  # leave the engine usable: drop what this call queued
-                if not self.abort(request.request_id):
+                if not self._abort(request.request_id):
                     self.requests.pop(request.request_id, None)  # finished in the interrupted step
+            self.unreported = [r for r in self.unreported if r.request_id not in mine]
             raise
         finally:
+            self.unreported[:0] = others
             bar.close()
-        # What is still unreported was aborted from outside the loop (another thread, a handler).
         return [
             self.error_output(r) if not isinstance(r, Request) else outputs.get(r.request_id) or self.output(r)
             for r in results
         ]
+
+    def _request_or_error(self, index: int, args: tuple, raise_on_error: bool) -> Request | str:
+        """make_request, with the prompt's index in its error; a request too large for the whole
+        cache becomes the reason it cannot be served (an error result) unless raise_on_error."""
+        try:
+            return self.make_request(*args)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, RequestTooLargeError) and not raise_on_error:
+                return str(e)
+            kind = RequestTooLargeError if isinstance(e, RequestTooLargeError) else type(e).__mro__[0]
+            if kind not in (RequestTooLargeError, ValueError, TypeError):
+                kind = ValueError if isinstance(e, ValueError) else TypeError
+            raise kind(f"prompt {index}: {e}") from None
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -420,8 +594,23 @@ def per_prompt(what: str, value, kind, prompts) -> list:
     return [value] * len(prompts)
 
 
+# Files that hold a tokenizer's vocabulary, in the formats transformers reads without a checkpoint's own code.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# Config fields the engine divides by or sizes tensors with: each must be a positive integer where present.
+POSITIVE_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+
+
 def load_checkpoint_files(path: str):
-    """The HF config and tokenizer of a model directory, with errors that name what is missing."""
+    """The HF config and tokenizer of a model directory, with errors that name the file and what
+    is wrong. No code from the directory ever runs (trust_remote_code is always False), and
+    nothing asks on stdin: a checkpoint that needs its own code is refused."""
     from transformers import AutoConfig, AutoTokenizer
 
     if not os.path.isdir(path):
@@ -429,9 +618,50 @@ def load_checkpoint_files(path: str):
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"model directory {path!r} has no config.json ({config_file!r})")
-    hf_config = AutoConfig.from_pretrained(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no usable tokenizer in {path!r}: {e}") from e
+        with open(config_file, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got a {type(fields).__name__}")
+    check_model_type(fields, config_file)
+    check_positive_fields(fields, config_file)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # transformers' own validation errors are of several kinds
+        raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
+    check_positive_fields({name: getattr(hf_config, name, None) for name in POSITIVE_CONFIG_FIELDS}, config_file)
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model directory {path!r} has no tokenizer: none of {list(TOKENIZER_FILES)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"no usable tokenizer in {path!r}: {e}") from e
+    if len(tokenizer) < 2:
+        raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} token(s): its vocabulary files are missing")
     return hf_config, tokenizer
+
+
+def check_positive_fields(fields: dict, config_file: str) -> None:
+    for name in POSITIVE_CONFIG_FIELDS:
+        value = fields.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+
+
+def check_model_type(fields: dict, config_file: str) -> None:
+    """A config.json must name a model_type that transformers implements itself: one it does not
+    would need Python code from the checkpoint (its auto_map), which inferlab never runs."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = fields.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return  # transformers' own classes serve it (an auto_map beside it is ignored)
+    if fields.get("auto_map"):
+        raise ValueError(
+            f"{config_file}: model_type {model_type!r} needs the checkpoint's own Python code (auto_map "
+            f"{fields['auto_map']}); inferlab never runs code from a model directory (trust_remote_code is off). "
+            f"Use a checkpoint whose model_type transformers knows"
+        )
+    raise ValueError(f"{config_file}: model_type {model_type!r} is not a model type transformers knows")

@@ -16,10 +16,9 @@ from inferlab.core.cuda_graphs import DecodeGraphs
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
+from inferlab.core.sampling_params import GREEDY_BELOW_TEMPERATURE
 
 log = logging.getLogger("inferlab")
-
-MASK64 = (1 << 64) - 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -379,16 +378,18 @@ class ModelRunner:
         if cached is not None and cached[0] == key:
             return replace(cached[1], steps=steps)
         params = [s.params for s in seqs]
+        vocab = self.vocab_size
         floats = np.array(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], dtype=np.float32
-        )
-        # fold 64-bit seeds to 32 bits: the sampler's hash mixes 32-bit words
-        ints = np.array(
             [
-                [p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                [((s.seed & MASK64) ^ ((s.seed & MASK64) >> 32)) & 0xFFFFFFFF for s in seqs],
+                [0.0 if p.temperature < GREEDY_BELOW_TEMPERATURE else p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
             ],
-            dtype=np.int64,
+            dtype=np.float32,
+        )
+        # seeds are below 2**32 (SamplingParams and the engine's draws): the sampler hashes one 32-bit word
+        ints = np.array(
+            [[p.top_k if 0 < p.top_k < vocab else vocab for p in params], [s.seed for s in seqs]], dtype=np.int64
         )
         float_t, int_t = self._to_device(floats, torch.float32), self._to_device(ints, torch.int64)
         tensors = SamplingTensors(

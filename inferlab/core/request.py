@@ -42,6 +42,7 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "finish_reason",
+        "error",
         "first_scheduled_time",
         "token_times",
         "finish_time",
@@ -76,6 +77,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served at the latest admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why, when finish_reason is "error"
         self.first_scheduled_time: float | None = None
         self.token_times: list[float] = []
         self.finish_time: float | None = None

@@ -171,31 +171,33 @@ class Scheduler:
         order = self.policy.admission_order(tuple(r.view for r in self.waiting), step.state())
         kv = self.kv
         admitted: list[Request] = []
-        for view in order:
-            if step.budget <= 0:
-                break
-            request = self._own(view, WAITING, "admission_order")
-            if len(self.running) >= self.max_num_seqs and not self._make_room(view, step, admitted):
-                break
-            while True:
-                cached = kv.num_cached_prefix_tokens(request)
-                num_tokens = self._num_new_tokens(request, cached, step.budget)
-                if kv.allocate(request, num_tokens, cached):
+        try:
+            for view in order:
+                if step.budget <= 0:
                     break
-                if not self._make_room(view, step, admitted):
-                    num_tokens = 0
+                request = self._own(view, WAITING, "admission_order")
+                if len(self.running) >= self.max_num_seqs and not self._make_room(view, step, admitted):
                     break
-            if not num_tokens:
-                break
-            request.status = RUNNING
-            request.num_computed_tokens = request.num_cached_tokens = cached
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = step.now
-            self.running.append(request)
-            admitted.append(request)
-            step.add(request, num_tokens)
-        if admitted:
-            self._remove_waiting(admitted)
+                while True:
+                    cached = kv.num_cached_prefix_tokens(request)
+                    num_tokens = self._num_new_tokens(request, cached, step.budget)
+                    if kv.allocate(request, num_tokens, cached):
+                        break
+                    if not self._make_room(view, step, admitted):
+                        num_tokens = 0
+                        break
+                if not num_tokens:
+                    break
+                request.status = RUNNING
+                request.num_computed_tokens = request.num_cached_tokens = cached
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = step.now
+                self.running.append(request)
+                admitted.append(request)
+                step.add(request, num_tokens)
+        finally:  # also when a policy raises midway: an admitted request must not stay in the queue
+            if admitted:
+                self._remove_waiting(admitted)
 
     def _make_room(self, view: RequestView, step: "_Step", admitted: list[Request]) -> bool:
         """Asks a preemptive policy for a running request to give way to `view`; False if it
@@ -288,15 +290,23 @@ class Scheduler:
                         request.finish_reason = "stop"  # the token decides, as when it was known at once
                     finished.append(request)
             elif stops or (params.stop and self._hits_stop_string(request)):
-                self.finish(request, "stop")
+                self.finish(request, "stop" if request.error is None else "error")
                 finished.append(request)
         return finished
 
     def _hits_stop_string(self, request: Request) -> bool:
+        """Whether the newest tokens complete a stop string; True too when they cannot be decoded,
+        with request.error saying why: that request fails alone, the others go on."""
         # A stop string of m characters spans at most m tokens; a few more cover merges at the edge.
         stop = request.params.stop
         longest = max(len(s) for s in stop)
-        tail = self.decode(request.token_ids[max(request.num_prompt_tokens, len(request.token_ids) - longest - 4) :])
+        try:
+            tail = self.decode(
+                request.token_ids[max(request.num_prompt_tokens, len(request.token_ids) - longest - 4) :]
+            )
+        except Exception as e:
+            request.error = f"decoding its newest tokens for the stop strings failed: {type(e).__name__}: {e}"
+            return True
         return any(s in tail for s in stop)
 
 

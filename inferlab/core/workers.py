@@ -5,8 +5,12 @@ the step's host inputs (StepInputs) to each worker over a pipe, all ranks run th
 broadcasts its samples (the next step's placeholder tokens stand for them), then waits for every
 worker's acknowledgement while watching that each one is alive. A worker that dies or raises
 becomes, within seconds, a TensorParallelError naming the rank and why, and every worker is shut
-down. No shared memory is used, and the rendezvous port is picked free by the OS, so any number
-of engines can run at once in one process."""
+down; so does one that stays silent through a step for longer than the engine's
+tp_step_timeout_s (stopped, or stuck), which a watch thread finds and stops. A Ctrl-C during a
+step takes effect when every rank has finished it (their collectives must meet), so the engine
+stays usable; a second Ctrl-C before then stops at once and shuts the workers down. No shared
+memory is used, and the rendezvous port is picked free by the OS, so any number of engines can
+run at once in one process."""
 
 import datetime
 import gc
@@ -27,13 +31,15 @@ import torch.distributed as dist
 
 from inferlab.core.batch import ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
+from inferlab.core.interrupts import DEFERRED
 from inferlab.core.model_runner import ModelRunner, StepHandle, resolve_device
 from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginEntry, PluginFailure, PluginRegistry
 
 log = logging.getLogger("inferlab")
 
-# Bounds a rank that is alive but stuck (in a collective, in start-up); a dead rank is seen at once.
+# Bounds a rank that is alive but stuck in start-up (loading weights may take minutes) and the
+# collectives' own wait; in a step the watch thread bounds it by tp_step_timeout_s. A dead rank is seen at once.
 TIMEOUT = datetime.timedelta(minutes=5)
 FAILURE_GRACE_S = 3.0  # after a failure, how long rank 0 waits for the other ranks to report theirs
 FAILURE_SETTLE_S = 0.3  # once one rank has failed, how long to wait for the reports it triggers
@@ -76,6 +82,15 @@ def make_group(backend: str, store: dist.Store, rank: int, size: int) -> dist.Ba
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (T: stopped), or "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def describe_exit(process: mp.Process) -> str:
     process.join(1.0)  # its sentinel fired: reap it to read the exit code
     code = process.exitcode
@@ -107,6 +122,7 @@ class Workers:
         self.decode_graphs: list = []  # rank 0's CUDA graphs, destroyed before its group is aborted
         self.failures: dict[int, str] = {}  # rank -> what happened to it, once known
         self.raised: dict[int, str] = {}  # rank -> "Type: message" of the exception it reported
+        self.busy_since: list[float | None] = [None]  # when the step under way began (read by the hang watch)
         self._finalizer = weakref.finalize(
             self, shutdown_workers, self.processes, self.conns, self.watch_stops, self.groups, self.decode_graphs
         )
@@ -144,10 +160,9 @@ class Workers:
                 handles[self.conns[rank - 1]] = handles[self.processes[rank - 1].sentinel] = rank
             ready = wait(list(handles), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise TensorParallelError(
-                    f"tensor-parallel rank(s) {sorted(pending)} sent no {expected!r} within "
-                    f"{timeout:.0f} s; they are alive but stuck"
-                )
+                for rank in pending:
+                    self.failures.setdefault(rank, self.describe_silence(rank, f"sent no {expected!r}", timeout))
+                raise TensorParallelError(self.failures[min(pending)])
             for rank in {handles[h] for h in ready}:
                 kind, value = self._read(rank)  # a dead worker's pipe reads as EOF, after anything it sent
                 if kind != expected:
@@ -176,6 +191,24 @@ class Workers:
                 f"rank {rank} (pid {process.pid}) raised {summary}\n--- rank {rank} traceback ---\n{trace}"
             )
         return kind, value
+
+    def describe_silence(self, rank: int, what: str, seconds: float) -> str:
+        pid = self.processes[rank - 1].pid
+        state = "it is stopped (SIGSTOP?)" if process_state(pid) in ("T", "t") else "it is alive but stuck"
+        return f"rank {rank} (pid {pid}) {what} within {seconds:g} s: {state}"
+
+    def start_hang_watch(self, timeout: float) -> None:
+        """A thread that, once a step has run `timeout` seconds, records which ranks are silent and
+        kills them: rank 0, blocked in a collective with them, then fails at once and reports them.
+        It holds no reference to self, which the garbage collector must be able to finalize."""
+        stop_reader, stop_writer = mp.Pipe(duplex=False)
+        self.watch_stops.append(stop_writer)
+        threading.Thread(
+            target=watch_for_hangs,
+            name="inferlab-tp-hang-watch",
+            daemon=True,
+            args=(self.processes, self.conns, self.failures, self.busy_since, timeout, stop_reader),
+        ).start()
 
     def collect_failures(self, grace: float) -> dict[int, str]:
         """Every failure known within `grace` seconds: each worker's own report, or how it died.
@@ -284,6 +317,39 @@ def abort_group(group) -> None:
         log.warning("the tensor-parallel group's abort did not finish within %g s; leaving it behind", ABORT_GRACE_S)
 
 
+def watch_for_hangs(
+    processes: list[mp.Process],
+    conns: list[Connection],
+    failures: dict[int, str],
+    busy_since: list[float | None],
+    timeout: float,
+    stop: Connection,
+) -> None:
+    """Wakes a few times per timeout; a step under way for longer than `timeout` has ranks that
+    never answered: those stopped (SIGSTOP) if any are, else every one without an acknowledgement
+    waiting in its pipe. Each is named in `failures` and killed."""
+    while not wait([stop], timeout=min(1.0, timeout / 4)):
+        since = busy_since[0]
+        if since is None or time.monotonic() - since < timeout:
+            continue
+        states = {rank: process_state(process.pid) for rank, process in enumerate(processes, 1)}
+        try:
+            silent = [rank for rank, conn in enumerate(conns, 1) if states[rank] not in ("", "Z") and not conn.poll()]
+        except (OSError, ValueError):
+            return  # the workers are being shut down
+        stopped = [rank for rank in silent if states[rank] in ("T", "t")]
+        for rank in stopped or silent:
+            pid = processes[rank - 1].pid
+            how = "it is stopped (SIGSTOP?)" if rank in stopped else "it is alive but stuck"
+            failures.setdefault(
+                rank, f"rank {rank} (pid {pid}) did not finish a step within tp_step_timeout_s={timeout:g} s: {how}"
+            )
+            log.warning("tensor-parallel %s; killing it", failures[rank])
+            processes[rank - 1].kill()
+        busy_since[0] = None  # once per step
+    stop.close()
+
+
 def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
     """On CUDA rank 0 waits for a step on the GPU, where a collective with a dead peer spins until
     the NCCL timeout: abort the communicator as soon as a worker dies, so the step fails now."""
@@ -318,6 +384,7 @@ class TensorParallelRunner:
                     f"tensor_parallel_size={size} needs {size} GPUs, but {torch.cuda.device_count()} are visible"
                 )
         backend = "nccl" if device.type == "cuda" else "gloo"
+        self.step_timeout = config.tp_step_timeout_s
         # port 0: the OS picks a free one, so engines started side by side never collide
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         self.closed_because: str | None = None
@@ -342,6 +409,7 @@ class TensorParallelRunner:
             self._fail(e, "its start-up failed")
         if backend == "nccl":
             self.workers.start_watchdog(self.group)
+        self.workers.start_hang_watch(self.step_timeout)
         log.info("tensor parallelism: %d ranks over %s, workers %s", size, backend, self.workers.pids)
 
     def _join_group(self, backend: str, size: int):
@@ -371,16 +439,23 @@ class TensorParallelRunner:
         return box["group"]
 
     def launch(self, batch: ScheduledBatch) -> "TensorParallelStep":
-        """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched."""
+        """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched.
+        A Ctrl-C meanwhile is held back until every rank is done with the step (deferred): rank 0
+        leaving its collectives halfway would leave the workers waiting in theirs."""
         if self.closed_because:
             raise TensorParallelError(f"this tensor-parallel engine is shut down: {self.closed_because}")
-        try:
-            step = self.model_runner.prepare_inputs(batch)
-            self.workers.send(step)
-            handle = self.model_runner.launch(batch, step=step)
-            self.workers.receive("ack")
-        except BaseException as e:
-            self._fail(e, f"a step raised {type(e).__name__}")
+        busy_since = self.workers.busy_since
+        with DEFERRED:
+            try:
+                busy_since[0] = time.monotonic()
+                step = self.model_runner.prepare_inputs(batch)
+                self.workers.send(step)
+                handle = self.model_runner.launch(batch, step=step)
+                self.workers.receive("ack", self.step_timeout)
+                busy_since[0] = None
+            except BaseException as e:  # a second Ctrl-C included: the ranks are out of step now
+                busy_since[0] = None
+                self._fail(e, f"a step raised {type(e).__name__}")
         return TensorParallelStep(handle, self)
 
     def _fail(self, error: BaseException, why: str):
@@ -425,10 +500,19 @@ class TensorParallelStep:
         return self.handle.placeholders()
 
     def tokens(self) -> list[int | None]:
+        """Rank 0's samples. Every rank has launched the step already, so a Ctrl-C while waiting
+        for them leaves the ranks in step: the engine stays usable."""
+        busy_since = self.runner.workers.busy_since
         try:
+            busy_since[0] = time.monotonic()
             tokens = self.handle.tokens()
             self.runner.workers.check_alive()
+            busy_since[0] = None
+        except KeyboardInterrupt:
+            busy_since[0] = None
+            raise
         except BaseException as e:
+            busy_since[0] = None
             self.runner._fail(e, f"reading a step's samples raised {type(e).__name__}")
         return tokens
 

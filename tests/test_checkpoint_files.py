@@ -1,0 +1,144 @@
+"""A model directory's config.json and tokenizer, as a careless or hostile user hands them over:
+no Python code from the directory ever runs (from the API or the command line, whatever stdin
+answers), and a config or tokenizer that cannot work fails at load with the file and field named."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from inferlab import LLM
+
+# Python that a checkpoint ships for transformers' auto_map: importing it leaves a mark.
+PAYLOAD = """
+import pathlib
+pathlib.Path({mark!r}).write_text("the checkpoint's code ran")
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def copy_of(checkpoint, tmp_path, name="model"):
+    target = tmp_path / name
+    shutil.copytree(checkpoint("gqa2-tied"), target)
+    return target
+
+
+def edit_json(path, **changes):
+    fields = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            fields.pop(key, None)
+        else:
+            fields[key] = value
+    path.write_text(json.dumps(fields))
+
+
+@pytest.fixture
+def custom_code_model(checkpoint, tmp_path):
+    """A checkpoint whose config names a model_type of its own, served by its own code (auto_map)."""
+    model = copy_of(checkpoint, tmp_path)
+    mark = tmp_path / "code-ran"
+    (model / "evil.py").write_text(PAYLOAD.format(mark=str(mark)))
+    edit_json(model / "config.json", model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig"})
+    return model, mark
+
+
+def test_custom_code_is_refused_from_the_api(custom_code_model):
+    model, mark = custom_code_model
+    with pytest.raises(ValueError) as error:
+        LLM(str(model), device="cpu")
+    message = str(error.value)
+    assert f"{model / 'config.json'}: model_type 'evil' needs the checkpoint's own Python code" in message
+    assert "auto_map {'AutoConfig': 'evil.EvilConfig'}" in message and "never runs code" in message
+    assert not mark.exists()
+
+
+def test_custom_code_is_refused_from_the_command_line_even_when_stdin_says_yes(custom_code_model, tmp_path):
+    """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is left
+    unset: the engine always sets it to False, so a piped "y" is never read."""
+    model, mark = custom_code_model
+    proc = subprocess.run(
+        [sys.executable, "-m", "inferlab", f"model.path={model}", "engine.device=cpu"],
+        input="y\ny\n",
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "[y/N]" not in proc.stdout + proc.stderr
+    assert "needs the checkpoint's own Python code" in proc.stderr and "Traceback" not in proc.stderr
+    assert not mark.exists()
+
+
+def test_a_tokenizer_with_its_own_code_loads_without_running_it(checkpoint, tmp_path):
+    """A known model_type whose tokenizer_config names custom code (auto_map): transformers' own
+    tokenizer reads the tokenizer.json, and the directory's module is never imported."""
+    model = copy_of(checkpoint, tmp_path)
+    mark = tmp_path / "code-ran"
+    (model / "evil.py").write_text(PAYLOAD.format(mark=str(mark)))
+    edit_json(
+        model / "tokenizer_config.json",
+        tokenizer_class="EvilTokenizer",
+        auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]},
+    )
+    edit_json(model / "config.json", auto_map={"AutoConfig": "evil.EvilConfig"})  # ignored beside a known model_type
+    llm = LLM(str(model), device="cpu", kvcache_block_size=16, num_kvcache_blocks=8)
+    assert llm.generate(["Hello"], use_tqdm=False)[0]["finish_reason"] in ("length", "stop")
+    assert not mark.exists()
+
+
+def test_a_model_type_transformers_does_not_know(checkpoint, tmp_path):
+    model = copy_of(checkpoint, tmp_path)
+    edit_json(model / "config.json", model_type="mystery")
+    with pytest.raises(ValueError, match=r"config.json: model_type 'mystery' is not a model type transformers knows"):
+        LLM(str(model), device="cpu")
+    edit_json(model / "config.json", model_type=None)
+    with pytest.raises(ValueError, match=r"config.json: model_type None is not a model type transformers knows"):
+        LLM(str(model), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_hidden_layers", 0),
+        ("max_position_embeddings", 0),
+        ("max_position_embeddings", -4),
+        ("vocab_size", 0),
+        ("num_attention_heads", 0),
+        ("hidden_size", "64"),
+    ],
+)
+def test_config_fields_that_cannot_work(checkpoint, tmp_path, field, value):
+    model = copy_of(checkpoint, tmp_path)
+    edit_json(model / "config.json", **{field: value})
+    with pytest.raises(ValueError, match=rf"config.json: {field} must be a positive integer, got {value!r}"):
+        LLM(str(model), device="cpu")
+
+
+def test_config_that_is_not_json(checkpoint, tmp_path):
+    model = copy_of(checkpoint, tmp_path)
+    (model / "config.json").write_text('{"model_type": "qwen3",')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON: Expecting"):
+        LLM(str(model), device="cpu")
+    (model / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json must hold a JSON object, got a list"):
+        LLM(str(model), device="cpu")
+
+
+def test_missing_tokenizer_files(checkpoint, tmp_path):
+    """Without its vocabulary transformers builds a one-token tokenizer that fails later, on the
+    first prompt, with "the prompt is empty": the engine refuses the directory at load instead."""
+    model = copy_of(checkpoint, tmp_path)
+    os.remove(model / "tokenizer.json")
+    with pytest.raises(
+        FileNotFoundError, match=rf"model directory '{model}' has no tokenizer: none of \['tokenizer.json'"
+    ):
+        LLM(str(model), device="cpu")
