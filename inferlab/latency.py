@@ -110,7 +110,8 @@ class StepRecord:
 @dataclass
 class RunRecords:
     """Everything one run of the workload recorded: its requests, its steps, and its wall time
-    (from the run's start, t=0 of the arrival clock, to its last finish)."""
+    (from the run's start, t=0 of the arrival clock, to the end of the step that finished its
+    last request)."""
 
     requests: list[RequestRecord]
     steps: list[StepRecord]
@@ -151,7 +152,7 @@ def latency_figures(
     slo_tpot_s: float | None = None,
 ) -> dict:
     """The figures result.json holds for one run of the workload (wall_time_s: from the run's start
-    to its last finish); see the module's docstring."""
+    to its end, RunRecords.wall_time_s); see the module's docstring."""
     if not records:
         raise ValueError("no request records: a run has at least one request")
     if not wall_time_s > 0:
