@@ -1,13 +1,17 @@
-"""`inferlab job=bench`: nano-vllm's bench.py workload on the configured engine, with the result
-(throughput, what ran, where) written to result.json in the run's output directory.
+"""`inferlab job=bench`: a workload on the configured engine (nano-vllm's bench.py by default),
+driven through the engine's step loop with its arrivals, with the figures (throughput, latency,
+what ran, where) written to result.json in the run's output directory, every request's record to
+requests.jsonl beside it and, with bench.timeline, the run's Perfetto trace.
 
 bench.py: random.seed(0); 256 prompts of randint(100, 1024) token ids randint(0, 10000); then for
 each a max_tokens of randint(100, 1024); temperature 0.6, ignore_eos; one warm-up generate; then
-output tokens / wall time of one generate over all of them. bench.shared_prefix_len and
-bench.num_prefixes put one of a few shared prefixes before each prompt, for prefix-cache ablations.
+output tokens / wall time of one run over all of them, every request arriving at t=0 (the burst).
+bench.shared_prefix_len and bench.num_prefixes put one of a few shared prefixes before each
+prompt, for prefix-cache ablations.
 
 The workload itself (arrival processes, traces, fitting, validation) is inferlab.workload; the
-latency figures of per-request records, inferlab.latency; a run's Perfetto trace, inferlab.timeline.
+loop that adds requests as they arrive and records them, inferlab.driver; the latency figures of
+its records, inferlab.latency; a run's Perfetto trace, inferlab.timeline.
 """
 
 import json
@@ -16,18 +20,27 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from importlib import metadata
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from inferlab.driver import run_workload
 from inferlab.latency import RunRecords, aggregate_repeats, latency_figures, write_requests_jsonl
 from inferlab.timeline import write_timeline
-from inferlab.workload import bench_workload, build_workload, validate_bench
+from inferlab.workload import WorkloadRequest, bench_workload, build_workload, validate_bench
 
-__all__ = ["bench_workload", "build_workload", "measure", "run_bench", "validate_bench", "write_latency_outputs"]
+__all__ = [
+    "bench_workload",
+    "build_workload",
+    "measure",
+    "run_bench",
+    "validate_bench",
+    "warm_up",
+    "write_run_records",
+]
 TRUE_VALUES = ("1", "true", "yes", "on")  # how Triton reads TRITON_INTERPRET
 
 
@@ -45,56 +58,70 @@ def resolved_plugins(llm) -> dict[str, str]:
     return plugins
 
 
-def measure(llm, prompts, params, warmup: bool = True) -> dict:
-    """Times one generate over the whole workload, after bench.py's warm-up generate."""
-    from inferlab.core.engine import EngineStats
-    from inferlab.core.protocols import PrefixCacheStats
+def warm_up(llm) -> None:
+    """bench.py's warm-up: one short generate before anything is timed."""
     from inferlab.core.sampling_params import SamplingParams
 
-    if warmup:
-        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+
+
+def measure(
+    llm,
+    requests: Sequence[WorkloadRequest],
+    params: Sequence,
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
+    wait_until: Callable[[float], None] | None = None,
+) -> tuple[dict, RunRecords]:
+    """Runs the workload once through the driver (inferlab.driver.run_workload) and returns its
+    figures with the run's records. The figures are the latency figures of its records
+    (inferlab.latency.latency_figures, with the SLOs given) and the engine's: prefill and decode
+    tokens/s, computed tokens, steps, the time blocked on the device, and prefix_cache_hit_rate as
+    the KV manager counts hits (readmissions after preemption included); for a burst (every
+    request at t=0) also the workload's floor on this device."""
+    from inferlab.core.engine import EngineStats
+    from inferlab.core.protocols import PrefixCacheStats
+
     llm.stats = EngineStats()
-    preemptions_before = llm.scheduler.num_preemptions
     counts_hits = isinstance(llm.kv_manager, PrefixCacheStats)
     hits_before = llm.kv_manager.prefix_cache_stats()[0] if counts_hits else 0
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    run = run_workload(llm, requests, params, wait_until)
     stats = llm.stats
-    num_output = sum(len(o["token_ids"]) for o in outputs)
-    num_prompt = sum(len(p) for p in prompts)
+    latency = latency_figures(run.requests, run.wall_time_s, slo_ttft_s, slo_tpot_s)
     figures = {
-        "output_tokens_per_s": num_output / wall,
+        "output_tokens_per_s": latency["output_tokens_per_s"],
         "prefill_tokens_per_s": stats.num_prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else None,
         "decode_tokens_per_s": stats.num_decode_tokens / stats.decode_seconds if stats.decode_seconds else None,
-        "wall_time_s": wall,
-        "num_requests": len(prompts),
-        "num_prompt_tokens": num_prompt,
-        "num_output_tokens": num_output,
+        "wall_time_s": run.wall_time_s,
+        **latency,
         "num_prefill_tokens": stats.num_prefill_tokens,  # computed, so prefix-cache hits are not in it
         "num_decode_tokens": stats.num_decode_tokens,
         "num_steps": stats.num_steps,
-        "num_preemptions": llm.scheduler.num_preemptions - preemptions_before,
-        "prefix_cache_hit_rate": None,
+        "wait_seconds": stats.wait_seconds,  # blocked on the device; the rest of the wall time is CPU work
     }
-    if counts_hits:
-        figures["prefix_cache_hit_rate"] = (llm.kv_manager.prefix_cache_stats()[0] - hits_before) / num_prompt
-    figures["wait_seconds"] = stats.wait_seconds  # blocked on the device; the rest of the wall time is CPU work
-    figures.update(floor_figures(llm, prompts, outputs, wall))
-    return figures
+    if counts_hits and latency["num_prompt_tokens"]:
+        hits = llm.kv_manager.prefix_cache_stats()[0] - hits_before
+        figures["prefix_cache_hit_rate"] = hits / latency["num_prompt_tokens"]
+    if all(r.arrival_s == 0 for r in requests):
+        figures.update(
+            floor_figures(
+                llm, [r.num_prompt_tokens for r in run.requests], [r.num_output_tokens for r in run.requests], run
+            )
+        )
+    return figures, run
 
 
-def floor_figures(llm, prompts, outputs, wall: float) -> dict:
+def floor_figures(llm, prompt_lengths: list[int], output_lengths: list[int], run: RunRecords) -> dict:
     """The workload's hardware floor on this device (inferlab.floor) and how close the run came."""
     from inferlab.floor import device_rates, model_cost, workload_floor
 
     floor = workload_floor(
-        [len(p) for p in prompts],
-        [len(o["token_ids"]) for o in outputs],
+        prompt_lengths,
+        output_lengths,
         model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype, llm.config.tensor_parallel_size),
         device_rates(llm.runner.device, llm.runner.dtype),
     )
-    return {**floor, "percent_of_floor": 100 * floor["floor_seconds"] / wall}
+    return {**floor, "percent_of_floor": 100 * floor["floor_seconds"] / run.wall_time_s}
 
 
 def environment(llm) -> dict:
@@ -150,45 +177,28 @@ def git_state() -> dict:
     return {"git_commit": commit.stdout.strip(), "git_dirty": bool(status.stdout.strip())}
 
 
-def needs_latency_driver(bench) -> list[str]:
-    """The settings that ask for per-request timings, which one generate over the workload (measure)
-    cannot give: they need the engine's step loop with arrivals (the latency driver)."""
-    asked = []
-    if bench.arrival != "burst":
-        asked.append(f"bench.arrival={bench.arrival}")
-    asked += [f"bench.{name}" for name in ("slo_ttft_s", "slo_tpot_s") if getattr(bench, name) is not None]
-    if bench.timeline:
-        asked.append("bench.timeline=true")
-    return asked
-
-
-def write_latency_outputs(output_dir: str, bench, runs: Sequence[RunRecords]) -> dict:
-    """What a latency run writes beside result.json, and the figures result.json holds: one
-    RunRecords per repeat (bench.repeats of them, each on a fresh prefix cache). Writes
-    requests.jsonl (every request of every repeat) and, with bench.timeline, timeline.json (one
-    run) or timeline-<repeat>.json (several). Returns the latency figures (latency_figures with
-    bench's SLOs), aggregated over repeats (aggregate_repeats)."""
+def write_run_records(output_dir: str, runs: Sequence[RunRecords], timeline: bool) -> list[str]:
+    """What a run writes beside result.json, one RunRecords per repeat: requests.jsonl (every
+    request of every repeat) and, with timeline, timeline.json (one run) or timeline-<repeat>.json
+    (several). Returns the names of the timeline files written."""
     if not runs:
         raise ValueError("no runs to write: bench.repeats is at least 1")
     os.makedirs(output_dir, exist_ok=True)
     write_requests_jsonl(os.path.join(output_dir, "requests.jsonl"), [run.requests for run in runs])
-    figures = aggregate_repeats(
-        [latency_figures(run.requests, run.wall_time_s, bench.slo_ttft_s, bench.slo_tpot_s) for run in runs]
-    )
-    if bench.timeline:
-        names = ["timeline.json"] if len(runs) == 1 else [f"timeline-{i}.json" for i in range(len(runs))]
-        for name, run in zip(names, runs):
-            write_timeline(os.path.join(output_dir, name), run.steps, run.requests)
-        figures["timeline_files"] = names
-    return figures
+    if not timeline:
+        return []
+    names = ["timeline.json"] if len(runs) == 1 else [f"timeline-{i}.json" for i in range(len(runs))]
+    for name, run in zip(names, runs):
+        write_timeline(os.path.join(output_dir, name), run.steps, run.requests)
+    return names
 
 
 def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
-    """Runs the benchmark cfg describes and writes result.json into output_dir (default: the Hydra
-    run's output directory). The bench settings are checked first (BenchConfigError), before
-    anything is built. A run that fails writes result.json with its error and settings (so that a
-    sweep's report lists it), then raises. With bench.url, the workload goes to that server over
-    HTTP instead (inferlab.server.load)."""
+    """Runs the benchmark cfg describes and writes result.json, requests.jsonl and (with
+    bench.timeline) the timeline into output_dir (default: the Hydra run's output directory). The
+    bench settings are checked first (BenchConfigError), before anything is built. A run that fails
+    writes result.json with its error and settings (so that a sweep's report lists it), then raises.
+    With bench.url, the workload goes to that server over HTTP instead (inferlab.server.load)."""
     if cfg.bench.url:
         from inferlab.server.load import run_http_bench
 
@@ -211,52 +221,87 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     }
     try:
         validate_bench(cfg.bench)
-        result = {**_bench_figures(cfg), **context, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        result = {**_bench_figures(cfg, output_dir), **context, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     except Exception as e:
         with open(path, "w") as f:
             json.dump({"error": f"{type(e).__name__}: {e}", **context}, f, indent=2)
         raise
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    rate = lambda value: f"{value:.0f}" if value is not None else "-"  # noqa: E731
-    repeats = f" (mean of {result['num_repeats']} repeats)" if "num_repeats" in result else ""
-    print(
-        f"{result['num_output_tokens']} output tokens in {result['wall_time_s']:.2f} s: "
-        f"{result['output_tokens_per_s']:.0f} tok/s{repeats} (prefill {rate(result['prefill_tokens_per_s'])} tok/s, "
-        f"decode {rate(result['decode_tokens_per_s'])} tok/s, {result['num_preemptions']} preemptions) -> {path}"
-    )
-    print(
-        f"floor on this device: {result['floor_seconds']:.3f} s ({result['floor_output_tokens_per_s']:.0f} tok/s, "
-        f"{result['bandwidth_GBps']:.0f} GB/s and {result['matmul_TFLOPs']:.3g} TFLOP/s measured): "
-        f"this run reached {result['percent_of_floor']:.1f}% of it"
-    )
+    print(summary_lines(result, path))
     return result
 
 
-def _bench_figures(cfg: DictConfig) -> dict:
-    """Builds the engine, runs the burst workload bench.repeats times (a fresh prefix cache each
-    time after the first) and returns the figures with what ran and where."""
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def summary_lines(result: dict, path: str) -> str:
+    """The lines run_bench prints: throughput, latency percentiles, SLOs, requests not served, and
+    the floor where it applies (a burst)."""
+    rate = lambda value: f"{value:.0f}" if value is not None else "-"  # noqa: E731
+    repeats = f" (mean of {result['num_repeats']} repeats)" if "num_repeats" in result else ""
+    workload = result["workload"]
+    lines = [
+        f"{result['num_requests']} requests ({workload['arrival']}), {result['num_output_tokens']} output tokens in "
+        f"{result['wall_time_s']:.2f} s{repeats}: {result['output_tokens_per_s']:.0f} tok/s, "
+        f"{result['request_throughput']:.3g} req/s (prefill {rate(result['prefill_tokens_per_s'])} tok/s, "
+        f"decode {rate(result['decode_tokens_per_s'])} tok/s, {result['num_preemptions']} preemptions) -> {path}",
+        f"TTFT p50 {_seconds(result['ttft_s']['p50'])}, p99 {_seconds(result['ttft_s']['p99'])}; "
+        f"TPOT p50 {_seconds(result['tpot_s']['p50'])}, p99 {_seconds(result['tpot_s']['p99'])}; "
+        f"queue p50 {_seconds(result['queue_s']['p50'])}, p99 {_seconds(result['queue_s']['p99'])}",
+    ]
+    if "slo_attainment" in result:
+        bounds = [
+            f"{name} <= {_seconds(result['bench'][key])}"
+            for name, key in (("TTFT", "slo_ttft_s"), ("TPOT", "slo_tpot_s"))
+            if result["bench"][key] is not None
+        ]
+        lines.append(
+            f"SLOs ({', '.join(bounds)}): {100 * result['slo_attainment']:.1f}% of requests attained them, "
+            f"goodput {result['goodput']:.3g} req/s"
+        )
+    if result["num_failed_requests"] or result["num_aborted_requests"]:
+        lines.append(
+            f"not served: {result['num_failed_requests']} refused with an error, {result['num_aborted_requests']} "
+            "aborted (requests.jsonl says which and why)"
+        )
+    if "floor_seconds" in result:
+        lines.append(
+            f"floor on this device: {result['floor_seconds']:.3f} s ({result['floor_output_tokens_per_s']:.0f} tok/s, "
+            f"{result['bandwidth_GBps']:.0f} GB/s and {result['matmul_TFLOPs']:.3g} TFLOP/s measured): "
+            f"this run reached {result['percent_of_floor']:.1f}% of it"
+        )
+    return "\n".join(lines)
+
+
+def _bench_figures(cfg: DictConfig, output_dir: str) -> dict:
+    """Builds the engine, warms it up, runs the workload bench.repeats times (each on a fresh
+    prefix cache), writes the records beside result.json and returns the figures with what ran
+    and where."""
     from inferlab import LLM
     from inferlab.conf import PLUGIN_FIELDS, engine_arguments
 
-    asked = needs_latency_driver(cfg.bench)
-    if asked:
-        raise NotImplementedError(
-            f"{', '.join(asked)} need per-request timings from the engine's step loop, which this version's "
-            "bench job does not drive yet; it runs bench.arrival=burst without SLOs or a timeline"
-        )
+    bench = cfg.bench
     model_path, settings = engine_arguments(cfg)
     with LLM(model_path, **settings) as llm:
-        workload = build_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)
-        prompts = [r.prompt_token_ids for r in workload.requests]
-        params = workload.sampling_params(cfg.bench)
-        runs = []
-        for repeat in range(cfg.bench.repeats):
-            if repeat:
-                llm.reset_prefix_cache()
-            runs.append(measure(llm, prompts, params, warmup=cfg.bench.warmup and not repeat))
+        workload = build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
+        params = workload.sampling_params(bench)
+        if bench.warmup:
+            warm_up(llm)
+        figures, runs = [], []
+        for _ in range(bench.repeats):
+            llm.reset_prefix_cache()
+            repeat_figures, run = measure(llm, workload.requests, params, bench.slo_ttft_s, bench.slo_tpot_s)
+            figures.append(repeat_figures)
+            runs.append(run)
+        timeline_files = write_run_records(output_dir, runs, bench.timeline)
         return {
-            **aggregate_repeats(runs),
+            **aggregate_repeats(figures),
+            "requests_file": "requests.jsonl",
+            **({"timeline_files": timeline_files} if timeline_files else {}),
             "workload": workload.summary(),
             "plugins": resolved_plugins(llm),
             "plugin_options": {

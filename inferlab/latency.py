@@ -11,13 +11,16 @@ Per request:
 Each is summarized as {mean, p50, p90, p99}; percentiles interpolate linearly between the two
 nearest ranks (numpy's default, as vLLM's benchmark computes them).
 
-Run figures: request_throughput = requests / wall_time_s, output_tokens_per_s = output tokens /
-wall_time_s. With SLOs (bench.slo_ttft_s, bench.slo_tpot_s), a request attains them when its TTFT
+Run figures: request_throughput = completed requests (finished by length or a stop, not aborted
+or refused with an error) / wall_time_s, output_tokens_per_s = output tokens / wall_time_s;
+num_failed_requests and num_aborted_requests count the others. With SLOs (bench.slo_ttft_s, bench.slo_tpot_s), a request attains them when its TTFT
 and TPOT are at most the given bounds (one without TPOT meets any TPOT bound; one that produced no
 token misses all); slo_attainment is the fraction that does and goodput the number that does per
 second of the run (DistServe's goodput, as vLLM's serving benchmark computes it). jain_fairness is
 Jain's index (sum x)^2 / (n sum x^2) over the requests' normalized latencies: 1 when every request
 waits the same time per output token, towards 1/n when one request bears all the waiting.
+When requests carry more than one priority, per_priority holds each priority's count, TTFT and
+E2E, and with a request metadata key "tenant", per_tenant holds each tenant's.
 """
 
 import json
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+UNSERVED = ("error", "abort")  # finish reasons of requests that did not complete
 DISTRIBUTIONS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "normalized_latency_s")
 
 
@@ -46,7 +50,8 @@ class RequestRecord:
     num_preemptions: int = 0  # times it was evicted and recomputed
     priority: int = 0
     metadata: dict = field(default_factory=dict)
-    finish_reason: str = "length"
+    finish_reason: str = "length"  # "length", "stop", "abort", or "error" (never served)
+    error: str | None = None  # why it could not be served (finish_reason "error")
 
     def __post_init__(self):
         where = f"request {self.request_id!r}"
@@ -105,7 +110,8 @@ class StepRecord:
 @dataclass
 class RunRecords:
     """Everything one run of the workload recorded: its requests, its steps, and its wall time
-    (from the run's start, t=0 of the arrival clock, to its last finish)."""
+    (from the run's start, t=0 of the arrival clock, to the end of the step that finished its
+    last request)."""
 
     requests: list[RequestRecord]
     steps: list[StepRecord]
@@ -146,8 +152,7 @@ def latency_figures(
     slo_tpot_s: float | None = None,
 ) -> dict:
     """The figures result.json holds for one run of the workload (wall_time_s: from the run's start
-    to its last finish). With a request metadata key "tenant", per_tenant holds each tenant's count,
-    TTFT and E2E."""
+    to its end, RunRecords.wall_time_s); see the module's docstring."""
     if not records:
         raise ValueError("no request records: a run has at least one request")
     if not wall_time_s > 0:
@@ -165,7 +170,9 @@ def latency_figures(
         "prefix_cache_hit_rate": num_cached / num_prompt if num_prompt else None,
         "num_preemptions": sum(r.num_preemptions for r in records),
         "wall_time_s": wall_time_s,
-        "request_throughput": len(records) / wall_time_s,
+        "num_failed_requests": sum(1 for r in records if r.finish_reason == "error"),
+        "num_aborted_requests": sum(1 for r in records if r.finish_reason == "abort"),
+        "request_throughput": sum(1 for r in records if r.finish_reason not in UNSERVED) / wall_time_s,
         "output_tokens_per_s": num_output / wall_time_s,
         "ttft_s": distribution(r.ttft_s for r in records if r.ttft_s is not None),
         "tpot_s": distribution(r.tpot_s for r in records if r.tpot_s is not None),
@@ -179,20 +186,24 @@ def latency_figures(
         good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records)
         figures["slo_attainment"] = good / len(records)
         figures["goodput"] = good / wall_time_s
-    tenants = {}
+    priorities, tenants = {}, {}
     for record in records:
+        priorities.setdefault(str(record.priority), []).append(record)
         if "tenant" in record.metadata:
             tenants.setdefault(str(record.metadata["tenant"]), []).append(record)
+    if len(priorities) > 1:
+        figures["per_priority"] = {p: _group_figures(priorities[p]) for p in sorted(priorities, key=int)}
     if tenants:
-        figures["per_tenant"] = {
-            tenant: {
-                "num_requests": len(group),
-                "ttft_s": distribution(r.ttft_s for r in group if r.ttft_s is not None),
-                "e2e_s": distribution(r.e2e_s for r in group),
-            }
-            for tenant, group in sorted(tenants.items())
-        }
+        figures["per_tenant"] = {tenant: _group_figures(group) for tenant, group in sorted(tenants.items())}
     return figures
+
+
+def _group_figures(group: list[RequestRecord]) -> dict:
+    return {
+        "num_requests": len(group),
+        "ttft_s": distribution(r.ttft_s for r in group if r.ttft_s is not None),
+        "e2e_s": distribution(r.e2e_s for r in group),
+    }
 
 
 def _is_number(value) -> bool:

@@ -260,7 +260,7 @@ def run_load(result: dict, load_key: str) -> float | None:
 def latency_series(results: list[tuple[str, dict]], load_key: str) -> list[dict]:
     """The latency-load lines: one per combination of the other swept settings, each
     {"label", "x", and per panel "ttft_s.p50": (values, stds or None)}, points sorted by load.
-    Runs without latency figures (a burst measured by throughput only) are left out."""
+    Runs without latency figures (a result written before the bench recorded them) are left out."""
     keys = [k for k in swept_keys([r for _, r in results]) if k != load_key]
     lines: dict[str, list[dict]] = {}
     for _, result in results:

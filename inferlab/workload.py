@@ -11,7 +11,8 @@
 
 Generated workloads (burst, poisson, gamma) draw the same prompts and output lengths for a seed,
 so the arrival process is the only difference between them; arrivals come from a stream of
-their own. Every workload is fitted to the model (`bench.fit`), and the workload says how many
+their own. With `bench.num_priorities` above 1 every request gets a priority drawn uniformly from
+0 .. num_priorities - 1 (lower is served first by the priority policy), from a stream of its own. Every workload is fitted to the model (`bench.fit`), and the workload says how many
 requests that changed.
 """
 
@@ -27,6 +28,7 @@ from inferlab.traces import MOONCAKE_BLOCK_SIZE, detect_trace_format, read_trace
 ARRIVALS = ("burst", "poisson", "gamma", "trace")
 FITS = ("clip", "scale")
 BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
+PRIORITY_STREAM = 1  # priorities come from numpy's generator seeded with (bench.seed, this)
 
 
 class BenchConfigError(ValueError):
@@ -47,6 +49,7 @@ def bench_problems(bench) -> list[str]:
     check(arrival not in ARRIVALS, f"bench.arrival must be one of {', '.join(ARRIVALS)}; got {arrival!r}")
     check(bench.fit not in FITS, f"bench.fit must be one of {', '.join(FITS)}; got {bench.fit!r}")
     check(bench.repeats < 1, f"bench.repeats must be >= 1, got {bench.repeats}")
+    check(bench.num_priorities < 1, f"bench.num_priorities must be >= 1, got {bench.num_priorities}")
     for name in ("slo_ttft_s", "slo_tpot_s"):
         value = getattr(bench, name)
         check(value is not None and not value > 0, f"bench.{name} must be a positive number of seconds, got {value}")
@@ -123,7 +126,7 @@ class WorkloadRequest:
     arrival_s: float
     prompt_token_ids: list[int]
     output_len: int  # max_tokens; with ignore_eos, the exact number of output tokens
-    priority: int = 0  # for the engine's scheduler; the workloads here give every request 0
+    priority: int = 0  # for the engine's scheduler: lower is served first
     metadata: dict = field(default_factory=dict)  # passed to the engine with the request
 
 
@@ -232,8 +235,21 @@ def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     for real vocabularies, where clipping would make a tiny vocabulary's prompts runs of one token)
     and lengths fitted to max_model_len. Raises BenchConfigError for settings that cannot work."""
     validate_bench(bench)
-    if bench.arrival == "trace":
-        return _trace_workload(bench, vocab_size, max_model_len)
+    workload = (
+        _trace_workload(bench, vocab_size, max_model_len)
+        if bench.arrival == "trace"
+        else _generated_workload(bench, vocab_size, max_model_len)
+    )
+    if bench.num_priorities > 1:
+        rng = np.random.default_rng([bench.seed, PRIORITY_STREAM])
+        for request, priority in zip(
+            workload.requests, rng.integers(bench.num_priorities, size=len(workload.requests))
+        ):
+            request.priority = int(priority)
+    return workload
+
+
+def _generated_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     prompts, output_lengths = _generated_lengths_and_prompts(bench)
     inputs, outputs, scale = fit_lengths([len(p) for p in prompts], output_lengths, max_model_len, bench.fit)
     arrivals = arrival_times(bench.num_seqs, bench.arrival, bench.request_rate, bench.burstiness, bench.seed)

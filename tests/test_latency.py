@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from inferlab.bench import write_latency_outputs
-from inferlab.conf import BenchConfig
+from inferlab.bench import write_run_records
 from inferlab.latency import (
     RequestRecord,
     RunRecords,
@@ -96,6 +95,10 @@ def test_figures_of_a_hand_made_timeline():
     assert figures["normalized_latency_s"]["mean"] == pytest.approx(2.5 / 3)
     assert figures["jain_fairness"] == pytest.approx(6.25 / 8.25)
     assert "slo_attainment" not in figures and "goodput" not in figures
+    assert figures["per_priority"] == {
+        "0": {"num_requests": 2, "ttft_s": summary(1.5, 1.5, 1.9, 1.99), "e2e_s": summary(2.5, 2.5, 2.9, 2.99)},
+        "1": {"num_requests": 1, "ttft_s": summary(0.5, 0.5, 0.5, 0.5), "e2e_s": summary(0.5, 0.5, 0.5, 0.5)},
+    }
     assert figures["per_tenant"] == {
         "a": {"num_requests": 2, "ttft_s": summary(1.5, 1.5, 1.9, 1.99), "e2e_s": summary(2.5, 2.5, 2.9, 2.99)},
         "b": {"num_requests": 1, "ttft_s": summary(0.5, 0.5, 0.5, 0.5), "e2e_s": summary(0.5, 0.5, 0.5, 0.5)},
@@ -133,6 +136,8 @@ def test_a_request_without_output_misses_every_slo_and_has_no_ttft():
     )
     figures = latency_figures([*hand_made_records(), failed], 5.0, slo_ttft_s=10.0)
     assert figures["num_requests"] == 4 and figures["num_requests_without_output"] == 1
+    assert figures["num_failed_requests"] == 1 and figures["num_aborted_requests"] == 0
+    assert figures["request_throughput"] == pytest.approx(3 / 5.0)  # the refused request did not complete
     assert figures["slo_attainment"] == pytest.approx(3 / 4)
     assert figures["ttft_s"]["mean"] == pytest.approx(3.5 / 3)
     assert figures["e2e_s"]["mean"] == pytest.approx((5.5 + 0.5) / 4)
@@ -232,6 +237,7 @@ def test_requests_jsonl_has_a_line_per_request_per_repeat(tmp_path):
         "priority": 0,
         "metadata": {"tenant": "a"},
         "finish_reason": "length",
+        "error": None,
         "ttft_s": 1.0,
         "tpot_s": pytest.approx(1 / 3),
         "e2e_s": 2.0,
@@ -240,14 +246,15 @@ def test_requests_jsonl_has_a_line_per_request_per_repeat(tmp_path):
     assert lines[1]["priority"] == 1 and lines[1]["tpot_s"] is None
 
 
-def test_write_latency_outputs_for_a_driver(tmp_path):
+def test_run_records_are_written_beside_the_result(tmp_path):
     records = hand_made_records()
     steps = [StepRecord(0.5, 1.0, 6, 0, 1), StepRecord(1.0, 1.5, 6, 1, 2), StepRecord(3.0, 4.0, 8, 1, 2)]
-    bench = BenchConfig(slo_ttft_s=1.0, timeline=True, repeats=2)
-    figures = write_latency_outputs(str(tmp_path), bench, [RunRecords(records, steps, 5.0)] * 2)
-    assert figures["slo_attainment"] == pytest.approx(2 / 3) and figures["std"]["slo_attainment"] == 0.0
-    assert figures["num_repeats"] == 2 and figures["timeline_files"] == ["timeline-0.json", "timeline-1.json"]
+    names = write_run_records(str(tmp_path), [RunRecords(records, steps, 5.0)] * 2, timeline=True)
+    assert names == ["timeline-0.json", "timeline-1.json"]
     assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 6
-    assert all((tmp_path / name).is_file() for name in figures["timeline_files"])
-    single = write_latency_outputs(str(tmp_path / "one"), BenchConfig(), [RunRecords(records, steps, 5.0)])
-    assert "std" not in single and "timeline_files" not in single and not (tmp_path / "one" / "timeline.json").exists()
+    assert all((tmp_path / name).is_file() for name in names)
+    assert write_run_records(str(tmp_path / "one"), [RunRecords(records, steps, 5.0)], timeline=False) == []
+    assert (tmp_path / "one" / "requests.jsonl").is_file() and not (tmp_path / "one" / "timeline.json").exists()
+    assert write_run_records(str(tmp_path / "two"), [RunRecords(records, steps, 5.0)], timeline=True) == [
+        "timeline.json"
+    ]

@@ -6,7 +6,7 @@ from itertools import count
 import pytest
 
 from inferlab import LLM
-from inferlab.bench import bench_workload, measure
+from inferlab.bench import build_workload, measure
 from inferlab.conf import compose, engine_arguments
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import PluginError, get_registry
@@ -115,8 +115,9 @@ def test_fewer_prefill_tokens_than_fcfs_in_the_prefix_ablation(checkpoint):
         )
         model_path, settings = engine_arguments(cfg)
         llm = LLM(model_path, **settings)
-        prompts, params = bench_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)
-        figures[scheduler] = measure(llm, prompts, params, warmup=False)
+        workload = build_workload(cfg.bench, llm.hf_config.vocab_size, llm.config.max_model_len)
+        params = workload.sampling_params(cfg.bench)
+        figures[scheduler], _ = measure(llm, workload.requests, params)
     fcfs, lpm = figures["fcfs"], figures["lpm"]
     assert fcfs["num_output_tokens"] == lpm["num_output_tokens"] == sum(p.max_tokens for p in params)
     assert lpm["num_prefill_tokens"] < 0.85 * fcfs["num_prefill_tokens"]

@@ -73,6 +73,22 @@ def test_generated_workloads_differ_only_in_arrivals():
     assert workloads[0].summary()["offered_request_rate"] is None
 
 
+def test_priorities_are_drawn_apart_from_everything_else():
+    plain = BenchConfig(num_seqs=400, min_len=5, max_len=40, seed=2, arrival="poisson", request_rate=5.0)
+    ranked = replace(plain, num_priorities=3)
+    plain_workload, workload = (build_workload(b, vocab_size=384, max_model_len=4096) for b in (plain, ranked))
+    assert {r.priority for r in plain_workload.requests} == {0}
+    priorities = [r.priority for r in workload.requests]
+    assert set(priorities) == {0, 1, 2} and all(abs(priorities.count(p) / 400 - 1 / 3) < 0.07 for p in range(3))
+    assert [r.priority for r in build_workload(ranked, vocab_size=384, max_model_len=4096).requests] == priorities
+    # the prompts, lengths and arrivals are those of the workload without priorities
+    assert [(r.prompt_token_ids, r.output_len, r.arrival_s) for r in workload.requests] == [
+        (r.prompt_token_ids, r.output_len, r.arrival_s) for r in plain_workload.requests
+    ]
+    trace = BenchConfig(arrival="trace", trace=MOONCAKE, num_priorities=2)
+    assert {r.priority for r in build_workload(trace, vocab_size=384, max_model_len=4096).requests} == {0, 1}
+
+
 def test_clip_cuts_prompts_then_outputs_and_counts_them():
     inputs, outputs, scale = fit_lengths([10, 70, 63, 0], [5, 5, 1, 0], max_model_len=64, fit="clip")
     assert (inputs, outputs, scale) == ([10, 63, 63, 1], [5, 1, 1, 1], 1.0)
@@ -128,6 +144,7 @@ BAD_SETTINGS = [
     (["bench.burstiness=0.5"], "bench.burstiness=0.5 applies to arrival=gamma, not burst"),
     (["bench.fit=squeeze"], "bench.fit must be one of clip, scale"),
     (["bench.repeats=0"], "bench.repeats must be >= 1"),
+    (["bench.num_priorities=0"], "bench.num_priorities must be >= 1"),
     (["bench.slo_ttft_s=0"], "bench.slo_ttft_s must be a positive number of seconds"),
     (["bench.slo_tpot_s=-1"], "bench.slo_tpot_s must be a positive number of seconds"),
 ]

@@ -98,6 +98,7 @@ class BenchConfig:
     arrival: str = "burst"
     request_rate: float | None = None  # requests/s, for poisson and gamma
     burstiness: float = 1.0  # gamma's shape: 1 is Poisson, below 1 burstier, above more regular
+    num_priorities: int = 1  # > 1: each request's priority uniform in 0..num_priorities-1 (lower first)
     # Traces (arrival=trace): a Mooncake JSONL or Azure CSV file, its format read from its content.
     trace: str | None = None
     time_scale: float = 1.0  # multiplies the trace's inter-arrival times: 0.5 replays twice as fast

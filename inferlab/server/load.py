@@ -6,7 +6,7 @@ a streamed completion of its prompt token ids, with max_tokens = its output leng
 its priority and metadata, and timed on the client: its first token and every token when the
 chunk carrying it arrives (the server reports each chunk's token ids). The server's queue time,
 cached prompt tokens and preemptions come with each request's last chunk. The records make the
-same requests.jsonl and latency figures as an in-process run (bench.write_latency_outputs).
+same requests.jsonl and latency figures as an in-process run (inferlab.latency, bench.write_run_records).
 
 A request answered with an error counts in num_errors and as a request without output. Repeats
 run one after the other against the same server (its prefix cache is not reset between them).
@@ -164,8 +164,9 @@ def run_http_bench(cfg, output_dir: str | None = None) -> dict:
     """`inferlab job=bench bench.url=...`: the bench workload sent to the server at bench.url;
     writes result.json (latency figures, num_errors, the workload, the server's model card and
     plugins, the settings) and requests.jsonl into output_dir (default: the Hydra run's)."""
-    from inferlab.bench import write_latency_outputs
+    from inferlab.bench import write_run_records
     from inferlab.conf import flat_choices
+    from inferlab.latency import aggregate_repeats, latency_figures
 
     bench = cfg.bench
     overrides = []
@@ -192,9 +193,13 @@ def run_http_bench(cfg, output_dir: str | None = None) -> dict:
         runs, errors = asyncio.run(
             run_workload(url, card["id"], workload, bench.temperature, bench.ignore_eos, bench.repeats, bench.warmup)
         )
-        figures = write_latency_outputs(output_dir, bench, runs)
+        figures = aggregate_repeats(
+            [latency_figures(run.requests, run.wall_time_s, bench.slo_ttft_s, bench.slo_tpot_s) for run in runs]
+        )
+        write_run_records(output_dir, runs, timeline=False)
         result = {
             **figures,
+            "requests_file": "requests.jsonl",
             "num_errors": len(errors),
             "errors": errors[:MAX_ERRORS_KEPT],
             "workload": workload.summary(),

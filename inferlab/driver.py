@@ -1,0 +1,159 @@
+"""The latency driver: a workload through the engine's own step loop, each request added once its
+arrival time has passed on the engine's clock, and a record of every request and step.
+
+One thread runs everything: between steps the driver adds the requests that have arrived; while
+the engine is idle it waits for the next arrival through `wait_until`, the one place that blocks,
+which a virtual clock replaces (a simulator advances its clock there instead of sleeping). Time is
+read only through `llm.clock`. Requests that arrive while the engine is busy wait in the engine's
+own queue, where the scheduler policy sees them: under overload the queue grows, nothing is dropped.
+
+`request_record` turns a finished engine Request into its RequestRecord; it serves any front end
+that stamps requests on the engine's clock (the bench job here, a server's runs).
+"""
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from inferlab.core.engine import RequestTooLargeError, older_objects_frozen
+from inferlab.core.request import Request
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.latency import RequestRecord, RunRecords, StepRecord
+from inferlab.workload import WorkloadRequest
+
+__all__ = ["request_record", "run_workload", "sleep_until"]
+
+
+def sleep_until(clock: Callable[[], float], t: float) -> None:
+    """Blocks until clock() reaches t, for a clock that runs in real time (perf_counter's pace)."""
+    while (remaining := t - clock()) > 0:
+        time.sleep(remaining)
+
+
+def request_record(request: Request, start: float, request_id: int | str | None = None) -> RequestRecord:
+    """The RequestRecord of a finished engine Request, its times relative to start (the run's t=0
+    on the engine's clock); request_id replaces the engine's id (e.g. the request's place in a
+    workload). Its finish is the later of the engine's finish time and its last token's time: a
+    request that reaches max_tokens is finished when that token is appended, before it is read back."""
+    if request.finish_time is None:
+        raise ValueError(f"request {request.request_id} has not finished: only a finished request has a record")
+    token_times = (np.asarray(request.token_times, dtype=np.float64) - start).tolist()
+    finish = request.finish_time - start
+    if token_times and token_times[-1] > finish:
+        finish = token_times[-1]
+    first_scheduled = request.first_scheduled_time
+    return RequestRecord(
+        request_id=request.request_id if request_id is None else request_id,
+        arrival_s=request.arrival_time - start,
+        first_scheduled_s=None if first_scheduled is None else first_scheduled - start,
+        first_token_s=token_times[0] if token_times else None,
+        token_times_s=token_times,
+        finish_s=finish,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=len(token_times),  # tokens known on the host; an abort may leave one unread
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+        priority=request.priority,
+        metadata=dict(request.metadata),
+        finish_reason=request.finish_reason,
+    )
+
+
+def run_workload(
+    llm,
+    requests: Sequence[WorkloadRequest],
+    params: Sequence[SamplingParams],
+    wait_until: Callable[[float], None] | None = None,
+) -> RunRecords:
+    """Runs requests (in arrival order, params one per request) through llm's step loop. The run's
+    t=0 is llm.clock() at the call; request i is added with arrival_time = t=0 + its arrival_s once
+    the clock has passed that, so its TTFT counts from its nominal arrival. wait_until(t) blocks
+    until llm.clock() reaches t (default: sleep_until on llm.clock).
+
+    Returns one RequestRecord per request, in the workload's order with request_id its index; one
+    StepRecord per engine step; and the wall time from t=0 to the end of the run. A request too
+    large for the whole KV cache is refused when it arrives and recorded with finish_reason "error"
+    and the reason; one aborted meanwhile (from another thread) is recorded with "abort"."""
+    if len(params) != len(requests):
+        raise ValueError(f"got {len(params)} sampling params for {len(requests)} requests; give one per request")
+    if not requests:
+        raise ValueError("the workload has no requests")
+    arrivals = np.asarray([r.arrival_s for r in requests], dtype=np.float64)
+    if arrivals[0] < 0 or np.any(np.diff(arrivals) < 0):
+        raise ValueError("requests must be in arrival order, with arrival_s >= 0")
+    clock = llm.clock
+    if wait_until is None:
+        wait_until = lambda t: sleep_until(clock, t)  # noqa: E731
+    num_requests = len(requests)
+    engine_requests: list[Request | None] = [None] * num_requests
+    refused: dict[int, RequestRecord] = {}
+    steps: list[StepRecord] = []
+    step, is_finished, pending = llm.step, llm.is_finished, llm.requests
+    with older_objects_frozen():
+        start = clock()
+        due = (arrivals + start).tolist()  # arrivals on the engine's clock
+        next_index = 0
+        try:
+            while True:
+                if next_index < num_requests:
+                    now = clock()
+                    while next_index < num_requests and due[next_index] <= now:
+                        request = requests[next_index]
+                        try:
+                            request_id = llm.add_request(
+                                request.prompt_token_ids,
+                                params[next_index],
+                                priority=request.priority,
+                                metadata=request.metadata,
+                                arrival_time=due[next_index],
+                            )
+                            engine_requests[next_index] = pending[request_id]
+                        except RequestTooLargeError as e:
+                            refused[next_index] = _refused_record(next_index, request, due[next_index] - start, e)
+                        next_index += 1
+                if is_finished():
+                    if next_index == num_requests:
+                        break
+                    wait_until(due[next_index])  # idle until the next arrival
+                    continue
+                step_start = clock()
+                output = step()
+                step_end = clock()
+                steps.append(
+                    StepRecord(
+                        step_start - start,
+                        step_end - start,
+                        output.num_prefill_tokens,
+                        output.num_decode_tokens,
+                        output.num_requests,
+                    )
+                )
+            wall_time = clock() - start
+        except BaseException:
+            for request in engine_requests:  # leave the engine usable: drop what this run queued
+                if request is not None and not request.is_finished:
+                    llm.abort(request.request_id)
+            raise
+    records = [
+        refused[i] if request is None else request_record(request, start, request_id=i)
+        for i, request in enumerate(engine_requests)
+    ]
+    return RunRecords(records, steps, wall_time)
+
+
+def _refused_record(index: int, request: WorkloadRequest, arrival_s: float, error: Exception) -> RequestRecord:
+    return RequestRecord(
+        request_id=index,
+        arrival_s=arrival_s,
+        first_scheduled_s=None,
+        first_token_s=None,
+        token_times_s=[],
+        finish_s=arrival_s,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_output_tokens=0,
+        priority=request.priority,
+        metadata=dict(request.metadata),
+        finish_reason="error",
+        error=str(error),
+    )
