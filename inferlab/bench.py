@@ -48,9 +48,10 @@ def resolved_plugins(llm) -> dict[str, str]:
     """The plugin actually serving each kind (`auto` resolved)."""
     config = llm.config
     plugins = {kind: getattr(config, kind) for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")}
-    backend = getattr(llm.runner, "backend", None)
-    if plugins["attention"] == "auto" and backend is not None:
-        plugins["attention"] = type(backend).name
+    if llm.simulated:  # no backend runs: the one the profile was measured with
+        plugins["attention"] = llm.runner.profile.attention
+    elif plugins["attention"] == "auto":
+        plugins["attention"] = type(llm.runner.backend).name
     if plugins["model"] == "auto":
         from inferlab.core.model_runner import ModelRunner
 
@@ -102,7 +103,7 @@ def measure(
     if counts_hits and latency["num_prompt_tokens"]:
         hits = llm.kv_manager.prefix_cache_stats()[0] - hits_before
         figures["prefix_cache_hit_rate"] = hits / latency["num_prompt_tokens"]
-    if all(r.arrival_s == 0 for r in requests):
+    if all(r.arrival_s == 0 for r in requests) and not llm.simulated:  # a simulation has its profile, not a device
         figures.update(
             floor_figures(
                 llm, [r.num_prompt_tokens for r in run.requests], [r.num_output_tokens for r in run.requests], run
@@ -121,7 +122,11 @@ def floor_figures(llm, prompt_lengths: list[int], output_lengths: list[int], run
         model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype, llm.config.tensor_parallel_size),
         device_rates(llm.runner.device, llm.runner.dtype),
     )
-    return {**floor, "percent_of_floor": 100 * floor["floor_seconds"] / run.wall_time_s}
+    return {
+        **floor,
+        "percent_of_floor": 100 * floor["floor_seconds"] / run.wall_time_s,
+        "percent_of_strict_floor": 100 * floor["strict_floor_seconds"] / run.wall_time_s,
+    }
 
 
 def environment(llm) -> dict:
@@ -142,6 +147,24 @@ def environment(llm) -> dict:
         **git_state(),
         "plugin_packages": plugin_packages(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_VALUES,
+        "executor": llm.config.executor,
+        **simulation(llm),
+    }
+
+
+def simulation(llm) -> dict:
+    """What stood in for the device in a simulated run: the profile and the fitted cost model."""
+    if not llm.simulated:
+        return {}
+    runner = llm.runner
+    return {
+        "simulated": {
+            "profile": runner.profile.label(),
+            "profile_kind": runner.profile.kind,
+            "profile_source": runner.profile.source,
+            "cost_model": runner.cost_model.describe(),
+            "num_steps": runner.num_steps,
+        }
     }
 
 
@@ -271,9 +294,13 @@ def summary_lines(result: dict, path: str) -> str:
     if "floor_seconds" in result:
         lines.append(
             f"floor on this device: {result['floor_seconds']:.3f} s ({result['floor_output_tokens_per_s']:.0f} tok/s, "
-            f"{result['bandwidth_GBps']:.0f} GB/s and {result['matmul_TFLOPs']:.3g} TFLOP/s measured): "
-            f"this run reached {result['percent_of_floor']:.1f}% of it"
+            f"{result['bandwidth_GBps']:.0f} GB/s and {result['matmul_TFLOPs']:.3g} TFLOP/s measured; each decode "
+            f"step's reads plus prefill's FLOPs): this run reached {result['percent_of_floor']:.1f}% of it; "
+            f"strict floor (all bytes or all FLOPs, whichever is longer) {result['strict_floor_seconds']:.3f} s: "
+            f"{result['percent_of_strict_floor']:.1f}% of it"
         )
+    if "simulated" in result:
+        lines.append(f"simulated on {result['simulated']['profile']}: {result['simulated']['num_steps']} steps")
     return "\n".join(lines)
 
 

@@ -2,8 +2,8 @@
 arrival time has passed on the engine's clock, and a record of every request and step.
 
 One thread runs everything: between steps the driver adds the requests that have arrived; while
-the engine is idle it waits for the next arrival through `wait_until`, the one place that blocks,
-which a virtual clock replaces (a simulator advances its clock there instead of sleeping). Time is
+the engine is idle it waits for the next arrival through `wait_until`, the one place that blocks
+(the engine's own sleeps on the host's clock; a simulated engine's moves its virtual clock). Time is
 read only through `llm.clock`. Requests that arrive while the engine is busy wait in the engine's
 own queue, where the scheduler policy sees them: under overload the queue grows, nothing is dropped.
 
@@ -11,7 +11,6 @@ own queue, where the scheduler policy sees them: under overload the queue grows,
 that stamps requests on the engine's clock (the bench job here, a server's runs).
 """
 
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,13 +21,7 @@ from inferlab.core.sampling_params import SamplingParams
 from inferlab.latency import RequestRecord, RunRecords, StepRecord
 from inferlab.workload import WorkloadRequest
 
-__all__ = ["request_record", "run_workload", "sleep_until"]
-
-
-def sleep_until(clock: Callable[[], float], t: float) -> None:
-    """Blocks until clock() reaches t, for a clock that runs in real time (perf_counter's pace)."""
-    while (remaining := t - clock()) > 0:
-        time.sleep(remaining)
+__all__ = ["request_record", "run_workload"]
 
 
 def request_record(request: Request, start: float, request_id: int | str | None = None) -> RequestRecord:
@@ -69,7 +62,8 @@ def run_workload(
     """Runs requests (in arrival order, params one per request) through llm's step loop. The run's
     t=0 is llm.clock() at the call; request i is added with arrival_time = t=0 + its arrival_s once
     the clock has passed that, so its TTFT counts from its nominal arrival. wait_until(t) blocks
-    until llm.clock() reaches t (default: sleep_until on llm.clock).
+    until llm.clock() reaches t (default: llm.wait_until, which sleeps on the host's clock or moves
+    a simulation's virtual clock).
 
     Returns one RequestRecord per request, in the workload's order with request_id its index; one
     StepRecord per engine step; and the wall time from t=0 to the end of the run. A request too
@@ -84,7 +78,7 @@ def run_workload(
         raise ValueError("requests must be in arrival order, with arrival_s >= 0")
     clock = llm.clock
     if wait_until is None:
-        wait_until = lambda t: sleep_until(clock, t)  # noqa: E731
+        wait_until = llm.wait_until
     num_requests = len(requests)
     engine_requests: list[Request | None] = [None] * num_requests
     refused: dict[int, RequestRecord] = {}

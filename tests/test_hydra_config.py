@@ -42,9 +42,7 @@ def test_defaults_are_the_engine_defaults():
 
 def test_engine_settings_mirror_engine_config():
     groups = set(KINDS) | {f"{k}_options" for k in KINDS} | {"model_path", "executor", "executor_options"}
-    assert [f.name for f in fields(EngineSettings)] == [
-        f.name for f in fields(EngineConfig) if f.name not in groups
-    ]
+    assert [f.name for f in fields(EngineSettings)] == [f.name for f in fields(EngineConfig) if f.name not in groups]
 
 
 @pytest.mark.parametrize("kind,name", OPTIONS, ids=[f"{k}={n}" for k, n in OPTIONS])
@@ -150,7 +148,11 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
         (["engine.max_num_seqs=lots"], ConfigCompositionException, "could not be converted to Integer"),
         (["engine.max_num_seq=8"], ConfigCompositionException, "Key 'max_num_seq' not in 'EngineSettings'"),
         (["bench.num_seqs=1.5"], ConfigCompositionException, "could not be converted to Integer"),
-        (["job.name=train"], ConfigCompositionException, r"Invalid value 'train', expected one of \[generate, bench, profile, serve\]"),
+        (
+            ["job.name=train"],
+            ConfigCompositionException,
+            r"Invalid value 'train', expected one of \[generate, bench, profile, serve\]",
+        ),
         (["typo=1"], ConfigCompositionException, "Could not override 'typo'"),
         (
             ["scheduler=nope"],

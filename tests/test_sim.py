@@ -2,6 +2,7 @@
 virtual clock with the real policy and KV manager, and the profiling job's measurements."""
 
 import json
+from time import perf_counter
 
 import numpy as np
 import pytest
@@ -190,3 +191,80 @@ def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
     sim = LLM(executor="simulated", executor_options={"profile": str(path)}, kvcache_block_size=16)
     sim.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert sim.clock() > 0
+
+
+class ReplayCost:
+    """A cost model that returns measured step times, in order."""
+
+    def __init__(self, seconds: list[float]):
+        self.seconds = iter(seconds)
+
+    def __call__(self, shape: StepShape) -> float:
+        return next(self.seconds)
+
+
+def recorded_launches(llm, clock=None) -> tuple[list, list]:
+    """Wraps llm's runner so that every launched batch's (request id, tokens) is recorded; with a
+    clock, also each launch's real duration (the forward pass and sampling, read back), by which
+    the clock moves."""
+    batches, durations, launch = [], [], llm.runner.launch
+
+    def recording(batch):
+        batches.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)])
+        start = perf_counter()
+        handle = launch(batch)
+        if clock is not None:
+            handle.tokens()
+            durations.append(perf_counter() - start)
+            clock.now += durations[-1]
+        return handle
+
+    llm.runner.launch = recording
+    return batches, durations
+
+
+def test_the_same_policy_code_schedules_real_and_simulated_runs_alike(tmp_path):
+    """A Poisson workload on the embedded model, under preemption: the real engine, whose clock
+    moves by each real step's measured duration (and jumps over idle time, as a simulation's
+    does), then a simulated engine whose cost model replays those durations. The policy and the
+    KV manager are the same code in both: every step's batch is the same, and so is every
+    request's record."""
+    from inferlab.bench import build_workload
+    from inferlab.conf import compose
+    from inferlab.driver import run_workload
+    from inferlab.sim.executor import VirtualClock
+
+    cfg = compose(
+        [
+            "job=bench",
+            "bench.arrival=poisson",
+            "bench.request_rate=40",
+            "bench.num_seqs=24",
+            "bench.min_len=8",
+            "bench.max_len=60",
+            "bench.max_output_len=12",
+            "bench.min_output_len=2",
+        ]
+    )
+    settings = dict(
+        scheduler="lpm", kvcache_block_size=16, num_kvcache_blocks=10, max_num_seqs=6, max_num_batched_tokens=64
+    )
+    real = LLM(device="cpu", **settings)
+    workload = build_workload(cfg.bench, real.hf_config.vocab_size, real.config.max_model_len)
+    params = workload.sampling_params(cfg.bench)
+    clock = VirtualClock()
+    real.clock, real.wait_until = clock, clock.advance_to
+    real_batches, measured = recorded_launches(real, clock)
+    real_run = run_workload(real, workload.requests, params)
+    assert real.stats.num_preemptions > 0, "the cache was meant to be small enough to preempt"
+
+    sim = LLM(executor="simulated", executor_options={"profile": "roofline"}, **settings)
+    sim.runner.cost_model = ReplayCost(measured)
+    sim_batches, _ = recorded_launches(sim)
+    sim_run = run_workload(sim, workload.requests, params)
+    assert sim_batches == real_batches
+    assert [
+        (r.request_id, r.first_scheduled_s, r.first_token_s, r.finish_s, r.num_preemptions) for r in sim_run.requests
+    ] == pytest.approx(
+        [(r.request_id, r.first_scheduled_s, r.first_token_s, r.finish_s, r.num_preemptions) for r in real_run.requests]
+    )

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import threading
+import time
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -176,6 +177,7 @@ class LLMEngine:
             self.runner = ModelRunner(config, hf_config, model_path, self.registry)
         # The time requests and steps are stamped with: the host's, or a simulation's virtual one.
         self.clock = self.runner.clock if simulated else perf_counter
+        self.simulated = simulated
         try:
             self.kv_manager = self.registry.create(
                 "kv_cache", config.kv_cache, config, self.runner.num_kv_blocks, options=config.kv_cache_options
@@ -314,6 +316,15 @@ class LLMEngine:
         self.stats.num_aborted_requests += 1
         return True
 
+    def wait_until(self, t: float) -> None:
+        """Blocks until the engine's clock reads t: the host sleeps; a simulation's virtual clock
+        moves there at once. For drivers that feed requests at their arrival times."""
+        if self.simulated:
+            self.clock.advance_to(t)
+            return
+        while (remaining := t - self.clock()) > 0:
+            time.sleep(remaining)
+
     def is_finished(self) -> bool:
         return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported
 
@@ -370,7 +381,7 @@ class LLMEngine:
                 f"{self.kv_manager.num_blocks} KV blocks free: its admission_order declined every waiting request "
                 f"with nothing running"
             )
-        start = perf_counter()
+        start = self.clock()  # the step's time on the engine's clock: a simulation's steps take virtual time
         decode_tokens = batch.num_decode_tokens
         prefill_tokens = batch.total_tokens - decode_tokens
         pending = self.pending
@@ -398,7 +409,7 @@ class LLMEngine:
                 self.pending = None  # the runner failed: its samples are lost with it
             raise
         self._collect(finished)
-        elapsed = perf_counter() - start
+        elapsed = self.clock() - start
         stats = self.stats
         stats.num_steps += 1
         stats.num_prefill_tokens += prefill_tokens

@@ -44,6 +44,10 @@ class PagedKVCache:
         self.num_committed: dict[int, int] = {}  # request id -> its leading blocks already in the cache
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
+        # The core asks how much of a request is cached, then allocates with that answer: the
+        # latest lookup is kept, valid while the request's length and the cached contents stand.
+        self.cache_version = 0  # bumped whenever a block's cached content is registered or forgotten
+        self.last_lookup: tuple[int, int, int, list[int]] | None = None  # (request id, tokens, version, hits)
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +76,9 @@ class PagedKVCache:
         if not self.enable_prefix_caching:
             return []
         bs, tokens = self.block_size, request.token_ids
+        key = (request.request_id, len(tokens), self.cache_version)
+        if self.last_lookup is not None and self.last_lookup[:3] == key:
+            return self.last_lookup[3]
         # Leave the last token uncached so that it is computed and yields logits.
         hits, parent_id = [], 0
         for i, h in enumerate(self._hashes(request, (len(tokens) - 1) // bs)):
@@ -84,6 +91,7 @@ class PagedKVCache:
                 break
             hits.append(block)
             parent_id = self.block_content_id[block]
+        self.last_lookup = (*key, hits)
         return hits
 
     def num_cached_prefix_tokens(self, request: Request) -> int:
@@ -135,6 +143,7 @@ class PagedKVCache:
         """Forgets the cached content of an unreferenced block."""
         h = self.block_hash[block]
         if h is not None:
+            self.cache_version += 1
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hash[block] = self.block_tokens[block] = None
@@ -159,6 +168,7 @@ class PagedKVCache:
                 self.block_parent_id[block] = self.block_content_id[table[i - 1]] if i else 0
                 self.next_content_id += 1
                 self.cached.setdefault(hashes[i], block)
+                self.cache_version += 1
         self.num_committed[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
