@@ -123,14 +123,17 @@ def _time(fn, device: torch.device, repeats: int) -> float:
     return float(np.median(times))
 
 
+def _time_copy(copy_bytes: int, device: torch.device, repeats: int) -> float:
+    # A function of its own so that both buffers are freed before the matmul allocates.
+    src = torch.randn(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return _time(lambda: dst.copy_(src), device, repeats)
+
+
 def measure_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> DeviceRates:
     cuda = device.type == "cuda"
     copy_bytes = (2 << 30) if cuda else (64 << 20)
-    src = torch.randn(copy_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = _time(lambda: dst.copy_(src), device, 20 if cuda else 3)
-    bandwidth = 2 * copy_bytes / seconds
-    del src, dst
+    bandwidth = 2 * copy_bytes / _time_copy(copy_bytes, device, 20 if cuda else 3)
     n = 8192 if cuda else 512
     dtype = dtype if cuda else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)

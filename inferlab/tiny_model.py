@@ -107,12 +107,13 @@ def make_checkpoint(
 _announced = False  # the embedded model is announced once a process
 
 
-def default_model_path() -> str:
+def default_model_path(announce: bool = True) -> str:
     """The embedded model's directory, created on first use (atomically, so concurrent first
     runs cannot see half a checkpoint). Says once a process, as a warning, that its text is
-    gibberish: whoever forgot the model path should not take it for the engine's output."""
+    gibberish: whoever forgot the model path should not take it for the engine's output.
+    `announce=False` is for callers that only borrow its tokenizer."""
     global _announced
-    if not _announced:
+    if announce and not _announced:
         _announced = True
         log.warning(
             "no model path given: running inferlab's embedded tiny model, whose weights are random, "

@@ -1,8 +1,8 @@
 """The paged block manager's books: reference counts, the free queue, prefix reuse and eviction."""
 
-from engine_books import assert_kv_books
-
 from itertools import count
+
+from engine_books import assert_kv_books
 
 from inferlab.core.config import EngineConfig
 from inferlab.core.request import Request

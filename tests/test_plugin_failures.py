@@ -11,7 +11,7 @@ import pytest
 from hydra.core.config_store import ConfigStore
 
 from inferlab import LLM, SamplingParams
-from inferlab.conf import compose, engine_arguments
+from inferlab.conf import compose
 from inferlab.core import plugins
 from inferlab.core.plugins import KINDS, PluginError, PluginRegistry
 from inferlab.list_plugins import listing

@@ -85,7 +85,7 @@ def simulated_checkpoint(config, model_path: str | None):
     options = simulated_options(config.executor_options)
     if model_path is None and options.profile != "roofline":
         profile = load_profile(options.profile)
-        _, tokenizer = load_checkpoint_files(default_model_path())
+        _, tokenizer = load_checkpoint_files(default_model_path(announce=False))
         return profile, profile_model_config(profile), tokenizer, f"(model shape of profile {options.profile})"
     model_path = model_path if model_path is not None else default_model_path()
     hf_config, tokenizer = load_checkpoint_files(str(model_path))
