@@ -354,3 +354,20 @@ def test_a_prompt_the_tokenizer_rejects_names_the_prompt_and_queues_nothing(path
         llm.generate([[1, 2, 3], "boom"], GREEDY, use_tqdm=False)
     assert llm.next_request_id == 0  # nothing drawn, nothing queued
     assert_books_clean(llm)
+
+
+# -- close ------------------------------------------------------------------------------------
+
+
+def test_a_closed_engine_refuses_calls_and_a_second_one_serves(path, reference):
+    prompts = prompts_of([5, 9])
+    with make_llm(path, num_kvcache_blocks=64) as llm:
+        llm.add_request(prompts[0], GREEDY)  # unfinished at close: dropped with the engine
+        llm.step()
+    assert llm.runner.kv_cache is None and llm.runner.model is None  # its memory is handed back
+    for call in (lambda: llm.generate(prompts, GREEDY, use_tqdm=False), llm.step, lambda: llm.add_request([1])):
+        with pytest.raises(engine.EngineClosedError, match="closed engine"):
+            call()
+    llm.close()  # twice is harmless
+    with make_llm(path, num_kvcache_blocks=64) as second:
+        assert [o["token_ids"] for o in second.generate(prompts, GREEDY, use_tqdm=False)] == reference(prompts)

@@ -257,3 +257,28 @@ def test_kv_cache_is_sized_from_gpu_memory(qwen3_path, attention, caplog):
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_close_gives_the_gpu_memory_back_for_a_second_engine(qwen3_path):
+    """A notebook user's second LLM: the first one's weights, KV cache and CUDA graphs go back to
+    the driver at close(), so the second, at the same gpu_memory_utilization, gets as many KV
+    blocks and the same greedy tokens."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    settings = {**ENGINE, "gpu_memory_utilization": 0.9, "enforce_eager": False}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    with LLM(qwen3_path, attention="triton", **settings) as first:
+        first_blocks = first.kv_manager.num_blocks
+        first_tokens = [o["token_ids"] for o in first.generate(prompts, params, use_tqdm=False)]
+        assert first.runner.decode_graphs is not None
+        held = free_before - torch.cuda.mem_get_info()[0]
+        assert held > 0.5 * free_before  # the KV cache took most of the GPU
+    free_after = torch.cuda.mem_get_info()[0]
+    print(f"held {held / 2**30:.1f} GiB; after close() {(free_before - free_after) / 2**20:.0f} MiB not returned")
+    assert free_before - free_after < 256 * 2**20
+    assert torch.cuda.memory_allocated() < 128 * 2**20
+    with LLM(qwen3_path, attention="triton", **settings) as second:
+        assert abs(second.kv_manager.num_blocks - first_blocks) <= max(2, first_blocks // 100)
+        assert [o["token_ids"] for o in second.generate(prompts, params, use_tqdm=False)] == first_tokens

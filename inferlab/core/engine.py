@@ -38,6 +38,10 @@ class RequestTooLargeError(ValueError):
     """A request needs more KV blocks than the whole cache has: no schedule could ever serve it."""
 
 
+class EngineClosedError(RuntimeError):
+    """A call on an engine after its close(): its device memory or workers are gone."""
+
+
 class EngineBusyError(RuntimeError):
     """An engine call was made from inside another call on the same engine, in the same thread (a
     signal handler or a callback): it would interleave with the call under way."""
@@ -148,6 +152,7 @@ class LLMEngine:
     the embedded tiny model."""
 
     def __init__(self, model_path: str | None = None, /, *, registry: PluginRegistry | None = None, **kwargs):
+        self.closed = False
         config = EngineConfig.from_kwargs(model_path, kwargs)
         self.registry = registry or get_registry()
         for kind in KINDS:  # a misspelled plugin or option fails before anything heavy loads
@@ -338,6 +343,8 @@ class LLMEngine:
     def refuse_reentry(self, call: str) -> None:
         """Raises EngineBusyError when this thread is inside a call on this engine already: the
         new call would run in the middle of the other's step (other threads wait for the lock)."""
+        if self.closed:
+            raise EngineClosedError(f"{call}() on a closed engine: close() released its resources; build a new LLM")
         if self.lock._is_owned():  # RLock's own record of whether this thread holds it
             raise EngineBusyError(
                 f"{call}() was called while this engine is inside another call in the same thread (from a signal "
@@ -581,10 +588,18 @@ class LLMEngine:
     # -- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Releases the engine's resources (worker processes under tensor parallelism)."""
-        close = getattr(getattr(self, "runner", None), "close", None)
-        if close is not None:
-            close()
+        """Releases the engine's resources: its GPU memory (weights, KV cache, CUDA graphs), or
+        its worker processes under tensor parallelism. Requests still unfinished are dropped;
+        later calls raise EngineClosedError. Safe to call twice."""
+        if self.closed:
+            return
+        self.refuse_reentry("close")
+        with self.lock:
+            self.closed = True
+            self.pending = None  # its placeholders point at samples that are about to be freed
+            close = getattr(getattr(self, "runner", None), "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self):
         return self

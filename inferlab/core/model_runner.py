@@ -1,6 +1,7 @@
 """Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
 
+import gc
 import importlib
 import logging
 from dataclasses import replace
@@ -103,6 +104,20 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
         self.decode_graphs = self._capture_decode_graphs(hf_config)
+
+    def close(self) -> None:
+        """Frees what this runner holds on the device (weights, KV cache, CUDA graphs and their
+        memory pool, staging buffers) and hands it back to the driver, so that another engine
+        built next in this process can use it; the runner launches nothing afterwards."""
+        for name in ("decode_graphs", "kv_cache", "model", "backend", "sampler", "last_sampled", "_sampling_cache"):
+            setattr(self, name, None)
+        self.kv_caches = []
+        # CUDA graphs and the model's modules hold one another in cycles: collect them before
+        # the allocator can give their memory back.
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
