@@ -59,6 +59,26 @@ def test_the_measured_model_recovers_a_linear_device():
     assert described["decode"]["graph"]["batch_sizes"] == [1, 4, 16, 64]
 
 
+def test_small_prefill_steps_cost_the_host_floor():
+    """A host that needs 20 ms to launch any eager step: the fit finds that floor and the device's
+    linear cost above it, which a single line through every step could not."""
+
+    def truth(shape: StepShape) -> float:
+        if not shape.prefill_tokens:
+            return linear_truth(shape)
+        return max(0.02, 3e-3 + 1e-6 * shape.prefill_tokens + 2e-11 * shape.prefill_pairs)
+
+    grid = [s for s in GRID if not s.prefill_tokens] + [
+        StepShape(prefill_tokens=n, prefill_pairs=n * c + n * (n + 1) // 2, prefill_requests=1)
+        for n in (16, 256, 4096, 16384, 32768)
+        for c in (0, 16384, 65536)
+    ]
+    model = MeasuredCostModel([{**s.as_dict(), "seconds": truth(s)} for s in grid])
+    assert model.describe()["with_prefill"]["host_floor_s"] == pytest.approx(0.02)
+    for shape in grid:
+        assert model(shape) == pytest.approx(truth(shape), rel=1e-6)
+
+
 def test_nonnegative_least_squares_drops_negative_costs():
     rows = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     assert nonnegative_least_squares(rows, np.array([3.0, 2.0, 1.0])) == pytest.approx([2.0, 0.0])

@@ -7,9 +7,11 @@ and whether it replays a CUDA graph. Two models predict a step's seconds from th
 - `MeasuredCostModel`, fitted to a profile's measurements of real steps (`inferlab job=profile`):
   a decode-only step costs a fixed part and a part per cached token read, both functions of the
   batch size interpolated between the measured sizes (they move from weight-bound to
-  compute-bound as the batch grows, which no single line captures); a step with prefill costs a
-  fixed part, a part per prefill token, per attention pair and per decode request, fitted by
-  least squares, plus its decode requests' K/V reads.
+  compute-bound as the batch grows, which no single line captures); a step with prefill runs
+  eagerly and costs the longer of the host's time to launch it (a floor: small eager steps are
+  bound by Python and kernel launches, not by the device) and the device's time, a fixed part, a
+  part per prefill token, per attention pair and per decode request, fitted by least squares,
+  plus its decode requests' K/V reads.
 - `RooflineCostModel`, from a device's memory bandwidth and matmul rate alone: the larger of the
   step's bytes over the bandwidth and its FLOPs over the matmul rate, plus a per-step overhead.
   It serves any model shape and device, as a floor rather than a prediction.
@@ -73,10 +75,11 @@ class MeasuredCostModel:
             raise ValueError("the profile has no measurements of steps with prefill")
         # A step with prefill runs one eager forward over all its tokens: a fixed part, a part per
         # prefill token, per attention pair and per decode request, and the decode requests' K/V
-        # reads at the rate decode-only steps of that batch size read it.
+        # reads at the rate decode-only steps of that batch size read it; never less than the
+        # host's floor.
         rows = np.array([[1.0, s.prefill_tokens, s.prefill_pairs, s.decode_requests] for s, _ in mixed])
-        rest = np.array([t - self._context_seconds(s.decode_requests, s.decode_context) for s, t in mixed])
-        self.prefill_coefficients = nonnegative_least_squares(rows, rest)
+        context = np.array([self._context_seconds(s.decode_requests, s.decode_context) for s, _ in mixed])
+        self.host_floor_s, self.prefill_coefficients = fit_with_floor(rows, context, np.array([t for _, t in mixed]))
 
     def _fit(self, graph: bool) -> "_DecodeFit":
         return self.decode[graph] if self.decode[graph].sizes else self.decode[not graph]
@@ -88,13 +91,14 @@ class MeasuredCostModel:
         if not shape.prefill_tokens:
             return self._fit(shape.graph)(shape.decode_requests, shape.decode_context) if shape.decode_requests else 0.0
         base, per_token, per_pair, per_decode = self.prefill_coefficients
-        return (
+        device = (
             base
             + per_token * shape.prefill_tokens
             + per_pair * shape.prefill_pairs
             + per_decode * shape.decode_requests
             + self._context_seconds(shape.decode_requests, shape.decode_context)
         )
+        return max(self.host_floor_s, device)
 
     def describe(self) -> dict:
         """The fitted coefficients, for results and docs."""
@@ -102,6 +106,7 @@ class MeasuredCostModel:
         return {
             "decode": {("graph" if g else "eager"): fit.describe() for g, fit in self.decode.items() if fit.sizes},
             "with_prefill": {
+                "host_floor_s": self.host_floor_s,
                 "base_s": base,
                 "per_prefill_token_s": per_token,
                 "per_pair_s": per_pair,
@@ -168,6 +173,24 @@ class RooflineCostModel:
             "matmul_TFLOPs": self.rates.matmul_rate / 1e12,
             "step_overhead_s": self.step_overhead_s,
         }
+
+
+def fit_with_floor(rows: np.ndarray, fixed: np.ndarray, seconds: np.ndarray) -> tuple[float, list[float]]:
+    """(floor, coefficients) of seconds = max(floor, rows @ coefficients + fixed). The floor is
+    chosen among 0 and the measured times as the one that explains the measurements best (least
+    squared log error), the coefficients fitted to the measurements above it; steps at the floor
+    tell nothing about the device."""
+    best = None
+    for floor in [0.0, *sorted(set(seconds.tolist()))]:
+        above = seconds > floor
+        if floor and above.sum() < rows.shape[1]:  # too few left to fit the device's part
+            break
+        coefficients = nonnegative_least_squares(rows[above], seconds[above] - fixed[above])
+        predicted = np.maximum(floor, rows @ np.array(coefficients) + fixed)
+        error = float(np.sum(np.log(np.maximum(predicted, 1e-12) / seconds) ** 2))
+        if best is None or error < best[0] - 1e-12:
+            best = (error, floor, coefficients)
+    return best[1], best[2]
 
 
 def nonnegative_least_squares(rows: np.ndarray, targets: np.ndarray) -> list[float]:

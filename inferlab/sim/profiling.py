@@ -10,11 +10,11 @@ step's time is what a run pays for it: the device's work or, where it is longer,
 
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from inferlab.core.batch import ScheduledBatch
@@ -26,10 +26,13 @@ from inferlab.sim.cost_model import StepShape
 from inferlab.sim.profile import Profile, model_fields
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
-DECODE_CONTEXTS = (128, 512, 1024, 2048)
+# Contexts reach what long-context traces bring (Mooncake's conversations average 14k tokens):
+# attention over them, not the weights, then sets a step's time. Profile with a max_model_len
+# that admits them; compositions longer than it, or than the KV cache holds, are skipped.
+DECODE_CONTEXTS = (128, 512, 1024, 2048, 8192, 16384)
 EAGER_BATCHES = (1, 8, 64, 256)
 PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 16384)
-PREFILL_CONTEXTS = (0, 4096)
+PREFILL_CONTEXTS = (0, 4096, 16384)
 
 
 @dataclass
@@ -54,13 +57,13 @@ class StepTimer:
 
     def __init__(self, llm, repeats: int, seed: int = 0):
         self.llm, self.repeats = llm, repeats
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
         self.next_id = 10**9  # far from the engine's own request ids
         self.params = SamplingParams(temperature=0.6, max_tokens=1 << 20, ignore_eos=True, seed=0)
 
     def _request(self, context: int, new_tokens: int) -> Request:
         vocab = min(self.llm.hf_config.vocab_size, 10_000)
-        tokens = [self.rng.randrange(vocab) for _ in range(context + new_tokens)]
+        tokens = self.rng.integers(0, vocab, context + new_tokens).tolist()
         request = Request(self.next_id, tokens, self.params)
         self.next_id += 1
         if not self.llm.kv_manager.allocate(request, context + new_tokens):
@@ -129,8 +132,8 @@ def measure(llm, settings: ProfileConfig) -> list[dict]:
         if tokens >= 1024:  # the same tokens as a chunk of several prompts
             add([(0, tokens // 8)] * 8)
         for decodes in (16, 128):
-            if tokens <= 4096:
-                add([(0, tokens)] + [(1024, 1)] * decodes)
+            add([(0, tokens)] + [(1024, 1)] * decodes)
+        add([(4096, tokens)] + [(8192, 1)] * 32)
     return out
 
 
