@@ -86,7 +86,9 @@ def measure(
     llm.stats = EngineStats()
     counts_hits = isinstance(llm.kv_manager, PrefixCacheStats)
     hits_before = llm.kv_manager.prefix_cache_stats()[0] if counts_hits else 0
+    started = time.perf_counter()
     run = run_workload(llm, requests, params, wait_until)
+    host_seconds = time.perf_counter() - started
     stats = llm.stats
     latency = latency_figures(run.requests, run.wall_time_s, slo_ttft_s, slo_tpot_s)
     figures = {
@@ -100,6 +102,9 @@ def measure(
         "num_steps": stats.num_steps,
         "wait_seconds": stats.wait_seconds,  # blocked on the device; the rest of the wall time is CPU work
     }
+    if llm.simulated:  # what the simulation itself cost, on this host's clock
+        figures["simulator_seconds"] = host_seconds
+        figures["simulator_us_per_step"] = 1e6 * host_seconds / max(stats.num_steps, 1)
     if counts_hits and latency["num_prompt_tokens"]:
         hits = llm.kv_manager.prefix_cache_stats()[0] - hits_before
         figures["prefix_cache_hit_rate"] = hits / latency["num_prompt_tokens"]
@@ -300,7 +305,10 @@ def summary_lines(result: dict, path: str) -> str:
             f"{result['percent_of_strict_floor']:.1f}% of it"
         )
     if "simulated" in result:
-        lines.append(f"simulated on {result['simulated']['profile']}: {result['simulated']['num_steps']} steps")
+        lines.append(
+            f"simulated on {result['simulated']['profile']}: {result['simulated']['num_steps']} steps in "
+            f"{result['simulator_seconds']:.1f} s on this host ({result['simulator_us_per_step']:.0f} µs a step)"
+        )
     return "\n".join(lines)
 
 

@@ -142,8 +142,9 @@ class Workload:
         """Each request's SamplingParams: bench.temperature and bench.ignore_eos, max_tokens = its output length."""
         from inferlab.core.sampling_params import SamplingParams
 
+        temperature, ignore_eos = bench.temperature, bench.ignore_eos  # a config read costs microseconds
         return [
-            SamplingParams(temperature=bench.temperature, ignore_eos=bench.ignore_eos, max_tokens=r.output_len)
+            SamplingParams(temperature=temperature, ignore_eos=ignore_eos, max_tokens=r.output_len)
             for r in self.requests
         ]
 
@@ -277,11 +278,13 @@ def _trace_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     )
     # Scaling shrinks the hash blocks with the prompts, so the requests still share the same fractions.
     block_size = math.ceil(MOONCAKE_BLOCK_SIZE * scale)
+    time_scale, seed = bench.time_scale, bench.seed  # read once: a config read costs microseconds
+    blocks: dict[int, list[int]] = {}
     requests = [
         WorkloadRequest(
             index=i,
-            arrival_s=r.arrival_s * bench.time_scale,
-            prompt_token_ids=trace_prompt(r.hash_ids, inputs[i], block_size, i, bench.seed, vocab_size),
+            arrival_s=r.arrival_s * time_scale,
+            prompt_token_ids=trace_prompt(r.hash_ids, inputs[i], block_size, i, seed, vocab_size, blocks),
             output_len=outputs[i],
         )
         for i, r in enumerate(trace)

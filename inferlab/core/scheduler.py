@@ -12,6 +12,7 @@ them (EOS, stop ids and strings, max_tokens, max_model_len, abort): every finish
 
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 
 from inferlab.core.batch import ScheduledBatch
 from inferlab.core.protocols import (
@@ -25,6 +26,7 @@ from inferlab.core.protocols import (
 from inferlab.core.request import Request, RequestStatus, RequestView
 
 RUNNING, WAITING, FINISHED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED
+VIEW_OF = attrgetter("view")  # a request's view, in C: the waiting queue can hold thousands
 
 
 class PolicyError(RuntimeError):
@@ -58,6 +60,9 @@ class Scheduler:
         self.budgeted = isinstance(policy, BudgetPolicy)
         self.observing = isinstance(policy, ObservingPolicy)
         self.waiting: deque[Request] = deque()  # arrival order, preempted requests in front
+        # The waiting requests' views as the policy is given them, kept while the queue does not
+        # change: under overload the queue is long and most steps admit nobody.
+        self._waiting_views: tuple[RequestView, ...] | None = None
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
         self.num_steps = 0
@@ -68,6 +73,7 @@ class Scheduler:
         request.status = WAITING
         request.view = RequestView(request, self.kv)
         self.waiting.append(request)
+        self._waiting_views = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -80,6 +86,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+            self._waiting_views = None
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = FINISHED
@@ -168,7 +175,9 @@ class Scheduler:
         step.invalidate()
 
     def _admit(self, step: "_Step") -> None:
-        order = self.policy.admission_order(tuple(r.view for r in self.waiting), step.state())
+        if self._waiting_views is None:
+            self._waiting_views = tuple(map(VIEW_OF, self.waiting))
+        order = self.policy.admission_order(self._waiting_views, step.state())
         kv = self.kv
         admitted: list[Request] = []
         try:
@@ -225,9 +234,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._waiting_views = None
         step.preempted = True
 
     def _remove_waiting(self, admitted: list[Request]) -> None:
+        self._waiting_views = None
         waiting = self.waiting
         if all(waiting[i] is r for i, r in enumerate(admitted)):  # admitted in queue order: FCFS
             for _ in admitted:

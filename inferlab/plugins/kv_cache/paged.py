@@ -7,9 +7,9 @@ hash alone: the block's own tokens must match and so must its parent (the conten
 after, by a per-content id), so a hash collision costs a miss, never wrong K/V.
 """
 
+from array import array
 from collections import OrderedDict
 
-import numpy as np
 import xxhash
 
 from inferlab.core.hookspecs import hookimpl
@@ -20,7 +20,7 @@ NO_BLOCKS: list[int] = []  # the table of a request holding none; never changed
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
     h = xxhash.xxh64(parent.to_bytes(8, "little"))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(array("q", tokens))  # the tokens' int64 bytes, without a NumPy round trip
     return h.intdigest()
 
 
