@@ -169,9 +169,6 @@ class SimulatedRunner:
         ]
         return SimulatedStep(len(batch.requests), sample_rows, self.token)
 
-    def close(self) -> None:
-        pass
-
 
 class SimulatedStep:
     def __init__(self, num_rows: int, sample_rows: list[int], token: int):
