@@ -48,7 +48,7 @@ class PagedMachine(KVCacheMachine):
             assert set(self.kv.tables) == live and set(self.kv.num_committed) <= live
 
 
-@pytest.mark.parametrize("hash_kind", ["xxhash", "colliding"])
+@pytest.mark.parametrize("hash_kind", ["chained", "colliding"])
 def test_paged_kv_cache_state_machine(hash_kind, monkeypatch):
     if hash_kind == "colliding":
         monkeypatch.setattr(paged, "chain_hash", weak_chain_hash)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from worker_processes import alive, assert_nothing_left, child_pids, prompts_of, run_until_failure, shm_entries
 
 from inferlab import LLM, SamplingParams
+from inferlab.core.engine import EngineClosedError
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginRegistry
@@ -137,7 +138,7 @@ def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
     assert not any(alive(pid) for pid in pids)
     for prompt, out in zip(prompts, outputs):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens)
-    with pytest.raises(TensorParallelError, match="shut down: it was closed"):
+    with pytest.raises(EngineClosedError, match="closed engine"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
 
 

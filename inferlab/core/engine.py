@@ -152,6 +152,10 @@ class LLMEngine:
     the embedded tiny model."""
 
     def __init__(self, model_path: str | None = None, /, *, registry: PluginRegistry | None = None, **kwargs):
+        # One call at a time: generate holds it for its whole run, step, add_request and abort for theirs;
+        # other threads wait their turn, and a call from inside a call in the same thread is refused.
+        # Made first, with `closed`, so that close() serves a constructor that fails halfway.
+        self.lock = threading.RLock()
         self.closed = False
         config = EngineConfig.from_kwargs(model_path, kwargs)
         self.registry = registry or get_registry()
@@ -208,9 +212,6 @@ class LLMEngine:
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
         self.pending = None  # (tokens advance appended, StepHandle) of the step launched last, under overlap
         self.unreported: list[Request] = []  # finished, for the next step to report (a step that raised could not)
-        # One call at a time: generate holds it for its whole run, step, add_request and abort for theirs;
-        # other threads wait their turn, and a call from inside a call in the same thread is refused.
-        self.lock = threading.RLock()
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -7,10 +7,7 @@ hash alone: the block's own tokens must match and so must its parent (the conten
 after, by a per-content id), so a hash collision costs a miss, never wrong K/V.
 """
 
-from array import array
 from collections import OrderedDict
-
-import xxhash
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.request import Request
@@ -19,9 +16,10 @@ NO_BLOCKS: list[int] = []  # the table of a request holding none; never changed
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
-    h = xxhash.xxh64(parent.to_bytes(8, "little"))
-    h.update(array("q", tokens))  # the tokens' int64 bytes, without a NumPy round trip
-    return h.intdigest()
+    # Python's tuple hash (xxHash's mixing, over ints that hash to themselves) in C, three times
+    # faster than packing the tokens for the xxhash package; it needs only spread, since a hit is
+    # confirmed on the tokens themselves.
+    return hash((parent, *tokens))
 
 
 class PagedKVCache:
