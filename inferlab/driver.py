@@ -12,10 +12,11 @@ that stamps requests on the engine's clock (the bench job here, a server's runs)
 """
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import numpy as np
 
-from inferlab.core.engine import RequestTooLargeError, older_objects_frozen
+from inferlab.core.engine import RequestTooLargeError, older_objects_frozen, rarer_young_collections
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.latency import RequestRecord, RunRecords, StepRecord
@@ -84,7 +85,7 @@ def run_workload(
     refused: dict[int, RequestRecord] = {}
     steps: list[StepRecord] = []
     step, is_finished, pending = llm.step, llm.is_finished, llm.requests
-    with older_objects_frozen():
+    with older_objects_frozen(), rarer_young_collections() if llm.simulated else nullcontext():
         start = clock()
         due = (arrivals + start).tolist()  # arrivals on the engine's clock
         next_index = 0

@@ -235,12 +235,15 @@ def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     """The workload bench describes, with token ids valid for vocab_size (taken modulo it: a no-op
     for real vocabularies, where clipping would make a tiny vocabulary's prompts runs of one token)
     and lengths fitted to max_model_len. Raises BenchConfigError for settings that cannot work."""
+    from inferlab.core.engine import rarer_young_collections  # here: the engine module imports torch
+
     validate_bench(bench)
-    workload = (
-        _trace_workload(bench, vocab_size, max_model_len)
-        if bench.arrival == "trace"
-        else _generated_workload(bench, vocab_size, max_model_len)
-    )
+    with rarer_young_collections():  # a long trace's prompts are millions of ints in lists that live on
+        workload = (
+            _trace_workload(bench, vocab_size, max_model_len)
+            if bench.arrival == "trace"
+            else _generated_workload(bench, vocab_size, max_model_len)
+        )
     if bench.num_priorities > 1:
         rng = np.random.default_rng([bench.seed, PRIORITY_STREAM])
         for request, priority in zip(

@@ -288,6 +288,15 @@ def test_what_the_interpreter_keeps_frozen_is_not_a_callers_freeze(monkeypatch):
     assert id(startup) in tracked_ids()
 
 
+def test_rarer_young_collections_restores_the_thresholds_even_on_error():
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError):
+        with engine.rarer_young_collections(50_000):
+            assert gc.get_threshold() == (50_000, *before[1:])
+            raise RuntimeError("inside")
+    assert gc.get_threshold() == before
+
+
 # -- one request's failure stays its own ------------------------------------------------------
 
 

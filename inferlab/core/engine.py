@@ -119,6 +119,21 @@ def as_prompt_list(prompts) -> list:
 
 
 @contextmanager
+def rarer_young_collections(threshold: int = 100_000):
+    """The collector's youngest generation collected every `threshold` net new objects instead of
+    Python's 700, for the length of the block: for code that allocates containers which live on
+    (a workload's prompts, a simulated run's requests and block records), which frequent young
+    collections only walk again; on the whole Mooncake trace they took a fifth of a simulated run.
+    The engine's GPU runs keep Python's default until a measurement says otherwise."""
+    old = gc.get_threshold()
+    gc.set_threshold(threshold, *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
+@contextmanager
 def older_objects_frozen():
     """Freezes every object the garbage collector tracks for the length of the block, unfreezing
     them after. A full collection walks every tracked object (torch, Triton, compiled graphs: about
