@@ -467,9 +467,13 @@ class TensorParallelRunner:
         raise explained from (None if isinstance(error, TensorParallelError) else error)
 
     def close(self) -> None:
-        """Stops and joins the workers; the engine cannot run steps afterwards."""
+        """Stops and joins the workers and frees rank 0's own share of the model and KV cache; the
+        engine cannot run steps afterwards."""
         self.closed_because = self.closed_because or "it was closed"
         self.workers.close()
+        model_runner = getattr(self, "model_runner", None)  # absent when start-up failed before it
+        if model_runner is not None:
+            model_runner.close()
 
 
 def check_heads_divide(hf_config, size: int) -> None:
