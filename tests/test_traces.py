@@ -106,6 +106,12 @@ def test_shared_hash_ids_give_shared_token_blocks():
     # tokens past the listed blocks are the request's own
     longer = prompt([0], 700, 3)
     assert longer[:bs] == a[:bs] and longer[bs:] != prompt([0], 700, 4)[bs:]
+    # a block cache shared across prompts changes nothing, and no prompt can change the cache
+    shared: dict = {}
+    cached = [trace_prompt(ids, n, bs, i, 0, 50_000, shared) for ids, n, i in [([0, 1, 2], 1300, 0), ([5, 1], 1024, 2)]]
+    assert cached == [a, c] and sorted(shared) == [0, 1, 2, 5]
+    cached[0][0] = -1
+    assert trace_prompt([0], 10, bs, 0, 0, 50_000, shared) == a[:10]
 
 
 def test_the_excerpt_shares_its_system_prompt_block():
