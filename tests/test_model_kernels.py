@@ -18,7 +18,7 @@ from inferlab.core.parallel import TPGroup  # noqa: E402
 from inferlab.kernels import rms_norm as rms_norm_kernel  # noqa: E402
 from inferlab.kernels import split_k_gemm  # noqa: E402
 from inferlab.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
-from inferlab.kernels.rotary import rotary as rotary_kernel  # noqa: E402
+from inferlab.kernels.qk_norm_rope import rotary as rotary_kernel  # noqa: E402
 from inferlab.kernels.silu_mul import silu_and_mul as silu_mul_kernel  # noqa: E402
 from inferlab.plugins.models.layers import (  # noqa: E402
     ColumnParallelLinear,

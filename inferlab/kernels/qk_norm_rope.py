@@ -1,13 +1,15 @@
-"""Qwen3's per-head RMSNorm of q and k and their rotary embedding, in one Triton kernel that reads
-the fused QKV projection's output. Unfused (or through torch.compile) this is four kernels a layer
-(two norms, two rotary passes with a gather of the cos/sin rows), each a few microseconds on tensors
-of a few hundred kilobytes: launch and tail latency, not bandwidth. One program does one token.
-Given the attention backend's cache (kv_store), it also writes the token's rotated k and its v
-into their cache slot, which saves the backend's store kernel.
+"""The rotary embedding of q and k, with Qwen3's per-head RMSNorm of q and k before it or without
+it (Llama, Mistral, Qwen2), in one Triton kernel that reads the fused QKV projection's output.
+Unfused (or through torch.compile) this is up to four kernels a layer (two norms, two rotary passes
+with a gather of the cos/sin rows), each a few microseconds on tensors of a few hundred kilobytes:
+launch and tail latency, not bandwidth. One program does one token. Given the attention backend's
+cache (kv_store), it also writes the token's rotated k and its v into their cache slot, which saves
+the backend's store kernel.
 
-The rounding follows the unfused code (rms_norm, then apply_rotary): the normalized values are
-rounded to the model dtype before the weight, and the weighted values before the rotation, so
-bf16 results agree with it to the last bit or nearly.
+The rounding follows the unfused code: with the norm (rms_norm, then apply_rotary) the normalized
+values are rounded to the model dtype before the weight, and the weighted values before the
+rotation, so bf16 results agree with it to the last bit or nearly; without it (apply_rotary) the
+rotation runs in float32 and is rounded once.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -20,7 +22,7 @@ from inferlab.kernels.kv_store import cache_value, slot_stride
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
+def _qk_rotary_kernel(
     qkv_ptr,
     q_out_ptr,
     k_out_ptr,
@@ -38,6 +40,7 @@ def _qk_norm_rope_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_POW2: tl.constexpr,
     HALF: tl.constexpr,
+    NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -56,14 +59,15 @@ def _qk_norm_rope_kernel(
     x1 = tl.load(src, mask=rows[:, None], other=0.0)
     x2 = tl.load(src + HALF, mask=rows[:, None], other=0.0)
     dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
-    w2 = tl.where(
-        is_q[:, None], tl.load(q_weight_ptr + HALF + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :]
-    )
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    n1, n2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
+        w2 = tl.where(
+            is_q[:, None], tl.load(q_weight_ptr + HALF + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :]
+        )
+        n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
     row = cos_sin_ptr + position * (2 * HALF)
     cos = tl.load(row + dims)[None, :]
     sin = tl.load(row + HALF + dims)[None, :]
@@ -84,8 +88,8 @@ def _qk_norm_rope_kernel(
         tl.store(k_dst, cache_value(o1, k_cache_ptr), mask=store_k)
         tl.store(k_dst + HALF, cache_value(o2, k_cache_ptr), mask=store_k)
         v_dst = v_cache_ptr + row + (k_heads - NUM_KV_HEADS)[:, None] * (2 * HALF) + dims[None, :]
-        tl.store(v_dst, cache_value(x1.to(dtype), v_cache_ptr), mask=store_v)
-        tl.store(v_dst + HALF, cache_value(x2.to(dtype), v_cache_ptr), mask=store_v)
+        tl.store(v_dst, cache_value(x1, v_cache_ptr), mask=store_v)
+        tl.store(v_dst + HALF, cache_value(x2, v_cache_ptr), mask=store_v)
     else:
         k_dst = (
             k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF) + k_heads[:, None] * (2 * HALF) + dims[None, :]
@@ -111,6 +115,24 @@ def qk_norm_rope(
     cos_sin: float32 [positions, head_dim], each row cos then sin of the rotary angles.
     kv_store: (k_cache, v_cache, slot_mapping) as an attention backend's kv_store_target gives
     them; k and v then go into the caches at each token's slot (-1 skips it), and k is None."""
+    return _qk_rotary(qkv, positions, (q_weight, k_weight, eps), cos_sin, num_heads, num_kv_heads, head_dim, kv_store)
+
+
+def rotary(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """qk_norm_rope without the norms: q and k rotated, for models without per-head q/k norms."""
+    return _qk_rotary(qkv, positions, None, cos_sin, num_heads, num_kv_heads, head_dim, kv_store)
+
+
+def _qk_rotary(qkv, positions, norm, cos_sin, num_heads, num_kv_heads, head_dim, kv_store):
+    """Both entry points' launch; norm: (q_weight, k_weight, eps), or None for rotary alone."""
     num_tokens = qkv.shape[0]
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
@@ -123,9 +145,10 @@ def qk_norm_rope(
         k = None
         k_cache, v_cache, slot_mapping = kv_store
         cache_stride_slot = slot_stride(k_cache, v_cache, num_kv_heads, head_dim)
+    q_weight, k_weight, eps = norm if norm is not None else (cos_sin, cos_sin, 0.0)  # unread without the norm
     if num_tokens:
         rows = num_heads + num_kv_heads * (2 if kv_store is not None else 1)
-        _qk_norm_rope_kernel[(num_tokens,)](
+        _qk_rotary_kernel[(num_tokens,)](
             qkv,
             q,
             q if k is None else k,
@@ -143,6 +166,7 @@ def qk_norm_rope(
             NUM_KV_HEADS=num_kv_heads,
             HEADS_POW2=triton.next_power_of_2(rows),
             HALF=head_dim // 2,
+            NORM=norm is not None,
             STORE_KV=kv_store is not None,
             num_warps=4,
             **pdl.launch_options(qkv.device),

@@ -34,8 +34,8 @@ log = logging.getLogger("inferlab")
 class ModelKernels(NamedTuple):
     """The Triton kernels the model runs in place of its torch code (DecoderOptions.triton_kernels)."""
 
-    # q/k rotary (+ the K/V store), reading the QKV projection's output: kernels/qk_norm_rope.py
-    # (with the per-head q/k RMSNorm first) or kernels/rotary.py (without)
+    # q/k rotary (+ the K/V store), reading the QKV projection's output, with the per-head q/k
+    # RMSNorm first (qk_norm_rope) or without (rotary): both kernels/qk_norm_rope.py
     qk_rotary: Callable
     silu_and_mul: Callable  # kernels/silu_mul.py
     rms_norm: Callable  # these two: kernels/rms_norm.py
@@ -378,8 +378,7 @@ def triton_kernels_for(config, qk_norm: bool, on_cuda: bool, asked: bool | None)
     else:
         try:
             from inferlab.kernels import rms_norm
-            from inferlab.kernels.qk_norm_rope import qk_norm_rope
-            from inferlab.kernels.rotary import rotary
+            from inferlab.kernels.qk_norm_rope import qk_norm_rope, rotary
             from inferlab.kernels.silu_mul import silu_and_mul as silu_mul_kernel
         except ImportError as e:
             problem = f"triton_kernels needs Triton, which does not import: {e}"
