@@ -87,8 +87,10 @@ def test_kernel_matches_unfused_norms_and_rotary(num_tokens, num_heads, num_kv_h
         pytest.param(torch.bfloat16, FP8, marks=pytest.mark.gpu),
     ],
 )
-def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
-    """Into a cache of the model's dtype, or an fp8 one (rounded as to_cache_dtype rounds)."""
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm_rope", "rotary"])
+def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype, norm):
+    """Into a cache of the model's dtype, or an fp8 one (rounded as to_cache_dtype rounds), with
+    the q/k norms (Qwen3) and without them (the Llama family)."""
     cache_dtype = cache_dtype or dtype
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
     torch.manual_seed(0)
@@ -98,21 +100,15 @@ def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
     rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
     cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
     slots = torch.tensor([5, -1, 40, 16], device=DEVICE)  # -1: a padding row, stores nothing
-    q, k = qk_norm_rope(
-        qkv,
-        positions,
-        q_weight,
-        k_weight,
-        rotary.cos_sin,
-        1e-6,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        kv_store=(cache[0], cache[1], slots),
-    )
-    want_q, want_k = qk_norm_rope(
-        qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, num_heads, num_kv_heads, head_dim
-    )
+    heads = (num_heads, num_kv_heads, head_dim)
+
+    def kernel(qkv, positions, kv_store=None):
+        if norm:
+            return qk_norm_rope(qkv, positions, q_weight, k_weight, rotary.cos_sin, 1e-6, *heads, kv_store=kv_store)
+        return rotary_kernel(qkv, positions, rotary.cos_sin, *heads, kv_store=kv_store)
+
+    q, k = kernel(qkv, positions, kv_store=(cache[0], cache[1], slots))
+    want_q, want_k = kernel(qkv, positions)
     assert k is None and torch.equal(q, want_q)
     want_v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
     expected = torch.zeros_like(cache)
@@ -122,18 +118,9 @@ def test_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
             expected[1].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_v[token], cache_dtype)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     with pytest.raises(ValueError, match="kv_store caches must be contiguous"):
-        qk_norm_rope(
-            qkv,
-            positions,
-            q_weight,
-            k_weight,
-            rotary.cos_sin,
-            1e-6,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            kv_store=(cache[0].transpose(0, 1), cache[1], slots),
-        )
+        kernel(qkv, positions, kv_store=(cache[0].transpose(0, 1), cache[1], slots))
+    empty_q, empty_k = kernel(qkv[:0], positions[:0])
+    assert empty_q.shape == (0, num_heads, head_dim) and empty_k.shape == (0, num_kv_heads, head_dim)
 
 
 def test_no_tokens_is_empty():
@@ -178,39 +165,6 @@ def test_rotary_kernel_matches_unfused_rotary(num_tokens, num_heads, num_kv_head
     torch.testing.assert_close(q, want_q, **tolerance)
     torch.testing.assert_close(k, want_k, **tolerance)
     assert torch.equal(qkv, before)
-
-
-@pytest.mark.parametrize(
-    "dtype,cache_dtype",
-    [
-        (torch.float32, None),
-        (torch.float32, FP8),
-        pytest.param(torch.bfloat16, None, marks=pytest.mark.gpu),
-        pytest.param(torch.bfloat16, FP8, marks=pytest.mark.gpu),
-    ],
-)
-def test_rotary_kernel_stores_k_and_v_in_their_cache_slots(dtype, cache_dtype):
-    cache_dtype = cache_dtype or dtype
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
-    torch.manual_seed(0)
-    qkv = (torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE) * 3).to(dtype)
-    positions = torch.tensor([7, 0, 33, 2], device=DEVICE)
-    rotary = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
-    cache = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=DEVICE)
-    slots = torch.tensor([5, -1, 40, 16], device=DEVICE)  # -1: a padding row, stores nothing
-    heads = (num_heads, num_kv_heads, head_dim)
-    q, k = rotary_kernel(qkv, positions, rotary.cos_sin, *heads, kv_store=(cache[0], cache[1], slots))
-    want_q, want_k = rotary_kernel(qkv, positions, rotary.cos_sin, *heads)
-    assert k is None and torch.equal(q, want_q)
-    want_v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
-    expected = torch.zeros_like(cache)
-    for token, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            expected[0].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_k[token], cache_dtype)
-            expected[1].view(-1, num_kv_heads, head_dim)[slot] = to_cache_dtype(want_v[token], cache_dtype)
-    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
-    empty_q, empty_k = rotary_kernel(qkv[:0], positions[:0], rotary.cos_sin, *heads)
-    assert empty_q.shape == (0, num_heads, head_dim) and empty_k.shape == (0, num_kv_heads, head_dim)
 
 
 QWEN2_WIDE = dict(
