@@ -221,6 +221,41 @@ def write_run_records(output_dir: str, runs: Sequence[RunRecords], timeline: boo
     return names
 
 
+def start_run_record(cfg: DictConfig, output_dir: str | None, choices: dict) -> tuple[str, dict]:
+    """(result.json's path, what every result records of its run: the bench settings, the
+    choices, Hydra's overrides and the command) of a bench run; output_dir defaults to the Hydra
+    run's output directory, and is created."""
+    overrides = []
+    if output_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        output_dir = HydraConfig.get().runtime.output_dir
+        overrides = list(HydraConfig.get().overrides.task)
+    os.makedirs(output_dir, exist_ok=True)
+    context = {
+        "bench": OmegaConf.to_container(cfg.bench, resolve=True),
+        "choices": choices,
+        "overrides": overrides,
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+    return os.path.join(output_dir, "result.json"), context
+
+
+def record_result(path: str, context: dict, figures: Callable[[], dict]) -> dict:
+    """Writes figures() with the run's context and the time it finished to path and returns it;
+    a run that fails writes its error with the context instead (so that a sweep's report lists
+    it), then raises."""
+    try:
+        result = {**figures(), **context, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    except Exception as e:
+        with open(path, "w") as f:
+            json.dump({"error": f"{type(e).__name__}: {e}", **context}, f, indent=2)
+        raise
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
 def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
     """Runs the benchmark cfg describes and writes result.json, requests.jsonl and (with
     bench.timeline) the timeline into output_dir (default: the Hydra run's output directory). The
@@ -233,29 +268,14 @@ def run_bench(cfg: DictConfig, output_dir: str | None = None) -> dict:
         return run_http_bench(cfg, output_dir)
     from inferlab.conf import flat_choices
 
-    overrides = []
-    if output_dir is None:
-        from hydra.core.hydra_config import HydraConfig
+    path, context = start_run_record(cfg, output_dir, flat_choices(cfg))
+    output_dir = os.path.dirname(path)
 
-        output_dir = HydraConfig.get().runtime.output_dir
-        overrides = list(HydraConfig.get().overrides.task)
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "result.json")
-    context = {
-        "bench": OmegaConf.to_container(cfg.bench, resolve=True),
-        "choices": flat_choices(cfg),
-        "overrides": overrides,
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-    }
-    try:
+    def figures() -> dict:
         validate_bench(cfg.bench)
-        result = {**_bench_figures(cfg, output_dir), **context, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    except Exception as e:
-        with open(path, "w") as f:
-            json.dump({"error": f"{type(e).__name__}: {e}", **context}, f, indent=2)
-        raise
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+        return _bench_figures(cfg, output_dir)
+
+    result = record_result(path, context, figures)
     print(summary_lines(result, path))
     return result
 

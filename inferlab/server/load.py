@@ -15,12 +15,9 @@ run one after the other against the same server (its prefix cache is not reset b
 import asyncio
 import json
 import os
-import sys
-import time
 from time import perf_counter
 
 import httpx
-from omegaconf import OmegaConf
 
 from inferlab.latency import RequestRecord, RunRecords
 from inferlab.workload import BenchConfigError, Workload, WorkloadRequest, build_workload, validate_bench
@@ -164,27 +161,16 @@ def run_http_bench(cfg, output_dir: str | None = None) -> dict:
     """`inferlab job=bench bench.url=...`: the bench workload sent to the server at bench.url;
     writes result.json (latency figures, num_errors, the workload, the server's model card and
     plugins, the settings) and requests.jsonl into output_dir (default: the Hydra run's)."""
-    from inferlab.bench import write_run_records
+    from inferlab.bench import record_result, start_run_record, write_run_records
     from inferlab.conf import flat_choices
     from inferlab.latency import aggregate_repeats, latency_figures
 
     bench = cfg.bench
-    overrides = []
-    if output_dir is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        output_dir = HydraConfig.get().runtime.output_dir
-        overrides = list(HydraConfig.get().overrides.task)
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "result.json")
+    choices = {k: v for k, v in flat_choices(cfg).items() if k.startswith("bench.")}
+    path, context = start_run_record(cfg, output_dir, choices)
     url = str(bench.url).rstrip("/")
-    context = {
-        "bench": OmegaConf.to_container(bench, resolve=True),
-        "choices": {k: v for k, v in flat_choices(cfg).items() if k.startswith("bench.")},
-        "overrides": overrides,
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-    }
-    try:
+
+    def figures() -> dict:
         check_http_bench(bench)
         with httpx.Client(headers=auth_headers(), timeout=30) as client:
             card = model_card(client, url)
@@ -193,30 +179,23 @@ def run_http_bench(cfg, output_dir: str | None = None) -> dict:
         runs, errors = asyncio.run(
             run_workload(url, card["id"], workload, bench.temperature, bench.ignore_eos, bench.repeats, bench.warmup)
         )
-        figures = aggregate_repeats(
-            [latency_figures(run.requests, run.wall_time_s, bench.slo_ttft_s, bench.slo_tpot_s) for run in runs]
-        )
-        write_run_records(output_dir, runs, timeline=False)
-        result = {
-            **figures,
+        write_run_records(os.path.dirname(path), runs, timeline=False)
+        return {
+            **aggregate_repeats(
+                [latency_figures(run.requests, run.wall_time_s, bench.slo_ttft_s, bench.slo_tpot_s) for run in runs]
+            ),
             "requests_file": "requests.jsonl",
             "num_errors": len(errors),
             "errors": errors[:MAX_ERRORS_KEPT],
             "workload": workload.summary(),
             "server": {"url": url, **card},
-            **context,
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-    except Exception as e:
-        with open(path, "w") as f:
-            json.dump({"error": f"{type(e).__name__}: {e}", **context}, f, indent=2)
-        raise
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+
+    result = record_result(path, context, figures)
     ttft = result["ttft_s"]["p50"]
     print(
         f"{result['num_requests']} requests to {url} in {result['wall_time_s']:.2f} s: "
         f"{result['request_throughput']:.2f} req/s, {result['output_tokens_per_s']:.0f} output tok/s, "
-        f"TTFT p50 {'-' if ttft is None else f'{ttft * 1000:.1f} ms'}, {len(errors)} errors -> {path}"
+        f"TTFT p50 {'-' if ttft is None else f'{ttft * 1000:.1f} ms'}, {result['num_errors']} errors -> {path}"
     )
     return result
