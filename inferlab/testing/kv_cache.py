@@ -24,7 +24,7 @@ from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
-from inferlab.testing.common import ceil_div, run_machine
+from inferlab.testing.common import assert_blocks_accounted, assert_own_prefixes, ceil_div, run_machine
 
 TOKENS = st.integers(0, 3)  # a tiny alphabet, so that prompts share prefixes and whole blocks repeat
 
@@ -154,34 +154,17 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def no_block_lost_or_doubled(self):
         kv = self.kv
-        holders: dict[int, list[tuple[Request, int]]] = {}
         for request in self.pending:
             assert not kv.block_table(request), "a request without blocks holds some"
         for request in self.running:
             table = kv.block_table(request)
             assert len(set(table)) == len(table), "a block twice in one table"
             assert all(0 <= b < kv.num_blocks for b in table), "a block id outside the cache"
-            for i, block in enumerate(table):
-                holders.setdefault(block, []).append((request, i))
-        assert kv.num_free_blocks == kv.num_blocks - len(holders), (
-            f"{kv.num_free_blocks} blocks free, but {len(holders)} of {kv.num_blocks} are held"
-        )
-        for block, owners in holders.items():  # a shared block must be full and computed for each holder
-            if len(owners) > 1:
-                for request, i in owners:
-                    assert (i + 1) * self.bs <= request.num_computed_tokens, (
-                        f"block {block} is shared but request {request.request_id} still writes into it"
-                    )
+        assert_blocks_accounted(kv, self.running, self.bs, lost="a block lost or doubled")
 
     @invariant()
     def requests_read_their_own_prefix(self):
-        for request in self.running:
-            computed = request.num_computed_tokens
-            table = self.kv.block_table(request)
-            for i in range(ceil_div(computed, self.bs)):
-                assert self.content.get(table[i]) == tuple(request.token_ids[: min((i + 1) * self.bs, computed)]), (
-                    f"block {i} of request {request.request_id} does not hold its own prefix"
-                )
+        assert_own_prefixes(self.kv, self.running, self.bs, self.content)
 
     def teardown(self):
         if not hasattr(self, "kv"):

@@ -28,7 +28,7 @@ from inferlab.core.protocols import BudgetPolicy
 from inferlab.core.request import Request, RequestStatus
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import Scheduler
-from inferlab.testing.common import ceil_div, run_machine
+from inferlab.testing.common import assert_blocks_accounted, assert_own_prefixes, ceil_div, run_machine
 
 EOS = 0
 TOKENS = st.integers(0, 3)  # a tiny alphabet: shared prefixes, repeated blocks, and EOS now and then
@@ -194,32 +194,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_block_lost(self):
-        if not hasattr(self, "core"):
-            return
-        holders: dict[int, list[tuple[Request, int]]] = {}
-        for request in self.live:
-            for i, block in enumerate(self.kv.block_table(request)):
-                holders.setdefault(block, []).append((request, i))
-        assert self.kv.num_free_blocks == self.kv.num_blocks - len(holders), "a KV block was lost"
-        for block, owners in holders.items():  # a shared block must be full and computed for each holder
-            if len(owners) > 1:
-                for request, i in owners:
-                    assert (i + 1) * self.bs <= request.num_computed_tokens, (
-                        f"block {block} is shared by {[r for r, _ in owners]} but {request!r} still writes into it"
-                    )
+        if hasattr(self, "core"):
+            assert_blocks_accounted(self.kv, self.live, self.bs)
 
     @invariant()
     def requests_read_their_own_prefix(self):
-        if not hasattr(self, "core"):
-            return
-        for request in self.live:
-            computed, table = request.num_computed_tokens, self.kv.block_table(request)
-            for i in range(ceil_div(computed, self.bs)):
-                assert self.content.get(table[i]) == tuple(request.token_ids[: min((i + 1) * self.bs, computed)]), (
-                    f"block {i} (id {table[i]}) of {request!r} holds {self.content.get(table[i])}, not its own prefix "
-                    f"{request.token_ids[: min((i + 1) * self.bs, computed)]} (tokens {request.token_ids}, "
-                    f"cached {request.num_cached_tokens}, preempted {request.num_preemptions})"
-                )
+        if hasattr(self, "core"):
+            assert_own_prefixes(self.kv, self.live, self.bs, self.content)
 
     def teardown(self):
         """Every request finishes. With recompute preemption a policy could in principle thrash;
