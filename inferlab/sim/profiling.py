@@ -5,7 +5,9 @@ Each composition (decode batches of several sizes and contexts, with and without
 prefill chunks of several sizes with and without cached context, alone, split over requests and
 mixed with decodes) is built as requests holding real KV blocks and launched back to back as the
 engine does under overlap scheduling (the next launch before the previous tokens are read), so a
-step's time is what a run pays for it: the device's work or, where it is longer, the host's.
+step's time is what a run pays for it: the device's work or, where it is longer, the host's. On a
+GPU each measurement also gives `device_seconds`, the device's own time for the step: where
+`seconds` is well above it, the host bounds the step.
 """
 
 import json
@@ -99,12 +101,32 @@ class StepTimer:
             previous.tokens()
             synchronize(runner.device)
             seconds = (time.perf_counter() - start) / self.repeats
+            device_seconds = self._device_seconds(batch, seconds) if runner.device.type == "cuda" else None
         finally:
             runner.decode_graphs = saved
             for request in requests:
                 llm.kv_manager.free(request)
         limit = min(MAX_GRAPH_BATCH, llm.config.max_num_seqs) if graphs and saved is not None else 0
-        return {**StepShape.of(batch, limit).as_dict(), "seconds": seconds}
+        measurement = {**StepShape.of(batch, limit).as_dict(), "seconds": seconds}
+        if device_seconds is not None:
+            measurement["device_seconds"] = device_seconds
+        return measurement
+
+    def _device_seconds(self, batch: ScheduledBatch, step_seconds: float) -> float:
+        """The device's own time for a step: the launches are queued behind a spin kernel that
+        outlasts the host's work on them, so the events around them bracket device work alone
+        (kernels and the gaps between them), not the host's launch and scheduling time."""
+        runner = self.llm.runner
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # 2e9 cycles a second (an H200 runs at up to 1.98 GHz): twice the steps' time and 10 ms more,
+        # at most a quarter second (no step's host work comes near that)
+        torch.cuda._sleep(int(2e9 * min(0.25, 2 * step_seconds * self.repeats + 0.01)))
+        start.record()
+        handles = [runner.launch(batch) for _ in range(self.repeats)]
+        end.record()
+        handles[-1].tokens()
+        synchronize(runner.device)
+        return start.elapsed_time(end) / 1e3 / self.repeats
 
 
 def measure(llm, settings: ProfileConfig) -> list[dict]:
@@ -202,4 +224,20 @@ def run_profile_job(cfg) -> None:
         f"the fitted model on its own measurements: median error {100 * sorted(errors)[len(errors) // 2]:.1f}%, "
         f"worst {100 * max(errors):.1f}%"
     )
+    for line in host_and_device_lines(profile.measurements):
+        print(line)
     print(json.dumps(model.describe(), indent=1))
+
+
+def host_and_device_lines(measurements: list[dict], context: int = 512) -> list[str]:
+    """For the decode steps replaying CUDA graphs at one context, the step's time beside the
+    device's own: where the ratio is well above 1, the host bounds the step."""
+    lines = []
+    for m in measurements:
+        if m.get("graph") and "device_seconds" in m and m["decode_context"] == (context + 1) * m["decode_requests"]:
+            lines.append(
+                f"decode batch {m['decode_requests']:>3} at {context} tokens of context: step "
+                f"{1e3 * m['seconds']:.3f} ms, device {1e3 * m['device_seconds']:.3f} ms "
+                f"({m['seconds'] / m['device_seconds']:.2f}x)"
+            )
+    return lines
