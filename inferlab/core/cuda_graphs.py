@@ -54,6 +54,7 @@ class DecodeGraphs:
             self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         start = perf_counter()
+        self._compile_fill()
         self._capture(model, backend, kv_caches)
         log.info(
             "captured CUDA graphs for decode batches of %s sequences in %.1f s",
@@ -74,6 +75,20 @@ class DecodeGraphs:
             is_decode=True,
             block_size=self.block_size,
         )
+
+    @torch.inference_mode()
+    def _compile_fill(self) -> None:
+        """Runs the input-filling kernel once in each of its variants (with and without
+        placeholders), so that neither compiles during a run; the buffers are filled anew by
+        every replay."""
+        from inferlab.kernels.graph_inputs import fill_static_inputs
+
+        device = self.input_ids.device
+        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        lens = torch.ones(1, dtype=torch.int32, device=device)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        for sampled in (None, ids):
+            fill_static_inputs(1, ids, ids, ids, lens, lens, table, sampled, self)
 
     @torch.inference_mode()
     def _capture(self, model, backend, kv_caches):

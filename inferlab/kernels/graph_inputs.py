@@ -15,7 +15,21 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The step's inputs are slices of one buffer (ModelRunner.upload) whose offsets follow the batch's
+# size: neither their alignment nor the sizes are specialized on, or new batch sizes would compile
+# new variants in the middle of a run.
+@triton.jit(
+    do_not_specialize=["num_seqs", "width", "tables_stride"],
+    do_not_specialize_on_alignment=[
+        "ids_ptr",
+        "positions_ptr",
+        "slots_ptr",
+        "seq_lens_ptr",
+        "context_lens_ptr",
+        "tables_ptr",
+        "sampled_ptr",
+    ],
+)
 def _fill_kernel(
     ids_ptr,
     positions_ptr,
@@ -58,6 +72,11 @@ def _fill_kernel(
         tl.store(out_slots_ptr + row, -1)
 
 
+# Block-table columns a loop step copies: one size for every table width, so that the kernel has
+# two variants (with and without placeholders) and both compile at start-up.
+FILL_BLOCK_W = 128
+
+
 def fill_static_inputs(
     batch: int,
     input_ids: torch.Tensor,
@@ -95,6 +114,6 @@ def fill_static_inputs(
         block_tables.stride(0),
         out.block_tables.stride(0),
         RESOLVE=resolve,
-        BLOCK_W=min(128, triton.next_power_of_2(max(width, 1))),
+        BLOCK_W=FILL_BLOCK_W,
         num_warps=1,
     )

@@ -44,7 +44,7 @@ def cache_value(x, cache_ptr):
         return x.to(cache_ptr.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a slice of the step's buffer
 def _store_kv_kernel(
     k_ptr,
     v_ptr,

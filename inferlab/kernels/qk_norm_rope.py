@@ -21,7 +21,9 @@ from inferlab.kernels import pdl
 from inferlab.kernels.kv_store import cache_value, slot_stride
 
 
-@triton.jit
+# positions and slots are slices of one buffer per step (ModelRunner.upload), aligned as the
+# batch's size makes them: not specialized on, or new batch sizes would compile new variants.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _qk_rotary_kernel(
     qkv_ptr,
     q_out_ptr,

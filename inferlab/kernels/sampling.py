@@ -49,9 +49,12 @@ def row_uniform(seed, step):
 
 
 FLOAT32_LOWEST: tl.constexpr = tl.constexpr(-3.4028234663852886e38)
+# The per-row settings are rows of one buffer per batch (ModelRunner.sampling_tensors), aligned as
+# the batch's size makes them: not specialized on, or each batch size would compile its variants.
+ROW_SETTINGS = ["temperatures_ptr", "seeds_ptr", "steps_ptr"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROW_SETTINGS[:1])
 def _chunk_mass_kernel(
     logits_ptr,
     stride,
@@ -104,7 +107,7 @@ def _chunk_mass_kernel(
         tl.store(mass_ptr + row * num_chunks + chunk, tl.sum(lane_sum * tl.exp2(lane_max - top), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=ROW_SETTINGS)
 def _pick_token_kernel(
     logits_ptr,
     stride,

@@ -64,7 +64,7 @@ def fit(n: int, k: int, block_n: int, splits: tuple[int, ...]) -> SplitKPlan | N
     return None
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the batch's tokens: one variant serves every count
 def _split_k_kernel(
     x_ptr,
     weight_ptr,

@@ -37,6 +37,10 @@ DECODE_RUNTIME_INTS = [
     "lse_stride_head",
 ]
 REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
+# Nor is the 16-byte alignment of the step's metadata: these are slices of one buffer per step
+# (ModelRunner.upload), whose offsets, and so alignments, follow the batch's size.
+PREFILL_RUNTIME_POINTERS = ["query_start_ptr", "seq_lens_ptr", "block_tables_ptr"]
+DECODE_RUNTIME_POINTERS = ["seq_lens_ptr", "block_tables_ptr", "seq_order_ptr"]
 
 
 @triton.jit
@@ -97,7 +101,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
+@triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS, do_not_specialize_on_alignment=PREFILL_RUNTIME_POINTERS)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -213,7 +217,7 @@ def _prefill_kernel(
     )
 
 
-@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
+@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS, do_not_specialize_on_alignment=DECODE_RUNTIME_POINTERS)
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -548,7 +552,7 @@ def paged_decode(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Sequence i's place in the order: how many are longer, or as long and earlier."""
     pdl.wait_for_inputs(PDL)
