@@ -282,3 +282,36 @@ def test_close_gives_the_gpu_memory_back_for_a_second_engine(qwen3_path):
     with LLM(qwen3_path, attention="triton", **settings) as second:
         assert abs(second.kv_manager.num_blocks - first_blocks) <= max(2, first_blocks // 100)
         assert [o["token_ids"] for o in second.generate(prompts, params, use_tqdm=False)] == first_tokens
+
+
+def test_start_up_compiles_every_kernel_variant_a_workload_selects(qwen3_path):
+    """compile_at_start: with the in-memory kernel caches emptied first (earlier tests filled them),
+    the constructor compiles what a varied workload needs (one to many sequences, prompts of many
+    lengths, a cached prefix, every sampling path, CUDA graphs), so the workload compiles nothing."""
+    import sys
+
+    import triton
+    from triton import knobs
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("inferlab.") and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, triton.runtime.jit.JITFunction):
+                    value.device_caches.clear()
+    settings = {**ENGINE, "max_num_seqs": 64, "num_kvcache_blocks": 256, "kvcache_block_size": 16}
+    with LLM(qwen3_path, attention="triton", **settings) as llm:
+        compiled = []
+        knobs.runtime.jit_cache_hook = lambda **kwargs: compiled.append(kwargs["fn"].name)
+        try:
+            shared = list(range(40, 90))
+            prompts = [shared + [i] * (1 + 37 * i % 300) for i in range(40)] + [[5] * 1500, [6]]
+            params = [
+                SamplingParams(temperature=0, max_tokens=20),
+                SamplingParams(temperature=0.7, max_tokens=33, ignore_eos=True),
+                SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1, max_tokens=9, ignore_eos=True),
+            ]
+            llm.generate(prompts, [params[i % 3] for i in range(len(prompts))], use_tqdm=False)
+            llm.generate([[7, 8, 9]], params[1], use_tqdm=False)
+        finally:
+            knobs.runtime.jit_cache_hook = None
+        assert compiled == []

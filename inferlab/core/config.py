@@ -18,6 +18,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_step_timeout_s: float = 30.0  # a tensor-parallel rank silent through a step this long is taken for hung
     enforce_eager: bool = False
+    # Compile every Triton kernel variant the engine's step shapes can select while it starts (on
+    # CUDA, in parallel threads), not inside the first generate; Triton caches them on disk.
+    compile_at_start: bool = True
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free device memory
     enable_prefix_caching: bool = True

@@ -1,0 +1,56 @@
+"""Start-up work that keeps compiling out of a user's first generate: the step shapes the engine
+runs at start-up (compile_at_start) and what running them leaves behind. On a GPU,
+tests/test_gpu.py checks that a varied workload then compiles nothing."""
+
+import pytest
+
+from inferlab import LLM, SamplingParams
+from inferlab.core.config import EngineConfig
+from inferlab.core.model_runner import WARMUP_SAMPLING, warmup_shapes
+
+
+def test_warmup_shapes_cross_every_tiling_threshold_within_the_limits():
+    config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    shapes = warmup_shapes(config, min_split_len=256)
+    prefill_tokens = {sum(n for _, n in parts) for parts, _ in shapes if any(n > 1 for _, n in parts)}
+    for threshold in (16, 32, 64, 128, 256):  # where the GEMMs' and norms' tilings change
+        assert any(t <= threshold for t in prefill_tokens) and any(t > threshold for t in prefill_tokens)
+    assert any(c > 0 and n > 1 for parts, _ in shapes for c, n in parts)  # a prefill after cached context
+    assert any(len(parts) > 1 and {n for _, n in parts} != {1} for parts, _ in shapes)  # prefill beside decodes
+    decode_batches = {len(parts) for parts, _ in shapes if all(n == 1 for _, n in parts)}
+    assert {1, 2, 4, 8, 16, 32, 64, 128, 256} <= decode_batches  # the GEMM tilings, the decode order's block
+    one_sequence_contexts = {parts[0][0] for parts, _ in shapes if len(parts) == 1 and parts[0][1] == 1}
+    assert {256, 512, 1024, 2048, 4095} <= one_sequence_contexts  # every power of two of decode splits
+    assert {kind for _, kind in shapes} == set(WARMUP_SAMPLING)
+    for parts, _ in shapes:
+        assert len(parts) <= config.max_num_seqs
+        assert sum(n for _, n in parts) <= config.max_num_batched_tokens
+        assert all(c + n <= config.max_model_len for c, n in parts)
+
+
+@pytest.mark.parametrize("max_model_len, max_num_seqs, max_tokens", [(64, 2, 64), (300, 8, 100)])
+def test_small_limits_shrink_the_shapes(max_model_len, max_num_seqs, max_tokens):
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_model_len)
+    shapes = warmup_shapes(config, min_split_len=16)
+    assert shapes
+    for parts, _ in shapes:
+        assert len(parts) <= max_num_seqs and sum(n for _, n in parts) <= max_tokens
+        assert all(c + n <= max_model_len for c, n in parts)
+
+
+def test_running_the_start_up_steps_leaves_the_engine_as_it_was():
+    """The steps run on a scratch cache: the engine's KV cache, prefix cache and sampling state
+    are untouched, so a generate afterwards gives the same tokens (greedy and seeded)."""
+    settings = dict(device="cpu", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=512)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0.8, seed=3, max_tokens=6)]
+    expected = [o["token_ids"] for o in LLM(**settings).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**settings)
+    launched = []
+    launch = llm.runner.launch
+    llm.runner.launch = lambda batch, *args, **kwargs: launched.append(batch) or launch(batch, *args, **kwargs)
+    llm.runner._compile_kernels()
+    llm.runner.launch = launch
+    assert len(launched) == len(warmup_shapes(llm.config, 256))
+    assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == expected
