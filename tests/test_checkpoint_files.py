@@ -142,3 +142,36 @@ def test_missing_tokenizer_files(checkpoint, tmp_path):
         FileNotFoundError, match=rf"model directory '{model}' has no tokenizer: none of \['tokenizer.json'"
     ):
         LLM(str(model), device="cpu")
+
+
+@pytest.mark.parametrize("tokenizer_class", ["TokenizersBackend", "Qwen2Tokenizer", "PreTrainedTokenizerFast", None])
+def test_the_tokenizer_is_the_one_auto_tokenizer_builds(checkpoint, tmp_path, tokenizer_class):
+    """load_tokenizer finds the class by its name among transformers' own (without importing the
+    auto classes' module) and builds the same tokenizer AutoTokenizer does; without a name it is
+    AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    from inferlab.core.engine import load_tokenizer
+
+    model = copy_of(checkpoint, tmp_path)
+    edit_json(model / "tokenizer_config.json", tokenizer_class=tokenizer_class)
+    ours = load_tokenizer(str(model))
+    theirs = AutoTokenizer.from_pretrained(str(model), use_fast=True, trust_remote_code=False)
+    assert type(ours) is type(theirs)
+    text = "Hello, world: 12 tokens or so."
+    assert ours.encode(text) == theirs.encode(text) and len(ours) == len(theirs)
+    assert ours.eos_token_id == theirs.eos_token_id
+
+
+@pytest.mark.parametrize("name", ["gqa2-tied", "llama-gqa-llama3", "mistral-gqa4", "qwen2-bias-kv1-tied"])
+def test_the_config_is_the_one_auto_config_builds(checkpoint, name):
+    """load_config finds the model_type's config class by its name (without importing the auto
+    classes' module) and builds the config AutoConfig does."""
+    from transformers import AutoConfig
+
+    from inferlab.core.engine import load_config
+
+    path = checkpoint(name)
+    ours = load_config(path, json.loads(open(os.path.join(path, "config.json")).read())["model_type"])
+    theirs = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    assert type(ours) is type(theirs) and ours.to_dict() == theirs.to_dict()

@@ -172,6 +172,7 @@ class LLMEngine:
         # Made first, with `closed`, so that close() serves a constructor that fails halfway.
         self.lock = threading.RLock()
         self.closed = False
+        started = perf_counter()
         config = EngineConfig.from_kwargs(model_path, kwargs)
         self.registry = registry or get_registry()
         for kind in KINDS:  # a misspelled plugin or option fails before anything heavy loads
@@ -188,7 +189,9 @@ class LLMEngine:
                 from inferlab.tiny_model import default_model_path
 
                 model_path = default_model_path()
+            reading = perf_counter()
             hf_config, self.tokenizer = load_checkpoint_files(os.fspath(model_path))
+            log.info("read the model's config and tokenizer in %.1f s", perf_counter() - reading)
         self.model_path = model_path = os.fspath(model_path)
         self.config = config
         self.hf_config = hf_config
@@ -227,6 +230,8 @@ class LLMEngine:
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
         self.pending = None  # (tokens advance appended, StepHandle) of the step launched last, under overlap
         self.unreported: list[Request] = []  # finished, for the next step to report (a step that raised could not)
+        if not simulated:
+            log.info("engine ready in %.1f s", perf_counter() - started)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -653,8 +658,6 @@ def load_checkpoint_files(path: str):
     """The HF config and tokenizer of a model directory, with errors that name the file and what
     is wrong. No code from the directory ever runs (trust_remote_code is always False), and
     nothing asks on stdin: a checkpoint that needs its own code is refused."""
-    from transformers import AutoConfig, AutoTokenizer
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     config_file = os.path.join(path, "config.json")
@@ -670,19 +673,72 @@ def load_checkpoint_files(path: str):
     check_model_type(fields, config_file)
     check_positive_fields(fields, config_file)
     try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        hf_config = load_config(path, fields["model_type"])
     except Exception as e:  # transformers' own validation errors are of several kinds
         raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
     check_positive_fields({name: getattr(hf_config, name, None) for name in POSITIVE_CONFIG_FIELDS}, config_file)
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"model directory {path!r} has no tokenizer: none of {list(TOKENIZER_FILES)}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"no usable tokenizer in {path!r}: {e}") from e
     if len(tokenizer) < 2:
         raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} token(s): its vocabulary files are missing")
     return hf_config, tokenizer
+
+
+def load_config(path: str, model_type: str):
+    """The config AutoConfig would build: the config class transformers maps the model_type to, found
+    by its name without importing the auto classes (see load_tokenizer); AutoConfig where the name
+    is not in that table."""
+    import transformers
+
+    name = transformers_config_names().get(model_type)
+    cls = getattr(transformers, name, None) if name else None
+    if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
+        return cls.from_pretrained(path, name_or_path=path)  # AutoConfig records the path too
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def transformers_config_names() -> dict[str, str]:
+    """model_type -> config class name, as transformers' own table lists them (a module of names
+    only: cheap to import); empty where this transformers has no such module."""
+    try:
+        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return {}
+    return CONFIG_MAPPING_NAMES
+
+
+def load_tokenizer(path: str):
+    """The tokenizer AutoTokenizer would build (fast where there is one), found by the class name
+    tokenizer_config.json gives, among transformers' own classes: the auto classes' modules import
+    transformers' model machinery, which in some versions is most of the start-up (6-8 s of
+    transformers 5.17's 10-11 s on the H200 machine). Anything else (no name, a name transformers
+    lacks, such as custom code's) goes through AutoTokenizer, which never runs a directory's code."""
+    import transformers
+    from transformers import PreTrainedTokenizerBase
+
+    name = None
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if isinstance(name, str) and name.isidentifier():
+        for candidate in [name] if name.endswith("Fast") else [f"{name}Fast", name]:
+            try:
+                cls = getattr(transformers, candidate)
+            except (AttributeError, ImportError):
+                continue
+            if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
+                return cls.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
 
 
 def check_positive_fields(fields: dict, config_file: str) -> None:
@@ -695,11 +751,13 @@ def check_positive_fields(fields: dict, config_file: str) -> None:
 def check_model_type(fields: dict, config_file: str) -> None:
     """A config.json must name a model_type that transformers implements itself: one it does not
     would need Python code from the checkpoint (its auto_map), which inferlab never runs."""
-    from transformers import CONFIG_MAPPING
-
     model_type = fields.get("model_type")
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+    if isinstance(model_type, str) and model_type in transformers_config_names():
         return  # transformers' own classes serve it (an auto_map beside it is ignored)
+    from transformers import CONFIG_MAPPING  # the full table (its module imports the auto classes)
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
     if fields.get("auto_map"):
         raise ValueError(
             f"{config_file}: model_type {model_type!r} needs the checkpoint's own Python code (auto_map "

@@ -207,9 +207,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 @functools.cache
 def compiled(fn):
-    """fn under torch.compile: its chain of elementwise ops becomes one fused kernel. Built on first
-    use, so CPU runs never load the compiler; one code object for every layer, so no recompiles."""
-    return torch.compile(fn, dynamic=True)
+    """fn under torch.compile: its chain of elementwise ops becomes one fused kernel. Compiled on
+    the first call, so an engine that never calls it (the Triton kernels run in its place) never
+    imports the compiler, which takes seconds; one code object for every layer, so no recompiles."""
+    compiled_fn = None
+
+    @functools.wraps(fn)
+    def run(*args):
+        nonlocal compiled_fn
+        if compiled_fn is None:
+            compiled_fn = torch.compile(fn, dynamic=True)
+        return compiled_fn(*args)
+
+    return run
 
 
 def rms_norm(x, weight, eps: float):
