@@ -2,6 +2,9 @@
 runs at start-up (compile_at_start) and what running them leaves behind. On a GPU,
 tests/test_gpu.py checks that a varied workload then compiles nothing."""
 
+import contextlib
+import types
+
 import pytest
 
 from inferlab import LLM, SamplingParams
@@ -54,3 +57,45 @@ def test_running_the_start_up_steps_leaves_the_engine_as_it_was():
     assert len(launched) == len(warmup_shapes(llm.config, 256))
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+class FakeKernel:
+    """Stands for a Triton JITFunction: preload compiles a specialization (or fails to)."""
+
+    def __init__(self, name, fails=False):
+        self.name, self.fails, self.preloaded = name, fails, []
+
+    def preload(self, specialization):
+        if self.fails:
+            raise RuntimeError("no such variant")
+        self.preloaded.append(specialization)
+
+
+def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeypatch):
+    """The dry run's launches reach Triton's cache hook, which answers 'skip' and hands each new
+    variant to the pool once; a variant that fails to compile ahead is left to its first launch,
+    a call the hook does not understand goes ahead as usual, and the previous hook comes back."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from inferlab.kernels import ahead
+
+    monkeypatch.setattr(ahead.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    norm, gemm, broken = FakeKernel("norm"), FakeKernel("gemm"), FakeKernel("broken", fails=True)
+    answers = []
+
+    def launch(kernel, key):
+        info = types.SimpleNamespace(jit_function=kernel)
+        hook = knobs.runtime.jit_cache_hook
+        answers.append(hook(key=key, fn=info, compile={"specialization_data": f"{kernel.name}-{key}"}))
+
+    def dry_run():
+        for kernel, key in [(norm, 1), (gemm, 1), (norm, 1), (norm, 2), (broken, 1), (gemm, 1)]:
+            launch(kernel, key)
+        answers.append(knobs.runtime.jit_cache_hook(key=3))  # no fn: not a launch it understands
+
+    previous = knobs.runtime.jit_cache_hook
+    assert ahead.compile_ahead(dry_run, threads=2, device="cuda") == 3
+    assert answers == [True] * 6 + [False]
+    assert norm.preloaded == ["norm-1", "norm-2"] and gemm.preloaded == ["gemm-1"]
+    assert knobs.runtime.jit_cache_hook is previous

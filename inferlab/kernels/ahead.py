@@ -6,19 +6,23 @@ the variants without compiling or launching any Triton kernel (Triton's cache ho
 torch's own kernels still run, on values that do not matter), and each variant starts compiling
 on a pool of threads as soon as the dry run reaches it (LLVM and ptxas release the GIL), into
 Triton's in-memory and on-disk caches. A real run of the same steps afterwards finds every
-variant compiled."""
+variant compiled; one that could not be compiled ahead (a Triton whose hook passes other
+arguments, say) compiles there, as it would have without this module."""
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from triton import knobs
 
+log = logging.getLogger("inferlab")
+
 
 def compile_ahead(run: Callable[[], None], threads: int, device: torch.device) -> int:
-    """Dry-runs run() (no Triton kernel launches) and compiles every Triton kernel variant it
-    reaches that is not compiled yet, each once, on `threads` threads; returns how many. Not
-    thread-safe: Triton's hook is global while the dry run lasts."""
+    """Dry-runs run() and compiles every Triton kernel variant it reaches that is not compiled
+    yet, each once, on `threads` threads; returns how many compiled. Not thread-safe: Triton's
+    hook is global while the dry run lasts."""
     seen: set = set()
     compiles = []
 
@@ -29,11 +33,15 @@ def compile_ahead(run: Callable[[], None], threads: int, device: torch.device) -
     with ThreadPoolExecutor(threads) as pool:
 
         def skip_and_compile(**kwargs) -> bool:
-            function = kwargs["fn"].jit_function
-            key = (id(function), str(kwargs["key"]))
+            try:
+                function = kwargs["fn"].jit_function
+                key = (id(function), str(kwargs["key"]))
+                specialization = kwargs["compile"]["specialization_data"]
+            except (KeyError, AttributeError, TypeError):
+                return False  # not a call this module understands: Triton compiles and launches it
             if key not in seen:
                 seen.add(key)
-                compiles.append(pool.submit(compile_one, function, kwargs["compile"]["specialization_data"]))
+                compiles.append((function, pool.submit(compile_one, function, specialization)))
             return True  # Triton then neither compiles nor launches this call
 
         previous = knobs.runtime.jit_cache_hook
@@ -42,6 +50,16 @@ def compile_ahead(run: Callable[[], None], threads: int, device: torch.device) -
             run()
         finally:
             knobs.runtime.jit_cache_hook = previous
-        for compiling in compiles:
-            compiling.result()
-    return len(compiles)
+        compiled = 0
+        for function, compiling in compiles:
+            try:
+                compiling.result()
+                compiled += 1
+            except Exception as e:  # the real run compiles it, and raises if it truly cannot
+                log.warning(
+                    "could not compile %s ahead (%s: %s); it compiles at its first launch",
+                    function,
+                    type(e).__name__,
+                    e,
+                )
+    return compiled
