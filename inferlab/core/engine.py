@@ -735,7 +735,10 @@ def load_tokenizer(path: str):
             except (AttributeError, ImportError):
                 continue
             if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
-                return cls.from_pretrained(path)
+                try:
+                    return cls.from_pretrained(path)
+                except ImportError:  # a class whose backend is not installed: AutoTokenizer may find another
+                    break
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)

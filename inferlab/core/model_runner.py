@@ -324,7 +324,7 @@ class ModelRunner:
         params = WARMUP_SAMPLING[kind]
         requests, tables = [], []
         for i, (context, new) in enumerate(parts):
-            request = Request(index * 100_000 + i, [i % 1000] * (context + new), params)
+            request = Request(index * 100_000 + i, [i % min(1000, self.vocab_size)] * (context + new), params)
             request.num_computed_tokens = context
             requests.append(request)
             used = -(-(context + new) // self.block_size)
