@@ -99,3 +99,17 @@ def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeyp
     assert answers == [True] * 6 + [False]
     assert norm.preloaded == ["norm-1", "norm-2"] and gemm.preloaded == ["gemm-1"]
     assert knobs.runtime.jit_cache_hook is previous
+
+
+def test_a_warm_up_step_never_lends_its_sampling_settings_to_the_engines_requests():
+    """The runner caches sampling settings by request ids: the memory warm-up's one greedy
+    request must not pass its settings to the user's first request (id 0), which samples."""
+    settings = dict(device="cpu", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=512)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8)
+    expected = LLM(**settings).generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]["token_ids"]
+    llm = LLM(**settings)
+    runner = llm.runner
+    batch = runner._scratch_batch(0, [(0, 5)], 1, "greedy")  # as _warmup builds its step
+    runner.launch(batch, list(runner._new_kv_cache(1).unbind(0))).tokens()
+    assert all(r.request_id < 0 for r in batch.requests)
+    assert llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]["token_ids"] == expected

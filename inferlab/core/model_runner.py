@@ -106,9 +106,7 @@ class ModelRunner:
             counts = torch.tensor([self.num_kv_blocks], device=self.device)
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp_group.group)
             self.num_kv_blocks = int(counts.item())
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_cache = self._new_kv_cache(self.num_kv_blocks)
         self.kv_caches = list(self.kv_cache.unbind(0))
         log.info(
             "KV cache: %d blocks of %d tokens in %s (%.2f GiB)",
@@ -249,25 +247,23 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _warmup(self) -> torch.Tensor:
-        """One prefill of max_num_batched_tokens tokens (sequences of max_model_len) on a scratch cache."""
-        from inferlab.core.request import Request
+    def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A zeroed KV cache of num_blocks blocks for every layer, in the backend's layout."""
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
+        return torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
 
+    def _warmup(self) -> torch.Tensor:
+        """One prefill of max_num_batched_tokens tokens (sequences of max_model_len) on a scratch cache
+        as large as they need."""
         max_len = self.config.max_model_len
         num_tokens = max(self.config.max_num_batched_tokens, max_len)
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
         lengths = lengths[: self.config.max_num_seqs]
         num_blocks = sum(-(-n // self.block_size) for n in lengths)
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
-        cache = torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
-        requests, tables, next_block = [], [], 0
-        for i, n in enumerate(lengths):
-            requests.append(Request(i, [0] * n, SamplingParams(temperature=0)))
-            used = -(-n // self.block_size)
-            tables.append(list(range(next_block, next_block + used)))
-            next_block += used
-        self.launch(ScheduledBatch(requests, lengths, tables), list(cache.unbind(0))).tokens()
+        cache = self._new_kv_cache(num_blocks)
+        batch = self._scratch_batch(0, [(0, n) for n in lengths], num_blocks, "greedy")
+        self.launch(batch, list(cache.unbind(0))).tokens()
         torch.cuda.synchronize(self.device)
         return cache
 
@@ -284,9 +280,7 @@ class ModelRunner:
         shapes = warmup_shapes(self.config, getattr(self.backend, "min_split_len", 256))
         # Sequences share the scratch blocks: warm-up values do not matter, only the kernels run.
         num_blocks = min(64, -(-self.config.max_model_len // self.block_size))
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
-        scratch = list(torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device).unbind(0))
+        scratch = list(self._new_kv_cache(num_blocks).unbind(0))
         batches = [self._scratch_batch(i, parts, num_blocks, kind) for i, (parts, kind) in enumerate(shapes)]
 
         def run_steps() -> None:
@@ -316,15 +310,17 @@ class ModelRunner:
         )
 
     def _scratch_batch(self, index: int, parts: list[tuple[int, int]], num_blocks: int, kind: str) -> ScheduledBatch:
-        """Warm-up step `index`: requests with (cached context, new tokens) each, ids of their own (the
-        runner caches sampling settings by request ids), block tables cycling through the scratch
-        cache's blocks."""
+        """Warm-up step `index`: requests with (cached context, new tokens) each, block tables cycling
+        through the scratch cache's blocks (values do not matter to a warm-up, only shapes). Their
+        ids are negative, each step's its own: the runner caches sampling settings by request ids,
+        and the engine's own requests (ids from 0) must never meet a warm-up's settings there."""
         from inferlab.core.request import Request
 
         params = WARMUP_SAMPLING[kind]
         requests, tables = [], []
         for i, (context, new) in enumerate(parts):
-            request = Request(index * 100_000 + i, [i % min(1000, self.vocab_size)] * (context + new), params)
+            request_id = -(index * 100_000 + i) - 1
+            request = Request(request_id, [i % min(1000, self.vocab_size)] * (context + new), params)
             request.num_computed_tokens = context
             requests.append(request)
             used = -(-(context + new) // self.block_size)
