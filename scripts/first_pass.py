@@ -9,9 +9,9 @@ prefix-cache hits) and one sequence decoding 1,024 tokens. Every Triton compile 
 counted per phase: with compile_at_start, the passes should compile nothing."""
 
 import logging
+import os
 import sys
 import time
-from random import randint, seed
 
 import triton.compiler
 
@@ -30,6 +30,9 @@ def _timed_compile(src, *args, **kwargs):
 
 triton.compiler.compile = _timed_compile  # Triton's JIT binds it at a kernel's first launch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import workload  # noqa: E402
+
 from inferlab import LLM, SamplingParams  # noqa: E402
 
 
@@ -45,14 +48,12 @@ def report(phase: str) -> None:
 
 def main(path: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(message)s")
-    seed(0)
     PHASE[0] = "start-up"
     start = time.time()
     llm = LLM(path, enforce_eager=False, max_model_len=4096)
     print(f"START-UP {time.time() - start:.1f} s")
     report("start-up")
-    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in range(256)]
+    prompts, params = workload(256, 1024, 1024)
     PHASE[0] = "warm-up generate"
     llm.generate(["Benchmark: "], SamplingParams())
     report("warm-up generate")
