@@ -163,15 +163,96 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_builds(checkpoint, tmp_path, to
     assert ours.eos_token_id == theirs.eos_token_id
 
 
+def assert_same_config(ours, theirs):
+    """Every field of ours has transformers' value, and ours has every field transformers' class
+    adds to the generic config's."""
+    from transformers import PretrainedConfig
+
+    for name, value in ours.to_dict().items():
+        if name != "_name_or_path":
+            assert getattr(theirs, name) == value, name
+    generic = set(PretrainedConfig().to_dict()) | {"transformers_version"}
+    assert set(theirs.to_dict()) - generic <= set(ours.to_dict())
+
+
 @pytest.mark.parametrize("name", ["gqa2-tied", "llama-gqa-llama3", "mistral-gqa4", "qwen2-bias-kv1-tied"])
 def test_the_config_is_the_one_auto_config_builds(checkpoint, name):
-    """load_config finds the model_type's config class by its name (without importing the auto
-    classes' module) and builds the config AutoConfig does."""
+    """The test checkpoints' configs, read without transformers' config classes, hold what
+    AutoConfig's hold."""
     from transformers import AutoConfig
 
-    from inferlab.core.engine import load_config
+    from inferlab.core.engine import load_checkpoint_files
+    from inferlab.core.model_config import ModelConfig
 
     path = checkpoint(name)
-    ours = load_config(path, json.loads(open(os.path.join(path, "config.json")).read())["model_type"])
-    theirs = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    assert type(ours) is type(theirs) and ours.to_dict() == theirs.to_dict()
+    ours, _ = load_checkpoint_files(path)
+    assert isinstance(ours, ModelConfig) and ours._name_or_path == path
+    assert_same_config(ours, AutoConfig.from_pretrained(path, trust_remote_code=False))
+
+
+CONFIG_VARIANTS = [
+    {},  # every field at its default
+    {"num_key_value_heads": None, "hidden_size": 768, "num_attention_heads": 12},
+    {"head_dim": None, "hidden_size": 768, "num_attention_heads": 12},
+    {"rope_theta": 1000000.0, "torch_dtype": "float16", "tie_word_embeddings": True},
+    {"dtype": "bfloat16", "torch_dtype": "float32", "eos_token_id": [1, 2]},
+    {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": 4096},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 123.0}},
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "num_hidden_layers": 2},
+    {"use_sliding_window": True, "sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]},
+    {"sliding_window": None, "attention_bias": True, "mlp_bias": True, "custom_field": "kept"},
+]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("variant", range(len(CONFIG_VARIANTS)))
+def test_native_configs_match_transformers_defaults_and_derivations(tmp_path, model_type, variant):
+    """For each model type read without transformers' classes: defaults, and what the classes
+    derive (kv heads, head_dim, layer_types, sliding_window, rope_parameters, dtype), as the
+    installed transformers has them, and the engine's reading of them (rotary, window) the same."""
+    from transformers import AutoConfig
+
+    from inferlab.core.model_config import native_model_config
+    from inferlab.plugins.models.decoder import head_dim_of, rope_settings, sliding_window_of
+
+    fields = {"model_type": model_type, "architectures": ["X"], **CONFIG_VARIANTS[variant]}
+    if model_type in ("qwen3", "qwen2") and "layer_types" in fields:
+        fields["num_hidden_layers"] = len(fields["layer_types"])
+    elif "layer_types" in fields:
+        pytest.skip(f"{model_type} has no layer_types")
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    try:
+        theirs = AutoConfig.from_pretrained(str(tmp_path), trust_remote_code=False)
+    except Exception as e:  # its strict fields: a null that Qwen3Config or MistralConfig does not allow
+        pytest.skip(f"transformers refuses it (the native config derives the field): {e}")
+    ours = native_model_config(fields, str(tmp_path))
+    assert_same_config(ours, theirs)
+    for reading in (head_dim_of, rope_settings, sliding_window_of):
+        assert reading(ours) == reading(theirs)
+
+
+@pytest.mark.parametrize(
+    "field, value, kind",
+    [("rms_norm_eps", "small", "a number"), ("tie_word_embeddings", 1, "a boolean"), ("hidden_act", None, None)],
+)
+def test_config_fields_of_the_wrong_type(checkpoint, tmp_path, field, value, kind):
+    """A field of the wrong type fails at load, named with the type it needs; null where the
+    default is a value keeps the default's meaning only where transformers allows it."""
+    model = copy_of(checkpoint, tmp_path)
+    edit_json(model / "config.json", **{field: value})
+    if kind is None:
+        LLM(str(model), device="cpu").close()  # a removed field takes its default
+        return
+    with pytest.raises(ValueError, match=rf"config.json: {field} must be {kind}, got {value!r}"):
+        LLM(str(model), device="cpu")

@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 from inferlab.core import interrupts
 from inferlab.core.config import EngineConfig
 from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
+from inferlab.core.model_config import DEFAULTS as MODEL_CONFIG_DEFAULTS
+from inferlab.core.model_config import native_model_config
 from inferlab.core.model_runner import ModelRunner
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry, validated_options
 from inferlab.core.protocols import PrefixCacheReset
@@ -672,10 +674,12 @@ def load_checkpoint_files(path: str):
         raise ValueError(f"{config_file} must hold a JSON object, got a {type(fields).__name__}")
     check_model_type(fields, config_file)
     check_positive_fields(fields, config_file)
-    try:
-        hf_config = load_config(path, fields["model_type"])
-    except Exception as e:  # transformers' own validation errors are of several kinds
-        raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
+    hf_config = native_model_config(fields, path, config_file)
+    if hf_config is None:
+        try:
+            hf_config = transformers_config(path, fields["model_type"])
+        except Exception as e:  # transformers' own validation errors are of several kinds
+            raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
     check_positive_fields({name: getattr(hf_config, name, None) for name in POSITIVE_CONFIG_FIELDS}, config_file)
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"model directory {path!r} has no tokenizer: none of {list(TOKENIZER_FILES)}")
@@ -688,10 +692,10 @@ def load_checkpoint_files(path: str):
     return hf_config, tokenizer
 
 
-def load_config(path: str, model_type: str):
-    """The config AutoConfig would build: the config class transformers maps the model_type to, found
-    by its name without importing the auto classes (see load_tokenizer); AutoConfig where the name
-    is not in that table."""
+def transformers_config(path: str, model_type: str):
+    """The config AutoConfig would build, for the model types model_config.py does not read
+    itself: the config class transformers maps the model_type to, found by its name without
+    importing the auto classes (see load_tokenizer); AutoConfig where the name is not in that table."""
     import transformers
 
     name = transformers_config_names().get(model_type)
@@ -755,6 +759,8 @@ def check_model_type(fields: dict, config_file: str) -> None:
     """A config.json must name a model_type that transformers implements itself: one it does not
     would need Python code from the checkpoint (its auto_map), which inferlab never runs."""
     model_type = fields.get("model_type")
+    if model_type in MODEL_CONFIG_DEFAULTS:
+        return  # read without transformers' classes (an auto_map beside it is ignored)
     if isinstance(model_type, str) and model_type in transformers_config_names():
         return  # transformers' own classes serve it (an auto_map beside it is ignored)
     from transformers import CONFIG_MAPPING  # the full table (its module imports the auto classes)

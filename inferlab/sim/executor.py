@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferlab.core.model_config import native_model_config
 from inferlab.sim.cost_model import StepShape
 from inferlab.sim.profile import Profile, load_profile, model_fields, roofline_profile
 
@@ -93,11 +94,14 @@ def simulated_checkpoint(config, model_path: str | None):
 
 
 def profile_model_config(profile: Profile):
-    """A transformers config with the profile's model shape, for an engine given no checkpoint."""
-    from transformers import AutoConfig
+    """The model config of the profile's model shape, for an engine given no checkpoint."""
+    fields = {k: v for k, v in profile.model.items() if v is not None}
+    fields["model_type"] = fields.get("model_type") or "qwen3"
+    config = native_model_config(fields, source="the profile's model fields")
+    if config is None:
+        from transformers import AutoConfig
 
-    fields = {k: v for k, v in profile.model.items() if k not in ("model_type", "architectures") and v is not None}
-    config = AutoConfig.for_model(profile.model.get("model_type") or "qwen3", **fields)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     config.architectures = profile.model.get("architectures")
     return config
 

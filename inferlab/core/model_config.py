@@ -1,0 +1,162 @@
+"""A checkpoint's config.json as the config object the models read, built without transformers'
+config classes for the model types the built-in decoder serves.
+
+Loading any of those classes costs seconds: in transformers 5.17 the docstring decorator on each
+config class imports the model auto-classes, 7 s of a 9.6 s start-up phase on the H200 machine
+(where Python writes no bytecode cache). The object built here holds every field of config.json,
+the default transformers' class gives each field the file leaves out, and what that class derives
+from them (num_key_value_heads, head_dim, layer_types, rope_parameters, dtype, sliding_window);
+tests compare it with the installed transformers' config for every model type listed here. Model
+types not listed go through transformers (engine.load_config)."""
+
+from __future__ import annotations
+
+import torch
+
+# The defaults of transformers' config classes (5.x) for the fields a causal LM of each type reads.
+_QWEN = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    use_cache=True,
+    tie_word_embeddings=False,
+    rope_parameters=None,
+    use_sliding_window=False,
+    sliding_window=4096,
+    max_window_layers=28,
+    layer_types=None,
+    attention_dropout=0.0,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+_LLAMA_LIKE = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    head_dim=None,
+    hidden_act="silu",
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    use_cache=True,
+    pad_token_id=None,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    rope_parameters=None,
+    attention_dropout=0.0,
+)
+DEFAULTS: dict[str, dict] = {
+    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+    "qwen2": _QWEN,
+    "llama": {
+        **_LLAMA_LIKE,
+        "intermediate_size": 11008,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 2048,
+        "pretraining_tp": 1,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mistral": {
+        **_LLAMA_LIKE,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
+}
+# Rotary types whose scaling is relative to the length the model was trained at.
+_ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
+
+
+class ModelConfig:
+    """A model's settings as attributes, as transformers' config object presents them."""
+
+    def __init__(self, fields: dict):
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ModelConfig) and self.__dict__ == other.__dict__
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({self.__dict__!r})"
+
+
+def native_model_config(fields: dict, path: str = "", source: str = "config.json") -> ModelConfig | None:
+    """The config of a config.json's fields, or None where its model_type is not one of DEFAULTS.
+    Raises ValueError, naming source, for a field whose type is not the one its default has."""
+    defaults = DEFAULTS.get(fields.get("model_type"))
+    if defaults is None:
+        return None
+    check_field_types(fields, defaults, source)
+    values = {**defaults, **fields, "_name_or_path": path}
+    dtype = values.pop("torch_dtype", None)
+    values["dtype"] = values.get("dtype") or dtype
+    if isinstance(values["dtype"], str):
+        if not isinstance(getattr(torch, values["dtype"], None), torch.dtype):
+            raise ValueError(f"{source}: dtype {values['dtype']!r} is not a torch dtype")
+        values["dtype"] = getattr(torch, values["dtype"])
+    if values.get("num_key_value_heads") is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if "head_dim" in defaults and values["head_dim"] is None:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    if "use_sliding_window" in defaults:
+        if not values["use_sliding_window"]:
+            values["sliding_window"] = None
+        if values["layer_types"] is None:
+            values["layer_types"] = [
+                "sliding_attention"
+                if values["sliding_window"] is not None and i >= values["max_window_layers"]
+                else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
+    values["rope_parameters"] = _rope_parameters(values)
+    values.pop("rope_scaling", None)
+    values.pop("rope_theta", None)
+    return ModelConfig(values)
+
+
+def _rope_parameters(values: dict) -> dict:
+    """transformers 5's rope_parameters: the rotary scaling (config.json's rope_scaling, or its
+    rope_parameters), with the rotary base and type filled in."""
+    given = values.get("rope_scaling") or values.get("rope_parameters")
+    params = dict(given) if isinstance(given, dict) else {}
+    params.setdefault("rope_theta", values.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if values.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", values["partial_rotary_factor"])
+    if params["rope_type"] in _ROPE_TYPES_WITH_ORIGINAL_LENGTH:
+        original = values.get("original_max_position_embeddings", values["max_position_embeddings"])
+        params.setdefault("original_max_position_embeddings", original)
+    return params
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def check_field_types(fields: dict, defaults: dict, source: str) -> None:
+    """Each field the models read whose default is an integer, number, boolean or string must hold
+    one (null where transformers' class allows it is left to the reader)."""
+    for name, default in defaults.items():
+        value = fields.get(name)
+        kind = type(default)
+        if value is None or kind not in _TYPE_NAMES or name.endswith("_token_id"):
+            continue
+        if kind is float:
+            fits = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if not fits:
+            raise ValueError(f"{source}: {name} must be {_TYPE_NAMES[kind]}, got {value!r}")
