@@ -113,3 +113,20 @@ def test_a_warm_up_step_never_lends_its_sampling_settings_to_the_engines_request
     runner.launch(batch, list(runner._new_kv_cache(1).unbind(0))).tokens()
     assert all(r.request_id < 0 for r in batch.requests)
     assert llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]["token_ids"] == expected
+
+
+def test_the_dry_run_over_the_representative_layers_runs_those_layers_alone(checkpoint):
+    """The decoder runs one layer per KV cache it is given: start-up's dry run, given the caches
+    of kernel_variant_layers layers, runs those alone (and the final norm and head), the real run
+    every layer."""
+    llm = LLM(checkpoint("gqa4-untied"), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
+    runner, ran = llm.runner, []
+    assert len(runner.model.layers) == 3 and runner.model.kernel_variant_layers == 2
+    for i, layer in enumerate(runner.model.layers):
+        layer.register_forward_hook(lambda module, args, output, i=i: ran.append(i))
+    scratch = list(runner._new_kv_cache(4).unbind(0))
+    batch = runner._scratch_batch(0, [(0, 8), (16, 1)], 4, "greedy")
+    for caches, layers in ((scratch[:2], [0, 1]), (scratch, [0, 1, 2])):
+        ran.clear()
+        assert len(runner.launch(batch, caches).tokens()) == 2
+        assert ran == layers

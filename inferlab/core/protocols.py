@@ -224,6 +224,10 @@ class Model(Protocol):
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads on this rank, head_dim), for sizing the cache."""
 
+    # Optional: `kernel_variant_layers = n` says that forward, given the caches of its first n
+    # layers only, runs those n layers and every kernel variant the whole model would; start-up
+    # then finds the variants to compile with a dry run of n layers instead of all of them.
+
 
 @runtime_checkable
 class Sampler(Protocol):

@@ -203,6 +203,10 @@ class DecoderForCausalLM(nn.Module):
 
     architectures: ClassVar[tuple[str, ...]] = ()
     qk_norm: ClassVar[bool] = False  # a per-head RMSNorm of q and k before the rotary
+    # forward runs one layer per KV cache it is given (see the Model protocol). The first layer
+    # norms its input alone, the others add the residual first; every later layer launches the
+    # second's kernels on the same shapes.
+    kernel_variant_layers: ClassVar[int] = 2
 
     @classmethod
     def biases(cls, config) -> Biases:
@@ -262,7 +266,7 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches):  # fewer caches: fewer layers (kernel_variant_layers)
             hidden, residual = layer(positions, hidden, residual, kv_cache, self.rotary, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
