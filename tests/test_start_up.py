@@ -60,28 +60,36 @@ def test_running_the_start_up_steps_leaves_the_engine_as_it_was():
 
 
 class FakeKernel:
-    """Stands for a Triton JITFunction: preload compiles a specialization (or fails to)."""
+    """Stands for a Triton JITFunction: preload compiles a specialization (or fails to) and
+    returns the compiled kernel, whose _init_handles loads it (or fails to)."""
 
-    def __init__(self, name, fails=False):
-        self.name, self.fails, self.preloaded = name, fails, []
+    def __init__(self, name, fails=False, fails_to_load=False):
+        self.name, self.fails, self.fails_to_load, self.preloaded, self.loaded = name, fails, fails_to_load, [], []
 
     def preload(self, specialization):
         if self.fails:
             raise RuntimeError("no such variant")
         self.preloaded.append(specialization)
+        return types.SimpleNamespace(_init_handles=lambda: self.load(specialization))
+
+    def load(self, specialization):
+        if self.fails_to_load:
+            raise RuntimeError("out of shared memory")
+        self.loaded.append(specialization)
 
 
 def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeypatch):
     """The dry run's launches reach Triton's cache hook, which answers 'skip' and hands each new
-    variant to the pool once; a variant that fails to compile ahead is left to its first launch,
-    a call the hook does not understand goes ahead as usual, and the previous hook comes back."""
+    variant to the pool once, which compiles and loads it; a variant that fails to compile or load
+    ahead is left to its first launch, a call the hook does not understand goes ahead as usual,
+    and the previous hook comes back."""
     pytest.importorskip("triton")
     from triton import knobs
 
     from inferlab.kernels import ahead
 
     monkeypatch.setattr(ahead.torch.cuda, "device", lambda device: contextlib.nullcontext())
-    norm, gemm, broken = FakeKernel("norm"), FakeKernel("gemm"), FakeKernel("broken", fails=True)
+    norm, gemm, broken = FakeKernel("norm"), FakeKernel("gemm", fails_to_load=True), FakeKernel("broken", fails=True)
     answers = []
 
     def launch(kernel, key):
@@ -98,6 +106,7 @@ def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeyp
     assert ahead.compile_ahead(dry_run, threads=2, device="cuda") == 3
     assert answers == [True] * 6 + [False]
     assert norm.preloaded == ["norm-1", "norm-2"] and gemm.preloaded == ["gemm-1"]
+    assert norm.loaded == ["norm-1", "norm-2"] and gemm.loaded == []
     assert knobs.runtime.jit_cache_hook is previous
 
 

@@ -6,8 +6,9 @@ the variants without compiling or launching any Triton kernel (Triton's cache ho
 torch's own kernels still run, on values that do not matter), and each variant starts compiling
 on a pool of threads as soon as the dry run reaches it (LLVM and ptxas release the GIL), into
 Triton's in-memory and on-disk caches. A real run of the same steps afterwards finds every
-variant compiled; one that could not be compiled ahead (a Triton whose hook passes other
-arguments, say) compiles there, as it would have without this module."""
+variant compiled and loaded (its launcher built, which Triton 3.6 compiles from C); one that
+could not be compiled ahead (a Triton whose hook passes other arguments, say) compiles there, as
+it would have without this module."""
 
 import logging
 from collections.abc import Callable
@@ -28,7 +29,15 @@ def compile_ahead(run: Callable[[], None], threads: int, device: torch.device) -
 
     def compile_one(function, specialization) -> None:
         with torch.cuda.device(device):  # Triton compiles for the thread's current device
-            function.preload(specialization)
+            kernel = function.preload(specialization)
+            # Loading it builds its launcher too, which Triton 3.6 compiles from C (gcc, a
+            # fraction of a second each) at a kernel's first launch: here, beside the others.
+            load = getattr(kernel, "_init_handles", None)
+            if load is not None:
+                try:
+                    load()
+                except Exception:  # its first launch loads it again, and raises if it truly cannot
+                    pass
 
     with ThreadPoolExecutor(threads) as pool:
 
