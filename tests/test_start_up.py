@@ -67,6 +67,13 @@ class FakeKernel:
         self.name, self.fails, self.fails_to_load, self.preloaded, self.loaded = name, fails, fails_to_load, [], []
 
     def preload(self, specialization):
+        from triton import knobs
+
+        # As Triton's preload does, it asks the cache hook first and compiles nothing on "skip".
+        hook = knobs.runtime.jit_cache_hook
+        info = types.SimpleNamespace(jit_function=self)
+        if hook is not None and hook(key=specialization, fn=info, compile={"specialization_data": specialization}):
+            return None
         if self.fails:
             raise RuntimeError("no such variant")
         self.preloaded.append(specialization)

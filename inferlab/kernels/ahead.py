@@ -11,6 +11,7 @@ could not be compiled ahead (a Triton whose hook passes other arguments, say) co
 it would have without this module."""
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,8 +27,10 @@ def compile_ahead(run: Callable[[], None], threads: int, device: torch.device) -
     hook is global while the dry run lasts."""
     seen: set = set()
     compiles = []
+    pool_thread = threading.local()  # marks the pool's own compiles, which the hook lets through
 
     def compile_one(function, specialization) -> None:
+        pool_thread.compiling = True
         with torch.cuda.device(device):  # Triton compiles for the thread's current device
             kernel = function.preload(specialization)
             # Loading it builds its launcher too, which Triton 3.6 compiles from C (gcc, a
@@ -42,6 +45,8 @@ def compile_ahead(run: Callable[[], None], threads: int, device: torch.device) -
     with ThreadPoolExecutor(threads) as pool:
 
         def skip_and_compile(**kwargs) -> bool:
+            if getattr(pool_thread, "compiling", False):
+                return False  # preload asks the hook too: answering "skip" would compile nothing
             try:
                 function = kwargs["fn"].jit_function
                 key = (id(function), str(kwargs["key"]))
