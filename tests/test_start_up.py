@@ -86,10 +86,11 @@ class FakeKernel:
 
 
 def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeypatch):
-    """The dry run's launches reach Triton's cache hook, which answers 'skip' and hands each new
-    variant to the pool once, which compiles and loads it; a variant that fails to compile or load
-    ahead is left to its first launch, a call the hook does not understand goes ahead as usual,
-    and the previous hook comes back."""
+    """The dry run's launches reach Triton's cache hook, which answers 'skip' and lists each new
+    variant once; nothing compiles while the dry run lasts (a compiled variant would launch for
+    real on its values), then the pool compiles and loads each; a variant that fails to compile or
+    load ahead is left to its first launch, a call the hook does not understand goes ahead as
+    usual, and the previous hook comes back."""
     pytest.importorskip("triton")
     from triton import knobs
 
@@ -108,6 +109,7 @@ def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeyp
         for kernel, key in [(norm, 1), (gemm, 1), (norm, 1), (norm, 2), (broken, 1), (gemm, 1)]:
             launch(kernel, key)
         answers.append(knobs.runtime.jit_cache_hook(key=3))  # no fn: not a launch it understands
+        assert norm.preloaded == gemm.preloaded == []
 
     previous = knobs.runtime.jit_cache_hook
     assert ahead.compile_ahead(dry_run, threads=2, device="cuda") == 3

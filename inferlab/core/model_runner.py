@@ -270,9 +270,9 @@ class ModelRunner:
     def _compile_kernels(self) -> None:
         """Compiles the Triton kernel variants that steps of every shape a workload can bring
         (warmup_shapes) select, during start-up instead of inside the user's first generate: a dry
-        run of those steps on a scratch cache finds them, each compiling on a pool of threads as
-        soon as it is found (inferlab.kernels.ahead), then the steps run for real (cuBLAS and the
-        allocator settle too). Every rank of a tensor-parallel engine runs the same steps in the
+        run of those steps on a scratch cache finds them, then they compile together on a pool of
+        threads (inferlab.kernels.ahead), then the steps run for real (cuBLAS and the allocator
+        settle too). Every rank of a tensor-parallel engine runs the same steps in the
         same order, as their collectives need. Measured on an H200 (Qwen3-0.6B shapes, a fresh
         machine): nano-vllm's bench then compiles nothing, and its first pass runs at 98% of a
         warm one, where it ran at 72% with the kernels compiling inside it."""
