@@ -256,3 +256,11 @@ def test_config_fields_of_the_wrong_type(checkpoint, tmp_path, field, value, kin
         return
     with pytest.raises(ValueError, match=rf"config.json: {field} must be {kind}, got {value!r}"):
         LLM(str(model), device="cpu")
+
+
+@pytest.mark.parametrize("value", ["float99", 16, ["bfloat16"]])
+def test_a_dtype_that_names_no_torch_dtype(checkpoint, tmp_path, value):
+    model = copy_of(checkpoint, tmp_path)
+    edit_json(model / "config.json", dtype=value)
+    with pytest.raises(ValueError, match=r"config.json: dtype must name a torch dtype \(e.g. 'bfloat16'\), got"):
+        LLM(str(model), device="cpu")

@@ -104,9 +104,9 @@ def native_model_config(fields: dict, path: str = "", source: str = "config.json
     values = {**defaults, **fields, "_name_or_path": path}
     dtype = values.pop("torch_dtype", None)
     values["dtype"] = values.get("dtype") or dtype
-    if isinstance(values["dtype"], str):
-        if not isinstance(getattr(torch, values["dtype"], None), torch.dtype):
-            raise ValueError(f"{source}: dtype {values['dtype']!r} is not a torch dtype")
+    if values["dtype"] is not None:
+        if not isinstance(values["dtype"], str) or not isinstance(getattr(torch, values["dtype"], None), torch.dtype):
+            raise ValueError(f"{source}: dtype must name a torch dtype (e.g. 'bfloat16'), got {values['dtype']!r}")
         values["dtype"] = getattr(torch, values["dtype"])
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
