@@ -7,7 +7,7 @@ config class imports the model auto-classes, 7 s of a 9.6 s start-up phase on th
 the default transformers' class gives each field the file leaves out, and what that class derives
 from them (num_key_value_heads, head_dim, layer_types, rope_parameters, dtype, sliding_window);
 tests compare it with the installed transformers' config for every model type listed here. Model
-types not listed go through transformers (engine.load_config)."""
+types not listed go through transformers (engine.transformers_config)."""
 
 from __future__ import annotations
 
