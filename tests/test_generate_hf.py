@@ -2,8 +2,11 @@
 path that changes how K/V reach the cache: plain, prefix-cache hits, chunked prefill, preemption."""
 
 import pytest
+import torch
 
 from inferlab import LLM, SamplingParams
+from inferlab.core.batch import ScheduledBatch
+from inferlab.core.request import Request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -75,6 +78,39 @@ def test_chunks_across_several_sequences(checkpoint):
     while not llm.is_finished():
         llm.step()
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
+
+
+def test_one_token_sequences_lead_the_step_layout(checkpoint):
+    """The runner lays a step's one-token sequences out first (attention backends may run them as
+    decodes); each request's logits are still the ones it gets in a step of its own."""
+    llm = LLM(checkpoint("gqa2-tied"), kvcache_block_size=16, num_kvcache_blocks=64)
+    # batch order: a prompt's last chunk (samples), a decode, a first chunk (does not sample), a decode
+    parts = [(4, 3, 7), (9, 1, 10), (0, 2, 8), (20, 1, 21)]  # (computed, scheduled, held) tokens
+    requests = []
+    for i, (computed, scheduled, held) in enumerate(parts):
+        request = Request(100 + i, [(31 * i + 7 * j) % 300 + 3 for j in range(held)], GREEDY)
+        request.num_computed_tokens = computed
+        assert llm.kv_manager.allocate(request, computed + scheduled)
+        requests.append(request)
+
+    def step_of(rows):
+        batch = ScheduledBatch(
+            [requests[i] for i in rows],
+            [parts[i][1] for i in rows],
+            [llm.kv_manager.block_table(requests[i]) for i in rows],
+        )
+        return llm.runner.prepare_inputs(batch)
+
+    step = step_of(range(4))
+    assert (step.num_decodes, step.max_decode_seq_len, step.num_tokens) == (2, 21, 7)
+    a, b, c, d = requests
+    assert step.longs[:7].tolist() == [b.token_ids[9], d.token_ids[20], *a.token_ids[4:7], *c.token_ids[:2]]
+    assert step.sample_rows == [0, 1, 3]  # in the batch's order
+    assert step.longs[21:].tolist() == [4, 0, 1]  # where a's, b's and d's last tokens are laid out
+    together = llm.runner.forward_logits(step)
+    for row, i in enumerate(step.sample_rows):
+        alone = llm.runner.forward_logits(step_of([i]))
+        torch.testing.assert_close(together[row], alone[0], atol=1e-4, rtol=1e-4)
 
 
 def test_preemption(checkpoint, hf_greedy):

@@ -243,10 +243,18 @@ def test_decode_plan_splits_long_contexts_of_small_batches():
     assert triton_kernels.decode_splits(q.expand(64, 8, 128), 8, 100, 16, 4) == 1
 
 
-def test_mixed_decode_and_prefill_chunks_match_torch():
-    # a chunked-prefill step: two decoding sequences beside a chunk with a prefix and a new prompt
-    inputs, q, k, v, cache = make_batch([1, 12, 1, 30], [50, 32, 7, 0], 16, 1, 32, 4, seed=3)
-    assert not inputs.is_decode
+@pytest.mark.parametrize(
+    "query_lens, context_lens, num_decodes",
+    [
+        ([1, 12, 1, 30], [50, 32, 7, 0], 1),  # one decode leads; the other runs in the prefill kernel
+        ([1, 1, 12, 30], [90, 7, 32, 0], 2),  # as the runner lays a step out: decodes first
+        ([1, 30], [200, 0], 1),  # one long decode beside a prompt: its context is split
+    ],
+)
+def test_mixed_decode_and_prefill_chunks_match_torch(query_lens, context_lens, num_decodes):
+    # a chunked-prefill step: decoding sequences beside a chunk with a prefix and a new prompt
+    inputs, q, k, v, cache = make_batch(query_lens, context_lens, 16, 1, 32, 4, seed=3)
+    assert not inputs.is_decode and inputs.num_decodes == num_decodes
     assert_matches_torch(inputs, q, k, v, cache)
 
 

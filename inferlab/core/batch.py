@@ -49,6 +49,8 @@ class StepInputs:
     sample_rows: list[int]  # the sequences whose last scheduled token is sampled
     max_query_len: int
     max_seq_len: int
+    num_decodes: int  # the first sequences of the layout, which compute one token each
+    max_decode_seq_len: int
     is_decode: bool
     has_placeholders: bool  # some input ids stand for the previous step's samples
 
@@ -69,6 +71,11 @@ class AttentionInputs:
     is_decode: bool
     block_size: int
     has_placeholders: bool = False  # some input ids stand for the previous step's samples
+    # The runner lays out the sequences that compute one token each first, so that a backend can
+    # attend for them as for decodes beside the prefill rows: the first num_decodes sequences
+    # compute one token each (0 promises nothing), the longest of them max_decode_seq_len long.
+    num_decodes: int = 0
+    max_decode_seq_len: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -379,6 +379,16 @@ class ModelRunner:
         buffers (int64 and int32) that go to the device in two copies."""
         seqs, n, bs = batch.requests, len(batch.requests), self.block_size
         counts = np.array(batch.num_scheduled_tokens, dtype=np.int64)
+        tables = batch.block_tables
+        # Sequences computing one token each lead the layout, so that attention backends can run them
+        # as decodes (split over their context) beside the prefill rows: in the prefill kernel one
+        # program loops over a decode's whole context, which a 30k-token one makes the step's longest.
+        single = counts == 1
+        num_decodes = int(single.sum())
+        layout = None  # layout position -> batch index, where they differ
+        if 0 < num_decodes < n and not single[:num_decodes].all():
+            layout = np.concatenate([np.flatnonzero(single), np.flatnonzero(~single)])
+            seqs, counts, tables = [seqs[i] for i in layout], counts[layout], [tables[i] for i in layout]
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         totals = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=n)
         ends = starts + counts
@@ -396,26 +406,30 @@ class ModelRunner:
             positions = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts) + starts[seq_index]
         query_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
-        table_lens = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
         block_tables = np.zeros((n, int(table_lens.max())), dtype=np.int64)
         flat_rows = np.repeat(np.arange(n), table_lens)
         block_tables[
             flat_rows, np.arange(len(flat_rows)) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
-        ] = np.fromiter(chain.from_iterable(batch.block_tables), dtype=np.int64, count=len(flat_rows))
+        ] = np.fromiter(chain.from_iterable(tables), dtype=np.int64, count=len(flat_rows))
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
-        samples = ends == totals
-        sample_rows = np.flatnonzero(samples).tolist()
+        samples = np.flatnonzero(ends == totals)  # layout positions of the sequences that sample
         logits_indices = query_start[1:][samples] - 1  # each sampling sequence's last new token
+        if layout is not None:  # samples go back in batch order
+            by_batch = np.argsort(layout[samples], kind="stable")
+            samples, logits_indices = layout[samples][by_batch], logits_indices[by_batch]
         return StepInputs(
             longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices]),
             ints=np.concatenate([query_start, ends, starts, block_tables.ravel()]).astype(np.int32),
             num_tokens=num_tokens,
             num_seqs=n,
             table_width=block_tables.shape[1],
-            sample_rows=sample_rows,
+            sample_rows=samples.tolist(),
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
-            is_decode=num_tokens == n and bool(samples.all()),
+            num_decodes=num_decodes,
+            max_decode_seq_len=int(ends[:num_decodes].max()) if num_decodes else 0,
+            is_decode=num_tokens == n and len(samples) == n,
             has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0,
         )
 
@@ -435,6 +449,8 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
+            num_decodes=step.num_decodes,
+            max_decode_seq_len=step.max_decode_seq_len,
             is_decode=step.is_decode,
             block_size=self.block_size,
             has_placeholders=step.has_placeholders,

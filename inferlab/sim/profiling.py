@@ -3,8 +3,8 @@ and write them as a step-time profile for the simulated executor.
 
 Each composition (decode batches of several sizes and contexts, with and without CUDA graphs;
 prefill chunks of several sizes with and without cached context, alone, split over requests and
-mixed with decodes) is built as requests holding real KV blocks and launched back to back as the
-engine does under overlap scheduling (the next launch before the previous tokens are read), so a
+mixed with decodes of short and long contexts) is built as requests holding real KV blocks and
+launched back to back as the engine does under overlap scheduling (the next launch before the previous tokens are read), so a
 step's time is what a run pays for it: the device's work or, where it is longer, the host's. On a
 GPU each measurement also gives `device_seconds`, the device's own time for the step: where
 `seconds` is well above it, the host bounds the step.
@@ -35,6 +35,7 @@ DECODE_CONTEXTS = (128, 512, 1024, 2048, 8192, 16384)
 EAGER_BATCHES = (1, 8, 64, 256)
 PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 16384)
 PREFILL_CONTEXTS = (0, 4096, 16384)
+LONG_DECODE_CONTEXT = 24576
 
 
 @dataclass
@@ -156,6 +157,8 @@ def measure(llm, settings: ProfileConfig) -> list[dict]:
         for decodes in (16, 128):
             add([(0, tokens)] + [(1024, 1)] * decodes)
         add([(4096, tokens)] + [(8192, 1)] * 32)
+        # a few long conversations decoding beside a prompt, as long-context traces bring them
+        add([(0, tokens)] + [(LONG_DECODE_CONTEXT, 1)] * 4)
     return out
 
 

@@ -14,9 +14,9 @@ laid out as the runner lays them out, blocks scattered over the cache, K/V store
 back by later calls) and checks every output against a float64 reference: causal softmax attention
 of each new token over its sequence's cached context and the new tokens before it, query heads
 sharing KV heads (GQA). The scenarios: prefill of ragged sequences, a cached prefix shared from
-another sequence, chunked prefill beside decodes, decode of ragged contexts over several steps,
-blocks reused after an earlier owner, CUDA-graph padding rows (and on CUDA a captured graph
-replayed), an fp8 cache, every block size and head shape validate accepts, a model storing K/V
+another sequence, chunked prefill beside decodes, decodes of long contexts leading a prompt, decode
+of ragged contexts over several steps, blocks reused after an earlier owner, CUDA-graph padding
+rows (and on CUDA a captured graph replayed), an fp8 cache, every block size and head shape validate accepts, a model storing K/V
 itself (FusedKVStore), and validate's answers. The cache layout is the backend's own: the suite
 reads the cache only through forward.
 """
@@ -49,8 +49,9 @@ def attention_inputs(
     """AttentionInputs for sequences holding context_lens[i] tokens in the cache and computing
     query_lens[i] new ones, in the blocks block_tables[i], laid out as the runner lays them out
     (ModelRunner.prepare_inputs and upload): int32 views of one buffer and the int64 slots of the
-    new tokens, block tables padded with 0. is_decode: whether every sequence computes its last
-    token (the runner's decode step); by default, whether each computes one."""
+    new tokens, block tables padded with 0, the leading one-token sequences counted in num_decodes.
+    is_decode: whether every sequence computes its last token (the runner's decode step); by
+    default, whether each computes one."""
     num_seqs = len(query_lens)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     width = max(map(len, block_tables))
@@ -72,6 +73,7 @@ def attention_inputs(
     query_start_loc, seq_lens_t, context_lens_t, tables_t = ints.split(
         [num_seqs + 1, num_seqs, num_seqs, tables.numel()]
     )
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)  # the leading one-token rows
     return AttentionInputs(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens_t,
@@ -82,6 +84,8 @@ def attention_inputs(
         max_seq_len=max(seq_lens),
         is_decode=all(q == 1 for q in query_lens) if is_decode is None else is_decode,
         block_size=block_size,
+        num_decodes=num_decodes,
+        max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
     )
 
 
@@ -294,7 +298,7 @@ def run_scenario(run: AttentionRun) -> None:
     run.step([(a, bs + 3), (b, 5)], what="ragged prefill")
     c = run.share_prefix(a, 1)
     run.step([(c, 4), (b, 1), (d, bs + 1)], what="cached prefix, decode and a first chunk")
-    run.step([(d, 6), (a, 1), (c, 1)], what="the chunk's rest beside decodes")
+    run.step([(a, 1), (c, 1), (d, 6)], what="the chunk's rest after decodes, as the runner lays them out")
     run.step([(a, 1), (b, 1), (c, 1), (d, 1)], what="decode")
 
 
@@ -410,6 +414,16 @@ class AttentionBackendSuite:
         run.step([(chunked, 1)], is_decode=False, what="a one-token chunk")
         run.step([(other, 1), (chunked, bs + 4), (late, 3)], what="last chunk beside a decode")
         run.step([(chunked, 1), (other, 1), (late, 1)], what="decode after chunked prefill")
+
+    def test_decodes_leading_a_prefill(self, dtype):
+        """Decodes of contexts many blocks long leading a step that also computes a prompt, as the
+        runner lays such steps out (num_decodes): a backend may attend for them as for decodes."""
+        run = self.make_run(dtype)
+        bs = run.block_size
+        long, short, prompt = run.new_sequence(), run.new_sequence(), run.new_sequence()
+        run.step([(long, 5 * bs + 3), (short, 2)], what="prompts")
+        run.step([(long, 1), (short, 1), (prompt, bs + 5)], what="decodes leading a prompt's first chunk")
+        run.step([(long, 1), (prompt, 3)], what="a decode leading a prompt's last chunk")
 
     def test_decode_of_ragged_contexts(self, dtype):
         """Decode steps over contexts of many lengths (one token, a block less one, a block, a

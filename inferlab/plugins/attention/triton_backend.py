@@ -151,29 +151,53 @@ class TritonBackend:
 
     def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, scale):
         inputs = metadata.inputs
-        kernels = self.kernels
         if k is not None:
             self.store_kv(k, v, kv_cache, inputs.slot_mapping)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
-        if not inputs.is_decode:
-            return kernels.paged_prefill(
+        if inputs.is_decode:
+            return self._decode(
+                q, kv_cache, out, inputs.seq_lens, inputs.block_tables, inputs.max_seq_len, metadata, scale
+            )
+        # Beside prefill rows, the leading one-token sequences attend as decodes do: split over
+        # their context, where the prefill kernel would give each one program looping over all of it.
+        num_decodes = inputs.num_decodes
+        if num_decodes:
+            self._decode(
+                q[:num_decodes],
+                kv_cache,
+                out[:num_decodes],
+                inputs.seq_lens[:num_decodes],
+                inputs.block_tables[:num_decodes],
+                inputs.max_decode_seq_len,
+                metadata,
+                scale,
+            )
+        if num_decodes < inputs.num_seqs:
+            # the prefill kernel reads its rows through query_start_loc, whose offsets index all of q
+            self.kernels.paged_prefill(
                 q,
                 kv_cache,
                 out,
-                inputs.query_start_loc,
-                inputs.seq_lens,
-                inputs.block_tables,
+                inputs.query_start_loc[num_decodes:],
+                inputs.seq_lens[num_decodes:],
+                inputs.block_tables[num_decodes:],
                 inputs.max_query_len,
                 scale,
                 self.block_m,
                 self.block_n,
             )
+        return out
+
+    def _decode(self, q, kv_cache, out, seq_lens, block_tables, max_seq_len, metadata: TritonMetadata, scale):
+        """Split-context decode attention of q's rows; the first layer of a step plans the split
+        and its scratch, which the other layers reuse."""
+        kernels = self.kernels
         if metadata.num_splits == 0:
             num_seqs, num_heads, head_dim = q.shape
             metadata.num_splits = kernels.decode_splits(
-                q, kv_cache.shape[3], inputs.max_seq_len, self.min_split_len, self.decode_programs_per_sm
+                q, kv_cache.shape[3], max_seq_len, self.min_split_len, self.decode_programs_per_sm
             )
             if metadata.num_splits > 1:
                 metadata.partial_out = q.new_empty(
@@ -181,13 +205,13 @@ class TritonBackend:
                 )
                 metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
             if self.decode_order == "longest_first":
-                metadata.seq_order = kernels.longest_first(inputs.seq_lens)
+                metadata.seq_order = kernels.longest_first(seq_lens)
         return kernels.paged_decode(
             q,
             kv_cache,
             out,
-            inputs.seq_lens,
-            inputs.block_tables,
+            seq_lens,
+            block_tables,
             scale,
             metadata.num_splits,
             self.decode_block_n,
