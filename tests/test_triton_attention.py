@@ -251,11 +251,16 @@ def test_decode_plan_splits_long_contexts_of_small_batches():
         ([1, 30], [200, 0], 1),  # one long decode beside a prompt: its context is split
     ],
 )
-def test_mixed_decode_and_prefill_chunks_match_torch(query_lens, context_lens, num_decodes):
-    # a chunked-prefill step: decoding sequences beside a chunk with a prefix and a new prompt
+@pytest.mark.parametrize("split", [True, False])
+def test_mixed_decode_and_prefill_chunks_match_torch(query_lens, context_lens, num_decodes, split):
+    """A chunked-prefill step: decoding sequences beside a chunk with a prefix and a new prompt, the
+    leading decodes run as split decodes (from mixed_decode_split_len on) or in the prefill kernel."""
     inputs, q, k, v, cache = make_batch(query_lens, context_lens, 16, 1, 32, 4, seed=3)
     assert not inputs.is_decode and inputs.num_decodes == num_decodes
-    assert_matches_torch(inputs, q, k, v, cache)
+    longest = inputs.max_decode_seq_len
+    backend = TritonBackend(mixed_decode_split_len=longest if split else longest + 1)
+    assert backend.build_metadata(inputs).num_decodes == (num_decodes if split else 0)
+    assert_matches_torch(inputs, q, k, v, cache, backend)
 
 
 def test_cuda_graph_padding_rows_store_nothing_and_output_zeros():
@@ -337,6 +342,8 @@ def test_validate_names_unsupported_settings():
         TritonBackend(block_m=24)
     with pytest.raises(ValueError, match=r"decode_order must be one of \['longest_first', 'batch'\], got 'shortest'"):
         TritonBackend(decode_order="shortest")
+    with pytest.raises(ValueError, match="mixed_decode_split_len must be a whole number of tokens, got 8.5"):
+        TritonBackend(mixed_decode_split_len=8.5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

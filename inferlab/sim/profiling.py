@@ -152,8 +152,10 @@ def measure(llm, settings: ProfileConfig) -> list[dict]:
             continue
         for context in PREFILL_CONTEXTS:
             add([(context, tokens)])
-        if tokens >= 1024:  # the same tokens as a chunk of several prompts
+        if tokens >= 1024:  # the same tokens as a chunk of several prompts, and a burst of short ones
             add([(0, tokens // 8)] * 8)
+            add([(0, tokens // 32)] * 32)
+            add([(0, tokens // 32)] * 32 + [(512, 1)] * 128)
         for decodes in (16, 128):
             add([(0, tokens)] + [(1024, 1)] * decodes)
         add([(4096, tokens)] + [(8192, 1)] * 32)
