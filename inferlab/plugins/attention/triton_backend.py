@@ -52,9 +52,9 @@ class TritonOptions:
     decode_order: str = "longest_first"
     # In a step with prefill, the decodes run through the split decode kernel when the longest holds
     # at least this many tokens; shorter ones stay in the prefill kernel. On an H200 (0.6B shapes) the
-    # split saved 4-17 ms a step beside 16k-24k-token decodes, and cost 2-4 ms of host time where
-    # decodes of 1k tokens rode along a small prompt (two more launches a layer; such steps are
-    # bound by the host's launches, and the prefill kernel takes a 1k-token decode in 32 tiles).
+    # split saved 2-16 ms a step beside 16k-24k-token decodes, and cost 2-5 ms of host time where
+    # decodes of 1k tokens rode along a prompt (two more launches a layer; such steps are bound by
+    # the host's launches, and the prefill kernel takes a 1k-token decode in 32 tiles).
     mixed_decode_split_len: int | None = None  # None takes 8192 (16 in the interpreter)
 
 
