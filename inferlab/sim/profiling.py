@@ -4,10 +4,10 @@ and write them as a step-time profile for the simulated executor.
 Each composition (decode batches of several sizes and contexts, with and without CUDA graphs;
 prefill chunks of several sizes with and without cached context, alone, split over requests and
 mixed with decodes of short and long contexts) is built as requests holding real KV blocks and
-launched back to back as the engine does under overlap scheduling (the next launch before the previous tokens are read), so a
-step's time is what a run pays for it: the device's work or, where it is longer, the host's. On a
-GPU each measurement also gives `device_seconds`, the device's own time for the step: where
-`seconds` is well above it, the host bounds the step.
+launched back to back as the engine does under overlap scheduling (the next launch before the
+previous tokens are read), so a step's time is what a run pays for it: the device's work or, where
+it is longer, the host's. On a GPU each measurement also gives `device_seconds`, the device's own
+time for the step: where `seconds` is well above it, the host bounds the step.
 """
 
 import json

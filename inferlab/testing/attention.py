@@ -16,8 +16,8 @@ of each new token over its sequence's cached context and the new tokens before i
 sharing KV heads (GQA). The scenarios: prefill of ragged sequences, a cached prefix shared from
 another sequence, chunked prefill beside decodes, decodes of long contexts leading a prompt, decode
 of ragged contexts over several steps, blocks reused after an earlier owner, CUDA-graph padding
-rows (and on CUDA a captured graph replayed), an fp8 cache, every block size and head shape validate accepts, a model storing K/V
-itself (FusedKVStore), and validate's answers. The cache layout is the backend's own: the suite
+rows (and on CUDA a captured graph replayed), an fp8 cache, every block size and head shape
+validate accepts, a model storing K/V itself (FusedKVStore), and validate's answers. The cache layout is the backend's own: the suite
 reads the cache only through forward.
 """
 
