@@ -211,6 +211,8 @@ def test_unknown_setting():
         (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
         (dict(kvcache_block_size=24), "block size must be a power of two >= 16, got 24"),
         (dict(dtype="float8"), "dtype must be one of"),
+        (dict(graph_prefill_tokens=-1), r"graph_prefill_tokens must be >= 0 \(0: steps with prefill run eagerly;"),
+        (dict(graph_prefill_tokens=1.5), "graph_prefill_tokens must be a whole number of tokens or None, got 1.5"),
     ],
 )
 def test_bad_settings(checkpoint, kwargs, match):

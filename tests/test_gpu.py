@@ -315,3 +315,27 @@ def test_start_up_compiles_every_kernel_variant_a_workload_selects(qwen3_path):
         finally:
             knobs.runtime.jit_cache_hook = None
         assert compiled == []
+
+
+def test_pinned_staging_reuses_its_buffers_only_after_their_copies():
+    """Uploads of many sizes and dtypes through the runner's pinned staging ring, more than it has
+    buffers, each overwritten on the host right after: every device copy holds what was sent."""
+    import numpy as np
+
+    from inferlab.core.model_runner import PinnedStaging
+
+    staging, stream, device = PinnedStaging(), torch.cuda.Stream(), torch.device("cuda")
+    rng = np.random.default_rng(0)
+    sent, received = [], []
+    for i in range(5 * PinnedStaging.SLOTS):
+        array = rng.integers(-(2**40), 2**40, size=(int(rng.integers(0, 5000)), 1 + i % 3), dtype=np.int64)
+        dtype = (torch.int64, torch.int32, torch.float32)[i % 3]
+        if dtype != torch.int64:
+            array = array % 10_000
+        received.append(staging.upload(array, dtype, stream, device))
+        sent.append(torch.from_numpy(array.copy()).to(dtype))
+        array[:] = 7  # the caller's array may change once upload returns
+    torch.cuda.synchronize()
+    for expected, got in zip(sent, received):
+        assert got.device.type == "cuda" and got.dtype == expected.dtype
+        assert torch.equal(got.cpu(), expected)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from inferlab import LLM, SamplingParams  # noqa: E402
-from inferlab.core.cuda_graphs import DecodeGraphs  # noqa: E402
+from inferlab.core.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.kernels.kv_store import store_kv  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
@@ -428,6 +428,137 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
         replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert replayed == eager
         assert 4 in graphs.replayed and 2 in graphs.replayed and 1 in graphs.replayed  # 3 sequences padded to 4
+
+
+class EagerReplayPrefillGraphs(PrefillGraphs):
+    """PrefillGraphs whose 'graphs' rerun the forward eagerly over the static buffers."""
+
+    def _capture(self, model, backend, kv_caches, pool):
+        self.replayed = []
+        for tokens in self.token_sizes:
+            self.graphs[tokens] = EagerPrefillGraph(self, model, backend, kv_caches, tokens)
+
+
+class EagerPrefillGraph:
+    def __init__(self, graphs, model, backend, kv_caches, tokens):
+        self.graphs, self.model, self.backend, self.kv_caches, self.tokens = graphs, model, backend, kv_caches, tokens
+
+    def replay(self):
+        g, tokens = self.graphs, self.tokens
+        g.replayed.append(tokens)
+        metadata = self.backend.build_metadata(g._inputs(tokens))
+        g.hidden[:tokens] = self.model(g.input_ids[:tokens], g.positions[:tokens], self.kv_caches, metadata)
+
+
+def test_prefill_graph_sizes():
+    assert prefill_graph_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert prefill_graph_sizes(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert prefill_graph_sizes(100) == [16, 32, 64, 100]
+    assert prefill_graph_sizes(16) == [16]
+    assert prefill_graph_sizes(5) == [5]
+    assert prefill_graph_sizes(0) == []
+
+
+def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
+    """graph_prefill_tokens=None: the largest size whose matmuls stay within 4 TFLOP a rank."""
+    from inferlab.core.cuda_graphs import auto_graph_prefill_tokens
+    from inferlab.core.model_config import native_model_config
+    from inferlab.floor import model_cost
+
+    def flops(shape):  # matmul FLOPs a prefill token (the LM head apart) of a model shape
+        cost = model_cost(native_model_config(shape, source="test"), torch.bfloat16)
+        return cost.flops_per_token - cost.head_flops_per_token
+
+    qwen3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    small = dict(qwen3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
+    large = dict(qwen3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
+    assert auto_graph_prefill_tokens(flops({**small, "num_key_value_heads": 8})) == 2048  # Qwen3-0.6B
+    assert auto_graph_prefill_tokens(flops({**large, "num_key_value_heads": 8})) == 256  # Qwen3-8B
+    assert auto_graph_prefill_tokens(1e12) == 16  # never below the smallest graph
+
+
+def test_prefill_graphs_pad_and_replay_like_eager(checkpoint):
+    """Steps with prefill (prompts, chunks, and decodes beside them) copied into padded static
+    buffers and replayed give the eager engine's tokens, with and without overlap scheduling
+    (whose placeholders the filling kernel resolves); steps too large for the graphs run eagerly."""
+    path = checkpoint("gqa2-tied")
+    # 12, 25, 10 and 8 tokens in steps of 20 (eager: above the graphs' 18), 20 (a decode beside
+    # chunks) and 18 (two decodes beside the rest); then two short prompts in a step of 16
+    prompts = ["Hello, world! How are", "Numbers: zero one two three four five six seven", "Readability counts."]
+    prompts.append("Flat is better than that")
+    later = ["Hi", "Flat"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 7, 4)]
+    settings = dict(
+        attention="triton",
+        device=str(DEVICE),
+        dtype="float32",
+        kvcache_block_size=16,
+        max_model_len=128,
+        max_num_seqs=6,
+        max_num_batched_tokens=20,
+        num_kvcache_blocks=32,
+        enforce_eager=True,
+        # the decodes beside prompts attend in the prefill kernel, as in the graphs (they stay eager
+        # where the backend would split them over their context)
+        attention_options={"mixed_decode_split_len": 4096},
+    )
+
+    def run(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(later, params[:2], use_tqdm=False)
+        return [o["token_ids"] for o in outputs]
+
+    eager = run(LLM(path, **settings))
+    for overlap in (False, True):
+        llm = LLM(path, **settings, overlap_scheduling=overlap)
+        runner = llm.runner
+        runner.prefill_graphs = graphs = EagerReplayPrefillGraphs(
+            runner.model,
+            runner.backend,
+            runner.kv_caches,
+            18,
+            6,
+            128,
+            16,
+            llm.hf_config.hidden_size,
+            runner.dtype,
+            runner.device,
+        )
+        assert graphs.token_sizes == [16, 18]
+        assert run(llm) == eager
+        assert graphs.replayed == [18, 16]
+
+
+def test_step_inputs_kernel_resolves_placeholders_and_pads():
+    from inferlab.kernels.graph_inputs import fill_step_inputs
+
+    out = {
+        "input_ids": torch.full((8,), 7, dtype=torch.int64),
+        "positions": torch.full((8,), 7, dtype=torch.int64),
+        "slot_mapping": torch.full((8,), 7, dtype=torch.int64),
+        "query_start_loc": torch.full((6,), 7, dtype=torch.int32),
+        "seq_lens": torch.full((5,), 7, dtype=torch.int32),
+        "context_lens": torch.full((5,), 7, dtype=torch.int32),
+        "block_tables": torch.full((5, 4), 7, dtype=torch.int32),
+    }
+    out = {name: t.to(DEVICE) for name, t in out.items()}
+    buffers = SimpleNamespace(**out)  # as PrefillGraphs holds them
+    # 5 tokens of 2 sequences: a decode (placeholder) and a 4-token chunk after 8 cached tokens
+    ids = torch.tensor([-1, 11, 12, 13, 14], device=DEVICE)
+    positions = torch.tensor([20, 8, 9, 10, 11], device=DEVICE)
+    slots = torch.tensor([100, 40, 41, 42, 43], device=DEVICE)
+    ints = torch.tensor([0, 1, 5, 21, 12, 20, 8, 1, 2, 3, 4], dtype=torch.int32, device=DEVICE)
+    tables = ints[7:].view(2, 2)
+    sampled = torch.tensor([99], device=DEVICE)
+    fill_step_inputs(6, 4, ids, positions, slots, ints[:3], ints[3:5], ints[5:7], tables, sampled, buffers)
+    assert out["input_ids"].tolist() == [99, 11, 12, 13, 14, 0, 7, 7]  # token 5 pads the 6 of the graph
+    assert out["positions"].tolist() == [20, 8, 9, 10, 11, 0, 7, 7]
+    assert out["slot_mapping"].tolist() == [100, 40, 41, 42, 43, -1, 7, 7]
+    assert out["query_start_loc"].tolist() == [0, 1, 5, 5, 5, 7]  # sequences 2-3 pad the 4: no new tokens
+    assert out["seq_lens"].tolist() == [21, 12, 0, 0, 7]
+    assert out["context_lens"].tolist() == [20, 8, 0, 0, 7]
+    assert out["block_tables"][:2].tolist() == [[1, 2, 7, 7], [3, 4, 7, 7]]
+    fill_step_inputs(6, 4, ids.abs(), positions, slots, ints[:3], ints[3:5], ints[5:7], tables, None, buffers)
+    assert out["input_ids"][:2].tolist() == [1, 11]
 
 
 def test_static_inputs_kernel_resolves_placeholders_and_pads():

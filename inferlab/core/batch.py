@@ -76,6 +76,10 @@ class AttentionInputs:
     # compute one token each (0 promises nothing), the longest of them max_decode_seq_len long.
     num_decodes: int = 0
     max_decode_seq_len: int = 0
+    # A CUDA graph's static buffers (steps with prefill: see AttentionBackend.supports_prefill_graphs):
+    # the tensors are padded to the graph's capacity and max_query_len is that capacity, so launch
+    # grids must follow the tensors' sizes, not the contents.
+    static_shapes: bool = False
 
     @property
     def num_seqs(self) -> int:

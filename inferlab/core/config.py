@@ -18,6 +18,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_step_timeout_s: float = 30.0  # a tensor-parallel rank silent through a step this long is taken for hung
     enforce_eager: bool = False
+    # Steps with prefill of at most this many tokens replay CUDA graphs (cuda_graphs.prefill_graph_sizes)
+    # where the attention backend supports it; 0: they run eagerly; None: up to the size whose
+    # matmuls take the device about as long as an eager launch takes the host (2,048 tokens for
+    # Qwen3-0.6B shapes, 256 for 8B ones: cuda_graphs.auto_graph_prefill_tokens).
+    graph_prefill_tokens: int | None = None
     # Compile every Triton kernel variant the engine's step shapes can select while it starts (on
     # CUDA, in parallel threads), not inside the first generate; Triton caches them on disk.
     compile_at_start: bool = True
@@ -62,6 +67,14 @@ class EngineConfig:
             )
         if not (isinstance(self.tp_step_timeout_s, (int, float)) and 0 < self.tp_step_timeout_s < float("inf")):
             raise ValueError(f"tp_step_timeout_s must be a positive number of seconds, got {self.tp_step_timeout_s!r}")
+        graph_tokens = self.graph_prefill_tokens
+        if graph_tokens is not None and (not isinstance(graph_tokens, int) or isinstance(graph_tokens, bool)):
+            raise ValueError(f"graph_prefill_tokens must be a whole number of tokens or None, got {graph_tokens!r}")
+        if graph_tokens is not None and graph_tokens < 0:
+            raise ValueError(
+                f"graph_prefill_tokens must be >= 0 (0: steps with prefill run eagerly; None: sized to the model), "
+                f"got {graph_tokens}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):

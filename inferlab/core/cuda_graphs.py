@@ -7,6 +7,7 @@ previous step's samples are one kernel (inferlab.kernels.graph_inputs)."""
 
 import bisect
 import logging
+from dataclasses import dataclass
 from time import perf_counter
 
 import torch
@@ -16,6 +17,17 @@ from inferlab.core.batch import AttentionInputs
 log = logging.getLogger("inferlab")
 
 MAX_GRAPH_BATCH = 512
+
+
+@dataclass(frozen=True, slots=True)
+class GraphLimits:
+    """Which steps replay CUDA graphs: decode-only steps of up to decode_batch sequences, steps with
+    prefill of up to prefill_tokens tokens whose decodes hold fewer than decode_context tokens
+    each (0: any). All 0: every step runs eagerly."""
+
+    decode_batch: int = 0
+    prefill_tokens: int = 0
+    decode_context: int = 0
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -53,6 +65,7 @@ class DecodeGraphs:
             self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
             self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
         start = perf_counter()
         self._compile_fill()
         self._capture(model, backend, kv_caches)
@@ -105,6 +118,7 @@ class DecodeGraphs:
             if pool is None:
                 pool = graph.pool()
             self.graphs[batch] = graph
+        self.pool = pool  # the prefill graphs capture into it too
         torch.cuda.synchronize()
 
     def release(self) -> None:
@@ -145,3 +159,180 @@ class DecodeGraphs:
         )
         self.graphs[batch].replay()
         return self.hidden[:num_seqs]
+
+
+# graph_prefill_tokens=None captures steps with prefill up to this much matmul work a rank: on an
+# H200 (about 300 TFLOP/s in such steps) it takes the device about as long as launching the step
+# eagerly takes the host (12-16 ms), beyond which graphs save little and their padding costs.
+AUTO_GRAPH_PREFILL_FLOPS = 4e12
+AUTO_GRAPH_PREFILL_MAX_TOKENS = 2048
+
+
+def auto_graph_prefill_tokens(flops_per_token: float) -> int:
+    """The largest graph size (prefill_graph_sizes) whose tokens' matmuls stay within
+    AUTO_GRAPH_PREFILL_FLOPS, at most 2,048 tokens and at least 16."""
+    sizes = prefill_graph_sizes(AUTO_GRAPH_PREFILL_MAX_TOKENS)
+    fitting = [size for size in sizes if size * flops_per_token <= AUTO_GRAPH_PREFILL_FLOPS]
+    return fitting[-1] if fitting else sizes[0]
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """Token capacities of the graphs of steps with prefill: powers of two from 16 to 256, then
+    every multiple of 256, up to max_tokens (itself included). A step runs the smallest that
+    holds it, so padding costs at most 256 tokens' work above 256 (a step of 1,100 tokens would
+    do 2,048's work in a power-of-two ladder: 8B shapes' device time grows faster than the host's
+    launch saves)."""
+    sizes = [size for size in (16, 32, 64, 128) if size < max_tokens]
+    sizes += list(range(256, max_tokens, 256))
+    return sizes + [max_tokens] if max_tokens >= 1 else []
+
+
+class PrefillGraphs:
+    """Captured graphs of steps with prefill (prompts, chunks, and the decodes beside them), one per
+    token capacity (prefill_graph_sizes), each for up to min(capacity, max_num_seqs) sequences.
+    Run eagerly, such a step costs the host a launch per kernel and more (13 ms for 16 tokens of
+    Qwen3-0.6B on an H200, where the device works 0.9 ms): every prompt's first token waits for
+    it, and so does every running request in a step that takes in a prompt. A step is copied into
+    the static buffers with its tokens and sequences padded to the capacity (padding tokens store
+    nothing, padding sequences have no new tokens) and replayed. The attention backend must launch
+    grids that follow the buffers' sizes (AttentionBackend.supports_prefill_graphs)."""
+
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_caches: list[torch.Tensor],
+        max_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pool=None,
+    ):
+        self.token_sizes = prefill_graph_sizes(max_tokens)
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        # decodes beside the prompt attend in the prefill kernel here (num_decodes is 0): where the
+        # backend would split long ones over their context, those steps stay eager
+        self.max_decode_seq_len = getattr(backend, "mixed_decode_split_len", None)
+        max_t, max_s = self.token_sizes[-1], self._seq_rows(self.token_sizes[-1])
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(max_t, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((max_t,), -1, dtype=torch.int64, device=device)
+            self.query_start_loc = torch.zeros(max_s + 1, dtype=torch.int32, device=device)
+            self.seq_lens = torch.zeros(max_s, dtype=torch.int32, device=device)
+            self.context_lens = torch.zeros(max_s, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros(max_s, self.max_blocks, dtype=torch.int32, device=device)
+            self.hidden = torch.zeros(max_t, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        start = perf_counter()
+        self._compile_fill()
+        self._capture(model, backend, kv_caches, pool)
+        log.info(
+            "captured CUDA graphs for steps with prefill of up to %s tokens in %.1f s",
+            self.token_sizes,
+            perf_counter() - start,
+        )
+
+    def _seq_rows(self, tokens: int) -> int:
+        return min(tokens, self.max_num_seqs)
+
+    def _inputs(self, tokens: int) -> AttentionInputs:
+        seqs = self._seq_rows(tokens)
+        return AttentionInputs(
+            query_start_loc=self.query_start_loc[: seqs + 1],
+            seq_lens=self.seq_lens[:seqs],
+            context_lens=self.context_lens[:seqs],
+            block_tables=self.block_tables[:seqs],
+            slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=tokens,
+            max_seq_len=self.max_blocks * self.block_size,
+            is_decode=False,
+            block_size=self.block_size,
+            static_shapes=True,
+        )
+
+    @torch.inference_mode()
+    def _compile_fill(self) -> None:
+        """Both variants of the filling kernel (with and without placeholders), before any step."""
+        from inferlab.kernels.graph_inputs import fill_step_inputs
+
+        device = self.input_ids.device
+        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        lens = torch.ones(1, dtype=torch.int32, device=device)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        for sampled in (None, ids):
+            fill_step_inputs(1, 1, ids, ids, ids, starts, lens, lens, table, sampled, self)
+
+    def _fill_padding(self) -> None:
+        """Every token and sequence of the buffers as padding: what the plain run before a capture sees."""
+        self.query_start_loc.zero_()
+        self.seq_lens.zero_()
+        self.context_lens.zero_()
+        self.slot_mapping.fill_(-1)
+
+    @torch.inference_mode()
+    def _capture(self, model, backend, kv_caches, pool):
+        self._fill_padding()
+        for tokens in reversed(self.token_sizes):  # largest first, so the smaller ones fit in its pool
+            inputs = self._inputs(tokens)
+            args = (self.input_ids[:tokens], self.positions[:tokens], kv_caches)
+            self.hidden[:tokens] = model(*args, backend.build_metadata(inputs))  # compiles, settles allocations
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.hidden[:tokens] = model(*args, backend.build_metadata(inputs))
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[tokens] = graph
+        torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """As DecodeGraphs.release."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.token_sizes = [0]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs: AttentionInputs,
+        last_sampled: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of a step with prefill, or None when no graph fits it (too many
+        tokens, sequences or blocks, or decodes the backend would split). With last_sampled, input
+        ids -(k + 1) stand for last_sampled[k]."""
+        num_tokens, num_seqs = input_ids.shape[0], inputs.num_seqs
+        if num_tokens > self.token_sizes[-1]:
+            return None
+        tokens = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
+        seqs = self._seq_rows(tokens)
+        width = inputs.block_tables.shape[1]
+        if num_seqs > seqs or width > self.max_blocks:
+            return None
+        if inputs.num_decodes and self.max_decode_seq_len and inputs.max_decode_seq_len >= self.max_decode_seq_len:
+            return None
+        from inferlab.kernels.graph_inputs import fill_step_inputs
+
+        fill_step_inputs(
+            tokens,
+            seqs,
+            input_ids,
+            positions,
+            inputs.slot_mapping,
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            inputs.context_lens,
+            inputs.block_tables,
+            last_sampled,
+            self,
+        )
+        self.graphs[tokens].replay()
+        return self.hidden[:num_tokens]

@@ -157,6 +157,13 @@ class AttentionBackend(Protocol):
     then do device work only (no host sync, no shapes read from tensor values). When False,
     decode runs eagerly.
 
+    supports_prefill_graphs (optional, False when absent): the runner also captures small steps
+    with prefill (CUDA graphs by token count, up to the engine's graph_prefill_tokens), whose
+    AttentionInputs have static_shapes set: the token and sequence tensors are padded to the
+    graph's capacity (padding sequences: no new tokens, seq_len 0; padding tokens: slot -1),
+    max_query_len is that capacity, and num_decodes is 0. Launch grids must follow the tensors'
+    sizes, never the batch's contents.
+
     auto_priority: where `attention=auto` may choose this backend, a class attribute of its factory
     mapping a device type ("cuda", "cpu") to a priority. On a device auto tries the backends that
     name its type, highest priority first, and takes the first that builds and validates; a

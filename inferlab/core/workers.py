@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from inferlab.core.batch import ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
+from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.core.interrupts import DEFERRED
 from inferlab.core.model_runner import ModelRunner, StepHandle, resolve_device
 from inferlab.core.parallel import TPGroup
@@ -119,12 +120,12 @@ class Workers:
         self.conns: list[Connection] = []
         self.watch_stops: list[Connection] = []  # wakes the NCCL watchdog when closing
         self.groups: list = []  # rank 0's process group, released after the workers stop
-        self.decode_graphs: list = []  # rank 0's CUDA graphs, destroyed before its group is aborted
+        self.cuda_graphs: list = []  # rank 0's CUDA graphs, destroyed before its group is aborted
         self.failures: dict[int, str] = {}  # rank -> what happened to it, once known
         self.raised: dict[int, str] = {}  # rank -> "Type: message" of the exception it reported
         self.busy_since: list[float | None] = [None]  # when the step under way began (read by the hang watch)
         self._finalizer = weakref.finalize(
-            self, shutdown_workers, self.processes, self.conns, self.watch_stops, self.groups, self.decode_graphs
+            self, shutdown_workers, self.processes, self.conns, self.watch_stops, self.groups, self.cuda_graphs
         )
         try:
             for rank in range(1, size):
@@ -269,7 +270,7 @@ def shutdown_workers(
     conns: list[Connection],
     watch_stops: list[Connection],
     groups: list,
-    decode_graphs: list,
+    cuda_graphs: list,
     grace: float = SHUTDOWN_GRACE_S,
 ) -> None:
     for stop in watch_stops:  # the deaths that follow are expected
@@ -292,9 +293,9 @@ def shutdown_workers(
             process.join()
     for conn in conns:
         conn.close()
-    for graphs in decode_graphs:  # NCCL's abort waits until no graph holds the communicator's collectives
+    for graphs in cuda_graphs:  # NCCL's abort waits until no graph holds the communicator's collectives
         graphs.release()
-    decode_graphs.clear()
+    cuda_graphs.clear()
     for group in groups:  # its peers are gone: abort rather than finalize (which would wait for them)
         abort_group(group)
 
@@ -400,8 +401,10 @@ class TensorParallelRunner:
             self.device, self.dtype, self.kv_cache_dtype = runner.device, runner.dtype, runner.kv_cache_dtype
             self.block_size, self.num_kv_blocks = runner.block_size, runner.num_kv_blocks
             self.backend, self.decode_graphs = runner.backend, runner.decode_graphs
-            if self.decode_graphs is not None:
-                self.workers.decode_graphs.append(self.decode_graphs)
+            self.prefill_graphs = runner.prefill_graphs
+            for graphs in (self.decode_graphs, self.prefill_graphs):
+                if graphs is not None:
+                    self.workers.cuda_graphs.append(graphs)
             counts = self.workers.receive("ready")
             if any(count != self.num_kv_blocks for count in counts):  # the ranks agreed on a minimum
                 raise RuntimeError(f"the ranks hold different numbers of KV blocks: {[self.num_kv_blocks, *counts]}")
@@ -437,6 +440,9 @@ class TensorParallelRunner:
         if "error" in box:
             raise box["error"]
         return box["group"]
+
+    def graph_limits(self) -> GraphLimits:
+        return self.model_runner.graph_limits()
 
     def launch(self, batch: ScheduledBatch) -> "TensorParallelStep":
         """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched.

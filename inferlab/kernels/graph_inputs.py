@@ -1,4 +1,4 @@
-"""One Triton kernel that fills the decode graphs' static input buffers for a step.
+"""Triton kernels that fill the CUDA graphs' static input buffers for a step (decode, and steps with prefill).
 
 Copied in with torch, a decode step's inputs took a dozen small kernels before the graph replay:
 one copy a buffer, the padding rows' fills, and five elementwise ops that swap the placeholder ids
@@ -113,6 +113,122 @@ def fill_static_inputs(
         width,
         block_tables.stride(0),
         out.block_tables.stride(0),
+        RESOLVE=resolve,
+        BLOCK_W=FILL_BLOCK_W,
+        num_warps=1,
+    )
+
+
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_seqs", "width", "tables_stride", "token_rows", "seq_rows"],
+    do_not_specialize_on_alignment=[
+        "ids_ptr",
+        "positions_ptr",
+        "slots_ptr",
+        "query_start_ptr",
+        "seq_lens_ptr",
+        "context_lens_ptr",
+        "tables_ptr",
+        "sampled_ptr",
+    ],
+)
+def _fill_step_kernel(
+    ids_ptr,
+    positions_ptr,
+    slots_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    context_lens_ptr,
+    tables_ptr,
+    sampled_ptr,
+    out_ids_ptr,
+    out_positions_ptr,
+    out_slots_ptr,
+    out_query_start_ptr,
+    out_seq_lens_ptr,
+    out_context_lens_ptr,
+    out_tables_ptr,
+    num_tokens,
+    num_seqs,
+    width,
+    tables_stride,
+    out_tables_stride,
+    token_rows,
+    seq_rows,
+    RESOLVE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """Program r fills token r and sequence r of a graph with token_rows tokens and seq_rows
+    sequences (r <= seq_rows also writes query_start[r])."""
+    row = tl.program_id(0)
+    if row < num_tokens:
+        token = tl.load(ids_ptr + row)
+        if RESOLVE:
+            token = tl.where(token < 0, tl.load(sampled_ptr + tl.maximum(-token - 1, 0)), token)
+        tl.store(out_ids_ptr + row, token)
+        tl.store(out_positions_ptr + row, tl.load(positions_ptr + row))
+        tl.store(out_slots_ptr + row, tl.load(slots_ptr + row))
+    elif row < token_rows:  # a padding token: a valid id and position, no slot to store into
+        tl.store(out_ids_ptr + row, 0)
+        tl.store(out_positions_ptr + row, 0)
+        tl.store(out_slots_ptr + row, -1)
+    if row < num_seqs:
+        tl.store(out_query_start_ptr + row, tl.load(query_start_ptr + row))
+        tl.store(out_seq_lens_ptr + row, tl.load(seq_lens_ptr + row))
+        tl.store(out_context_lens_ptr + row, tl.load(context_lens_ptr + row))
+        for start in range(0, width, BLOCK_W):
+            cols = start + tl.arange(0, BLOCK_W)
+            mask = cols < width
+            blocks = tl.load(tables_ptr + row * tables_stride + cols, mask=mask)
+            tl.store(out_tables_ptr + row * out_tables_stride + cols, blocks, mask=mask)
+    elif row <= seq_rows:  # past the batch: sequences with no new tokens and no keys
+        tl.store(out_query_start_ptr + row, num_tokens)
+        if row < seq_rows:
+            tl.store(out_seq_lens_ptr + row, 0)
+            tl.store(out_context_lens_ptr + row, 0)
+
+
+def fill_step_inputs(
+    token_rows: int,
+    seq_rows: int,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    last_sampled: torch.Tensor | None,
+    out,
+) -> None:
+    """As fill_static_inputs, for a graph of a step with prefill: its first token_rows tokens and
+    seq_rows sequences (seq_rows <= token_rows) get the step's, then padding (tokens with slot -1,
+    sequences with no new tokens and seq_len 0); `out` (a PrefillGraphs) also holds query_start_loc."""
+    num_seqs, width = block_tables.shape
+    resolve = last_sampled is not None
+    _fill_step_kernel[(max(token_rows, seq_rows + 1),)](
+        input_ids,
+        positions,
+        slot_mapping,
+        query_start_loc,
+        seq_lens,
+        context_lens,
+        block_tables,
+        last_sampled if resolve else input_ids,
+        out.input_ids,
+        out.positions,
+        out.slot_mapping,
+        out.query_start_loc,
+        out.seq_lens,
+        out.context_lens,
+        out.block_tables,
+        input_ids.shape[0],
+        num_seqs,
+        width,
+        block_tables.stride(0),
+        out.block_tables.stride(0),
+        token_rows,
+        seq_rows,
         RESOLVE=resolve,
         BLOCK_W=FILL_BLOCK_W,
         num_warps=1,

@@ -115,6 +115,39 @@ def padded_for_cuda_graphs(inputs: AttentionInputs, num_rows: int, max_blocks: i
     )
 
 
+def padded_for_prefill_graphs(
+    inputs: AttentionInputs, num_tokens: int, num_rows: int, max_blocks: int
+) -> AttentionInputs:
+    """A step with prefill as a graph of num_tokens tokens and num_rows sequences sees it
+    (inferlab.core.cuda_graphs.PrefillGraphs): padding tokens with slot -1, padding sequences with
+    no new tokens and seq_len 0 (stale block tables: the first row's), max_query_len the graph's
+    token capacity and static_shapes set."""
+    num_seqs, width = inputs.block_tables.shape
+    real_tokens = inputs.slot_mapping.shape[0]
+    if num_rows < num_seqs or num_tokens < real_tokens or max_blocks < width or num_rows > num_tokens:
+        raise ValueError(
+            f"pads a step of {real_tokens} tokens, {num_seqs} sequences and {width} blocks to at least as many "
+            f"(and no more sequences than tokens), got {num_tokens}, {num_rows} and {max_blocks}"
+        )
+    tables = inputs.block_tables.new_zeros(num_rows, max_blocks)
+    tables[:num_seqs, :width] = inputs.block_tables
+    tables[num_seqs:] = tables[0]
+    padding = num_rows - num_seqs
+    ends = inputs.query_start_loc.new_full((padding,), real_tokens)
+    return AttentionInputs(
+        query_start_loc=torch.cat([inputs.query_start_loc, ends]),
+        seq_lens=torch.cat([inputs.seq_lens, inputs.seq_lens.new_zeros(padding)]),
+        context_lens=torch.cat([inputs.context_lens, inputs.context_lens.new_zeros(padding)]),
+        block_tables=tables,
+        slot_mapping=torch.cat([inputs.slot_mapping, inputs.slot_mapping.new_full((num_tokens - real_tokens,), -1)]),
+        max_query_len=num_tokens,
+        max_seq_len=max_blocks * inputs.block_size,
+        is_decode=False,
+        block_size=inputs.block_size,
+        static_shapes=True,
+    )
+
+
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one sequence's new tokens q [n, H, D], the last n of its keys and values
     [L, Hkv, D], in float64: token i attends causally to keys 0 .. L - n + i, query head h to KV
@@ -504,6 +537,65 @@ class AttentionBackendSuite:
             torch.cuda.synchronize()
             run.check(step, out, f"decode replayed from a CUDA graph (replay {replay})")
         run.step([(s, 1) for s in sequences], what="eager decode after graph replays")
+
+    def test_prefill_graph_padding(self, dtype):
+        """A backend that supports graphs of steps with prefill gets such steps padded as the graphs
+        pad them (padded_for_prefill_graphs): decodes, a chunk after a cached prefix and a new
+        prompt are right, padding stores nothing and its outputs are finite."""
+        run = self.make_run(dtype)
+        if not getattr(run.backend, "supports_prefill_graphs", False):
+            pytest.skip(f"attention {self.attention!r} does not support graphs of steps with prefill")
+        bs = run.block_size
+        decoding, chunked, prompt = run.new_sequence(), run.new_sequence(), run.new_sequence()
+        run.step([(decoding, 2 * bs + 1), (chunked, bs + 2)], what="prompts")
+        step = run.prepare([(decoding, 1), (chunked, bs - 1), (prompt, 2 * bs + 5)])  # tiles at unaligned starts
+        num_tokens = step.q.shape[0]
+        unpadded_cache = run.cache.clone()
+        run.forward(step.inputs, step.q, step.k, step.v, unpadded_cache)
+        padded = padded_for_prefill_graphs(step.inputs, num_tokens + 7, 6, 6)
+        q, k, v = (torch.cat([x, run.random(7, *x.shape[1:])]) for x in (step.q, step.k, step.v))
+        out = run.forward(padded, q, k, v)
+        run.check(step, out, "a step with prefill padded for a graph")
+        assert out.shape[0] == num_tokens + 7
+        assert torch.equal(run.cache.view(torch.uint8), unpadded_cache.view(torch.uint8)), (
+            "padding changed the cache (slot -1 must store nothing)"
+        )
+        run.step([(decoding, 1), (chunked, 1), (prompt, 1)], what="decode after a padded step")
+
+    def test_prefill_graph_capture_replays(self, dtype):
+        """On CUDA, a step with prefill captured in a CUDA graph over padded static buffers and
+        replayed for two different steps (other token counts, sequences and contexts) is right."""
+        run = self.make_run(dtype)
+        if run.device.type != "cuda" or not getattr(run.backend, "supports_prefill_graphs", False):
+            pytest.skip("captures CUDA graphs: needs a CUDA device and a backend that supports prefill graphs")
+        bs, num_tokens, num_rows, max_blocks = run.block_size, 2 * run.block_size, 4, 6
+        first, second, third = run.new_sequence(), run.new_sequence(), run.new_sequence()
+        run.step([(first, bs + 3)], what="a prompt")
+        steps = [
+            run.prepare([(first, 1), (second, bs + 2)]),
+            run.prepare([(first, 1), (second, 3), (third, bs - 1)]),
+        ]
+        static = padded_for_prefill_graphs(steps[0].inputs, num_tokens, num_rows, max_blocks)
+        static.query_start_loc.zero_()  # the plain run before capture: every sequence and token is padding
+        static.seq_lens.zero_()
+        static.slot_mapping.fill_(-1)
+        q, k, v = (x.new_zeros(num_tokens, *x.shape[1:]) for x in (steps[0].q, steps[0].k, steps[0].v))
+        run.forward(static, q, k, v)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run.forward(static, q, k, v)
+        for replay, step in enumerate(steps):
+            filled = padded_for_prefill_graphs(step.inputs, num_tokens, num_rows, max_blocks)
+            for name in ("query_start_loc", "seq_lens", "context_lens", "block_tables", "slot_mapping"):
+                getattr(static, name).copy_(getattr(filled, name))
+            for buffer, x in ((q, step.q), (k, step.k), (v, step.v)):
+                buffer.zero_()
+                buffer[: x.shape[0]].copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            run.check(step, out, f"a step with prefill replayed from a CUDA graph (replay {replay})")
+        run.step([(first, 1), (second, 1), (third, 1)], what="eager decode after graph replays")
 
     def test_fp8_cache(self, dtype):
         """An fp8 cache (float8_e4m3fn, scale 1, rounded as inferlab.core.kv_cache_dtype says),

@@ -86,6 +86,7 @@ class TritonBackend:
 
     name = "triton"
     supports_cuda_graphs = True
+    supports_prefill_graphs = True  # the prefill kernel's flat grid follows the buffers' sizes
     # First on CUDA: over the bench workload's decode batches on an H200 its decode reads K/V at 95%
     # of the memory bandwidth where flash-attn's reaches 82%. Never auto on CPU, where Triton runs
     # only in its interpreter.
@@ -172,7 +173,8 @@ class TritonBackend:
         # is what lets a CUDA graph replay them from static buffers.
         metadata = TritonMetadata(inputs)
         num_decodes = inputs.num_decodes
-        if not inputs.is_decode and num_decodes and inputs.max_decode_seq_len >= self.mixed_decode_split_len:
+        split = num_decodes and inputs.max_decode_seq_len >= self.mixed_decode_split_len
+        if split and not inputs.is_decode and not inputs.static_shapes:
             metadata.num_decodes = num_decodes
             metadata.decodes = (inputs.seq_lens[:num_decodes], inputs.block_tables[:num_decodes])
             metadata.prefills = (
@@ -227,6 +229,7 @@ class TritonBackend:
             scale,
             self.block_m,
             self.block_n,
+            flat=inputs.static_shapes,
         )
 
     def _decode(self, q, kv_cache, out, seq_lens, block_tables, max_seq_len, metadata: TritonMetadata, scale):

@@ -25,7 +25,7 @@ MIN_DOT_ROWS = 16
 
 # Integer arguments that change from step to step are not specialized on (== 1, divisible by 16):
 # otherwise each new combination would compile a kernel variant in the middle of a run.
-PREFILL_RUNTIME_INTS = ["block_tables_stride"]
+PREFILL_RUNTIME_INTS = ["block_tables_stride", "num_seqs"]
 DECODE_RUNTIME_INTS = [
     "num_splits",
     "min_split_len",
@@ -118,6 +118,7 @@ def _prefill_kernel(
     cache_stride_slot,
     cache_stride_head,
     block_tables_stride,
+    num_seqs,
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -125,21 +126,42 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    FLAT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: BLOCK_M new tokens of one sequence for HEADS query heads of one KV head (1, or
     all GROUP of them, which then share each K/V tile), over all keys up to the tile's causal bound
     (cached context + new tokens), read through the block table. Its rows are head-major: the
-    first BLOCK_M are the first head's tokens."""
+    first BLOCK_M are the first head's tokens.
+
+    The grid is (sequences, tiles of the longest, head groups), or with FLAT (1, slots, head
+    groups), a grid that does not depend on the batch's contents (for CUDA graphs): sequence s
+    owns the slots from query_start[s] // BLOCK_M + s up to the next sequence's first, at least
+    as many as it has tiles, and each program finds its sequence by binary search."""
     pdl.wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    # The GPU starts programs in grid order; a sequence's later tiles attend to more keys, so they
-    # go first and the short ones fill the last wave.
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    if FLAT:
+        slot = tl.program_id(1)
+        seq = tl.full([], 0, tl.int32)
+        high = num_seqs - 1
+        while seq < high:  # the last sequence whose first slot is at or before this one
+            mid = (seq + high + 1) // 2
+            if tl.load(query_start_ptr + mid) // BLOCK_M + mid <= slot:
+                seq = mid
+            else:
+                high = mid - 1
+        query_start = tl.load(query_start_ptr + seq)
+        query_len = tl.load(query_start_ptr + seq + 1) - query_start
+        # the sequence's tiles take its last slots, the latest tile first (see below)
+        tile = (query_start + query_len) // BLOCK_M + seq - slot
+    else:
+        seq = tl.program_id(0)
+        # The GPU starts programs in grid order; a sequence's later tiles attend to more keys, so
+        # they go first and the short ones fill the last wave.
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        query_start = tl.load(query_start_ptr + seq)
+        query_len = tl.load(query_start_ptr + seq + 1) - query_start
     first_head = tl.program_id(2) * HEADS
-    query_start = tl.load(query_start_ptr + seq)
-    query_len = tl.load(query_start_ptr + seq + 1) - query_start
-    if tile * BLOCK_M >= query_len:
+    if tile < 0 or tile * BLOCK_M >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
@@ -396,11 +418,14 @@ def paged_prefill(
     num_warps: int = 4,
     num_stages: int = 2,
     heads_per_program: int | None = None,
+    flat: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of q [T, H, D] (each sequence's new tokens) over its cached context
     plus those tokens (already stored), into out [T, H, D]. Each program takes block_m tokens of
     heads_per_program query heads sharing a KV head: 1, or the whole group, which reads each K/V
-    tile once for all of them (default: prefill_heads_per_program)."""
+    tile once for all of them (default: prefill_heads_per_program). flat: the grid follows q's and
+    seq_lens' sizes only, never max_query_len or the contents (a CUDA graph replays it for any
+    batch that fits; sequences past the batch have no new tokens)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -411,7 +436,11 @@ def paged_prefill(
         raise ValueError(
             f"heads_per_program must be 1 or the group size {group} (a power of two), got {heads_per_program}"
         )
-    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), num_heads // heads_per_program)
+    num_seqs = seq_lens.shape[0]
+    if flat:  # every sequence's slots: at least its tiles, one more where its start is unaligned
+        grid = (1, triton.cdiv(q.shape[0], block_m) + num_seqs, num_heads // heads_per_program)
+    else:
+        grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads // heads_per_program)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -428,6 +457,7 @@ def paged_prefill(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        num_seqs,
         GROUP=group,
         HEADS=heads_per_program,
         BLOCK_SIZE=block_size,
@@ -435,6 +465,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_precision(q.dtype),
+        FLAT=flat,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(q.device),
