@@ -79,6 +79,68 @@ def test_small_prefill_steps_cost_the_host_floor():
         assert model(shape) == pytest.approx(truth(shape), rel=1e-6)
 
 
+def test_graphed_prefill_steps_have_their_own_costs_and_no_host_floor():
+    """Steps with prefill replayed from CUDA graphs: fitted apart from the eager ones (no floor,
+    their own fixed part); with too few of them measured, the eager fit's device part serves."""
+
+    def truth(shape: StepShape) -> float:
+        if not shape.prefill_tokens:
+            return linear_truth(shape)
+        if shape.graph:
+            return 5e-4 + 2e-7 * shape.prefill_tokens + 1e-6 * shape.decode_requests
+        return max(0.02, 3e-3 + 1e-6 * shape.prefill_tokens + 2e-11 * shape.prefill_pairs)
+
+    eager = [
+        StepShape(prefill_tokens=n, prefill_pairs=n * c + n * (n + 1) // 2, prefill_requests=1)
+        for n in (16, 256, 4096, 16384, 32768)
+        for c in (0, 16384, 65536)
+    ]
+    graphed = [
+        StepShape(prefill_tokens=n, prefill_pairs=n * (n + 1) // 2, prefill_requests=1, decode_requests=d, graph=True)
+        for n in (16, 64, 256, 1024)
+        for d in (0, 8)
+    ]
+    grid = [s for s in GRID if not s.prefill_tokens] + eager + graphed
+    model = MeasuredCostModel([{**s.as_dict(), "seconds": truth(s)} for s in grid])
+    described = model.describe()
+    assert described["with_prefill"]["host_floor_s"] == pytest.approx(0.02)
+    assert described["with_prefill_graph"]["base_s"] == pytest.approx(5e-4)
+    for shape in grid:
+        assert model(shape) == pytest.approx(truth(shape), rel=1e-6)
+    few = MeasuredCostModel(
+        [{**s.as_dict(), "seconds": truth(s)} for s in grid if not s.graph or s.prefill_tokens < 64]
+    )
+    small = StepShape(prefill_tokens=16, prefill_pairs=136, prefill_requests=1, graph=True)
+    assert few(small) == pytest.approx(3e-3 + 1e-6 * 16 + 2e-11 * 136, rel=1e-6)  # below the floor of eager steps
+
+
+def test_which_steps_replay_graphs():
+    """StepShape.of marks as graphed the decode-only steps up to the decode batch limit and the
+    steps with prefill up to the token limit (decodes included) whose decodes are shorter than
+    the decode limit."""
+    from inferlab.core.batch import ScheduledBatch
+    from inferlab.core.cuda_graphs import GraphLimits
+    from inferlab.core.request import Request
+
+    def request(context, total):
+        r = Request(0, list(range(total)), SamplingParams())
+        r.num_computed_tokens = context
+        return r
+
+    def batch(*parts):  # (context, new tokens, total tokens)
+        return ScheduledBatch([request(c, t) for c, _, t in parts], [n for _, n, _ in parts], [[] for _ in parts])
+
+    limits = GraphLimits(decode_batch=2, prefill_tokens=64, decode_context=1000)
+    assert StepShape.of(batch((10, 1, 11), (20, 1, 21)), limits).graph
+    assert not StepShape.of(batch((10, 1, 11), (20, 1, 21), (5, 1, 6)), limits).graph  # three decodes
+    assert StepShape.of(batch((0, 60, 100), (20, 1, 21)), limits).graph  # 61 tokens
+    assert not StepShape.of(batch((0, 64, 100), (20, 1, 21)), limits).graph  # 65 tokens
+    assert not StepShape.of(batch((0, 30, 100), (999, 1, 1000)), limits).graph  # a decode of 1,000 tokens
+    assert StepShape.of(batch((0, 30, 100), (998, 1, 999)), limits).graph
+    assert not StepShape.of(batch((0, 30, 100))).graph  # no limits: eager
+    assert StepShape.of(batch((0, 30, 100)), GraphLimits(prefill_tokens=64)).graph  # decode_context 0: any decodes
+
+
 def test_nonnegative_least_squares_drops_negative_costs():
     rows = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     assert nonnegative_least_squares(rows, np.array([3.0, 2.0, 1.0])) == pytest.approx([2.0, 0.0])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.floor import DeviceRates, ModelCost
 
 
@@ -34,26 +35,39 @@ class StepShape:
     prefill_requests: int = 0
     decode_requests: int = 0
     decode_context: int = 0  # cached tokens the decode requests read, their new token included
-    graph: bool = False  # a decode-only step that replays a CUDA graph
+    graph: bool = False  # the step replays a CUDA graph
 
     @classmethod
-    def of(cls, batch, graph_batch_limit: int = 0) -> "StepShape":
-        """The shape of a ScheduledBatch, read before the step advances its requests."""
+    def of(cls, batch, graphs: GraphLimits | None = None) -> "StepShape":
+        """The shape of a ScheduledBatch, read before the step advances its requests; graphs: which
+        steps replay CUDA graphs (None: none)."""
+        graphs = graphs or GraphLimits()
         prefill_tokens = prefill_pairs = prefill_requests = decode_requests = decode_context = 0
+        longest_decode = 0
         for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens):
             context = request.num_computed_tokens
             if num_tokens == 1 and context == len(request.token_ids) - 1:
                 decode_requests += 1
                 decode_context += context + 1
+                longest_decode = max(longest_decode, context + 1)
             else:
                 prefill_requests += 1
                 prefill_tokens += num_tokens
                 prefill_pairs += num_tokens * context + num_tokens * (num_tokens + 1) // 2
-        graph = not prefill_tokens and 0 < decode_requests <= graph_batch_limit
+        if prefill_tokens:
+            graph = prefill_tokens + decode_requests <= graphs.prefill_tokens and (
+                not graphs.decode_context or longest_decode < graphs.decode_context
+            )
+        else:
+            graph = 0 < decode_requests <= graphs.decode_batch
         return cls(prefill_tokens, prefill_pairs, prefill_requests, decode_requests, decode_context, graph)
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+# Fewer graphed steps with prefill than this in a profile: they cost the eager fit's device part.
+MIN_GRAPH_PREFILL_MEASUREMENTS = 6
 
 
 class MeasuredCostModel:
@@ -70,16 +84,29 @@ class MeasuredCostModel:
         }
         if not self.decode[True].sizes and not self.decode[False].sizes:
             raise ValueError("the profile has no decode-only measurements")
-        mixed = [(s, t) for s, t in shapes if s.prefill_tokens]
+        mixed = [(s, t) for s, t in shapes if s.prefill_tokens and not s.graph]
         if not mixed:
-            raise ValueError("the profile has no measurements of steps with prefill")
+            raise ValueError("the profile has no measurements of eager steps with prefill")
         # A step with prefill runs one eager forward over all its tokens: a fixed part, a part per
         # prefill token, per attention pair and per decode request, and the decode requests' K/V
         # reads at the rate decode-only steps of that batch size read it; never less than the
         # host's floor.
-        rows = np.array([[1.0, s.prefill_tokens, s.prefill_pairs, s.decode_requests] for s, _ in mixed])
-        context = np.array([self._context_seconds(s.decode_requests, s.decode_context) for s, _ in mixed])
+        rows, context = self._prefill_rows(mixed)
         self.host_floor_s, self.prefill_coefficients = fit_with_floor(rows, context, np.array([t for _, t in mixed]))
+        # Replayed from a CUDA graph, the same terms with coefficients of their own and no host floor
+        # (the eager fit's device part where the profile measured too few such steps).
+        graphed = [(s, t) for s, t in shapes if s.prefill_tokens and s.graph]
+        self.graph_prefill_coefficients = self.prefill_coefficients
+        if len(graphed) >= MIN_GRAPH_PREFILL_MEASUREMENTS:
+            rows, context = self._prefill_rows(graphed)
+            self.graph_prefill_coefficients = nonnegative_least_squares(
+                rows, np.array([t for _, t in graphed]) - context
+            )
+
+    def _prefill_rows(self, points: list[tuple[StepShape, float]]) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.array([[1.0, s.prefill_tokens, s.prefill_pairs, s.decode_requests] for s, _ in points])
+        context = np.array([self._context_seconds(s.decode_requests, s.decode_context) for s, _ in points])
+        return rows, context
 
     def _fit(self, graph: bool) -> "_DecodeFit":
         return self.decode[graph] if self.decode[graph].sizes else self.decode[not graph]
@@ -90,7 +117,9 @@ class MeasuredCostModel:
     def __call__(self, shape: StepShape) -> float:
         if not shape.prefill_tokens:
             return self._fit(shape.graph)(shape.decode_requests, shape.decode_context) if shape.decode_requests else 0.0
-        base, per_token, per_pair, per_decode = self.prefill_coefficients
+        base, per_token, per_pair, per_decode = (
+            self.graph_prefill_coefficients if shape.graph else self.prefill_coefficients
+        )
         device = (
             base
             + per_token * shape.prefill_tokens
@@ -98,20 +127,24 @@ class MeasuredCostModel:
             + per_decode * shape.decode_requests
             + self._context_seconds(shape.decode_requests, shape.decode_context)
         )
-        return max(self.host_floor_s, device)
+        return device if shape.graph else max(self.host_floor_s, device)
 
     def describe(self) -> dict:
         """The fitted coefficients, for results and docs."""
-        base, per_token, per_pair, per_decode = self.prefill_coefficients
-        return {
-            "decode": {("graph" if g else "eager"): fit.describe() for g, fit in self.decode.items() if fit.sizes},
-            "with_prefill": {
-                "host_floor_s": self.host_floor_s,
+
+        def terms(coefficients):
+            base, per_token, per_pair, per_decode = coefficients
+            return {
                 "base_s": base,
                 "per_prefill_token_s": per_token,
                 "per_pair_s": per_pair,
                 "per_decode_request_s": per_decode,
-            },
+            }
+
+        return {
+            "decode": {("graph" if g else "eager"): fit.describe() for g, fit in self.decode.items() if fit.sizes},
+            "with_prefill": {"host_floor_s": self.host_floor_s, **terms(self.prefill_coefficients)},
+            "with_prefill_graph": terms(self.graph_prefill_coefficients),
         }
 
 

@@ -118,7 +118,7 @@ class SimulatedRunner:
         self.dtype = getattr(torch, profile.dtype)
         self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
         self.block_size = config.kvcache_block_size
-        self.graph_batch_limit = 0 if config.enforce_eager else min(profile.graph_batch_limit, config.max_num_seqs)
+        self.graph_limits = profile.graph_limits(config)
         self.num_kv_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else self._blocks_from_profile()
         # a token that ends nothing: sampling rows get it, so lengths come from max_tokens
         self.token = 1 if avoid_token != 1 else 2
@@ -162,7 +162,7 @@ class SimulatedRunner:
             )
 
     def launch(self, batch) -> "SimulatedStep":
-        seconds = self.cost_model(StepShape.of(batch, self.graph_batch_limit))
+        seconds = self.cost_model(StepShape.of(batch, self.graph_limits))
         self.clock.now += seconds
         self.simulated_seconds += seconds
         self.num_steps += 1

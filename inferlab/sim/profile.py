@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.floor import DeviceRates, model_cost
 from inferlab.sim.cost_model import MeasuredCostModel, RooflineCostModel
 
@@ -48,10 +49,23 @@ class Profile:
     tensor_parallel_size: int
     kv_cache_bytes: int  # what the real engine gave its KV cache (per rank)
     graph_batch_limit: int  # the largest decode batch the engine captures in a CUDA graph (0: eager)
+    # Steps with prefill of at most this many tokens replayed CUDA graphs (0: none did), while their
+    # decodes held fewer than graph_decode_limit tokens (0: any decodes)
+    graph_prefill_tokens: int = 0
+    graph_decode_limit: int = 0
     measurements: list[dict] = field(default_factory=list)
     rates: dict[str, float] = field(default_factory=dict)  # roofline: bandwidth (B/s) and matmul_rate (FLOP/s)
     step_overhead_s: float = 0.0  # roofline: a fixed cost per step
     source: dict[str, Any] = field(default_factory=dict)  # commit, date, command, settings
+
+    def graph_limits(self, config) -> GraphLimits:
+        """Which steps an engine of `config` (its settings) replays from CUDA graphs on this profile's device."""
+        if config.enforce_eager:
+            return GraphLimits()
+        prefill_tokens = min(self.graph_prefill_tokens, config.max_num_batched_tokens)
+        if config.graph_prefill_tokens is not None:  # the profile holds the limit its engine resolved
+            prefill_tokens = min(prefill_tokens, config.graph_prefill_tokens)
+        return GraphLimits(min(self.graph_batch_limit, config.max_num_seqs), prefill_tokens, self.graph_decode_limit)
 
     def cost_model(self):
         if self.kind == "measured":

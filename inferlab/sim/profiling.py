@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from inferlab.core.batch import ScheduledBatch
-from inferlab.core.cuda_graphs import MAX_GRAPH_BATCH
 from inferlab.core.model_runner import ModelRunner
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
@@ -86,9 +85,10 @@ class StepTimer:
         llm, runner = self.llm, self.llm.runner
         requests = [self._request(c, n) for c, n in parts]
         batch = ScheduledBatch(requests, [n for _, n in parts], [llm.kv_manager.block_table(r) for r in requests])
-        saved = runner.decode_graphs
+        saved = runner.decode_graphs, runner.prefill_graphs
         if not graphs:
-            runner.decode_graphs = None
+            runner.decode_graphs = runner.prefill_graphs = None
+        limits = runner.graph_limits()
         try:
             for _ in range(3):
                 runner.launch(batch).tokens()
@@ -104,11 +104,10 @@ class StepTimer:
             seconds = (time.perf_counter() - start) / self.repeats
             device_seconds = self._device_seconds(batch, seconds) if runner.device.type == "cuda" else None
         finally:
-            runner.decode_graphs = saved
+            runner.decode_graphs, runner.prefill_graphs = saved
             for request in requests:
                 llm.kv_manager.free(request)
-        limit = min(MAX_GRAPH_BATCH, llm.config.max_num_seqs) if graphs and saved is not None else 0
-        measurement = {**StepShape.of(batch, limit).as_dict(), "seconds": seconds}
+        measurement = {**StepShape.of(batch, limits).as_dict(), "seconds": seconds}
         if device_seconds is not None:
             measurement["device_seconds"] = device_seconds
         return measurement
@@ -135,16 +134,22 @@ def measure(llm, settings: ProfileConfig) -> list[dict]:
     config, out = llm.config, []
     max_len = config.max_model_len
 
+    eager_too = isinstance(llm.runner, ModelRunner)  # rank 0 alone can go eager
+
     def add(parts, graphs=True):
         if len(parts) <= config.max_num_seqs and all(c + n <= max_len for c, n in parts):
             measurement = timer.time(parts, graphs)
             if measurement is not None:
                 out.append(measurement)
+                # a step with prefill that replayed a graph is timed eagerly too: the eager steps' fit
+                # (and its host floor) needs small ones
+                if measurement["graph"] and measurement["prefill_tokens"] and eager_too:
+                    out.append(timer.time(parts, graphs=False))
 
     for batch in settings.decode_batches:
         for context in settings.decode_contexts:
             add([(context, 1)] * batch)
-    if isinstance(llm.runner, ModelRunner) and llm.runner.decode_graphs is not None:  # rank 0 alone can go eager
+    if eager_too and llm.runner.decode_graphs is not None:
         for batch in EAGER_BATCHES:
             add([(512, 1)] * batch, graphs=False)
     for tokens in settings.prefill_tokens:
@@ -173,7 +178,7 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
     kv_heads = max(1, model["num_key_value_heads"] // llm.config.tensor_parallel_size)
     block_bytes = 2 * model["num_hidden_layers"] * kv_heads * model["head_dim"] * llm.config.kvcache_block_size
     block_bytes *= runner.kv_cache_dtype.itemsize
-    graphs = runner.decode_graphs is not None
+    limits = runner.graph_limits()
     return Profile(
         kind="measured",
         device=torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu",
@@ -183,7 +188,9 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
         attention=resolved_plugins(llm)["attention"],
         tensor_parallel_size=llm.config.tensor_parallel_size,
         kv_cache_bytes=runner.num_kv_blocks * block_bytes,
-        graph_batch_limit=min(MAX_GRAPH_BATCH, llm.config.max_num_seqs) if graphs else 0,
+        graph_batch_limit=limits.decode_batch,
+        graph_prefill_tokens=limits.prefill_tokens,
+        graph_decode_limit=limits.decode_context,
         measurements=measurements,
         source={
             "commit": settings.commit or git_state()["git_commit"],
