@@ -94,13 +94,15 @@ class MeasuredCostModel:
         rows, context = self._prefill_rows(mixed)
         self.host_floor_s, self.prefill_coefficients = fit_with_floor(rows, context, np.array([t for _, t in mixed]))
         # Replayed from a CUDA graph, the same terms with coefficients of their own and no host floor
-        # (the eager fit's device part where the profile measured too few such steps).
+        # (the eager fit's device part where the profile measured too few such steps), fitted to
+        # relative errors: these steps take 1-20 ms, and the small ones are the common ones.
         graphed = [(s, t) for s, t in shapes if s.prefill_tokens and s.graph]
         self.graph_prefill_coefficients = self.prefill_coefficients
         if len(graphed) >= MIN_GRAPH_PREFILL_MEASUREMENTS:
             rows, context = self._prefill_rows(graphed)
+            seconds = np.array([t for _, t in graphed])
             self.graph_prefill_coefficients = nonnegative_least_squares(
-                rows, np.array([t for _, t in graphed]) - context
+                rows / seconds[:, None], (seconds - context) / seconds
             )
 
     def _prefill_rows(self, points: list[tuple[StepShape, float]]) -> tuple[np.ndarray, np.ndarray]:
