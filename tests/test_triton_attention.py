@@ -372,25 +372,33 @@ def test_greedy_generate_with_triton_equals_torch(checkpoint, kv_cache_dtype):
     assert results["triton"] == results["torch"]
 
 
-class EagerReplayGraphs(DecodeGraphs):
-    """DecodeGraphs whose 'graphs' rerun the forward eagerly over the static buffers: exercises
-    the copy-in, padding and replay plumbing where CUDA graphs cannot run."""
+class EagerReplay:
+    """Graphs (DecodeGraphs or PrefillGraphs, mixed in before them) whose 'graphs' rerun the
+    forward eagerly over the static buffers: exercises the copy-in, padding and replay plumbing
+    where CUDA graphs cannot run."""
 
-    def _capture(self, model, backend, kv_caches):
+    def _capture(self, model, backend, kv_caches, pool=None):
         self.replayed = []
-        for batch in self.batch_sizes:
-            self.graphs[batch] = EagerGraph(self, model, backend, kv_caches, batch)
+        self.graphs = {size: EagerGraph(self, model, backend, kv_caches, size) for size in self.sizes}
 
 
 class EagerGraph:
-    def __init__(self, graphs, model, backend, kv_caches, batch):
-        self.graphs, self.model, self.backend, self.kv_caches, self.batch = graphs, model, backend, kv_caches, batch
+    def __init__(self, graphs, model, backend, kv_caches, size):
+        self.graphs, self.model, self.backend, self.kv_caches, self.size = graphs, model, backend, kv_caches, size
 
     def replay(self):
-        g, batch = self.graphs, self.batch
-        g.replayed.append(batch)
-        metadata = self.backend.build_metadata(g._inputs(batch))
-        g.hidden[:batch] = self.model(g.input_ids[:batch], g.positions[:batch], self.kv_caches, metadata)
+        g, size = self.graphs, self.size
+        g.replayed.append(size)
+        metadata = self.backend.build_metadata(g._inputs(size))
+        g.hidden[:size] = self.model(g.input_ids[:size], g.positions[:size], self.kv_caches, metadata)
+
+
+class EagerReplayGraphs(EagerReplay, DecodeGraphs):
+    pass
+
+
+class EagerReplayPrefillGraphs(EagerReplay, PrefillGraphs):
+    pass
 
 
 def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
@@ -413,41 +421,11 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
     for overlap in (False, True):
         llm = LLM(path, **settings, overlap_scheduling=overlap)
         runner = llm.runner
-        runner.decode_graphs = graphs = EagerReplayGraphs(
-            runner.model,
-            runner.backend,
-            runner.kv_caches,
-            6,
-            128,
-            16,
-            llm.hf_config.hidden_size,
-            runner.dtype,
-            runner.device,
-        )
-        assert graphs.batch_sizes == [1, 2, 4, 6]
+        runner.decode_graphs = graphs = EagerReplayGraphs(*runner._graph_settings(llm.hf_config))
+        assert graphs.sizes == [1, 2, 4, 6]
         replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert replayed == eager
         assert 4 in graphs.replayed and 2 in graphs.replayed and 1 in graphs.replayed  # 3 sequences padded to 4
-
-
-class EagerReplayPrefillGraphs(PrefillGraphs):
-    """PrefillGraphs whose 'graphs' rerun the forward eagerly over the static buffers."""
-
-    def _capture(self, model, backend, kv_caches, pool):
-        self.replayed = []
-        for tokens in self.token_sizes:
-            self.graphs[tokens] = EagerPrefillGraph(self, model, backend, kv_caches, tokens)
-
-
-class EagerPrefillGraph:
-    def __init__(self, graphs, model, backend, kv_caches, tokens):
-        self.graphs, self.model, self.backend, self.kv_caches, self.tokens = graphs, model, backend, kv_caches, tokens
-
-    def replay(self):
-        g, tokens = self.graphs, self.tokens
-        g.replayed.append(tokens)
-        metadata = self.backend.build_metadata(g._inputs(tokens))
-        g.hidden[:tokens] = self.model(g.input_ids[:tokens], g.positions[:tokens], self.kv_caches, metadata)
 
 
 def test_prefill_graph_sizes():
@@ -511,19 +489,8 @@ def test_prefill_graphs_pad_and_replay_like_eager(checkpoint):
     for overlap in (False, True):
         llm = LLM(path, **settings, overlap_scheduling=overlap)
         runner = llm.runner
-        runner.prefill_graphs = graphs = EagerReplayPrefillGraphs(
-            runner.model,
-            runner.backend,
-            runner.kv_caches,
-            18,
-            6,
-            128,
-            16,
-            llm.hf_config.hidden_size,
-            runner.dtype,
-            runner.device,
-        )
-        assert graphs.token_sizes == [16, 18]
+        runner.prefill_graphs = graphs = EagerReplayPrefillGraphs(*runner._graph_settings(llm.hf_config), 18)
+        assert graphs.sizes == [16, 18]
         assert run(llm) == eager
         assert graphs.replayed == [18, 16]
 

@@ -36,7 +36,52 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-class DecodeGraphs:
+class CapturedGraphs:
+    """What the decode graphs and the graphs of steps with prefill share: a graph per size in
+    `sizes` (rows of the static buffers input_ids, positions and hidden: a batch's sequences, or a
+    step's tokens), each replaying the model over the buffers' first rows as `_inputs(size)`
+    describes them to the attention backend."""
+
+    sizes: list[int]
+    graphs: dict[int, torch.cuda.CUDAGraph]
+    pool = None  # the memory pool the graphs share
+
+    def _inputs(self, size: int) -> AttentionInputs:
+        raise NotImplementedError
+
+    def _size_for(self, rows: int) -> int | None:
+        """The smallest captured size that holds `rows`, or None."""
+        if rows > self.sizes[-1]:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, rows)]
+
+    @torch.inference_mode()
+    def _capture(self, model, backend, kv_caches, pool=None) -> None:
+        self.graphs = {}
+        for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its pool
+            args = (self.input_ids[:size], self.positions[:size], kv_caches)
+            # a plain run first: compiles Triton kernels and settles allocations outside the capture
+            self.hidden[:size] = model(*args, backend.build_metadata(self._inputs(size)))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.hidden[:size] = model(*args, backend.build_metadata(self._inputs(size)))
+            pool = pool or graph.pool()
+            self.graphs[size] = graph
+        self.pool = pool
+        torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Destroys the graphs now, whoever still refers to this object. NCCL counts every graph
+        that captured one of its collectives and will not finish tearing down (or aborting) the
+        communicator until each is destroyed: tensor-parallel rank 0 releases its graphs first."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.sizes = [0]  # run() finds no graph for any step: it returns None, the eager path
+
+
+class DecodeGraphs(CapturedGraphs):
     """Captured decode graphs over static buffers; run() replays the one that fits a batch."""
 
     def __init__(
@@ -51,8 +96,8 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.batch_sizes = graph_batch_sizes(min(max_num_seqs, MAX_GRAPH_BATCH))
-        max_batch = self.batch_sizes[-1]
+        self.sizes = graph_batch_sizes(min(max_num_seqs, MAX_GRAPH_BATCH))
+        max_batch = self.sizes[-1]
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         with torch.inference_mode():
@@ -64,14 +109,12 @@ class DecodeGraphs:
             self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
             self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
             self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
         start = perf_counter()
         self._compile_fill()
         self._capture(model, backend, kv_caches)
         log.info(
             "captured CUDA graphs for decode batches of %s sequences in %.1f s",
-            self.batch_sizes,
+            self.sizes,
             perf_counter() - start,
         )
 
@@ -103,33 +146,6 @@ class DecodeGraphs:
         for sampled in (None, ids):
             fill_static_inputs(1, ids, ids, ids, lens, lens, table, sampled, self)
 
-    @torch.inference_mode()
-    def _capture(self, model, backend, kv_caches):
-        pool = None
-        for batch in reversed(self.batch_sizes):  # largest first, so the smaller ones fit in its pool
-            inputs = self._inputs(batch)
-            args = (self.input_ids[:batch], self.positions[:batch], kv_caches)
-            # a plain run first: compiles Triton kernels and settles allocations outside the capture
-            self.hidden[:batch] = model(*args, backend.build_metadata(inputs))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.hidden[:batch] = model(*args, backend.build_metadata(inputs))
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[batch] = graph
-        self.pool = pool  # the prefill graphs capture into it too
-        torch.cuda.synchronize()
-
-    def release(self) -> None:
-        """Destroys the graphs now, whoever still refers to this object. NCCL counts every graph
-        that captured one of its collectives and will not finish tearing down (or aborting) the
-        communicator until each is destroyed: tensor-parallel rank 0 releases its graphs first."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.batch_sizes = [0]  # run() finds no graph for any batch: it returns None, the eager path
-
     def run(
         self,
         input_ids: torch.Tensor,
@@ -140,10 +156,9 @@ class DecodeGraphs:
         """Hidden states [B, hidden] of a decode batch, or None when no graph fits it. With
         last_sampled, input ids -(k + 1) stand for last_sampled[k] (placeholders)."""
         num_seqs = inputs.num_seqs
-        width = inputs.block_tables.shape[1]
-        if num_seqs > self.batch_sizes[-1] or width > self.max_blocks:
+        batch = self._size_for(num_seqs)
+        if batch is None or inputs.block_tables.shape[1] > self.max_blocks:
             return None
-        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
         from inferlab.kernels.graph_inputs import fill_static_inputs  # Triton: imported where it runs
 
         fill_static_inputs(
@@ -187,7 +202,7 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
     return sizes + [max_tokens] if max_tokens >= 1 else []
 
 
-class PrefillGraphs:
+class PrefillGraphs(CapturedGraphs):
     """Captured graphs of steps with prefill (prompts, chunks, and the decodes beside them), one per
     token capacity (prefill_graph_sizes), each for up to min(capacity, max_num_seqs) sequences.
     Run eagerly, such a step costs the host a launch per kernel and more (13 ms for 16 tokens of
@@ -202,23 +217,23 @@ class PrefillGraphs:
         model,
         backend,
         kv_caches: list[torch.Tensor],
-        max_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_tokens: int,
         pool=None,
     ):
-        self.token_sizes = prefill_graph_sizes(max_tokens)
+        self.sizes = prefill_graph_sizes(max_tokens)
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
         # decodes beside the prompt attend in the prefill kernel here (num_decodes is 0): where the
         # backend would split long ones over their context, those steps stay eager
         self.max_decode_seq_len = getattr(backend, "mixed_decode_split_len", None)
-        max_t, max_s = self.token_sizes[-1], self._seq_rows(self.token_sizes[-1])
+        max_t, max_s = self.sizes[-1], self._seq_rows(self.sizes[-1])
         with torch.inference_mode():
             self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_t, dtype=torch.int64, device=device)
@@ -228,13 +243,13 @@ class PrefillGraphs:
             self.context_lens = torch.zeros(max_s, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(max_s, self.max_blocks, dtype=torch.int32, device=device)
             self.hidden = torch.zeros(max_t, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         start = perf_counter()
         self._compile_fill()
+        self._fill_padding()  # what the plain run before each capture sees
         self._capture(model, backend, kv_caches, pool)
         log.info(
             "captured CUDA graphs for steps with prefill of up to %s tokens in %.1f s",
-            self.token_sizes,
+            self.sizes,
             perf_counter() - start,
         )
 
@@ -269,35 +284,13 @@ class PrefillGraphs:
         for sampled in (None, ids):
             fill_step_inputs(1, 1, ids, ids, ids, starts, lens, lens, table, sampled, self)
 
+    @torch.inference_mode()
     def _fill_padding(self) -> None:
-        """Every token and sequence of the buffers as padding: what the plain run before a capture sees."""
+        """Every token and sequence of the buffers as padding."""
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
         self.context_lens.zero_()
         self.slot_mapping.fill_(-1)
-
-    @torch.inference_mode()
-    def _capture(self, model, backend, kv_caches, pool):
-        self._fill_padding()
-        for tokens in reversed(self.token_sizes):  # largest first, so the smaller ones fit in its pool
-            inputs = self._inputs(tokens)
-            args = (self.input_ids[:tokens], self.positions[:tokens], kv_caches)
-            self.hidden[:tokens] = model(*args, backend.build_metadata(inputs))  # compiles, settles allocations
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.hidden[:tokens] = model(*args, backend.build_metadata(inputs))
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[tokens] = graph
-        torch.cuda.synchronize()
-
-    def release(self) -> None:
-        """As DecodeGraphs.release."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.token_sizes = [0]
 
     def run(
         self,
@@ -309,13 +302,12 @@ class PrefillGraphs:
         """Hidden states [T, hidden] of a step with prefill, or None when no graph fits it (too many
         tokens, sequences or blocks, or decodes the backend would split). With last_sampled, input
         ids -(k + 1) stand for last_sampled[k]."""
-        num_tokens, num_seqs = input_ids.shape[0], inputs.num_seqs
-        if num_tokens > self.token_sizes[-1]:
+        num_tokens = input_ids.shape[0]
+        tokens = self._size_for(num_tokens)
+        if tokens is None:
             return None
-        tokens = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
         seqs = self._seq_rows(tokens)
-        width = inputs.block_tables.shape[1]
-        if num_seqs > seqs or width > self.max_blocks:
+        if inputs.num_seqs > seqs or inputs.block_tables.shape[1] > self.max_blocks:
             return None
         if inputs.num_decodes and self.max_decode_seq_len and inputs.max_decode_seq_len >= self.max_decode_seq_len:
             return None

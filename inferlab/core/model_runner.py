@@ -156,24 +156,14 @@ class ModelRunner:
         except ImportError as e:
             log.warning("CUDA graphs need Triton, which does not import (%s): decode runs eagerly", e)
             return None
-        return DecodeGraphs(
-            self.model,
-            self.backend,
-            self.kv_caches,
-            self.config.max_num_seqs,
-            self.config.max_model_len,
-            self.block_size,
-            hf_config.hidden_size,
-            self.dtype,
-            self.device,
-        )
+        return DecodeGraphs(*self._graph_settings(hf_config))
 
     def graph_limits(self) -> GraphLimits:
         """Which steps replay the graphs this runner captured."""
         decodes, prefills = self.decode_graphs, self.prefill_graphs
         return GraphLimits(
-            decodes.batch_sizes[-1] if decodes is not None else 0,
-            prefills.token_sizes[-1] if prefills is not None else 0,
+            decodes.sizes[-1] if decodes is not None else 0,
+            prefills.sizes[-1] if prefills is not None else 0,
             (prefills.max_decode_seq_len or 0) if prefills is not None else 0,
         )
 
@@ -191,18 +181,22 @@ class ModelRunner:
                 self.backend.name,
             )
             return None
-        return PrefillGraphs(
+        return PrefillGraphs(*self._graph_settings(hf_config), max_tokens, self.decode_graphs.pool)
+
+    def _graph_settings(self, hf_config) -> tuple:
+        """What both kinds of graphs are built from: the model, its backend and cache, and the sizes
+        of their buffers."""
+        config = self.config
+        return (
             self.model,
             self.backend,
             self.kv_caches,
-            max_tokens,
-            self.config.max_num_seqs,
-            self.config.max_model_len,
+            config.max_num_seqs,
+            config.max_model_len,
             self.block_size,
             hf_config.hidden_size,
             self.dtype,
             self.device,
-            self.decode_graphs.pool,
         )
 
     def _make_backend(self, registry: PluginRegistry, head_dim: int):

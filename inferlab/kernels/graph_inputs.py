@@ -15,6 +15,51 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _copy_token(
+    ids_ptr,
+    positions_ptr,
+    slots_ptr,
+    sampled_ptr,
+    out_ids_ptr,
+    out_positions_ptr,
+    out_slots_ptr,
+    row,
+    RESOLVE: tl.constexpr,
+):
+    """Token `row`'s id (a placeholder resolved), position and slot."""
+    token = tl.load(ids_ptr + row)
+    if RESOLVE:  # -(k + 1) stands for the previous step's k-th sample
+        token = tl.where(token < 0, tl.load(sampled_ptr + tl.maximum(-token - 1, 0)), token)
+    tl.store(out_ids_ptr + row, token)
+    tl.store(out_positions_ptr + row, tl.load(positions_ptr + row))
+    tl.store(out_slots_ptr + row, tl.load(slots_ptr + row))
+
+
+@triton.jit
+def _copy_sequence(
+    seq_lens_ptr,
+    context_lens_ptr,
+    tables_ptr,
+    out_seq_lens_ptr,
+    out_context_lens_ptr,
+    out_tables_ptr,
+    row,
+    width,
+    tables_stride,
+    out_tables_stride,
+    BLOCK_W: tl.constexpr,
+):
+    """Sequence `row`'s lengths and block table."""
+    tl.store(out_seq_lens_ptr + row, tl.load(seq_lens_ptr + row))
+    tl.store(out_context_lens_ptr + row, tl.load(context_lens_ptr + row))
+    for start in range(0, width, BLOCK_W):
+        cols = start + tl.arange(0, BLOCK_W)
+        mask = cols < width
+        blocks = tl.load(tables_ptr + row * tables_stride + cols, mask=mask)
+        tl.store(out_tables_ptr + row * out_tables_stride + cols, blocks, mask=mask)
+
+
 # The step's inputs are slices of one buffer (ModelRunner.upload) whose offsets follow the batch's
 # size: neither their alignment nor the sizes are specialized on, or new batch sizes would compile
 # new variants in the middle of a run.
@@ -53,19 +98,22 @@ def _fill_kernel(
 ):
     row = tl.program_id(0)
     if row < num_seqs:
-        token = tl.load(ids_ptr + row)
-        if RESOLVE:  # -(k + 1) stands for the previous step's k-th sample
-            token = tl.where(token < 0, tl.load(sampled_ptr + tl.maximum(-token - 1, 0)), token)
-        tl.store(out_ids_ptr + row, token)
-        tl.store(out_positions_ptr + row, tl.load(positions_ptr + row))
-        tl.store(out_slots_ptr + row, tl.load(slots_ptr + row))
-        tl.store(out_seq_lens_ptr + row, tl.load(seq_lens_ptr + row))
-        tl.store(out_context_lens_ptr + row, tl.load(context_lens_ptr + row))
-        for start in range(0, width, BLOCK_W):
-            cols = start + tl.arange(0, BLOCK_W)
-            mask = cols < width
-            blocks = tl.load(tables_ptr + row * tables_stride + cols, mask=mask)
-            tl.store(out_tables_ptr + row * out_tables_stride + cols, blocks, mask=mask)
+        _copy_token(
+            ids_ptr, positions_ptr, slots_ptr, sampled_ptr, out_ids_ptr, out_positions_ptr, out_slots_ptr, row, RESOLVE
+        )
+        _copy_sequence(
+            seq_lens_ptr,
+            context_lens_ptr,
+            tables_ptr,
+            out_seq_lens_ptr,
+            out_context_lens_ptr,
+            out_tables_ptr,
+            row,
+            width,
+            tables_stride,
+            out_tables_stride,
+            BLOCK_W,
+        )
     else:  # a padding row: no keys to attend to, no slot to store into
         tl.store(out_seq_lens_ptr + row, 0)
         tl.store(out_context_lens_ptr + row, 0)
@@ -162,25 +210,28 @@ def _fill_step_kernel(
     sequences (r <= seq_rows also writes query_start[r])."""
     row = tl.program_id(0)
     if row < num_tokens:
-        token = tl.load(ids_ptr + row)
-        if RESOLVE:
-            token = tl.where(token < 0, tl.load(sampled_ptr + tl.maximum(-token - 1, 0)), token)
-        tl.store(out_ids_ptr + row, token)
-        tl.store(out_positions_ptr + row, tl.load(positions_ptr + row))
-        tl.store(out_slots_ptr + row, tl.load(slots_ptr + row))
+        _copy_token(
+            ids_ptr, positions_ptr, slots_ptr, sampled_ptr, out_ids_ptr, out_positions_ptr, out_slots_ptr, row, RESOLVE
+        )
     elif row < token_rows:  # a padding token: a valid id and position, no slot to store into
         tl.store(out_ids_ptr + row, 0)
         tl.store(out_positions_ptr + row, 0)
         tl.store(out_slots_ptr + row, -1)
     if row < num_seqs:
         tl.store(out_query_start_ptr + row, tl.load(query_start_ptr + row))
-        tl.store(out_seq_lens_ptr + row, tl.load(seq_lens_ptr + row))
-        tl.store(out_context_lens_ptr + row, tl.load(context_lens_ptr + row))
-        for start in range(0, width, BLOCK_W):
-            cols = start + tl.arange(0, BLOCK_W)
-            mask = cols < width
-            blocks = tl.load(tables_ptr + row * tables_stride + cols, mask=mask)
-            tl.store(out_tables_ptr + row * out_tables_stride + cols, blocks, mask=mask)
+        _copy_sequence(
+            seq_lens_ptr,
+            context_lens_ptr,
+            tables_ptr,
+            out_seq_lens_ptr,
+            out_context_lens_ptr,
+            out_tables_ptr,
+            row,
+            width,
+            tables_stride,
+            out_tables_stride,
+            BLOCK_W,
+        )
     elif row <= seq_rows:  # past the batch: sequences with no new tokens and no keys
         tl.store(out_query_start_ptr + row, num_tokens)
         if row < seq_rows:
