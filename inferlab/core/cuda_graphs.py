@@ -3,7 +3,11 @@
 decode batch is copied into the buffers, padded to the next captured size (padding rows store
 nothing and attend to nothing) and replayed, which removes the per-kernel launch cost that
 dominates small decode steps. The copy-in, the padding and the swap of placeholder ids for the
-previous step's samples are one kernel (inferlab.kernels.graph_inputs)."""
+previous step's samples are one kernel (inferlab.kernels.graph_inputs).
+
+Small steps with prefill (PrefillGraphs) are captured the same way, by token count, over buffers
+padded in tokens and sequences; they share the decode graphs' memory pool (one stream replays
+one graph at a time, and every graph's output is copied into its own static buffer)."""
 
 import bisect
 import logging
