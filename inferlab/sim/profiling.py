@@ -144,7 +144,9 @@ def measure(llm, settings: ProfileConfig) -> list[dict]:
                 # a step with prefill that replayed a graph is timed eagerly too: the eager steps' fit
                 # (and its host floor) needs small ones
                 if measurement["graph"] and measurement["prefill_tokens"] and eager_too:
-                    out.append(timer.time(parts, graphs=False))
+                    eager = timer.time(parts, graphs=False)
+                    if eager is not None:
+                        out.append(eager)
 
     for batch in settings.decode_batches:
         for context in settings.decode_contexts:
