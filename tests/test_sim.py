@@ -264,6 +264,7 @@ def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
         # steps' decodes (at context 1024) exceed max_model_len and are left out
         assert shapes == {(1, 17, 0), (1, 65, 0), (4, 68, 0), (4, 260, 0), (0, 0, 16), (0, 0, 64)}
         assert all(m["seconds"] > 0 for m in measurements)
+        assert all(0 < m["host_seconds"] <= 2 * m["seconds"] for m in measurements)  # launch() alone
         assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks  # every measured step's blocks freed
         profile = run_profile(llm, settings, "test")
     path = tmp_path / "cpu.json"

@@ -6,8 +6,9 @@ prefill chunks of several sizes with and without cached context, alone, split ov
 mixed with decodes of short and long contexts) is built as requests holding real KV blocks and
 launched back to back as the engine does under overlap scheduling (the next launch before the
 previous tokens are read), so a step's time is what a run pays for it: the device's work or, where
-it is longer, the host's. On a GPU each measurement also gives `device_seconds`, the device's own
-time for the step: where `seconds` is well above it, the host bounds the step.
+it is longer, the host's. Each measurement also gives `host_seconds`, the host's time in launching
+it, and on a GPU `device_seconds`, the device's own time for the step: where `seconds` is well
+above it, the host bounds the step.
 """
 
 import json
@@ -93,9 +94,11 @@ class StepTimer:
             for _ in range(3):
                 runner.launch(batch).tokens()
             synchronize(runner.device)
-            start, previous = time.perf_counter(), None
+            start, previous, launching = time.perf_counter(), None, 0.0
             for _ in range(self.repeats):
+                launched = time.perf_counter()
                 handle = runner.launch(batch)
+                launching += time.perf_counter() - launched
                 if previous is not None:
                     previous.tokens()
                 previous = handle
@@ -107,7 +110,13 @@ class StepTimer:
             runner.decode_graphs, runner.prefill_graphs = saved
             for request in requests:
                 llm.kv_manager.free(request)
-        measurement = {**StepShape.of(batch, limits).as_dict(), "seconds": seconds}
+        # host_seconds: the host's time in launch() (inputs, forward and sampler launched), which
+        # bounds the step where it outlasts the device's work
+        measurement = {
+            **StepShape.of(batch, limits).as_dict(),
+            "seconds": seconds,
+            "host_seconds": launching / self.repeats,
+        }
         if device_seconds is not None:
             measurement["device_seconds"] = device_seconds
         return measurement
