@@ -495,19 +495,27 @@ def test_prefill_graphs_pad_and_replay_like_eager(checkpoint):
         assert graphs.replayed == [18, 16]
 
 
+def buffers_of_sevens(num_tokens: int, num_seqs: int, width: int, query_start_loc: bool = False) -> dict:
+    """A graph's static input buffers by name, every entry 7, so that what a fill leaves alone shows."""
+
+    def sevens(*shape, dtype):
+        return torch.full(shape, 7, dtype=dtype, device=DEVICE)
+
+    out = {name: sevens(num_tokens, dtype=torch.int64) for name in ("input_ids", "positions", "slot_mapping")}
+    if query_start_loc:
+        out["query_start_loc"] = sevens(num_seqs + 1, dtype=torch.int32)
+    out.update(
+        seq_lens=sevens(num_seqs, dtype=torch.int32),
+        context_lens=sevens(num_seqs, dtype=torch.int32),
+        block_tables=sevens(num_seqs, width, dtype=torch.int32),
+    )
+    return out
+
+
 def test_step_inputs_kernel_resolves_placeholders_and_pads():
     from inferlab.kernels.graph_inputs import fill_step_inputs
 
-    out = {
-        "input_ids": torch.full((8,), 7, dtype=torch.int64),
-        "positions": torch.full((8,), 7, dtype=torch.int64),
-        "slot_mapping": torch.full((8,), 7, dtype=torch.int64),
-        "query_start_loc": torch.full((6,), 7, dtype=torch.int32),
-        "seq_lens": torch.full((5,), 7, dtype=torch.int32),
-        "context_lens": torch.full((5,), 7, dtype=torch.int32),
-        "block_tables": torch.full((5, 4), 7, dtype=torch.int32),
-    }
-    out = {name: t.to(DEVICE) for name, t in out.items()}
+    out = buffers_of_sevens(num_tokens=8, num_seqs=5, width=4, query_start_loc=True)
     buffers = SimpleNamespace(**out)  # as PrefillGraphs holds them
     # 5 tokens of 2 sequences: a decode (placeholder) and a 4-token chunk after 8 cached tokens
     ids = torch.tensor([-1, 11, 12, 13, 14], device=DEVICE)
@@ -531,15 +539,7 @@ def test_step_inputs_kernel_resolves_placeholders_and_pads():
 def test_static_inputs_kernel_resolves_placeholders_and_pads():
     from inferlab.kernels.graph_inputs import fill_static_inputs
 
-    out = {
-        "input_ids": torch.full((8,), 7, dtype=torch.int64),
-        "positions": torch.full((8,), 7, dtype=torch.int64),
-        "slot_mapping": torch.full((8,), 7, dtype=torch.int64),
-        "seq_lens": torch.full((8,), 7, dtype=torch.int32),
-        "context_lens": torch.full((8,), 7, dtype=torch.int32),
-        "block_tables": torch.full((8, 5), 7, dtype=torch.int32),
-    }
-    out = {name: t.to(DEVICE) for name, t in out.items()}
+    out = buffers_of_sevens(num_tokens=8, num_seqs=8, width=5)
     buffers = SimpleNamespace(**out)  # as DecodeGraphs holds them
     longs = torch.tensor([11, -2, -1, 4, 9, 30, 40, 90, 300], device=DEVICE)  # ids, positions, slots of 3 rows
     ints = torch.tensor([5, 10, 31, 4, 9, 30, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device=DEVICE)

@@ -50,6 +50,30 @@ class CapturedGraphs:
     graphs: dict[int, torch.cuda.CUDAGraph]
     pool = None  # the memory pool the graphs share
 
+    def _allocate_buffers(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Static buffers for up to num_tokens tokens of num_seqs sequences, all padding: no
+        sequence has new tokens or keys, no token a slot."""
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+            self.query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
+            self.seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+            self.context_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros(num_seqs, self.max_blocks, dtype=torch.int32, device=device)
+            self.hidden = torch.zeros(num_tokens, hidden_size, dtype=dtype, device=device)
+
     def _inputs(self, size: int) -> AttentionInputs:
         raise NotImplementedError
 
@@ -102,17 +126,9 @@ class DecodeGraphs(CapturedGraphs):
     ):
         self.sizes = graph_batch_sizes(min(max_num_seqs, MAX_GRAPH_BATCH))
         max_batch = self.sizes[-1]
-        self.block_size = block_size
-        self.max_blocks = -(-max_model_len // block_size)
-        with torch.inference_mode():
-            self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-            self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-            self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-            self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-            self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
-            self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-            self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
+        self._allocate_buffers(max_batch, max_batch, max_model_len, block_size, hidden_size, dtype, device)
+        with torch.inference_mode():  # one token a sequence, in every replay
+            torch.arange(max_batch + 1, out=self.query_start_loc)
         start = perf_counter()
         self._compile_fill()
         self._capture(model, backend, kv_caches)
@@ -232,21 +248,13 @@ class PrefillGraphs(CapturedGraphs):
     ):
         self.sizes = prefill_graph_sizes(max_tokens)
         self.max_num_seqs = max_num_seqs
-        self.block_size = block_size
-        self.max_blocks = -(-max_model_len // block_size)
         # decodes beside the prompt attend in the prefill kernel here (num_decodes is 0): where the
         # backend would split long ones over their context, those steps stay eager
         self.max_decode_seq_len = getattr(backend, "mixed_decode_split_len", None)
-        max_t, max_s = self.sizes[-1], self._seq_rows(self.sizes[-1])
-        with torch.inference_mode():
-            self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(max_t, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.full((max_t,), -1, dtype=torch.int64, device=device)
-            self.query_start_loc = torch.zeros(max_s + 1, dtype=torch.int32, device=device)
-            self.seq_lens = torch.zeros(max_s, dtype=torch.int32, device=device)
-            self.context_lens = torch.zeros(max_s, dtype=torch.int32, device=device)
-            self.block_tables = torch.zeros(max_s, self.max_blocks, dtype=torch.int32, device=device)
-            self.hidden = torch.zeros(max_t, hidden_size, dtype=dtype, device=device)
+        max_tokens = self.sizes[-1]
+        self._allocate_buffers(
+            max_tokens, self._seq_rows(max_tokens), max_model_len, block_size, hidden_size, dtype, device
+        )
         start = perf_counter()
         self._compile_fill()
         self._fill_padding()  # what the plain run before each capture sees
