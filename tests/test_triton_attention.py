@@ -435,10 +435,18 @@ def test_prefill_graph_sizes():
     assert prefill_graph_sizes(16) == [16]
     assert prefill_graph_sizes(5) == [5]
     assert prefill_graph_sizes(0) == []
+    # eight sizes an octave above 2,048: padding at most an eighth of a step
+    large = prefill_graph_sizes(16384)
+    assert large[11:] == [2048 + 256 * k for k in range(9)] + [4096 + 512 * k for k in range(1, 9)] + [
+        8192 + 1024 * k for k in range(1, 9)
+    ]
+    assert all((after - before) / before <= 1 / 8 for before, after in zip(large[11:], large[12:]))
+    assert prefill_graph_sizes(5000)[-3:] == [4096, 4608, 5000]
 
 
 def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
-    """graph_prefill_tokens=None: the largest size whose matmuls stay within 4 TFLOP a rank."""
+    """graph_prefill_tokens=None: the largest size whose matmuls stay within 8 TFLOP a rank, at
+    most a step's tokens."""
     from inferlab.core.cuda_graphs import auto_graph_prefill_tokens
     from inferlab.core.model_config import native_model_config
     from inferlab.floor import model_cost
@@ -450,9 +458,12 @@ def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
     qwen3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False, rms_norm_eps=1e-6)
     small = dict(qwen3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
     large = dict(qwen3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
-    assert auto_graph_prefill_tokens(flops({**small, "num_key_value_heads": 8})) == 2048  # Qwen3-0.6B
-    assert auto_graph_prefill_tokens(flops({**large, "num_key_value_heads": 8})) == 256  # Qwen3-8B
-    assert auto_graph_prefill_tokens(1e12) == 16  # never below the smallest graph
+    qwen3_0_6b, qwen3_8b = flops({**small, "num_key_value_heads": 8}), flops({**large, "num_key_value_heads": 8})
+    assert auto_graph_prefill_tokens(qwen3_0_6b, 16384) == 8192  # the next size, 9,216, is 8.1 TFLOP
+    assert auto_graph_prefill_tokens(qwen3_0_6b, 4000) == 4000  # a step's most
+    assert auto_graph_prefill_tokens(qwen3_8b, 16384) == 512
+    assert auto_graph_prefill_tokens(1e12, 16384) == 16  # never below the smallest graph
+    assert auto_graph_prefill_tokens(qwen3_8b, 0) == 0
 
 
 def test_prefill_graphs_pad_and_replay_like_eager(checkpoint):

@@ -10,6 +10,7 @@ padded in tokens and sequences; they share the decode graphs' memory pool (one s
 one graph at a time, and every graph's output is copied into its own static buffer)."""
 
 import bisect
+import functools
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -197,28 +198,44 @@ class DecodeGraphs(CapturedGraphs):
 
 
 # graph_prefill_tokens=None captures steps with prefill up to this much matmul work a rank: on an
-# H200 (about 300 TFLOP/s in such steps) it takes the device about as long as launching the step
-# eagerly takes the host (12-16 ms), beyond which graphs save little and their padding costs.
-AUTO_GRAPH_PREFILL_FLOPS = 4e12
-AUTO_GRAPH_PREFILL_MAX_TOKENS = 2048
+# H200 such a step takes the device about as long as launching it eagerly takes the host (Qwen3-0.6B
+# shapes: 8,192 tokens beside 64 decodes, 19-21 ms either way; 4,096 tokens of 32 prompts 7.7 ms
+# replayed, 18.3 eager), beyond which graphs save nothing and their padding and capture cost.
+AUTO_GRAPH_PREFILL_FLOPS = 8e12
 
 
-def auto_graph_prefill_tokens(flops_per_token: float) -> int:
-    """The largest graph size (prefill_graph_sizes) whose tokens' matmuls stay within
-    AUTO_GRAPH_PREFILL_FLOPS, at most 2,048 tokens and at least 16."""
-    sizes = prefill_graph_sizes(AUTO_GRAPH_PREFILL_MAX_TOKENS)
+def auto_graph_prefill_tokens(flops_per_token: float, max_tokens: int) -> int:
+    """The largest graph size (prefill_graph_sizes, up to max_tokens: a step's most) whose tokens'
+    matmuls stay within AUTO_GRAPH_PREFILL_FLOPS, and at least the smallest size."""
+    sizes = prefill_graph_sizes(max_tokens)
     fitting = [size for size in sizes if size * flops_per_token <= AUTO_GRAPH_PREFILL_FLOPS]
-    return fitting[-1] if fitting else sizes[0]
+    return fitting[-1] if fitting else sizes[0] if sizes else 0
+
+
+def prefill_graph_capacity(tokens: int, max_tokens: int) -> int:
+    """The token capacity of the graph that replays a step of `tokens` tokens when graphs go up to
+    max_tokens: the tokens it computes, padding included."""
+    sizes = _prefill_graph_sizes(max_tokens)
+    return sizes[bisect.bisect_left(sizes, tokens)]
+
+
+@functools.cache
+def _prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    return tuple(prefill_graph_sizes(max_tokens))
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
-    """Token capacities of the graphs of steps with prefill: powers of two from 16 to 256, then
-    every multiple of 256, up to max_tokens (itself included). A step runs the smallest that
-    holds it, so padding costs at most 256 tokens' work above 256 (a step of 1,100 tokens would
-    do 2,048's work in a power-of-two ladder: 8B shapes' device time grows faster than the host's
-    launch saves)."""
+    """Token capacities of the graphs of steps with prefill: powers of two from 16 to 256, every
+    multiple of 256 to 2,048, then eight sizes an octave (steps of 256 to 4,096, of 512 to 8,192,
+    of 1,024 to 16,384, ...), up to max_tokens (itself included). A step runs the smallest that
+    holds it, so padding costs at most 256 tokens' work to 2,048 and an eighth of the step above
+    (a power-of-two ladder would make a 1,100-token step do 2,048's work: 8B shapes' device time
+    grows faster than the host's launch saves)."""
     sizes = [size for size in (16, 32, 64, 128) if size < max_tokens]
-    sizes += list(range(256, max_tokens, 256))
+    size = 256
+    while size < max_tokens:
+        sizes.append(size)
+        size += 256 << max(0, (size // 2048).bit_length() - 1)
     return sizes + [max_tokens] if max_tokens >= 1 else []
 
 

@@ -102,6 +102,8 @@ class ModelRunner:
         self.download_stream = torch.cuda.Stream(self.device) if cuda else None
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.prefill_graphs: PrefillGraphs | None = None
+        self.graphs_supported = self._graphs_supported()
+        self.prefill_graph_tokens = self._prefill_graph_tokens(hf_config)
         if cuda and config.compile_at_start:
             self._compile_kernels()
         self.num_kv_blocks = self._num_kv_blocks()
@@ -145,18 +147,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
+    def _graphs_supported(self) -> bool:
+        """Whether this runner can capture decode graphs (those of steps with prefill need them)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
+            return False
         if not self.backend.supports_cuda_graphs:
             log.info("attention backend %r does not support CUDA graphs: decode runs eagerly", self.backend.name)
-            return None
+            return False
         try:  # the graphs' inputs are filled by a Triton kernel
             importlib.import_module("inferlab.kernels.graph_inputs")
         except ImportError as e:
             log.warning("CUDA graphs need Triton, which does not import (%s): decode runs eagerly", e)
-            return None
-        return DecodeGraphs(*self._graph_settings(hf_config))
+            return False
+        return True
+
+    def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
+        return DecodeGraphs(*self._graph_settings(hf_config)) if self.graphs_supported else None
 
     def graph_limits(self) -> GraphLimits:
         """Which steps replay the graphs this runner captured."""
@@ -167,21 +173,29 @@ class ModelRunner:
             (prefills.max_decode_seq_len or 0) if prefills is not None else 0,
         )
 
-    def _capture_prefill_graphs(self, hf_config) -> PrefillGraphs | None:
-        max_tokens = self.config.graph_prefill_tokens
-        if max_tokens is None:
-            cost = model_cost(hf_config, self.dtype, tensor_parallel_size=self.tp.size)
-            max_tokens = auto_graph_prefill_tokens(cost.flops_per_token - cost.head_flops_per_token)
-        max_tokens = min(max_tokens, self.config.max_num_batched_tokens)
-        if self.decode_graphs is None or max_tokens < 1:
-            return None
+    def _prefill_graph_tokens(self, hf_config) -> int:
+        """The most tokens a step with prefill may hold to replay a graph (0: none are captured):
+        graph_prefill_tokens, sized to the model when None, at most max_num_batched_tokens."""
+        if not self.graphs_supported:
+            return 0
         if not getattr(self.backend, "supports_prefill_graphs", False):
             log.info(
                 "attention backend %r does not support graphs of steps with prefill: they run eagerly",
                 self.backend.name,
             )
+            return 0
+        max_tokens = self.config.graph_prefill_tokens
+        if max_tokens is None:
+            cost = model_cost(hf_config, self.dtype, tensor_parallel_size=self.tp.size)
+            flops_per_token = cost.flops_per_token - cost.head_flops_per_token
+            return auto_graph_prefill_tokens(flops_per_token, self.config.max_num_batched_tokens)
+        return max(0, min(max_tokens, self.config.max_num_batched_tokens))
+
+    def _capture_prefill_graphs(self, hf_config) -> PrefillGraphs | None:
+        if self.decode_graphs is None or self.prefill_graph_tokens < 1:
             return None
-        return PrefillGraphs(*self._graph_settings(hf_config), max_tokens, self.decode_graphs.pool)
+        settings = self._graph_settings(hf_config)
+        return PrefillGraphs(*settings, self.prefill_graph_tokens, self.decode_graphs.pool)
 
     def _graph_settings(self, hf_config) -> tuple:
         """What both kinds of graphs are built from: the model, its backend and cache, and the sizes
@@ -260,10 +274,12 @@ class ModelRunner:
 
     def _num_kv_blocks_from_gpu_memory(self, block_bytes: int) -> int:
         """As nano-vllm: run the largest batch once, then give the KV cache what is left of
-        gpu_memory_utilization after the weights and that step's peak activations."""
+        gpu_memory_utilization after the weights, that step's peak activations and those of the
+        largest graph of steps with prefill (in a memory pool of its own; estimated from the
+        step's, in proportion to tokens)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        warmup_cache = self._warmup()
+        warmup_cache, warmup_tokens = self._warmup()
         warmup_bytes = warmup_cache.numel() * warmup_cache.element_size()
         del warmup_cache
         # hand the warm-up's blocks back to the driver, or `used` would count the activations twice
@@ -271,15 +287,17 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak_activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"] - warmup_bytes
+        graph_activations = peak_activations * min(1.0, self.prefill_graph_tokens / warmup_tokens)
         used = total - free  # weights, CUDA context, other processes
-        available = total * self.config.gpu_memory_utilization - used - peak_activations
+        available = total * self.config.gpu_memory_utilization - used - peak_activations - graph_activations
         num_blocks = int(available) // block_bytes
         log.info(
-            "GPU memory: %.2f GiB total, %.2f GiB used after warm-up, %.2f GiB peak activations; "
-            "%.2f GiB at gpu_memory_utilization=%.2f leaves %d KV blocks of %.1f MiB",
+            "GPU memory: %.2f GiB total, %.2f GiB used after warm-up, %.2f GiB peak activations "
+            "(%.2f GiB more for graphs); %.2f GiB at gpu_memory_utilization=%.2f leaves %d KV blocks of %.1f MiB",
             total / 2**30,
             used / 2**30,
             peak_activations / 2**30,
+            graph_activations / 2**30,
             total * self.config.gpu_memory_utilization / 2**30,
             self.config.gpu_memory_utilization,
             max(num_blocks, 0),
@@ -298,9 +316,9 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
         return torch.zeros((num_layers, *shape), dtype=self.kv_cache_dtype, device=self.device)
 
-    def _warmup(self) -> torch.Tensor:
+    def _warmup(self) -> tuple[torch.Tensor, int]:
         """One prefill of max_num_batched_tokens tokens (sequences of max_model_len) on a scratch cache
-        as large as they need."""
+        as large as they need; returns the cache and the step's tokens."""
         max_len = self.config.max_model_len
         num_tokens = max(self.config.max_num_batched_tokens, max_len)
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
@@ -310,7 +328,7 @@ class ModelRunner:
         batch = self._scratch_batch(0, [(0, n) for n in lengths], num_blocks, "greedy")
         self.launch(batch, list(cache.unbind(0))).tokens()
         torch.cuda.synchronize(self.device)
-        return cache
+        return cache, sum(lengths)
 
     def _compile_kernels(self) -> None:
         """Compiles the Triton kernel variants that steps of every shape a workload can bring
