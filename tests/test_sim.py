@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from inferlab import LLM, SamplingParams
+from inferlab.core.cuda_graphs import prefill_graph_capacity
 from inferlab.floor import DeviceRates, ModelCost
 from inferlab.sim.cost_model import MeasuredCostModel, RooflineCostModel, StepShape, nonnegative_least_squares
 from inferlab.sim.profile import Profile, load_profile, model_fields, shipped_profiles
@@ -86,8 +87,8 @@ def test_graphed_prefill_steps_have_their_own_costs_and_no_host_floor():
     def truth(shape: StepShape) -> float:
         if not shape.prefill_tokens:
             return linear_truth(shape)
-        if shape.graph:
-            return 5e-4 + 2e-7 * shape.prefill_tokens + 1e-6 * shape.decode_requests
+        if shape.graph:  # the graph's padded size sets the per-token work
+            return 5e-4 + 2e-7 * shape.graph_tokens + 1e-6 * shape.decode_requests
         return max(0.02, 3e-3 + 1e-6 * shape.prefill_tokens + 2e-11 * shape.prefill_pairs)
 
     eager = [
@@ -96,10 +97,18 @@ def test_graphed_prefill_steps_have_their_own_costs_and_no_host_floor():
         for c in (0, 16384, 65536)
     ]
     graphed = [
-        StepShape(prefill_tokens=n, prefill_pairs=n * (n + 1) // 2, prefill_requests=1, decode_requests=d, graph=True)
-        for n in (16, 64, 256, 1024)
+        StepShape(
+            prefill_tokens=n,
+            prefill_pairs=n * (n + 1) // 2,
+            prefill_requests=1,
+            decode_requests=d,
+            graph=True,
+            graph_tokens=prefill_graph_capacity(n + d, 8192),
+        )
+        for n in (16, 64, 256, 1024, 2100, 5000)
         for d in (0, 8)
     ]
+    assert {s.graph_tokens for s in graphed if s.prefill_tokens == 2100} == {2304}
     grid = [s for s in GRID if not s.prefill_tokens] + eager + graphed
     model = MeasuredCostModel([{**s.as_dict(), "seconds": truth(s)} for s in grid])
     described = model.describe()
@@ -112,6 +121,9 @@ def test_graphed_prefill_steps_have_their_own_costs_and_no_host_floor():
     )
     small = StepShape(prefill_tokens=16, prefill_pairs=136, prefill_requests=1, graph=True)
     assert few(small) == pytest.approx(3e-3 + 1e-6 * 16 + 2e-11 * 136, rel=1e-6)  # below the floor of eager steps
+    # a profile older than graph_tokens: its graphed steps pay for their own tokens
+    old = StepShape.from_measurement({k: v for k, v in small.as_dict().items() if k != "graph_tokens"})
+    assert old == small and few(old) == few(small)
 
 
 def test_which_steps_replay_graphs():
@@ -139,6 +151,10 @@ def test_which_steps_replay_graphs():
     assert StepShape.of(batch((0, 30, 100), (998, 1, 999)), limits).graph
     assert not StepShape.of(batch((0, 30, 100))).graph  # no limits: eager
     assert StepShape.of(batch((0, 30, 100)), GraphLimits(prefill_tokens=64)).graph  # decode_context 0: any decodes
+    # the graph that replays a step with prefill computes its whole size: 61 tokens pad to 64, 2,100 to 2,304
+    assert StepShape.of(batch((0, 60, 100), (20, 1, 21)), limits).graph_tokens == 64
+    assert StepShape.of(batch((0, 2100, 3000)), GraphLimits(prefill_tokens=8192)).graph_tokens == 2304
+    assert StepShape.of(batch((0, 64, 100), (20, 1, 21)), limits).graph_tokens == 0  # eager
 
 
 def test_nonnegative_least_squares_drops_negative_costs():
@@ -245,9 +261,7 @@ def test_shipped_profiles_load_and_fit(name):
     profile = load_profile(name)
     assert profile.kind == "measured" and profile.measurements
     model = profile.cost_model()
-    errors = [
-        abs(model(StepShape(**{k: m[k] for k in StepShape.__slots__})) / m["seconds"] - 1) for m in profile.measurements
-    ]
+    errors = [abs(model(StepShape.from_measurement(m)) / m["seconds"] - 1) for m in profile.measurements]
     assert np.median(errors) < 0.05, f"the fit misses its own measurements by {np.median(errors):.1%} (median)"
 
 

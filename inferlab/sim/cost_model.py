@@ -7,11 +7,12 @@ and whether it replays a CUDA graph. Two models predict a step's seconds from th
 - `MeasuredCostModel`, fitted to a profile's measurements of real steps (`inferlab job=profile`):
   a decode-only step costs a fixed part and a part per cached token read, both functions of the
   batch size interpolated between the measured sizes (they move from weight-bound to
-  compute-bound as the batch grows, which no single line captures); a step with prefill runs
-  eagerly and costs the longer of the host's time to launch it (a floor: small eager steps are
+  compute-bound as the batch grows, which no single line captures); a step with prefill run
+  eagerly costs the longer of the host's time to launch it (a floor: small eager steps are
   bound by Python and kernel launches, not by the device) and the device's time, a fixed part, a
   part per prefill token, per attention pair and per decode request, fitted by least squares,
-  plus its decode requests' K/V reads.
+  plus its decode requests' K/V reads; one replayed from a CUDA graph, the same terms fitted apart
+  with no floor, its tokens counted as the graph's padded size.
 - `RooflineCostModel`, from a device's memory bandwidth and matmul rate alone: the larger of the
   step's bytes over the bandwidth and its FLOPs over the matmul rate, plus a per-step overhead.
   It serves any model shape and device, as a floor rather than a prediction.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inferlab.core.cuda_graphs import GraphLimits
+from inferlab.core.cuda_graphs import GraphLimits, prefill_graph_capacity
 from inferlab.floor import DeviceRates, ModelCost
 
 
@@ -36,6 +37,14 @@ class StepShape:
     decode_requests: int = 0
     decode_context: int = 0  # cached tokens the decode requests read, their new token included
     graph: bool = False  # the step replays a CUDA graph
+    # a step with prefill replaying a graph: the tokens the graph computes (its size, padding included)
+    graph_tokens: int = 0
+
+    @classmethod
+    def from_measurement(cls, measurement: dict) -> "StepShape":
+        """The shape a profile's measurement records (fields it lacks, from older profiles, at their
+        defaults)."""
+        return cls(**{name: measurement[name] for name in cls.__slots__ if name in measurement})
 
     @classmethod
     def of(cls, batch, graphs: GraphLimits | None = None) -> "StepShape":
@@ -54,13 +63,18 @@ class StepShape:
                 prefill_requests += 1
                 prefill_tokens += num_tokens
                 prefill_pairs += num_tokens * context + num_tokens * (num_tokens + 1) // 2
+        graph_tokens = 0
         if prefill_tokens:
-            graph = prefill_tokens + decode_requests <= graphs.prefill_tokens and (
+            tokens = prefill_tokens + decode_requests
+            graph = tokens <= graphs.prefill_tokens and (
                 not graphs.decode_context or longest_decode < graphs.decode_context
             )
+            graph_tokens = prefill_graph_capacity(tokens, graphs.prefill_tokens) if graph else 0
         else:
             graph = 0 < decode_requests <= graphs.decode_batch
-        return cls(prefill_tokens, prefill_pairs, prefill_requests, decode_requests, decode_context, graph)
+        return cls(
+            prefill_tokens, prefill_pairs, prefill_requests, decode_requests, decode_context, graph, graph_tokens
+        )
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -77,7 +91,7 @@ class MeasuredCostModel:
     def __init__(self, measurements: list[dict]):
         if not measurements:
             raise ValueError("a measured cost model needs measurements; the profile has none")
-        shapes = [(StepShape(**{k: m[k] for k in StepShape.__slots__}), float(m["seconds"])) for m in measurements]
+        shapes = [(StepShape.from_measurement(m), float(m["seconds"])) for m in measurements]
         self.decode = {
             graph: _DecodeFit([(s, t) for s, t in shapes if not s.prefill_tokens and s.graph == graph])
             for graph in (True, False)
@@ -93,9 +107,10 @@ class MeasuredCostModel:
         # host's floor.
         rows, context = self._prefill_rows(mixed)
         self.host_floor_s, self.prefill_coefficients = fit_with_floor(rows, context, np.array([t for _, t in mixed]))
-        # Replayed from a CUDA graph, the same terms with coefficients of their own and no host floor
-        # (the eager fit's device part where the profile measured too few such steps), fitted to
-        # relative errors: these steps take 1-20 ms, and the small ones are the common ones.
+        # Replayed from a CUDA graph, the same terms (per token: the graph's size, padding included)
+        # with coefficients of their own and no host floor (the eager fit's device part where the
+        # profile measured too few such steps), fitted to relative errors: these steps take 1-20 ms,
+        # and the small ones are the common ones.
         graphed = [(s, t) for s, t in shapes if s.prefill_tokens and s.graph]
         self.graph_prefill_coefficients = self.prefill_coefficients
         if len(graphed) >= MIN_GRAPH_PREFILL_MEASUREMENTS:
@@ -106,9 +121,17 @@ class MeasuredCostModel:
             )
 
     def _prefill_rows(self, points: list[tuple[StepShape, float]]) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.array([[1.0, s.prefill_tokens, s.prefill_pairs, s.decode_requests] for s, _ in points])
+        rows = np.array([[1.0, self._tokens(s), s.prefill_pairs, s.decode_requests] for s, _ in points])
         context = np.array([self._context_seconds(s.decode_requests, s.decode_context) for s, _ in points])
         return rows, context
+
+    @staticmethod
+    def _tokens(shape: StepShape) -> int:
+        """The tokens whose per-token work a step with prefill pays: a graph computes its whole
+        size, padding included (profiles older than graph_tokens record none: the step's own)."""
+        if shape.graph and shape.graph_tokens:
+            return shape.graph_tokens
+        return shape.prefill_tokens
 
     def _fit(self, graph: bool) -> "_DecodeFit":
         return self.decode[graph] if self.decode[graph].sizes else self.decode[not graph]
@@ -124,7 +147,7 @@ class MeasuredCostModel:
         )
         device = (
             base
-            + per_token * shape.prefill_tokens
+            + per_token * self._tokens(shape)
             + per_pair * shape.prefill_pairs
             + per_decode * shape.decode_requests
             + self._context_seconds(shape.decode_requests, shape.decode_context)

@@ -33,7 +33,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
 # that admits them; compositions longer than it, or than the KV cache holds, are skipped.
 DECODE_CONTEXTS = (128, 512, 1024, 2048, 8192, 16384)
 EAGER_BATCHES = (1, 8, 64, 256)
-PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 16384)
+PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 8192, 16384)
 PREFILL_CONTEXTS = (0, 4096, 16384)
 LONG_DECODE_CONTEXT = 24576
 
@@ -239,9 +239,7 @@ def run_profile_job(cfg) -> None:
         profile = run_profile(llm, settings, " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
     profile.save(settings.out)
     model = MeasuredCostModel(profile.measurements)
-    errors = [
-        abs(model(StepShape(**{k: m[k] for k in StepShape.__slots__})) / m["seconds"] - 1) for m in profile.measurements
-    ]
+    errors = [abs(model(StepShape.from_measurement(m)) / m["seconds"] - 1) for m in profile.measurements]
     print(f"{len(profile.measurements)} step compositions measured -> {settings.out}")
     print(
         f"the fitted model on its own measurements: median error {100 * sorted(errors)[len(errors) // 2]:.1f}%, "
