@@ -13,6 +13,7 @@ status 2 (HYDRA_FULL_ERROR=1 shows the traceback too); requests that fail (too l
 cache, say) are printed with why, and the exit status is 1; Ctrl-C exits with 130.
 """
 
+import gc
 import os
 import re
 import sys
@@ -59,6 +60,11 @@ def run(cfg: DictConfig) -> None:
             raise
         print(f"inferlab: {e}", file=sys.stderr)  # the user's settings, path or prompts: a message, not a traceback
         sys.exit(2)
+    finally:
+        # A sweep runs its jobs one after another in this process: this job's engine and workload
+        # hold reference cycles that only a full collection frees, and the next job's must not
+        # stack on them (a sweep over the whole Mooncake trace grew by its prompts every job).
+        gc.collect()
 
 
 def is_user_error(error: Exception) -> bool:

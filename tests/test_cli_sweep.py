@@ -164,3 +164,37 @@ def test_sweep_over_triton_under_the_interpreter(tmp_path, checkpoint):
     assert all(r["triton_interpret"] for r in results)
     header, rows = report(str(tmp_path / "sweep"))
     assert header[1] == "attention" and [row[1] for row in rows] == ["torch", "triton"]
+
+
+def test_a_sweep_frees_each_jobs_engine(tmp_path, monkeypatch):
+    """A sweep runs its jobs one after another in one process: each job's engine (and the workload
+    its requests hold) is freed when the job ends, not left in reference cycles for a full
+    collection that may come jobs later (on the whole Mooncake trace, every job's prompts stacked)."""
+    import gc
+    import weakref
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    import inferlab
+    from inferlab import cli
+
+    engines = []
+
+    class RecordedLLM(inferlab.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(weakref.ref(self))
+
+    monkeypatch.setattr(inferlab, "LLM", RecordedLLM)
+    args = [*TINY_BENCH, "executor=simulated", "executor.profile=h200-qwen3-0.6b-triton", "scheduler=fcfs,lpm"]
+    monkeypatch.setattr(sys, "argv", ["inferlab", "-m", *args, f"hydra.sweep.dir={tmp_path}"])
+    monkeypatch.chdir(tmp_path)
+    GlobalHydra.instance().clear()
+    gc.disable()  # no collection but the job's own may free the engines
+    try:
+        cli.main()
+    finally:
+        gc.enable()
+        GlobalHydra.instance().clear()
+    assert len(engines) == 2
+    assert all(engine() is None for engine in engines)
