@@ -445,7 +445,7 @@ def test_prefill_graph_sizes():
 
 
 def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
-    """graph_prefill_tokens=None: the largest size whose matmuls stay within 8 TFLOP a rank, at
+    """graph_prefill_tokens=None: the largest size whose matmuls stay within 16 TFLOP a rank, at
     most a step's tokens."""
     from inferlab.core.cuda_graphs import auto_graph_prefill_tokens
     from inferlab.core.model_config import native_model_config
@@ -459,9 +459,9 @@ def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
     small = dict(qwen3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
     large = dict(qwen3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
     qwen3_0_6b, qwen3_8b = flops({**small, "num_key_value_heads": 8}), flops({**large, "num_key_value_heads": 8})
-    assert auto_graph_prefill_tokens(qwen3_0_6b, 16384) == 8192  # the next size, 9,216, is 8.1 TFLOP
+    assert auto_graph_prefill_tokens(qwen3_0_6b, 32768) == 16384  # the next size, 18,432, is 16.2 TFLOP
     assert auto_graph_prefill_tokens(qwen3_0_6b, 4000) == 4000  # a step's most
-    assert auto_graph_prefill_tokens(qwen3_8b, 16384) == 512
+    assert auto_graph_prefill_tokens(qwen3_8b, 16384) == 1024  # 1,280 is 17.8 TFLOP
     assert auto_graph_prefill_tokens(1e12, 16384) == 16  # never below the smallest graph
     assert auto_graph_prefill_tokens(qwen3_8b, 0) == 0
 

@@ -20,8 +20,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Steps with prefill of at most this many tokens replay CUDA graphs (cuda_graphs.prefill_graph_sizes)
     # where the attention backend supports it; 0: they run eagerly; None: up to the size whose
-    # matmuls take the device about as long as an eager launch takes the host (8,192 tokens for
-    # Qwen3-0.6B shapes, 512 for 8B ones: cuda_graphs.auto_graph_prefill_tokens), at most
+    # matmuls take the device about as long as an eager launch can take the host (16,384 tokens for
+    # Qwen3-0.6B shapes, 1,024 for 8B ones: cuda_graphs.auto_graph_prefill_tokens), at most
     # max_num_batched_tokens.
     graph_prefill_tokens: int | None = None
     # Compile every Triton kernel variant the engine's step shapes can select while it starts (on

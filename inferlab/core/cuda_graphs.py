@@ -197,11 +197,12 @@ class DecodeGraphs(CapturedGraphs):
         return self.hidden[:num_seqs]
 
 
-# graph_prefill_tokens=None captures steps with prefill up to this much matmul work a rank: on an
-# H200 such a step takes the device about as long as launching it eagerly takes the host (Qwen3-0.6B
-# shapes: 8,192 tokens beside 64 decodes, 19-21 ms either way; 4,096 tokens of 32 prompts 7.7 ms
-# replayed, 18.3 eager), beyond which graphs save nothing and their padding and capture cost.
-AUTO_GRAPH_PREFILL_FLOPS = 8e12
+# graph_prefill_tokens=None captures steps with prefill up to this much matmul work a rank: up to
+# there, launching the step eagerly can take the host longer than the device takes to run it. On an
+# H200 with Qwen3-0.6B shapes a 16k-token eager step's launch took the host 18-40 ms (35-40 in a
+# process's first burst) against 31 ms of device work, which its graph replays in 31.4 ms; 4,096
+# tokens of 32 prompts took 18.3 ms eagerly and 7.7 replayed.
+AUTO_GRAPH_PREFILL_FLOPS = 16e12
 
 
 def auto_graph_prefill_tokens(flops_per_token: float, max_tokens: int) -> int:
