@@ -148,3 +148,28 @@ def test_the_dry_run_over_the_representative_layers_runs_those_layers_alone(chec
         ran.clear()
         assert len(runner.launch(batch, caches).tokens()) == 2
         assert ran == layers
+
+
+def test_the_lm_head_runs_only_at_row_counts_start_up_ran():
+    """Steps sample any number of rows; the LM head runs them padded to the runner's
+    logits_sizes, each of which start-up runs once (cuBLAS's first GEMM of a new row count costs
+    the host tens of milliseconds on a GPU). The padding changes no token."""
+    settings = dict(device="cpu", max_num_seqs=40, max_model_len=256, max_num_batched_tokens=2048)
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 11)] for i in range(37)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + i % 9) for i in range(37)]
+    unpadded = LLM(**settings)
+    unpadded.runner.logits_sizes = []  # every row count as it comes
+    expected = [o["token_ids"] for o in unpadded.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(**settings)
+    runner, rows = llm.runner, []
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or compute_logits(hidden)
+    runner._compile_kernels()
+    warmed, rows[:] = set(rows), []
+    assert warmed == set(runner.logits_sizes) == {1, 2, 4, 8, 16, 32, 40}
+    sampled, logits = [], runner.logits
+    runner.logits = lambda hidden: sampled.append(hidden.shape[0]) or logits(hidden)
+    assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert set(sampled) - warmed  # steps sampled row counts between the sizes (37 first tokens, ...)
+    assert set(rows) <= warmed and len(rows) == len(sampled)

@@ -1,6 +1,7 @@
 """Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
 
+import bisect
 import gc
 import importlib
 import logging
@@ -12,10 +13,17 @@ from time import perf_counter
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
 from inferlab.core.config import EngineConfig
-from inferlab.core.cuda_graphs import DecodeGraphs, GraphLimits, PrefillGraphs, auto_graph_prefill_tokens
+from inferlab.core.cuda_graphs import (
+    DecodeGraphs,
+    GraphLimits,
+    PrefillGraphs,
+    auto_graph_prefill_tokens,
+    graph_batch_sizes,
+)
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
@@ -64,6 +72,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf_config.vocab_size
+        self.hidden_size = hf_config.hidden_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.backend = self._make_backend(registry, head_dim)
         model_name = config.model if config.model != "auto" else self._model_for(registry, hf_config)
@@ -91,6 +100,11 @@ class ModelRunner:
         self.sampler = registry.create("sampler", config.sampler, config, options=config.sampler_options)
         self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
+        # The LM head runs over a step's sampling rows padded to one of these counts (the decode
+        # graphs' batch sizes), each run once at start-up: on an H200 the head's GEMM took the
+        # host 37 ms at each row count new to the process (cuBLAS), which made a fresh process's
+        # first burst of prompts host-bound (launches of 40 ms a step against 6-10 later).
+        self.logits_sizes = graph_batch_sizes(config.max_num_seqs)
         # Step inputs go up, and samples come down, on streams of their own beside the compute
         # stream: with overlap scheduling a step's inputs are sent while the previous step
         # computes, so the copies leave the compute stream's path (on it they took 1.5-2.5 µs
@@ -335,8 +349,8 @@ class ModelRunner:
         (warmup_shapes) select, during start-up instead of inside the user's first generate: a dry
         run of those steps on a scratch cache finds them, then they compile together on a pool of
         threads (inferlab.kernels.ahead), then the steps run for real (cuBLAS and the allocator
-        settle too). Every rank of a tensor-parallel engine runs the same steps in the
-        same order, as their collectives need. Measured on an H200 (Qwen3-0.6B shapes, a fresh
+        settle too), and the LM head once at each of logits_sizes. Every rank of a
+        tensor-parallel engine runs the same steps in the same order, as their collectives need. Measured on an H200 (Qwen3-0.6B shapes, a fresh
         machine): nano-vllm's bench then compiles nothing, and its first pass runs at 98% of a
         warm one, where it ran at 72% with the kernels compiling inside it."""
         start = perf_counter()
@@ -365,6 +379,10 @@ class ModelRunner:
                 log.info("compiling kernels for %d step shapes on %d threads", len(batches), threads)
                 compiled = compile_ahead(lambda: run_steps(dry_scratch), threads, self.device)
         run_steps(scratch)
+        with torch.inference_mode():
+            hidden = torch.zeros(self.logits_sizes[-1], self.hidden_size, dtype=self.dtype, device=self.device)
+            for size in self.logits_sizes:
+                self.logits(hidden[:size])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_sampled = None
@@ -436,7 +454,17 @@ class ModelRunner:
         if not step.sample_rows:
             return None
         # a decode step samples every row, in order: no gather needed
-        return self.model.compute_logits(hidden if step.is_decode else hidden[logits_indices])
+        return self.logits(hidden if step.is_decode else hidden[logits_indices])
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden states [n, hidden], run on n rows padded to the next of
+        logits_sizes (zero rows, whose logits are dropped)."""
+        n = rows.shape[0]
+        index = bisect.bisect_left(self.logits_sizes, n)
+        padded = self.logits_sizes[index] if index < len(self.logits_sizes) else n
+        if padded == n:
+            return self.model.compute_logits(rows)
+        return self.model.compute_logits(F.pad(rows, (0, 0, 0, padded - n)))[:n]
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side batch layout, vectorized with numpy (no per-token Python loop), packed in two
