@@ -216,6 +216,35 @@ def test_a_simulated_run_equals_the_hand_computation(tmp_path):
     assert llm.runner.num_steps == 5
 
 
+def test_admitting_requests_takes_the_profiles_host_time(tmp_path):
+    """Each added request moves the virtual clock by the profile's admission cost (per request and
+    per prompt token) before the step that serves it: the hand computation above, plus both
+    requests' admissions; and in a driven burst every request's first token waits for all of them."""
+    from inferlab.driver import run_workload
+    from inferlab.workload import WorkloadRequest
+
+    profile = hand_profile(tmp_path, admission_s_per_request=1e-3, admission_s_per_token=1e-5)
+    llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
+    llm.generate([list(range(1, 11)), list(range(1, 7))], params, use_tqdm=False)
+    admissions = 2e-3 + 1e-5 * (10 + 6)
+    prefill = 3e-3 + 2e-8 * 16 + 5e-13 * (10 * 11 // 2 + 6 * 7 // 2)
+    decodes = [2e-3 + 2e-5 + 1e-9 * (11 + 7), 2e-3 + 2e-5 + 1e-9 * (12 + 8)] + [2e-3 + 1e-5 + 1e-9 * c for c in (9, 10)]
+    assert llm.clock() == pytest.approx(admissions + prefill + sum(decodes), rel=1e-9)
+
+    llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)
+    burst = [WorkloadRequest(i, 0.0, list(range(1, 11)), 2) for i in range(3)]
+    records = run_workload(llm, burst, [SamplingParams(max_tokens=2, ignore_eos=True)] * 3).requests
+    assert records[0].first_token_s == pytest.approx(3 * (1e-3 + 1e-5 * 10) + 3e-3 + 2e-8 * 30 + 5e-13 * 3 * 55)
+    assert result_admission(llm) == {"per_request": 1e-3, "per_prompt_token": 1e-5}
+
+
+def result_admission(llm) -> dict:
+    from inferlab.bench import simulation
+
+    return simulation(llm)["simulated"]["admission_s"]
+
+
 def test_capacity_comes_from_the_profile_or_the_setting(tmp_path):
     profile = hand_profile(tmp_path)
     llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)
@@ -281,6 +310,8 @@ def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
         assert all(0 < m["host_seconds"] <= 2 * m["seconds"] for m in measurements)  # launch() alone
         assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks  # every measured step's blocks freed
         profile = run_profile(llm, settings, "test")
+        assert profile.admission_s_per_request > 0 and profile.admission_s_per_token >= 0
+        assert llm.is_finished()  # the admission measurement's requests were all aborted
     path = tmp_path / "cpu.json"
     profile.save(str(path))
     loaded = load_profile(str(path))

@@ -329,6 +329,8 @@ class LLMEngine:
     def _add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        if self.simulated:
+            self.runner.admit(request)
 
     def abort(self, request_id: int) -> bool:
         """Stops a request (waiting, mid-prefill or decoding) and frees everything it holds; its

@@ -2,7 +2,7 @@
 
 The scheduler policy, the KV cache manager and the engine loop run as they do on a GPU; only the
 forward pass and sampling are replaced: each launched step advances the virtual clock by the
-time the cost model predicts for it, and every sampling row gets a synthetic token (never EOS),
+time the cost model predicts for it (and each added request by the host's time to admit it), and every sampling row gets a synthetic token (never EOS),
 so output lengths come from max_tokens (the workloads use ignore_eos). The KV cache holds as
 many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
 eviction happen as on the device.
@@ -160,6 +160,11 @@ class SimulatedRunner:
                 f"the profile was measured with tensor_parallel_size={self.profile.tensor_parallel_size}, "
                 f"not {self.config.tensor_parallel_size}"
             )
+
+    def admit(self, request) -> None:
+        """The host's work of adding a request, on the virtual clock (the profile's admission
+        costs): the engine does it between steps, so it delays the next one."""
+        self.clock.now += self.profile.admission_seconds(request.num_prompt_tokens)
 
     def launch(self, batch) -> "SimulatedStep":
         seconds = self.cost_model(StepShape.of(batch, self.graph_limits))

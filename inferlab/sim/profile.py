@@ -57,6 +57,13 @@ class Profile:
     rates: dict[str, float] = field(default_factory=dict)  # roofline: bandwidth (B/s) and matmul_rate (FLOP/s)
     step_overhead_s: float = 0.0  # roofline: a fixed cost per step
     source: dict[str, Any] = field(default_factory=dict)  # commit, date, command, settings
+    # The host's time to admit a request (add_request: validate, queue), per request and per prompt
+    # token; on the engine's thread, so a burst's first step waits for all of its admissions.
+    admission_s_per_request: float = 0.0
+    admission_s_per_token: float = 0.0
+
+    def admission_seconds(self, num_prompt_tokens: int) -> float:
+        return self.admission_s_per_request + self.admission_s_per_token * num_prompt_tokens
 
     def graph_limits(self, config) -> GraphLimits:
         """Which steps an engine of `config` (its settings) replays from CUDA graphs on this profile's device."""

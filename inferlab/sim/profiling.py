@@ -180,10 +180,36 @@ def measure(llm, settings: ProfileConfig) -> list[dict]:
     return out
 
 
+def measure_admission(llm, count: int = 64, rounds: int = 5) -> tuple[float, float]:
+    """The host's time to add a request (add_request, as a workload's driver calls it), per request
+    and per prompt token: `count` prompts of each of two lengths (128 and 2,048 tokens, or less as
+    max_model_len allows) added in a row, the fastest of `rounds` rounds, a line through the two;
+    the requests are aborted after each round, untimed."""
+    max_len = llm.config.max_model_len
+    lengths = (min(128, max_len // 4), min(2048, max_len))
+    rng = np.random.default_rng(1)
+    vocab = min(llm.hf_config.vocab_size, 10_000)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    per_request = []
+    for length in lengths:
+        prompts = [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            ids = [llm.add_request(prompt, params) for prompt in prompts]
+            best = min(best, (time.perf_counter() - start) / count)
+            for request_id in ids:
+                llm.abort(request_id)
+        per_request.append(best)
+    per_token = max(0.0, (per_request[1] - per_request[0]) / (lengths[1] - lengths[0]))
+    return max(0.0, per_request[0] - per_token * lengths[0]), per_token
+
+
 def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
     from inferlab.bench import git_state, resolved_plugins
 
     measurements = measure(llm, settings)
+    admission_per_request, admission_per_token = measure_admission(llm)
     runner = llm.runner
     model = model_fields(llm.hf_config)
     kv_heads = max(1, model["num_key_value_heads"] // llm.config.tensor_parallel_size)
@@ -203,6 +229,8 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
         graph_prefill_tokens=limits.prefill_tokens,
         graph_decode_limit=limits.decode_context,
         measurements=measurements,
+        admission_s_per_request=admission_per_request,
+        admission_s_per_token=admission_per_token,
         source={
             "commit": settings.commit or git_state()["git_commit"],
             "date": time.strftime("%Y-%m-%d"),
@@ -241,6 +269,10 @@ def run_profile_job(cfg) -> None:
     model = MeasuredCostModel(profile.measurements)
     errors = [abs(model(StepShape.from_measurement(m)) / m["seconds"] - 1) for m in profile.measurements]
     print(f"{len(profile.measurements)} step compositions measured -> {settings.out}")
+    print(
+        f"admitting a request takes the host {1e6 * profile.admission_s_per_request:.1f} us and "
+        f"{1e9 * profile.admission_s_per_token:.1f} ns a prompt token"
+    )
     print(
         f"the fitted model on its own measurements: median error {100 * sorted(errors)[len(errors) // 2]:.1f}%, "
         f"worst {100 * max(errors):.1f}%"
