@@ -20,8 +20,6 @@ import sys
 import time
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from inferlab.conf import AUTO_CHOICE_KINDS, JobName, engine_arguments, store_configs
@@ -66,10 +64,7 @@ def run(cfg: DictConfig) -> None:
         # A sweep runs its jobs one after another in this process: this job's engine and workload
         # hold reference cycles that only a full collection frees, and the next job's must not
         # stack on them (a sweep over the whole Mooncake trace grew by its prompts every job).
-        # A single run's process ends here: a collection would only walk its objects (3 s after
-        # a simulation of the whole trace).
-        if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
-            gc.collect()
+        gc.collect()
 
 
 def is_user_error(error: Exception) -> bool:
