@@ -220,6 +220,7 @@ def test_admitting_requests_takes_the_profiles_host_time(tmp_path):
     """Each added request moves the virtual clock by the profile's admission cost (per request and
     per prompt token) before the step that serves it: the hand computation above, plus both
     requests' admissions; and in a driven burst every request's first token waits for all of them."""
+    from inferlab.bench import simulation
     from inferlab.driver import run_workload
     from inferlab.workload import WorkloadRequest
 
@@ -236,13 +237,7 @@ def test_admitting_requests_takes_the_profiles_host_time(tmp_path):
     burst = [WorkloadRequest(i, 0.0, list(range(1, 11)), 2) for i in range(3)]
     records = run_workload(llm, burst, [SamplingParams(max_tokens=2, ignore_eos=True)] * 3).requests
     assert records[0].first_token_s == pytest.approx(3 * (1e-3 + 1e-5 * 10) + 3e-3 + 2e-8 * 30 + 5e-13 * 3 * 55)
-    assert result_admission(llm) == {"per_request": 1e-3, "per_prompt_token": 1e-5}
-
-
-def result_admission(llm) -> dict:
-    from inferlab.bench import simulation
-
-    return simulation(llm)["simulated"]["admission_s"]
+    assert simulation(llm)["simulated"]["admission_s"] == {"per_request": 1e-3, "per_prompt_token": 1e-5}
 
 
 def test_capacity_comes_from_the_profile_or_the_setting(tmp_path):

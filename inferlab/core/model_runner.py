@@ -350,9 +350,10 @@ class ModelRunner:
         run of those steps on a scratch cache finds them, then they compile together on a pool of
         threads (inferlab.kernels.ahead), then the steps run for real (cuBLAS and the allocator
         settle too), and the LM head once at each of logits_sizes. Every rank of a
-        tensor-parallel engine runs the same steps in the same order, as their collectives need. Measured on an H200 (Qwen3-0.6B shapes, a fresh
-        machine): nano-vllm's bench then compiles nothing, and its first pass runs at 98% of a
-        warm one, where it ran at 72% with the kernels compiling inside it."""
+        tensor-parallel engine runs the same steps in the same order, as their collectives need.
+        Measured on an H200 (Qwen3-0.6B shapes, a fresh machine): nano-vllm's bench then compiles
+        nothing, and its first pass runs at 98% of a warm one, where it ran at 72% with the
+        kernels compiling inside it."""
         start = perf_counter()
         shapes = warmup_shapes(self.config, getattr(self.backend, "min_split_len", 256))
         # Sequences share the scratch blocks: warm-up values do not matter, only the kernels run.

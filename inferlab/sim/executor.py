@@ -2,8 +2,9 @@
 
 The scheduler policy, the KV cache manager and the engine loop run as they do on a GPU; only the
 forward pass and sampling are replaced: each launched step advances the virtual clock by the
-time the cost model predicts for it (and each added request by the host's time to admit it), and every sampling row gets a synthetic token (never EOS),
-so output lengths come from max_tokens (the workloads use ignore_eos). The KV cache holds as
+time the cost model predicts for it (and each added request by the host's time to admit it),
+and every sampling row gets a synthetic token (never EOS), so output lengths come from
+max_tokens (the workloads use ignore_eos). The KV cache holds as
 many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
 eviction happen as on the device.
 """
