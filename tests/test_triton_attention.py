@@ -421,7 +421,7 @@ def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
     for overlap in (False, True):
         llm = LLM(path, **settings, overlap_scheduling=overlap)
         runner = llm.runner
-        runner.decode_graphs = graphs = EagerReplayGraphs(*runner._graph_settings(llm.hf_config))
+        runner.decode_graphs = graphs = EagerReplayGraphs(*runner._graph_settings())
         assert graphs.sizes == [1, 2, 4, 6]
         replayed = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert replayed == eager
@@ -500,7 +500,7 @@ def test_prefill_graphs_pad_and_replay_like_eager(checkpoint):
     for overlap in (False, True):
         llm = LLM(path, **settings, overlap_scheduling=overlap)
         runner = llm.runner
-        runner.prefill_graphs = graphs = EagerReplayPrefillGraphs(*runner._graph_settings(llm.hf_config), 18)
+        runner.prefill_graphs = graphs = EagerReplayPrefillGraphs(*runner._graph_settings(), 18)
         assert graphs.sizes == [16, 18]
         assert run(llm) == eager
         assert graphs.replayed == [18, 16]

@@ -41,6 +41,12 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def smallest_size_holding(sizes: list[int], rows: int) -> int | None:
+    """The smallest of ascending `sizes` that holds `rows`, or None when none does."""
+    index = bisect.bisect_left(sizes, rows)
+    return sizes[index] if index < len(sizes) else None
+
+
 class CapturedGraphs:
     """What the decode graphs and the graphs of steps with prefill share: a graph per size in
     `sizes` (rows of the static buffers input_ids, positions and hidden: a batch's sequences, or a
@@ -80,9 +86,7 @@ class CapturedGraphs:
 
     def _size_for(self, rows: int) -> int | None:
         """The smallest captured size that holds `rows`, or None."""
-        if rows > self.sizes[-1]:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, rows)]
+        return smallest_size_holding(self.sizes, rows)
 
     @torch.inference_mode()
     def _capture(self, model, backend, kv_caches, pool=None) -> None:

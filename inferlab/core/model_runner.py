@@ -1,7 +1,6 @@
 """Owns the model, the KV cache tensors, the attention backend and the sampler on one device (one
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
 
-import bisect
 import gc
 import importlib
 import logging
@@ -23,6 +22,7 @@ from inferlab.core.cuda_graphs import (
     PrefillGraphs,
     auto_graph_prefill_tokens,
     graph_batch_sizes,
+    smallest_size_holding,
 )
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.parallel import SINGLE, TPGroup
@@ -100,10 +100,11 @@ class ModelRunner:
         self.sampler = registry.create("sampler", config.sampler, config, options=config.sampler_options)
         self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
-        # The LM head runs over a step's sampling rows padded to one of these counts (the decode
-        # graphs' batch sizes), each run once at start-up: on an H200 the head's GEMM took the
-        # host 37 ms at each row count new to the process (cuBLAS), which made a fresh process's
-        # first burst of prompts host-bound (launches of 40 ms a step against 6-10 later).
+        # The LM head runs over a step's sampling rows padded to one of these counts
+        # (graph_batch_sizes, as the decode graphs' batches), each run once at start-up: on an H200
+        # the head's GEMM took the host 37 ms at each row count new to the process (cuBLAS), which
+        # made a fresh process's first burst of prompts host-bound (launches of 40 ms a step
+        # against 6-10 later).
         self.logits_sizes = graph_batch_sizes(config.max_num_seqs)
         # Step inputs go up, and samples come down, on streams of their own beside the compute
         # stream: with overlap scheduling a step's inputs are sent while the previous step
@@ -134,8 +135,8 @@ class ModelRunner:
             str(self.kv_cache_dtype).replace("torch.", ""),
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
-        self.decode_graphs = self._capture_decode_graphs(hf_config)
-        self.prefill_graphs = self._capture_prefill_graphs(hf_config)
+        self.decode_graphs = self._capture_decode_graphs()
+        self.prefill_graphs = self._capture_prefill_graphs()
 
     def close(self) -> None:
         """Frees what this runner holds on the device (weights, KV cache, CUDA graphs and their
@@ -175,8 +176,8 @@ class ModelRunner:
             return False
         return True
 
-    def _capture_decode_graphs(self, hf_config) -> DecodeGraphs | None:
-        return DecodeGraphs(*self._graph_settings(hf_config)) if self.graphs_supported else None
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        return DecodeGraphs(*self._graph_settings()) if self.graphs_supported else None
 
     def graph_limits(self) -> GraphLimits:
         """Which steps replay the graphs this runner captured."""
@@ -205,13 +206,12 @@ class ModelRunner:
             return auto_graph_prefill_tokens(flops_per_token, self.config.max_num_batched_tokens)
         return max(0, min(max_tokens, self.config.max_num_batched_tokens))
 
-    def _capture_prefill_graphs(self, hf_config) -> PrefillGraphs | None:
+    def _capture_prefill_graphs(self) -> PrefillGraphs | None:
         if self.decode_graphs is None or self.prefill_graph_tokens < 1:
             return None
-        settings = self._graph_settings(hf_config)
-        return PrefillGraphs(*settings, self.prefill_graph_tokens, self.decode_graphs.pool)
+        return PrefillGraphs(*self._graph_settings(), self.prefill_graph_tokens, self.decode_graphs.pool)
 
-    def _graph_settings(self, hf_config) -> tuple:
+    def _graph_settings(self) -> tuple:
         """What both kinds of graphs are built from: the model, its backend and cache, and the sizes
         of their buffers."""
         config = self.config
@@ -222,7 +222,7 @@ class ModelRunner:
             config.max_num_seqs,
             config.max_model_len,
             self.block_size,
-            hf_config.hidden_size,
+            self.hidden_size,
             self.dtype,
             self.device,
         )
@@ -461,8 +461,7 @@ class ModelRunner:
         """The LM head over hidden states [n, hidden], run on n rows padded to the next of
         logits_sizes (zero rows, whose logits are dropped)."""
         n = rows.shape[0]
-        index = bisect.bisect_left(self.logits_sizes, n)
-        padded = self.logits_sizes[index] if index < len(self.logits_sizes) else n
+        padded = smallest_size_holding(self.logits_sizes, n) or n
         if padded == n:
             return self.model.compute_logits(rows)
         return self.model.compute_logits(F.pad(rows, (0, 0, 0, padded - n)))[:n]
