@@ -6,11 +6,15 @@ import math
 import os
 from datetime import datetime, timezone
 
+import numpy as np
 import pytest
 
 from inferlab.conf import BenchConfig
 from inferlab.traces import (
+    HEAD_TOKENS,
     MOONCAKE_BLOCK_SIZE,
+    RUN_LENGTH,
+    TOKEN_ID_RANGE,
     detect_trace_format,
     parse_azure_timestamp,
     read_trace,
@@ -112,6 +116,25 @@ def test_shared_hash_ids_give_shared_token_blocks():
     assert cached == [a, c] and sorted(shared) == [0, 1, 2, 5]
     cached[0][0] = -1
     assert trace_prompt([0], 10, bs, 0, 0, 50_000, shared) == a[:10]
+
+
+def test_distinct_hash_ids_differ_in_their_first_tokens():
+    # A block is its key's own head and a window of a shared run: two keys must part at the head,
+    # or the prefix cache would join requests that share no hash id.
+    prompts = [trace_prompt([h], MOONCAKE_BLOCK_SIZE, MOONCAKE_BLOCK_SIZE, 0, 0, 151_936) for h in range(20_000)]
+    assert len({tuple(p[:HEAD_TOKENS]) for p in prompts}) == len(prompts)
+    assert all(len(p) == MOONCAKE_BLOCK_SIZE and 0 <= min(p) and max(p) < TOKEN_ID_RANGE for p in prompts)
+    # ids are drawn evenly over the range, not stuck in a corner of it
+    counts = np.bincount(np.concatenate(prompts), minlength=TOKEN_ID_RANGE)
+    assert counts.min() > 0.5 * counts.mean() and counts.max() < 1.5 * counts.mean()
+
+
+def test_a_prompt_longer_than_the_shared_run_goes_on_from_its_start():
+    prompt = trace_prompt(None, RUN_LENGTH + 1000, MOONCAKE_BLOCK_SIZE, 7, 0, 151_936)
+    assert len(prompt) == RUN_LENGTH + 1000
+    assert prompt == trace_prompt(None, RUN_LENGTH + 1000, MOONCAKE_BLOCK_SIZE, 7, 0, 151_936)
+    # a long trace's prompts hold one int object per id value, not one per token
+    assert len({id(t) for t in prompt}) <= TOKEN_ID_RANGE
 
 
 def test_the_excerpt_shares_its_system_prompt_block():
