@@ -24,6 +24,7 @@ E2E, and with a request metadata key "tenant", per_tenant holds each tenant's.
 """
 
 import json
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -67,7 +68,7 @@ class RequestRecord:
             raise ValueError(f"{where}: it has a first token but was never scheduled")
         times = [self.arrival_s, self.first_scheduled_s, *self.token_times_s, self.finish_s]
         known = [t for t in times if t is not None]
-        if any(later < earlier for earlier, later in zip(known, known[1:])):
+        if any(map(operator.gt, known, known[1:])):  # an earlier time after a later one
             raise ValueError(
                 f"{where}: times must not go back: arrival {self.arrival_s} <= first scheduled "
                 f"{self.first_scheduled_s} <= token times <= finish {self.finish_s}"

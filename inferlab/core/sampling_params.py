@@ -68,7 +68,10 @@ class SamplingParams:
 
 
 def _integer(value, name: str, low: int, high: int, allowed: str = "") -> int:
-    if not isinstance(value, Integral) or isinstance(value, bool) or not low <= value <= high:
+    # exact types first: an isinstance against the numbers ABCs costs most of a microsecond
+    if (type(value) is not int and (not isinstance(value, Integral) or isinstance(value, bool))) or not (
+        low <= value <= high
+    ):
         raise ValueError(f"{name} must be {allowed}an integer in [{low}, {_limit(high)}], got {value!r}")
     return int(value)
 
@@ -82,8 +85,11 @@ REAL_RANGES = {
 
 def _real(value, name: str, allowed: str) -> float:
     if (
-        not isinstance(value, Real) or isinstance(value, bool) or not REAL_RANGES[allowed](value)
-    ):  # NaN fails every test
+        type(value) is not float
+        and type(value) is not int
+        and (not isinstance(value, Real) or isinstance(value, bool))
+        or not REAL_RANGES[allowed](value)  # NaN fails every test
+    ):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return float(value)
 
