@@ -289,6 +289,28 @@ def test_shipped_profiles_load_and_fit(name):
     assert np.median(errors) < 0.05, f"the fit misses its own measurements by {np.median(errors):.1%} (median)"
 
 
+def test_the_host_and_device_lines_list_decode_steps_alone():
+    from inferlab.sim.profiling import host_and_device_lines
+
+    shape = {"prefill_tokens": 0, "decode_requests": 4, "decode_context": 4 * 513, "graph": True}
+    measurements = [
+        {**shape, "seconds": 0.002, "device_seconds": 0.001},
+        # a step with prefill replaying a graph, no decodes: its zero decode context must not pass for one
+        {
+            **shape,
+            "prefill_tokens": 16,
+            "decode_requests": 0,
+            "decode_context": 0,
+            "seconds": 0.03,
+            "device_seconds": 0.03,
+        },
+        {**shape, "graph": False, "seconds": 0.004},  # eager: no device time taken apart
+    ]
+    assert host_and_device_lines(measurements) == [
+        "decode batch   4 at 512 tokens of context: step 2.000 ms, device 1.000 ms (2.00x)"
+    ]
+
+
 def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
     """job=profile's measurement on the CPU engine (on a GPU it is the same code): every
     composition of the grid that fits becomes a measurement, and the profile loads and fits."""

@@ -287,7 +287,13 @@ def host_and_device_lines(measurements: list[dict], context: int = 512) -> list[
     device's own: where the ratio is well above 1, the host bounds the step."""
     lines = []
     for m in measurements:
-        if m.get("graph") and "device_seconds" in m and m["decode_context"] == (context + 1) * m["decode_requests"]:
+        decode_only = m["decode_requests"] > 0 and not m["prefill_tokens"]
+        if (
+            decode_only
+            and m.get("graph")
+            and "device_seconds" in m
+            and m["decode_context"] == (context + 1) * m["decode_requests"]
+        ):
             lines.append(
                 f"decode batch {m['decode_requests']:>3} at {context} tokens of context: step "
                 f"{1e3 * m['seconds']:.3f} ms, device {1e3 * m['device_seconds']:.3f} ms "
