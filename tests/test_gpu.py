@@ -284,37 +284,70 @@ def test_close_gives_the_gpu_memory_back_for_a_second_engine(qwen3_path):
         assert [o["token_ids"] for o in second.generate(prompts, params, use_tqdm=False)] == first_tokens
 
 
-def test_start_up_compiles_every_kernel_variant_a_workload_selects(qwen3_path):
-    """compile_at_start: with the in-memory kernel caches emptied first (earlier tests filled them),
-    the constructor compiles what a varied workload needs (one to many sequences, prompts of many
-    lengths, a cached prefix, every sampling path, CUDA graphs), so the workload compiles nothing."""
+def forget_compiled_kernels() -> None:
+    """Empties the in-memory caches of inferlab's Triton kernels (earlier tests filled them)."""
     import sys
 
     import triton
-    from triton import knobs
 
     for name, module in list(sys.modules.items()):
         if name.startswith("inferlab.") and module is not None:
             for value in list(vars(module).values()):
                 if isinstance(value, triton.runtime.jit.JITFunction):
                     value.device_caches.clear()
-    settings = {**ENGINE, "max_num_seqs": 64, "num_kvcache_blocks": 256, "kvcache_block_size": 16}
-    with LLM(qwen3_path, attention="triton", **settings) as llm:
-        compiled = []
-        knobs.runtime.jit_cache_hook = lambda **kwargs: compiled.append(kwargs["fn"].name)
-        try:
-            shared = list(range(40, 90))
-            prompts = [shared + [i] * (1 + 37 * i % 300) for i in range(40)] + [[5] * 1500, [6]]
-            params = [
-                SamplingParams(temperature=0, max_tokens=20),
-                SamplingParams(temperature=0.7, max_tokens=33, ignore_eos=True),
-                SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1, max_tokens=9, ignore_eos=True),
-            ]
-            llm.generate(prompts, [params[i % 3] for i in range(len(prompts))], use_tqdm=False)
-            llm.generate([[7, 8, 9]], params[1], use_tqdm=False)
-        finally:
-            knobs.runtime.jit_cache_hook = None
-        assert compiled == []
+
+
+def varied_workload_compiles(llm) -> tuple[list[str], list[list[int]]]:
+    """The kernels a varied workload (one to many sequences, prompts of many lengths, a cached
+    prefix, every sampling path, CUDA graphs) compiles on llm, and its tokens."""
+    from triton import knobs
+
+    compiled = []
+    knobs.runtime.jit_cache_hook = lambda **kwargs: compiled.append(kwargs["fn"].name)
+    try:
+        shared = list(range(40, 90))
+        prompts = [shared + [i] * (1 + 37 * i % 300) for i in range(40)] + [[5] * 1500, [6]]
+        params = [
+            SamplingParams(temperature=0, max_tokens=20),
+            SamplingParams(temperature=0.7, max_tokens=33, ignore_eos=True, seed=1),
+            SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1, max_tokens=9, ignore_eos=True, seed=2),
+        ]
+        outputs = llm.generate(prompts, [params[i % 3] for i in range(len(prompts))], use_tqdm=False)
+        outputs += llm.generate([[7, 8, 9]], params[1], use_tqdm=False)
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    return compiled, [o["token_ids"] for o in outputs]
+
+
+START_UP_SETTINGS = {**ENGINE, "max_num_seqs": 64, "num_kvcache_blocks": 256, "kvcache_block_size": 16}
+
+
+def test_start_up_compiles_every_kernel_variant_a_workload_selects(qwen3_path):
+    """compile_at_start: with the in-memory kernel caches emptied first, the constructor compiles
+    what a varied workload needs, so the workload compiles nothing."""
+    forget_compiled_kernels()
+    with LLM(qwen3_path, attention="triton", **START_UP_SETTINGS) as llm:
+        assert varied_workload_compiles(llm)[0] == []
+
+
+def test_a_second_start_reads_the_variants_the_first_listed(qwen3_path, tmp_path, monkeypatch, caplog):
+    """With Triton's cache in an empty directory, a first engine dry-runs its start-up steps and
+    keeps the list of their kernel variants there; a second one (in-memory caches emptied again)
+    reads the list instead of dry-running, and still compiles everything the workload needs."""
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    runs = []
+    for _ in range(2):
+        forget_compiled_kernels()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="inferlab"):
+            with LLM(qwen3_path, attention="triton", **START_UP_SETTINGS) as llm:
+                runs.append((*varied_workload_compiles(llm), "kernel variants of these steps from" in caplog.text))
+    assert len(list((tmp_path / "inferlab-variants").iterdir())) == 1
+    (first_compiled, first_tokens, first_read), (second_compiled, second_tokens, second_read) = runs
+    assert (first_read, second_read) == (False, True)
+    assert first_compiled == second_compiled == [] and second_tokens == first_tokens
 
 
 def test_pinned_staging_reuses_its_buffers_only_after_their_copies():

@@ -119,6 +119,57 @@ def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeyp
     assert knobs.runtime.jit_cache_hook is previous
 
 
+def test_a_listed_dry_run_is_read_back_and_dropped_when_stale(tmp_path, monkeypatch):
+    """The variants of a dry run are kept in a file named by what picks them; a later start reads
+    them instead of dry-running, unless a listed kernel's source changed (or is gone), the file is
+    damaged, or another tensor-parallel rank could not read its own."""
+    pytest.importorskip("triton")
+    from inferlab.kernels import ahead, graph_inputs
+
+    kernel = graph_inputs._copy_token
+    listing = ahead.variants_file({"steps": [[[0, 16]], "greedy"]}, [graph_inputs.__file__])
+    assert listing == ahead.variants_file({"steps": [[[0, 16]], "greedy"]}, [graph_inputs.__file__])
+    assert listing != ahead.variants_file({"steps": [[[0, 32]], "greedy"]}, [graph_inputs.__file__])
+    listing = str(tmp_path / "variants.json")
+    assert ahead.read_variants(listing) is None  # none kept yet
+    ahead.write_variants(listing, {(id(kernel), "a"): (kernel, '{"a": 1}'), (id(kernel), "b"): (kernel, '{"b": 2}')})
+    assert list(ahead.read_variants(listing).values()) == [(kernel, '{"a": 1}'), (kernel, '{"b": 2}')]
+    monkeypatch.setattr(kernel, "hash", "its source changed")  # what cache_key returns once computed
+    assert ahead.read_variants(listing) is None
+    monkeypatch.undo()
+    for damage in ('[{"kernel": "inferlab.kernels.graph_inputs:_gone", "source": "x", "specialization": "{}"}]', "[{"):
+        (tmp_path / "damaged.json").write_text(damage)
+        assert ahead.read_variants(str(tmp_path / "damaged.json")) is None
+
+    # compile_ahead with a current list compiles it without the dry run; a rank without one makes all dry-run
+    norm = FakeKernel("norm")
+    monkeypatch.setattr(ahead.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(ahead, "read_variants", lambda path: {(id(norm), "1"): (norm, "norm-1")})
+    dry_runs = []
+    assert ahead.compile_ahead(lambda: dry_runs.append(1), 2, "cuda", listing) == 1
+    assert dry_runs == [] and norm.preloaded == ["norm-1"]
+    written = []
+    monkeypatch.setattr(ahead, "write_variants", lambda path, found: written.append(path))
+    assert ahead.compile_ahead(lambda: dry_runs.append(1), 2, "cuda", listing, on_every_rank=lambda read: False) == 0
+    assert dry_runs == [1] and written == [listing]
+
+
+def test_the_variants_list_is_named_by_the_engine_that_starts(monkeypatch):
+    pytest.importorskip("triton")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    settings = dict(device="cpu", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=512)
+    names = []
+    for extra in ({}, {}, {"max_num_seqs": 4}, {"kvcache_block_size": 16}):
+        with LLM(**settings | extra) as llm:
+            shapes = warmup_shapes(llm.config, 256)
+            names.append(llm.runner._kernel_variants_file(shapes, 2))
+    assert names[0] == names[1] and len(set(names)) == 3
+    assert names[0].endswith(".json") and "inferlab-variants" in names[0]
+
+
 def test_a_warm_up_step_never_lends_its_sampling_settings_to_the_engines_requests():
     """The runner caches sampling settings by request ids: the memory warm-up's one greedy
     request must not pass its settings to the user's first request (id 0), which samples."""

@@ -2,10 +2,12 @@
 tensor-parallel rank): turns a ScheduledBatch into tensors, runs the forward pass and samples."""
 
 import gc
+import glob
 import importlib
+import inspect
 import logging
 import os
-from dataclasses import replace
+from dataclasses import asdict, replace
 from itertools import chain
 from time import perf_counter
 
@@ -64,6 +66,7 @@ class ModelRunner:
         self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry, tp_group: TPGroup = SINGLE
     ):
         self.config = config
+        self.hf_config = hf_config
         self.tp = tp_group
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and tp_group.size > 1:
@@ -378,7 +381,13 @@ class ModelRunner:
                 pass
             else:
                 log.info("compiling kernels for %d step shapes on %d threads", len(batches), threads)
-                compiled = compile_ahead(lambda: run_steps(dry_scratch), threads, self.device)
+                compiled = compile_ahead(
+                    lambda: run_steps(dry_scratch),
+                    threads,
+                    self.device,
+                    self._kernel_variants_file(shapes, representative),
+                    self._on_every_rank,
+                )
         run_steps(scratch)
         with torch.inference_mode():
             hidden = torch.zeros(self.logits_sizes[-1], self.hidden_size, dtype=self.dtype, device=self.device)
@@ -394,6 +403,34 @@ class ModelRunner:
             len(batches),
             perf_counter() - start,
         )
+
+    def _kernel_variants_file(self, shapes: list, layers: int | None) -> str:
+        """Where compile_ahead keeps the kernel variants of these start-up steps: named by the
+        steps, the engine's settings, the model, dtypes, device and versions, and the source of
+        inferlab and of the plugins that launch kernels."""
+        import triton
+
+        from inferlab.kernels.ahead import variants_file
+
+        description = {
+            "steps": shapes,
+            "layers": layers,
+            "engine": {k: v for k, v in asdict(self.config).items() if k != "model_path"},
+            "model": {k: v for k, v in vars(self.hf_config).items() if not k.startswith("_")},
+            "dtypes": (self.dtype, self.kv_cache_dtype),
+            "device": (torch.cuda.get_device_name(self.device), torch.cuda.get_device_capability(self.device)),
+            "versions": (torch.__version__, triton.__version__),
+        }
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sources = glob.glob(os.path.join(package, "**", "*.py"), recursive=True)
+        sources += [inspect.getsourcefile(type(plugin)) for plugin in (self.model, self.backend, self.sampler)]
+        return variants_file(description, [s for s in sources if s])
+
+    def _on_every_rank(self, holds: bool) -> bool:
+        if self.tp.size == 1:
+            return holds
+        count = self.tp.all_reduce(torch.tensor([int(holds)], device=self.device))
+        return int(count.item()) == self.tp.size
 
     def _scratch_batch(self, index: int, parts: list[tuple[int, int]], num_blocks: int, kind: str) -> ScheduledBatch:
         """Warm-up step `index`: requests with (cached context, new tokens) each, block tables cycling
