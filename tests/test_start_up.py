@@ -3,6 +3,7 @@ runs at start-up (compile_at_start) and what running them leaves behind. On a GP
 tests/test_gpu.py checks that a varied workload then compiles nothing."""
 
 import contextlib
+import sys
 import types
 
 import pytest
@@ -119,17 +120,25 @@ def test_compile_ahead_compiles_each_variant_once_and_skips_the_launches(monkeyp
     assert knobs.runtime.jit_cache_hook is previous
 
 
+def listed_kernel(x_ptr):  # the body of a kernel the listing test names; never compiled
+    pass
+
+
 def test_a_listed_dry_run_is_read_back_and_dropped_when_stale(tmp_path, monkeypatch):
     """The variants of a dry run are kept in a file named by what picks them; a later start reads
     them instead of dry-running, unless a listed kernel's source changed (or is gone), the file is
     damaged, or another tensor-parallel rank could not read its own."""
     pytest.importorskip("triton")
-    from inferlab.kernels import ahead, graph_inputs
+    from triton.runtime.jit import JITFunction
 
-    kernel = graph_inputs._copy_token
-    listing = ahead.variants_file({"steps": [[[0, 16]], "greedy"]}, [graph_inputs.__file__])
-    assert listing == ahead.variants_file({"steps": [[[0, 16]], "greedy"]}, [graph_inputs.__file__])
-    assert listing != ahead.variants_file({"steps": [[[0, 32]], "greedy"]}, [graph_inputs.__file__])
+    from inferlab.kernels import ahead
+
+    # A kernel of this module, as a JITFunction whatever TRITON_INTERPRET says (other tests set it).
+    kernel = JITFunction(listed_kernel)
+    monkeypatch.setattr(sys.modules[__name__], "listed_kernel", kernel)
+    listing = ahead.variants_file({"steps": [[[0, 16]], "greedy"]}, [__file__])
+    assert listing == ahead.variants_file({"steps": [[[0, 16]], "greedy"]}, [__file__])
+    assert listing != ahead.variants_file({"steps": [[[0, 32]], "greedy"]}, [__file__])
     listing = str(tmp_path / "variants.json")
     assert ahead.read_variants(listing) is None  # none kept yet
     ahead.write_variants(listing, {(id(kernel), "a"): (kernel, '{"a": 1}'), (id(kernel), "b"): (kernel, '{"b": 2}')})
@@ -137,7 +146,7 @@ def test_a_listed_dry_run_is_read_back_and_dropped_when_stale(tmp_path, monkeypa
     monkeypatch.setattr(kernel, "hash", "its source changed")  # what cache_key returns once computed
     assert ahead.read_variants(listing) is None
     monkeypatch.undo()
-    for damage in ('[{"kernel": "inferlab.kernels.graph_inputs:_gone", "source": "x", "specialization": "{}"}]', "[{"):
+    for damage in (f'[{{"kernel": "{__name__}:gone", "source": "x", "specialization": "{{}}"}}]', "[{"):
         (tmp_path / "damaged.json").write_text(damage)
         assert ahead.read_variants(str(tmp_path / "damaged.json")) is None
 
