@@ -7,7 +7,7 @@ import importlib
 import inspect
 import logging
 import os
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from itertools import chain
 from time import perf_counter
 
@@ -415,7 +415,8 @@ class ModelRunner:
         description = {
             "steps": shapes,
             "layers": layers,
-            "engine": {k: v for k, v in asdict(self.config).items() if k != "model_path"},
+            # shallow: an option's value may be any object (str() names it), which asdict would deep-copy
+            "engine": {f.name: getattr(self.config, f.name) for f in fields(self.config) if f.name != "model_path"},
             "model": {k: v for k, v in vars(self.hf_config).items() if not k.startswith("_")},
             "dtypes": (self.dtype, self.kv_cache_dtype),
             "device": (torch.cuda.get_device_name(self.device), torch.cuda.get_device_capability(self.device)),
