@@ -128,7 +128,7 @@ def _kernel(name: str) -> JITFunction | None:
         found = importlib.import_module(module)
         for part in qualname.split("."):
             found = getattr(found, part)
-    except (ImportError, AttributeError):
+    except Exception:  # gone, renamed, or failing to import now: the list is stale, not start-up broken
         return None
     while not isinstance(found, JITFunction) and hasattr(found, "fn"):
         found = found.fn
@@ -164,5 +164,5 @@ def read_variants(path: str) -> dict | None:
                 return None
             found[(id(function), entry["specialization"])] = (function, entry["specialization"])
         return found
-    except (OSError, ValueError, KeyError, TypeError):
+    except Exception:  # a damaged or foreign file costs the dry run, never the start-up
         return None
