@@ -264,7 +264,7 @@ class LLMEngine:
         generator (a request without a seed draws one) and the request id counter."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if type(priority) is not int and (not isinstance(priority, int) or isinstance(priority, bool)):
+        if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an integer (lower is served first), got {priority!r}")
         if metadata is not None and type(metadata) is not dict and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a dict (or None), got {type(metadata).__name__}")
