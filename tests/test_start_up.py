@@ -194,9 +194,9 @@ def test_a_warm_up_step_never_lends_its_sampling_settings_to_the_engines_request
 
 
 def test_the_dry_run_over_the_representative_layers_runs_those_layers_alone(checkpoint):
-    """The decoder runs one layer per KV cache it is given: start-up's dry run, given the caches
-    of kernel_variant_layers layers, runs those alone (and the final norm and head), the real run
-    every layer."""
+    """The decoder runs one layer per KV cache it is given: start-up's runs of its step shapes,
+    given the caches of kernel_variant_layers layers, run those alone (and the final norm and
+    head); a step of the engine runs every layer."""
     llm = LLM(checkpoint("gqa4-untied"), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
     runner, ran = llm.runner, []
     assert len(runner.model.layers) == 3 and runner.model.kernel_variant_layers == 2
@@ -208,6 +208,52 @@ def test_the_dry_run_over_the_representative_layers_runs_those_layers_alone(chec
         ran.clear()
         assert len(runner.launch(batch, caches).tokens()) == 2
         assert ran == layers
+    ran.clear()
+    runner._compile_kernels()
+    assert ran and set(ran) == {0, 1} and ran.count(0) == ran.count(1)
+    ran.clear()
+    llm.generate([[3, 1, 4]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert ran == [0, 1, 2] * 2
+
+
+def test_the_run_before_each_graph_capture_goes_over_the_representative_layers(checkpoint, monkeypatch):
+    """Each graph's capture runs every layer; the plain run before it (which loads the kernels the
+    capture launches) only the model's kernel_variant_layers. CUDA's capture calls stand in as
+    no-ops here: the model runs eagerly on the CPU under them."""
+    import torch
+
+    from inferlab.core.cuda_graphs import DecodeGraphs
+
+    llm = LLM(checkpoint("gqa4-untied"), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
+    runner, ran = llm.runner, []
+    for i, layer in enumerate(runner.model.layers):
+        layer.register_forward_hook(lambda module, args, output, i=i: ran.append(i))
+    captured = []
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+    @contextlib.contextmanager
+    def capturing(graph, pool=None):
+        captured.append(len(ran))
+        yield
+        captured.append(len(ran))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sizes = [1, 4]
+    hidden_size = runner.model.config.hidden_size
+    graphs._allocate_buffers(4, 4, 256, runner.block_size, hidden_size, runner.dtype, runner.device)
+    with torch.inference_mode():  # as DecodeGraphs fills it: one token a sequence
+        torch.arange(5, out=graphs.query_start_loc)
+    graphs._capture(runner.model, runner.backend, runner.kv_caches)
+    assert set(graphs.graphs) == {1, 4} and graphs.pool == "pool"
+    plain, capture = [0, 1], [0, 1, 2]
+    assert ran == (plain + capture) * 2
+    assert [ran[a:b] for a, b in zip(captured[::2], captured[1::2])] == [capture, capture]
 
 
 def test_the_lm_head_runs_only_at_row_counts_start_up_ran():

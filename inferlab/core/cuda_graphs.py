@@ -91,14 +91,17 @@ class CapturedGraphs:
     @torch.inference_mode()
     def _capture(self, model, backend, kv_caches, pool=None) -> None:
         self.graphs = {}
+        # A plain run before each capture loads every kernel the capture will launch (loading one
+        # while a stream captures aborts the capture) and settles allocations outside it: over the
+        # model's first layers alone where later ones repeat their kernels (kernel_variant_layers).
+        plain_layers = getattr(model, "kernel_variant_layers", None) or len(kv_caches)
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its pool
-            args = (self.input_ids[:size], self.positions[:size], kv_caches)
-            # a plain run first: compiles Triton kernels and settles allocations outside the capture
-            self.hidden[:size] = model(*args, backend.build_metadata(self._inputs(size)))
+            ids, positions = self.input_ids[:size], self.positions[:size]
+            model(ids, positions, kv_caches[:plain_layers], backend.build_metadata(self._inputs(size)))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.hidden[:size] = model(*args, backend.build_metadata(self._inputs(size)))
+                self.hidden[:size] = model(ids, positions, kv_caches, backend.build_metadata(self._inputs(size)))
             pool = pool or graph.pool()
             self.graphs[size] = graph
         self.pool = pool

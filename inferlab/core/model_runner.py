@@ -351,8 +351,9 @@ class ModelRunner:
         """Compiles the Triton kernel variants that steps of every shape a workload can bring
         (warmup_shapes) select, during start-up instead of inside the user's first generate: a dry
         run of those steps on a scratch cache finds them, then they compile together on a pool of
-        threads (inferlab.kernels.ahead), then the steps run for real (cuBLAS and the allocator
-        settle too), and the LM head once at each of logits_sizes. Every rank of a
+        threads (inferlab.kernels.ahead), then the steps run for real (the kernels load onto the
+        device, cuBLAS and the allocator settle), and the LM head once at each of logits_sizes.
+        Both runs go over the model's kernel_variant_layers only, where it names them. Every rank of a
         tensor-parallel engine runs the same steps in the same order, as their collectives need.
         Measured on an H200 (Qwen3-0.6B shapes, a fresh machine): nano-vllm's bench then compiles
         nothing, and its first pass runs at 98% of a warm one, where it ran at 72% with the
@@ -363,10 +364,11 @@ class ModelRunner:
         num_blocks = min(64, -(-self.config.max_model_len // self.block_size))
         scratch = list(self._new_kv_cache(num_blocks).unbind(0))
         batches = [self._scratch_batch(i, parts, num_blocks, kind) for i, (parts, kind) in enumerate(shapes)]
-        # The dry run launches each kernel through Triton's slow path (a third of a millisecond
-        # of Python a launch): over a model's first layers alone where later ones repeat them.
+        # Later layers repeat the first ones' kernels and GEMM shapes. Over those alone, the dry run
+        # launches fewer kernels through Triton's slow path (a third of a millisecond of Python a
+        # launch) and the real run fewer eager launches (an eager step costs the host 12-20 ms).
         representative = getattr(self.model, "kernel_variant_layers", None)
-        dry_scratch = scratch[:representative] if representative else scratch
+        layers = scratch[:representative] if representative else scratch
 
         def run_steps(caches: list[torch.Tensor]) -> None:
             for batch in batches:
@@ -382,13 +384,13 @@ class ModelRunner:
             else:
                 log.info("compiling kernels for %d step shapes on %d threads", len(batches), threads)
                 compiled = compile_ahead(
-                    lambda: run_steps(dry_scratch),
+                    lambda: run_steps(layers),
                     threads,
                     self.device,
                     self._kernel_variants_file(shapes, representative),
                     self._on_every_rank,
                 )
-        run_steps(scratch)
+        run_steps(layers)
         with torch.inference_mode():
             hidden = torch.zeros(self.logits_sizes[-1], self.hidden_size, dtype=self.dtype, device=self.device)
             for size in self.logits_sizes:

@@ -232,8 +232,9 @@ class Model(Protocol):
         """(num_layers, num_kv_heads on this rank, head_dim), for sizing the cache."""
 
     # Optional: `kernel_variant_layers = n` says that forward, given the caches of its first n
-    # layers only, runs those n layers and every kernel variant the whole model would; start-up
-    # then finds the variants to compile with a dry run of n layers instead of all of them.
+    # layers only, runs those n layers and every kernel variant and GEMM shape the whole model
+    # would; start-up then finds the variants to compile, loads them and runs each step shape, and
+    # loads each graph's kernels before its capture, over n layers instead of all of them.
 
 
 @runtime_checkable
