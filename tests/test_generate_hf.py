@@ -106,7 +106,8 @@ def test_one_token_sequences_lead_the_step_layout(checkpoint):
     a, b, c, d = requests
     assert step.longs[:7].tolist() == [b.token_ids[9], d.token_ids[20], *a.token_ids[4:7], *c.token_ids[:2]]
     assert step.sample_rows == [0, 1, 3]  # in the batch's order
-    assert step.longs[21:].tolist() == [4, 0, 1]  # where a's, b's and d's last tokens are laid out
+    assert step.longs[21:24].tolist() == [4, 0, 1]  # where a's, b's and d's last tokens are laid out
+    assert step.longs[24:].tolist() == [len(r.token_ids) for r in (a, b, d)]  # the tokens they sample
     together = llm.runner.forward_logits(step)
     for row, i in enumerate(step.sample_rows):
         alone = llm.runner.forward_logits(step_of([i]))

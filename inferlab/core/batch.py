@@ -37,11 +37,14 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class StepInputs:
-    """One step's inputs on the host, packed in two buffers that go to the device in two copies:
-    everything a tensor-parallel rank needs for the forward pass, small enough to send to the
-    workers each step. T new tokens of B sequences, S of which sample; block tables W wide."""
+    """One step's inputs on the host, packed in two buffers that go to the device in one copy:
+    everything a tensor-parallel rank needs for the forward pass and the sampler's token indices,
+    small enough to send to the workers each step. T new tokens of B sequences, S of which sample;
+    block tables W wide."""
 
-    longs: np.ndarray  # int64: input ids [T], positions [T], slot mapping [T], logits indices [S]
+    # int64: input ids [T], positions [T], slot mapping [T], logits indices [S], and the sampling
+    # sequences' lengths [S] (the index of the token each samples)
+    longs: np.ndarray
     ints: np.ndarray  # int32: query start [B+1], seq lens [B], context lens [B], block tables [B*W]
     num_tokens: int  # T
     num_seqs: int  # B

@@ -461,10 +461,12 @@ class ModelRunner:
         may be placeholders for the previous launch's samples (see StepHandle.placeholders).
         `step`: the batch's prepared inputs, when the caller built them already."""
         step = step if step is not None else self.prepare_inputs(batch)
-        logits = self.forward_logits(step, kv_caches)
+        uploaded = self.upload(step)
+        logits = self.forward_logits(step, kv_caches, uploaded)
         if logits is None:
             return StepHandle(len(batch), step.sample_rows, None)
-        sampled = self.sampler(logits, self.sampling_tensors([batch.requests[i] for i in step.sample_rows]))
+        rows = [batch.requests[i] for i in step.sample_rows]
+        sampled = self.sampler(logits, self.sampling_tensors(rows, uploaded[-1]))
         self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
         return StepHandle(len(batch), step.sample_rows, sampled, self.download_stream)
 
@@ -476,10 +478,12 @@ class ModelRunner:
             sampled = torch.empty(len(step.sample_rows), dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast(sampled)
 
-    def forward_logits(self, step: StepInputs, kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    def forward_logits(
+        self, step: StepInputs, kv_caches: list[torch.Tensor] | None = None, uploaded: tuple | None = None
+    ) -> torch.Tensor | None:
         """The forward pass of one step and the logits of its sampling rows (None when none samples).
-        Every tensor-parallel rank runs it on the same step."""
-        input_ids, positions, inputs, logits_indices = self.upload(step)
+        Every tensor-parallel rank runs it on the same step. uploaded: upload(step), if done."""
+        input_ids, positions, inputs, logits_indices, _ = uploaded or self.upload(step)
         if inputs.has_placeholders and self.last_sampled is None:
             raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
         sampled = self.last_sampled if inputs.has_placeholders else None
@@ -547,11 +551,16 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs] * bs + positions % bs
         samples = np.flatnonzero(ends == totals)  # layout positions of the sequences that sample
         logits_indices = query_start[1:][samples] - 1  # each sampling sequence's last new token
+        sample_steps = totals[samples]
         if layout is not None:  # samples go back in batch order
             by_batch = np.argsort(layout[samples], kind="stable")
-            samples, logits_indices = layout[samples][by_batch], logits_indices[by_batch]
+            samples, logits_indices, sample_steps = (
+                layout[samples][by_batch],
+                logits_indices[by_batch],
+                sample_steps[by_batch],
+            )
         return StepInputs(
-            longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices]),
+            longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices, sample_steps]),
             ints=np.concatenate([query_start, ends, starts, block_tables.ravel()]).astype(np.int32),
             num_tokens=num_tokens,
             num_seqs=n,
@@ -566,12 +575,14 @@ class ModelRunner:
         )
 
     def upload(self, step: StepInputs):
-        """The step's two buffers to the device, as input ids, positions, attention inputs and the
-        rows whose logits are needed."""
-        t, n = step.num_tokens, step.num_seqs
-        longs = self._to_device(step.longs, torch.int64)
-        ints = self._to_device(step.ints, torch.int32)
-        input_ids, positions, slot_mapping, logits_indices = longs.split([t, t, t, len(step.sample_rows)])
+        """The step's two buffers to the device in one copy (each costs the host tens of
+        microseconds), as input ids, positions, attention inputs, the rows whose logits are needed
+        and the index of the token each of those samples."""
+        t, n, s = step.num_tokens, step.num_seqs, len(step.sample_rows)
+        split = step.longs.nbytes
+        packed = self._to_device(np.concatenate([step.longs.view(np.uint8), step.ints.view(np.uint8)]), torch.uint8)
+        longs, ints = packed[:split].view(torch.int64), packed[split:].view(torch.int32)
+        input_ids, positions, slot_mapping, logits_indices, sample_steps = longs.split([t, t, t, s, s])
         query_start, seq_lens, context_lens, block_tables = ints.split([n + 1, n, n, n * step.table_width])
         inputs = AttentionInputs(
             query_start_loc=query_start,
@@ -587,7 +598,7 @@ class ModelRunner:
             block_size=self.block_size,
             has_placeholders=step.has_placeholders,
         )
-        return input_ids, positions, inputs, logits_indices
+        return input_ids, positions, inputs, logits_indices, sample_steps
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -600,13 +611,10 @@ class ModelRunner:
         on_device.record_stream(compute)  # its memory is not reused before the compute stream is done with it
         return on_device
 
-    def sampling_tensors(self, seqs) -> SamplingTensors:
-        """Per-row settings; rebuilt only when the rows change (decode repeats the same batch), the
-        token index (steps) is sent every time."""
+    def sampling_tensors(self, seqs, steps: torch.Tensor) -> SamplingTensors:
+        """Per-row settings; rebuilt only when the rows change (decode repeats the same batch).
+        steps: the index of the token each row samples, on the device (upload sends it each step)."""
         key = [s.request_id for s in seqs]
-        steps = self._to_device(
-            np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs)), torch.int64
-        )
         cached = self._sampling_cache
         if cached is not None and cached[0] == key:
             return replace(cached[1], steps=steps)
@@ -646,7 +654,7 @@ class PinnedStaging:
     turn. A fresh pin_memory() for every upload asked the caching host allocator for a new pinned
     block whenever the previous one's copy was not yet seen to finish: 1-5 ms of host time in a
     16k-token step on an H200. A buffer is refilled only after the copy from it has finished (an
-    event each, long done by its turn: a step makes about five uploads)."""
+    event each, long done by its turn: a step makes one to three uploads)."""
 
     SLOTS = 16
 
