@@ -1,0 +1,77 @@
+"""One sequence decoding 1,024 tokens after a 256-token prompt, three times in one process: tok/s,
+and per decode step the engine's wall time, its wait on the device's tokens, and the host time of
+each part (timers wrapped around the scheduler's and runner's calls). Then the device alone: the
+batch-1 decode graph replayed 500 times back to back, and the LM head likewise.
+
+    python3 scripts/one_sequence_gpu.py MODEL_DIR
+"""
+
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from inferlab import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], attention="triton", max_model_len=4096)
+runner, sched = llm.runner, llm.scheduler
+spent = defaultdict(float)
+
+
+def timed(obj, name, label):
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[label] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
+timed(sched, "schedule", "schedule")
+timed(sched, "resolve", "resolve")
+timed(sched, "advance", "advance")
+timed(runner, "launch", "launch (all)")
+timed(runner, "prepare_inputs", "launch: prepare_inputs")
+timed(runner, "upload", "launch: upload")
+timed(runner, "logits", "launch: LM head")
+timed(runner, "sampling_tensors", "launch: sampling_tensors")
+timed(runner, "sampler", "launch: sampler")
+timed(runner.decode_graphs, "run", "launch: graph fill + replay")
+one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1024)
+llm.generate([[7] * 256], one, use_tqdm=False)
+for k in range(3):
+    s0 = (llm.stats.num_steps, llm.stats.decode_seconds, llm.stats.wait_seconds)
+    spent.clear()
+    t = time.perf_counter()
+    llm.generate([[(13 * i + k) % 10000 for i in range(256)]], one, use_tqdm=False)
+    wall = time.perf_counter() - t
+    steps = llm.stats.num_steps - s0[0]
+    dec, wait = llm.stats.decode_seconds - s0[1], llm.stats.wait_seconds - s0[2]
+    print(
+        f"run {k}: {1024 / wall:.0f} tok/s, {steps} steps, {wall / steps * 1e6:.0f} us a step wall, "
+        f"decode step {dec / steps * 1e6:.0f} us of which waiting {wait / steps * 1e6:.0f} us",
+        flush=True,
+    )
+    print("   host per step (us): " + ", ".join(f"{k2} {v / steps * 1e6:.1f}" for k2, v in spent.items()), flush=True)
+
+graph = runner.decode_graphs.graphs[1]
+hidden = torch.zeros(1, runner.hidden_size, dtype=runner.dtype, device=runner.device)
+for label, fn in (
+    ("decode graph, batch 1", graph.replay),
+    ("LM head, 1 row", lambda: runner.model.compute_logits(hidden)),
+):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(500):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    print(f"device: {label}: {a.elapsed_time(b) / 500 * 1000:.1f} us", flush=True)
