@@ -60,7 +60,7 @@ for k in range(3):
     print("   host per step (us): " + ", ".join(f"{k2} {v / steps * 1e6:.1f}" for k2, v in spent.items()), flush=True)
 
 graph = runner.decode_graphs.graphs[1]
-hidden = torch.zeros(1, runner.hidden_size, dtype=runner.dtype, device=runner.device)
+hidden = torch.zeros(1, runner.hf_config.hidden_size, dtype=runner.dtype, device=runner.device)
 for label, fn in (
     ("decode graph, batch 1", graph.replay),
     ("LM head, 1 row", lambda: runner.model.compute_logits(hidden)),

@@ -75,7 +75,6 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf_config.vocab_size
-        self.hidden_size = hf_config.hidden_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.backend = self._make_backend(registry, head_dim)
         model_name = config.model if config.model != "auto" else self._model_for(registry, hf_config)
@@ -225,7 +224,7 @@ class ModelRunner:
             config.max_num_seqs,
             config.max_model_len,
             self.block_size,
-            self.hidden_size,
+            self.hf_config.hidden_size,
             self.dtype,
             self.device,
         )
@@ -392,7 +391,9 @@ class ModelRunner:
                 )
         run_steps(layers)
         with torch.inference_mode():
-            hidden = torch.zeros(self.logits_sizes[-1], self.hidden_size, dtype=self.dtype, device=self.device)
+            hidden = torch.zeros(
+                self.logits_sizes[-1], self.hf_config.hidden_size, dtype=self.dtype, device=self.device
+            )
             for size in self.logits_sizes:
                 self.logits(hidden[:size])
         if self.device.type == "cuda":
