@@ -10,6 +10,7 @@ Run: python -m pytest -m gpu -rP tests/test_gpu.py (-rP prints the measured logi
 import gc
 import importlib.util
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -372,3 +373,56 @@ def test_pinned_staging_reuses_its_buffers_only_after_their_copies():
     for expected, got in zip(sent, received):
         assert got.device.type == "cuda" and got.dtype == expected.dtype
         assert torch.equal(got.cpu(), expected)
+
+
+def test_sampling_graphs_draw_the_tokens_the_eager_sampler_draws(qwen3_path):
+    """Decode batches' LM head and sampler replayed from graphs (the default sampler, captured at
+    start-up) give the tokens the same sampler gives launched eagerly (an engine whose runner was
+    handed another instance): greedy batches, seeded sampling with a greedy row among the sampled
+    ones, and top-k/top-p batches (eager on both sides), as the batches shrink."""
+    from inferlab.core.cuda_graphs import sampling_graph_kind
+    from inferlab.plugins.samplers.default_sampler import DefaultSampler
+
+    prompts = [[(7 * i + j) % 1000 for j in range(n)] for i, n in enumerate([5, 40, 300, 17])]
+    lengths = [30, 12, 45, 3]
+    cases = {
+        "greedy": [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths],
+        "sampled": [
+            SamplingParams(temperature=0 if i == 1 else 0.9, seed=100 + i, max_tokens=m, ignore_eos=True)
+            for i, m in enumerate(lengths)
+        ],
+        "filtered": [
+            SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=200 + i, max_tokens=m, ignore_eos=True)
+            for i, m in enumerate(lengths)
+        ],
+    }
+
+    def generate_all(llm) -> dict:
+        return {
+            case: [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+            for case, params in cases.items()
+        }
+
+    replays = Counter()
+    with LLM(qwen3_path, attention="triton", **ENGINE) as llm:
+        graphs = llm.runner.sampling_graphs
+        assert graphs is not None and graphs.sampler is llm.runner.sampler
+        replay = graphs.run
+
+        def counted(hidden, params):
+            replayed = replay(hidden, params)
+            replays[sampling_graph_kind(params) if replayed else "eager"] += 1
+            return replayed
+
+        graphs.run = counted
+        from_graphs = generate_all(llm)
+    with LLM(qwen3_path, attention="triton", **ENGINE) as llm:
+        llm.runner.sampler = DefaultSampler()
+        llm.runner.sampling_graphs.run = lambda hidden, params: pytest.fail("a replaced sampler was replayed")
+        eager = generate_all(llm)
+    print(dict(replays))
+    # every decode step but the first of each request group (its prompt's token comes with prefill)
+    assert replays["greedy"] >= max(lengths) - 2 and replays["sampled"] >= max(lengths) - 2
+    assert replays["eager"] >= max(lengths) - 2  # the filtered batches
+    assert from_graphs == eager
+    assert from_graphs["sampled"] != from_graphs["greedy"]  # the sampled rows did sample

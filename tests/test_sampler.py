@@ -69,6 +69,25 @@ def test_greedy_rows_take_argmax_and_mix_with_sampled_rows():
     assert out[0::2].tolist() == logits[0::2].argmax(-1).tolist()
 
 
+def test_a_rows_token_ignores_the_rest_of_its_batch():
+    """What lets the runner replay the sampler from CUDA graphs (supports_cuda_graphs): rows
+    sampled beside padding rows of other logits and stale settings get the tokens they get alone."""
+    from inferlab.core.cuda_graphs import sampling_graph_kind
+
+    assert DefaultSampler.supports_cuda_graphs
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50)
+    for temperature in ([0, 0, 0], [0.7, 0, 1.3]):
+        alone = tensors(3, temperature=temperature, seeds=[5, 6, 7], steps=[10, 11, 12], vocab=50)
+        padded = tensors(
+            7, temperature=temperature + [0.5] * 4, seeds=[5, 6, 7, 1, 2, 3, 4], steps=[10, 11, 12] + [3] * 4, vocab=50
+        )
+        padded.all_greedy = alone.all_greedy  # the graph is chosen by the real rows' flags
+        assert torch.equal(DefaultSampler()(logits[:3], alone), DefaultSampler()(logits, padded)[:3])
+        assert sampling_graph_kind(alone) == ("greedy" if alone.all_greedy else "sampled")
+    assert sampling_graph_kind(tensors(2, top_k=5, vocab=50)) is None  # filtered: eager
+
+
 def test_top_k_1_is_greedy_at_any_temperature():
     logits = torch.randn(5, 100)
     out = DefaultSampler()(logits, tensors(5, temperature=2.0, top_k=1, vocab=100))

@@ -22,6 +22,7 @@ from inferlab.core.cuda_graphs import (
     DecodeGraphs,
     GraphLimits,
     PrefillGraphs,
+    SamplingGraphs,
     auto_graph_prefill_tokens,
     graph_batch_sizes,
     smallest_size_holding,
@@ -119,6 +120,7 @@ class ModelRunner:
         self.download_stream = torch.cuda.Stream(self.device) if cuda else None
         self.decode_graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.prefill_graphs: PrefillGraphs | None = None
+        self.sampling_graphs: SamplingGraphs | None = None
         self.graphs_supported = self._graphs_supported()
         self.prefill_graph_tokens = self._prefill_graph_tokens(hf_config)
         if cuda and config.compile_at_start:
@@ -138,6 +140,7 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
         self.decode_graphs = self._capture_decode_graphs()
+        self.sampling_graphs = self._capture_sampling_graphs()
         self.prefill_graphs = self._capture_prefill_graphs()
 
     def close(self) -> None:
@@ -146,6 +149,7 @@ class ModelRunner:
         built next in this process can use it; the runner launches nothing afterwards."""
         for name in (
             "decode_graphs",
+            "sampling_graphs",
             "prefill_graphs",
             "kv_cache",
             "model",
@@ -180,6 +184,14 @@ class ModelRunner:
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         return DecodeGraphs(*self._graph_settings()) if self.graphs_supported else None
+
+    def _capture_sampling_graphs(self) -> SamplingGraphs | None:
+        """Graphs of decode batches' LM head and sampling, where the sampler allows them. Under
+        tensor parallelism they run eagerly: the head's gather would be captured on every rank
+        while only rank 0 samples."""
+        if self.decode_graphs is None or self.tp.size > 1 or not getattr(self.sampler, "supports_cuda_graphs", False):
+            return None
+        return SamplingGraphs(self.decode_graphs, self.model.compute_logits, self.sampler, self.vocab_size)
 
     def graph_limits(self) -> GraphLimits:
         """Which steps replay the graphs this runner captured."""
@@ -463,13 +475,19 @@ class ModelRunner:
         `step`: the batch's prepared inputs, when the caller built them already."""
         step = step if step is not None else self.prepare_inputs(batch)
         uploaded = self.upload(step)
-        logits = self.forward_logits(step, kv_caches, uploaded)
-        if logits is None:
+        hidden = self.forward(step, kv_caches, uploaded)
+        if hidden is None:
             return StepHandle(len(batch), step.sample_rows, None)
         rows = [batch.requests[i] for i in step.sample_rows]
-        sampled = self.sampler(logits, self.sampling_tensors(rows, uploaded[-1]))
+        params = self.sampling_tensors(rows, uploaded[-1])
+        graphs = self.sampling_graphs
+        replayed = graphs is not None and graphs.sampler is self.sampler and graphs.run(hidden, params)
+        sampled = graphs.tokens[: len(rows)] if replayed else self.sampler(self.logits(hidden), params)
         self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
-        return StepHandle(len(batch), step.sample_rows, sampled, self.download_stream)
+        handle = StepHandle(len(batch), step.sample_rows, sampled, self.download_stream)
+        if replayed:
+            graphs.tokens_copied = handle.ready  # the next replay overwrites the samples once they are copied
+        return handle
 
     @torch.inference_mode()
     def follow(self, step: StepInputs) -> None:
@@ -479,11 +497,17 @@ class ModelRunner:
             sampled = torch.empty(len(step.sample_rows), dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast(sampled)
 
-    def forward_logits(
+    def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass of one step and the logits of its sampling rows (None when none samples),
+        as a worker rank runs it."""
+        hidden = self.forward(step)
+        return None if hidden is None else self.logits(hidden)
+
+    def forward(
         self, step: StepInputs, kv_caches: list[torch.Tensor] | None = None, uploaded: tuple | None = None
     ) -> torch.Tensor | None:
-        """The forward pass of one step and the logits of its sampling rows (None when none samples).
-        Every tensor-parallel rank runs it on the same step. uploaded: upload(step), if done."""
+        """The forward pass of one step and the hidden states of its sampling rows (None when none
+        samples). Every tensor-parallel rank runs it on the same step. uploaded: upload(step), if done."""
         input_ids, positions, inputs, logits_indices, _ = uploaded or self.upload(step)
         if inputs.has_placeholders and self.last_sampled is None:
             raise RuntimeError("a batch refers to sampled tokens of a step that was never launched")
@@ -500,7 +524,7 @@ class ModelRunner:
         if not step.sample_rows:
             return None
         # a decode step samples every row, in order: no gather needed
-        return self.logits(hidden if step.is_decode else hidden[logits_indices])
+        return hidden if step.is_decode else hidden[logits_indices]
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The LM head over hidden states [n, hidden], run on n rows padded to the next of

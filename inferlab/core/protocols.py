@@ -243,3 +243,10 @@ class Sampler(Protocol):
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         """Next token ids [N] for logits [N, vocab] (in the model's dtype), on the logits' device."""
+
+    # Optional: `supports_cuda_graphs = True` says that a call launches only device work a CUDA
+    # graph can capture (it never reads a tensor back to the host), chosen from the logits' shape
+    # and the settings' flags alone, and that each row's token depends on its own logits and
+    # settings only. The runner then replays decode batches' LM head and sampling from graphs,
+    # whose padding rows carry stale settings, for all-greedy batches and for sampled ones without
+    # top-k, top-p or min-p.

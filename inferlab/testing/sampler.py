@@ -15,13 +15,15 @@ them, and must return N token ids (int64, on the logits' device). The suite chec
 and min_p; that draws follow softmax(logits / T) over that support (chi-square over thousands of
 draws across seeds and steps); that a seeded row draws the same token for the same (seed, step)
 whatever shares its batch, and other tokens at other steps; and mixed batches of greedy, sampled
-and filtered rows. A sampler that reshapes the distribution on purpose (banning tokens, penalties)
+and filtered rows. A sampler that declares supports_cuda_graphs is checked beside padding rows and
+(on CUDA) replayed from a graph. A sampler that reshapes the distribution on purpose (banning tokens, penalties)
 overrides expected_logits to say how.
 """
 
 import math
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from inferlab.core.batch import SamplingTensors
@@ -358,3 +360,41 @@ class SamplerSuite:
         by_seed = self.sample(sampler, flat, temperature=1.0, seeds=list(range(64)), steps=9)
         for what, tokens in (("steps", by_step), ("seeds", by_seed)):
             assert len(set(tokens.tolist())) > 32, f"64 {what} over 1000 equally likely tokens drew {tokens.tolist()}"
+
+    def test_a_graph_capturable_sampler_ignores_padding_rows_and_replays(self, dtype):
+        """For a sampler that declares supports_cuda_graphs: the runner replays it over a decode
+        batch padded to its graph's size, the padding rows holding other logits and stale settings
+        under the flags of the real rows. The real rows draw what they draw alone, greedy and
+        sampled; on CUDA, also when the call is captured in a CUDA graph and replayed with new
+        seeds and steps written into its inputs."""
+        sampler = self.make_sampler()
+        if not getattr(sampler, "supports_cuda_graphs", False):
+            pytest.skip(f"sampler {self.sampler!r} does not declare supports_cuda_graphs")
+        real, padded = 5, 8
+        logits = self.random_logits(padded, LARGE_VOCAB, dtype, seed=8)
+        stale = dict(temperature=[0.9, 0.0, 1.4], seeds=[1, 2, 3], steps=[4, 5, 6])
+        for temperature in ([0.0] * real, [0.7, 0.0, 1.2, 0.9, 0.5]):
+            mine = dict(temperature=temperature, seeds=[11, 12, 13, 14, 15], steps=[40, 41, 42, 43, 44])
+            alone = self.sample(sampler, logits[:real], **mine)
+            params = sampling_tensors(LARGE_VOCAB, device=self.device, **{k: v + stale[k] for k, v in mine.items()})
+            params.all_greedy = not any(temperature)  # the graph is the real rows' kind
+            with torch.inference_mode():
+                beside = sampler(logits, params)[:real].cpu()
+            assert torch.equal(beside, alone), f"temperatures {temperature}: padding rows changed the real rows' draws"
+            if torch.device(self.device).type != "cuda":
+                continue
+            with torch.inference_mode():
+                sampler(logits, params)  # loads its kernels before the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    tokens = sampler(logits, params)
+                params.seeds[:real] = torch.tensor([21, 22, 23, 24, 25])
+                params.steps[:real] += 7
+                graph.replay()
+                torch.cuda.synchronize()
+            moved = dict(mine, seeds=[21, 22, 23, 24, 25], steps=[47, 48, 49, 50, 51])
+            expected = self.sample(sampler, logits[:real], **moved)
+            assert torch.equal(tokens[:real].cpu(), expected), (
+                f"temperatures {temperature}: the replay drew other tokens"
+            )

@@ -48,6 +48,10 @@ def filter_logits(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
 
 
 class DefaultSampler:
+    # Its launches follow only the logits' shape and the settings' flags, and it never waits on the
+    # device: the runner may capture it in CUDA graphs.
+    supports_cuda_graphs = True
+
     def __init__(self, config=None, **options):
         if options:
             raise TypeError(f"the default sampler takes no options, got {sorted(options)}")
