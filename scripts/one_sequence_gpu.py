@@ -1,7 +1,8 @@
 """One sequence decoding 1,024 tokens after a 256-token prompt, three times in one process: tok/s,
 and per decode step the engine's wall time, its wait on the device's tokens, and the host time of
-each part (timers wrapped around the scheduler's and runner's calls). Then the device alone: the
-batch-1 decode graph replayed 500 times back to back, and the LM head likewise.
+each part (timers wrapped around the scheduler's and runner's calls; none replaces the sampler,
+which would turn the sampling graphs off). Then the device alone: the batch-1 decode graph replayed
+500 times back to back, and the batch-1 sampling graph (LM head and sampler) likewise.
 
     python3 scripts/one_sequence_gpu.py MODEL_DIR
 """
@@ -38,10 +39,9 @@ timed(sched, "advance", "advance")
 timed(runner, "launch", "launch (all)")
 timed(runner, "prepare_inputs", "launch: prepare_inputs")
 timed(runner, "upload", "launch: upload")
-timed(runner, "logits", "launch: LM head")
 timed(runner, "sampling_tensors", "launch: sampling_tensors")
-timed(runner, "sampler", "launch: sampler")
 timed(runner.decode_graphs, "run", "launch: graph fill + replay")
+timed(runner.sampling_graphs, "run", "launch: sampling graph")
 one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1024)
 llm.generate([[7] * 256], one, use_tqdm=False)
 for k in range(3):
@@ -59,11 +59,9 @@ for k in range(3):
     )
     print("   host per step (us): " + ", ".join(f"{k2} {v / steps * 1e6:.1f}" for k2, v in spent.items()), flush=True)
 
-graph = runner.decode_graphs.graphs[1]
-hidden = torch.zeros(1, runner.hf_config.hidden_size, dtype=runner.dtype, device=runner.device)
 for label, fn in (
-    ("decode graph, batch 1", graph.replay),
-    ("LM head, 1 row", lambda: runner.model.compute_logits(hidden)),
+    ("decode graph, batch 1", runner.decode_graphs.graphs[1].replay),
+    ("sampling graph (LM head and sampler), batch 1", runner.sampling_graphs.graphs[1, "sampled"].replay),
 ):
     for _ in range(20):
         fn()
