@@ -15,9 +15,9 @@ them, and must return N token ids (int64, on the logits' device). The suite chec
 and min_p; that draws follow softmax(logits / T) over that support (chi-square over thousands of
 draws across seeds and steps); that a seeded row draws the same token for the same (seed, step)
 whatever shares its batch, and other tokens at other steps; and mixed batches of greedy, sampled
-and filtered rows. A sampler that declares supports_cuda_graphs is checked beside padding rows and
-(on CUDA) replayed from a graph. A sampler that reshapes the distribution on purpose (banning tokens, penalties)
-overrides expected_logits to say how.
+and filtered rows. A sampler that declares supports_cuda_graphs is checked beside padding rows
+and (on CUDA) replayed from a graph. A sampler that reshapes the distribution on purpose (banning
+tokens, penalties) overrides expected_logits to say how.
 """
 
 import math
