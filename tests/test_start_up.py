@@ -279,3 +279,64 @@ def test_the_lm_head_runs_only_at_row_counts_start_up_ran():
     assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert set(sampled) - warmed  # steps sampled row counts between the sizes (37 first tokens, ...)
     assert set(rows) <= warmed and len(rows) == len(sampled)
+
+
+def test_sampling_graphs_capture_each_size_and_kind_and_name_a_sampler_that_cannot_be_captured(checkpoint, monkeypatch):
+    """The LM head and sampler of each decode batch size are captured once greedy and once sampled,
+    over the decode graphs' hidden rows, with the index each row samples taken as its position plus
+    one. A sampler that declares supports_cuda_graphs but reads a tensor back during the capture
+    fails start-up with an error naming it and what to change. CUDA's capture calls stand in here:
+    a reading sampler fails under them as CUDA's capture makes it fail."""
+    import torch
+
+    from inferlab.core.cuda_graphs import DecodeGraphs, SamplingGraphs
+    from inferlab.plugins.samplers.default_sampler import DefaultSampler
+
+    llm = LLM(checkpoint("gqa4-untied"), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
+    runner = llm.runner
+    capturing = []
+
+    class Graph:
+        pass
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        capturing.append(graph)
+        try:
+            yield
+        finally:
+            capturing.remove(graph)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    decode_graphs = DecodeGraphs.__new__(DecodeGraphs)
+    decode_graphs.sizes, decode_graphs.pool = [1, 4], None
+    hidden_size = runner.model.config.hidden_size
+    decode_graphs._allocate_buffers(4, 4, 256, runner.block_size, hidden_size, runner.dtype, runner.device)
+    with torch.inference_mode():
+        decode_graphs.positions.copy_(torch.tensor([10, 20, 30, 40]))
+    calls = []
+
+    class Recording(DefaultSampler):
+        def __call__(self, logits, params):
+            calls.append((bool(capturing), logits.shape[0], params.all_greedy, params.steps.tolist()))
+            return super().__call__(logits, params)
+
+    graphs = SamplingGraphs(decode_graphs, runner.model.compute_logits, Recording(), runner.vocab_size)
+    assert set(graphs.graphs) == {(4, "greedy"), (4, "sampled"), (1, "greedy"), (1, "sampled")}
+    expected = [(4, True, [11, 21, 31, 41]), (4, False, [11, 21, 31, 41]), (1, True, [11]), (1, False, [11])]
+    # each capture follows a plain run of the same call, which loads its kernels
+    assert calls == [(captured, *call) for call in expected for captured in (False, True)]
+
+    class Reading(DefaultSampler):
+        def __call__(self, logits, params):
+            hottest = params.temperatures.max()
+            if capturing:  # CUDA refuses to read a tensor back while the stream captures
+                raise RuntimeError("operation not permitted when stream is capturing")
+            if hottest.item() > 1:
+                logits = logits / hottest
+            return super().__call__(logits, params)
+
+    with pytest.raises(RuntimeError, match=r"sampler Reading declares supports_cuda_graphs.*remove the declaration"):
+        SamplingGraphs(decode_graphs, runner.model.compute_logits, Reading(), runner.vocab_size)

@@ -270,8 +270,16 @@ class SamplingGraphs:
                 sampler(compute_logits(hidden[:rows]), self._settings(rows, kind))  # loads its kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.tokens[:rows] = sampler(compute_logits(hidden[:rows]), self._settings(rows, kind))
+                try:
+                    with torch.cuda.graph(graph, pool):
+                        self.tokens[:rows] = sampler(compute_logits(hidden[:rows]), self._settings(rows, kind))
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"sampler {type(sampler).__name__} declares supports_cuda_graphs, but its call failed while "
+                        f"a CUDA graph captured it ({rows} {kind} rows): {e}. A capturable sampler never reads a "
+                        f"tensor back to the host nor copies from host memory; remove the declaration to run it "
+                        f"eagerly"
+                    ) from e
                 graphs[rows, kind] = graph
         torch.cuda.synchronize()
         return graphs
