@@ -338,5 +338,8 @@ def test_sampling_graphs_capture_each_size_and_kind_and_name_a_sampler_that_cann
                 logits = logits / hottest
             return super().__call__(logits, params)
 
-    with pytest.raises(RuntimeError, match=r"sampler Reading declares supports_cuda_graphs.*remove the declaration"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"sampler Reading of 4 greedy decode rows.*declares supports_cuda_graphs.*remove the declaration",
+    ):
         SamplingGraphs(decode_graphs, runner.model.compute_logits, Reading(), runner.vocab_size)

@@ -275,10 +275,10 @@ class SamplingGraphs:
                         self.tokens[:rows] = sampler(compute_logits(hidden[:rows]), self._settings(rows, kind))
                 except RuntimeError as e:
                     raise RuntimeError(
-                        f"sampler {type(sampler).__name__} declares supports_cuda_graphs, but its call failed while "
-                        f"a CUDA graph captured it ({rows} {kind} rows): {e}. A capturable sampler never reads a "
-                        f"tensor back to the host nor copies from host memory; remove the declaration to run it "
-                        f"eagerly"
+                        f"capturing the LM head and sampler {type(sampler).__name__} of {rows} {kind} decode rows in "
+                        f"a CUDA graph failed: {e}. The sampler declares supports_cuda_graphs; a capturable sampler "
+                        f"never reads a tensor back to the host nor copies from host memory: if it does, remove the "
+                        f"declaration to run it eagerly"
                     ) from e
                 graphs[rows, kind] = graph
         torch.cuda.synchronize()
