@@ -216,13 +216,33 @@ def test_the_dry_run_over_the_representative_layers_runs_those_layers_alone(chec
     assert ran == [0, 1, 2] * 2
 
 
-def test_the_run_before_each_graph_capture_goes_over_the_representative_layers(checkpoint, monkeypatch):
-    """Each graph's capture runs every layer; the plain run before it (which loads the kernels the
-    capture launches) only the model's kernel_variant_layers. CUDA's capture calls stand in as
-    no-ops here: the model runs eagerly on the CPU under them."""
+def stubbed_decode_graphs(runner, monkeypatch, capture):
+    """Decode graphs of batches 1 and 4 over the runner's shapes, their buffers allocated and nothing
+    captured yet, with CUDA's capture calls standing in: `capture(graph, pool)` for torch.cuda.graph,
+    graphs whose pool is "pool", and a synchronize that does nothing (the model runs eagerly on the
+    CPU under them)."""
     import torch
 
     from inferlab.core.cuda_graphs import DecodeGraphs
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sizes, graphs.pool = [1, 4], None
+    hidden_size = runner.model.config.hidden_size
+    graphs._allocate_buffers(4, 4, 256, runner.block_size, hidden_size, runner.dtype, runner.device)
+    return graphs
+
+
+def test_the_run_before_each_graph_capture_goes_over_the_representative_layers(checkpoint, monkeypatch):
+    """Each graph's capture runs every layer; the plain run before it (which loads the kernels the
+    capture launches) only the model's kernel_variant_layers."""
+    import torch
 
     llm = LLM(checkpoint("gqa4-untied"), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
     runner, ran = llm.runner, []
@@ -230,23 +250,13 @@ def test_the_run_before_each_graph_capture_goes_over_the_representative_layers(c
         layer.register_forward_hook(lambda module, args, output, i=i: ran.append(i))
     captured = []
 
-    class Graph:
-        def pool(self):
-            return "pool"
-
     @contextlib.contextmanager
     def capturing(graph, pool=None):
         captured.append(len(ran))
         yield
         captured.append(len(ran))
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    graphs = DecodeGraphs.__new__(DecodeGraphs)
-    graphs.sizes = [1, 4]
-    hidden_size = runner.model.config.hidden_size
-    graphs._allocate_buffers(4, 4, 256, runner.block_size, hidden_size, runner.dtype, runner.device)
+    graphs = stubbed_decode_graphs(runner, monkeypatch, capturing)
     with torch.inference_mode():  # as DecodeGraphs fills it: one token a sequence
         torch.arange(5, out=graphs.query_start_loc)
     graphs._capture(runner.model, runner.backend, runner.kv_caches)
@@ -285,19 +295,16 @@ def test_sampling_graphs_capture_each_size_and_kind_and_name_a_sampler_that_cann
     """The LM head and sampler of each decode batch size are captured once greedy and once sampled,
     over the decode graphs' hidden rows, with the index each row samples taken as its position plus
     one. A sampler that declares supports_cuda_graphs but reads a tensor back during the capture
-    fails start-up with an error naming it and what to change. CUDA's capture calls stand in here:
-    a reading sampler fails under them as CUDA's capture makes it fail."""
+    fails start-up with an error naming it and what to change. A reading sampler fails under the
+    stand-ins for CUDA's capture calls as CUDA's capture makes it fail."""
     import torch
 
-    from inferlab.core.cuda_graphs import DecodeGraphs, SamplingGraphs
+    from inferlab.core.cuda_graphs import SamplingGraphs
     from inferlab.plugins.samplers.default_sampler import DefaultSampler
 
     llm = LLM(checkpoint("gqa4-untied"), device="cpu", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256)
     runner = llm.runner
     capturing = []
-
-    class Graph:
-        pass
 
     @contextlib.contextmanager
     def capture(graph, pool=None):
@@ -307,13 +314,7 @@ def test_sampling_graphs_capture_each_size_and_kind_and_name_a_sampler_that_cann
         finally:
             capturing.remove(graph)
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    decode_graphs = DecodeGraphs.__new__(DecodeGraphs)
-    decode_graphs.sizes, decode_graphs.pool = [1, 4], None
-    hidden_size = runner.model.config.hidden_size
-    decode_graphs._allocate_buffers(4, 4, 256, runner.block_size, hidden_size, runner.dtype, runner.device)
+    decode_graphs = stubbed_decode_graphs(runner, monkeypatch, capture)
     with torch.inference_mode():
         decode_graphs.positions.copy_(torch.tensor([10, 20, 30, 40]))
     calls = []

@@ -233,8 +233,7 @@ class SamplingGraphs:
     def __init__(self, decode_graphs: DecodeGraphs, compute_logits, sampler, vocab_size: int):
         self.decode_graphs = decode_graphs
         self.sampler = sampler  # the one captured: a runner given another one samples eagerly
-        self.sizes = decode_graphs.sizes
-        rows, device = self.sizes[-1], decode_graphs.hidden.device
+        rows, device = decode_graphs.sizes[-1], decode_graphs.hidden.device
         with torch.inference_mode():
             self.floats = torch.zeros(3, rows, dtype=torch.float32, device=device)  # temperature, top-p, min-p
             self.ints = torch.zeros(2, rows, dtype=torch.int64, device=device)  # top-k, seed
@@ -265,7 +264,7 @@ class SamplingGraphs:
     def _capture(self, compute_logits, sampler, pool) -> dict[tuple[int, str], torch.cuda.CUDAGraph]:
         graphs = {}
         hidden = self.decode_graphs.hidden
-        for rows in reversed(self.sizes):
+        for rows in reversed(self.decode_graphs.sizes):
             for kind in SAMPLING_GRAPH_KINDS:
                 sampler(compute_logits(hidden[:rows]), self._settings(rows, kind))  # loads its kernels
                 torch.cuda.synchronize()
