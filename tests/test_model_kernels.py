@@ -306,7 +306,11 @@ def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
     assert split_k_gemm.plan(1024, 3072, 128) == (32, 128, 2)
     assert split_k_gemm.plan(1024, 3072, 129) == (64, 128, 2)  # three or more: wider tiles too
     assert split_k_gemm.plan(128, 256) == (32, 128, 2)  # 256 = 2 whole steps, not 4
-    assert split_k_gemm.plan(4096, 4096) is None  # Qwen3-8B's o_proj: 128 column blocks fill the GPU
+    assert split_k_gemm.plan(4096, 4096) == (32, 128, 2)  # Qwen3-8B's o_proj: wide, but K deep
+    assert split_k_gemm.plan(4096, 12288, 64) == (32, 128, 2)  # its down_proj
+    assert split_k_gemm.plan(4096, 4096, 65) is None  # 128 column blocks fill the GPU above 64 rows
+    assert split_k_gemm.plan(4096, 2048) is None  # wide and shallow: cuBLAS
+    assert split_k_gemm.plan(4096, 4096 + 128) is None  # halves of K not in whole 128-wide steps
     assert split_k_gemm.plan(128, 192) is None  # no split into whole 128-wide steps
     assert split_k_gemm.plan(100, 256) is None  # no whole column blocks
     assert split_k_gemm.plan(32, 256, 200) is None  # no whole 64-wide column blocks
@@ -319,9 +323,11 @@ def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
         (5, 128, 256, torch.float32),
         (70, 64, 512, torch.float32),  # two row blocks, the second partial
         (130, 128, 256, torch.float32),  # three row blocks: the wider tiles
+        (3, 2048, 4096, torch.float32),  # wide and deep: a split in two
         (0, 64, 256, torch.float32),
         pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
         pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
+        pytest.param(1, 4096, 12288, torch.bfloat16, marks=pytest.mark.gpu),
     ],
 )
 def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dtype):
@@ -374,8 +380,12 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
     assert not RowParallelLinear(2048, 1024, TPGroup()).return_partials(0)
     assert not RowParallelLinear(2048, 1024, TPGroup(rank=0, size=2)).return_partials(64)  # needs the all-reduce
     assert not RowParallelLinear(2048, 1024, TPGroup(), bias=True).return_partials(64)
-    assert not RowParallelLinear(4096, 4096, TPGroup()).return_partials(64)  # wide: no gain from a split
-    assert not RowParallelLinear(256, 32, TPGroup()).return_partials(129)  # no tiling above 128 tokens
+    assert not RowParallelLinear(2048, 4096, TPGroup()).return_partials(64)  # wide and shallow: no gain
+    wide = RowParallelLinear(4096, 4096, TPGroup())
+    assert wide.return_partials(256) and wide.partials_tokens == 64  # wide and deep: split up to 64 only
+    narrow = RowParallelLinear(256, 32, TPGroup())
+    assert narrow.return_partials(129) and narrow.partials_tokens == 128  # no 64-wide tiling above 128
+    assert split_k_gemm.max_planned_tokens(32, 256, 100) == 100 and split_k_gemm.max_planned_tokens(32, 192, 8) == 0
     linear = RowParallelLinear(256, 128, TPGroup())
     linear.weight.data.normal_(0, 0.05)
     assert linear.return_partials(4)

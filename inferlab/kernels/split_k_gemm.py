@@ -11,6 +11,12 @@ Measured on an H200: with cold weights at 8 to 64 tokens, 4.2-6.0 µs for the pa
 cuBLAS's 6.0-8.1 µs; in the model, up to 256 tokens, the 28-layer decoder stack 1.2% (256
 sequences) to 6.6% (30) faster, and the bench 3.3%.
 
+A wide projection (Qwen3-8B's o_proj and down_proj: 4,096 outputs, 128 column blocks) fills the
+GPU with one program a multiprocessor, each streaming a deep slice of K; at up to 64 tokens a split
+in two gives each multiprocessor two programs, half as deep, and its partials replace cuBLAS's
+split-K GEMM and reduction kernel: on an H200 the decode graphs of 1-32 sequences were 2.5-4.0%
+faster and one sequence 2-4%, at 64 sequences 1.3-2.0%; splits of 3, 4 and 8 were slower.
+
 The sum of the partials is the product in float32, rounded once by the norm kernel, where cuBLAS
 rounds the product to the model dtype before the residual add: both are the projection to within
 one rounding.
@@ -38,6 +44,9 @@ class SplitKPlan(NamedTuple):
 
 # Fewer 32-wide column blocks than this leave most of a large GPU's multiprocessors idle: split K.
 MIN_COLUMN_BLOCKS = 64
+# A wide weight is split in two at up to 64 tokens only where each half of K is this deep or more
+# (measured with K of 4,096 and 12,288; shallower wide weights stay with cuBLAS).
+MIN_DEEP_SPLIT = 2048
 
 
 def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
@@ -45,12 +54,32 @@ def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
     and a split of 4 (or 2) for up to 64 rows, 64 columns and a split of 2 above 128 (the fastest
     of 32/64 columns, 128/256-wide K steps and splits of 1, 2, 4 at 8, 64 and 256 rows on an H200);
     between them 32 columns and a split of 2, which gives 65-128 rows (two row blocks) as many
-    programs as 256 rows get and made the decoder stack 1.1-1.7% faster at 71-126 sequences. None
-    where a split does not pay (n wide enough to fill the GPU with column blocks) or does not
+    programs as 256 rows get and made the decoder stack 1.1-1.7% faster at 71-126 sequences. A
+    weight wide enough to fill the GPU with column blocks is split in two up to 64 rows where K is
+    deep (see the module's docstring), and not above. None where a split does not pay or does not
     divide (then use a plain GEMM)."""
     if num_tokens <= 64:
-        return fit(n, k, 32, (4, 2))
+        return fit(n, k, 32, (4, 2)) or deep_split(n, k)
     return fit(n, k, 32 if num_tokens <= 128 else 64, (2,))
+
+
+def deep_split(n: int, k: int) -> SplitKPlan | None:
+    """32 columns and a split of 2 for a [n, k] weight of whole column blocks whose halves of K are
+    at least MIN_DEEP_SPLIT deep, in whole 128-wide steps; else None."""
+    if n % 32 or k < 2 * MIN_DEEP_SPLIT or k % 256:
+        return None
+    return SplitKPlan(32, 128, 2)
+
+
+def max_planned_tokens(n: int, k: int, max_tokens: int) -> int:
+    """The most tokens, up to max_tokens, such that a batch of any count from 1 to it gets a
+    tiling for a [n, k] weight (plan changes only above 64 and above 128 tokens); 0 if none."""
+    covered = 0
+    for first, last in ((1, 64), (65, 128), (129, max_tokens)):
+        if first > max_tokens or plan(n, k, first) is None:
+            break
+        covered = min(last, max_tokens)
+    return covered
 
 
 def fit(n: int, k: int, block_n: int, splits: tuple[int, ...]) -> SplitKPlan | None:

@@ -127,8 +127,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced.
 
-    After return_partials(n), batches of up to n tokens get float32 split-K partials [S, T, out]
-    instead of y (inferlab.kernels.split_k_gemm), for a next kernel that sums them as it reads them."""
+    After return_partials(n), batches of up to n tokens (or as many as the weight's split-K plan
+    covers) get float32 split-K partials [S, T, out] instead of y (inferlab.kernels.split_k_gemm),
+    for a next kernel that sums them as it reads them."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
         super().__init__()
@@ -139,16 +140,17 @@ class RowParallelLinear(nn.Module):
         self.partials_tokens, self._split_k = 0, None
 
     def return_partials(self, max_tokens: int) -> bool:
-        """Return split-K partials for batches of up to max_tokens tokens, where the weight's shape
-        gains from a split (few output features) and nothing has to follow the GEMM here: one rank
-        (no all-reduce), no bias. Whether it will."""
+        """Return split-K partials for batches of up to max_tokens tokens, or fewer where the
+        weight's shape gains from a split only at fewer (split_k_gemm.plan), when nothing has to
+        follow the GEMM here: one rank (no all-reduce), no bias. Whether it will."""
         if max_tokens <= 0 or self.tp.size > 1 or self.bias is not None:
             return False
         from inferlab.kernels import split_k_gemm
 
-        if any(split_k_gemm.plan(*self.weight.shape, tokens) is None for tokens in {1, max_tokens}):
+        tokens = split_k_gemm.max_planned_tokens(*self.weight.shape, max_tokens)
+        if not tokens:
             return False
-        self.partials_tokens, self._split_k = max_tokens, split_k_gemm.linear_partials
+        self.partials_tokens, self._split_k = tokens, split_k_gemm.linear_partials
         return True
 
     def forward(self, x):
