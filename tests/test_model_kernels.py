@@ -352,6 +352,7 @@ def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dty
         (5, 40, 2, torch.float32),  # a masked tail
         (0, 64, 2, torch.float32),
         pytest.param(9, 1024, 4, torch.bfloat16, marks=pytest.mark.gpu),
+        pytest.param(1, 4096, 2, torch.bfloat16, marks=pytest.mark.gpu),  # 16 warps a row
     ],
 )
 def test_rms_norm_kernels_sum_split_k_partials(num_tokens, width, splits, dtype):
