@@ -256,6 +256,7 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
         max_num_batched_tokens=24,
         attention=attention,
         model_options={"triton_kernels": True, "split_k_tokens": split_k_tokens},
+        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMMs below
     )
     layer = llm.runner.model.layers[0]
     assert layer.self_attn.qk_rotary is qk_norm_rope and layer.mlp.act is silu_mul_kernel
@@ -288,6 +289,7 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
         max_num_batched_tokens=256,
         attention="triton",
         model_options={"triton_kernels": True, "split_k_tokens": 256},
+        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMM below
     )
     rows = []
     for layer in llm.runner.model.layers:
@@ -465,6 +467,7 @@ def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greed
         max_num_batched_tokens=24,
         attention="triton",
         model_options={"triton_kernels": True, "triton_gemm_tokens": 16},
+        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMMs below
     )
     rows = []
     for layer in llm.runner.model.layers:
