@@ -340,7 +340,8 @@ def test_split_k_partials_are_the_products_of_the_k_slices(num_tokens, n, k, dty
     partials = split_k_gemm.linear_partials(x, weight)
     assert partials.shape == (tiling.split, num_tokens, n) and partials.dtype == torch.float32
     part = k // tiling.split
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    # float32: sums of k products in another order than torch's (off by 1.1e-5 at k = 4,096 on an H200)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * max(1, k // 1024)) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
     for s in range(tiling.split):
         want = x[:, s * part : (s + 1) * part].float() @ weight[:, s * part : (s + 1) * part].float().T
         torch.testing.assert_close(partials[s], want, **tolerance)
@@ -389,13 +390,13 @@ def test_row_parallel_linear_returns_partials_only_on_one_rank_without_bias():
     narrow = RowParallelLinear(256, 32, TPGroup())
     assert narrow.return_partials(129) and narrow.partials_tokens == 128  # no 64-wide tiling above 128
     assert split_k_gemm.max_planned_tokens(32, 256, 100) == 100 and split_k_gemm.max_planned_tokens(32, 192, 8) == 0
-    linear = RowParallelLinear(256, 128, TPGroup())
+    linear = RowParallelLinear(256, 128, TPGroup()).to(DEVICE)
     linear.weight.data.normal_(0, 0.05)
     assert linear.return_partials(4)
-    x = torch.randn(4, 256)
+    x = torch.randn(4, 256, device=DEVICE)
     assert linear(x).shape == (2, 4, 128)  # partials up to 4 tokens
     torch.testing.assert_close(linear(x).sum(0), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
-    assert linear(torch.randn(5, 256)).shape == (5, 128)  # cuBLAS above
+    assert linear(torch.randn(5, 256, device=DEVICE)).shape == (5, 128)  # cuBLAS above
     assert RowParallelLinear(256, 128, TPGroup())(torch.randn(0, 256)).shape == (0, 128)  # off: an empty batch too
 
 
@@ -446,13 +447,13 @@ def test_wide_plan_and_column_parallel_linear_use_of_it():
     assert not ColumnParallelLinear(256, 128, TPGroup(), bias=True).use_triton_gemm(64)
     assert not ColumnParallelLinear(256, 128, TPGroup()).use_triton_gemm(0)
     assert not ColumnParallelLinear(192, 128, TPGroup()).use_triton_gemm(64)
-    linear = ColumnParallelLinear(256, 128, TPGroup(rank=1, size=2))  # a shard: no all-reduce to mind
+    linear = ColumnParallelLinear(256, 128, TPGroup(rank=1, size=2)).to(DEVICE)  # a shard: no all-reduce to mind
     linear.weight.data.normal_(0, 0.05)
     assert linear.use_triton_gemm(4)
     calls = []
     linear._triton_linear = lambda x, w, kernel=linear._triton_linear: calls.append(x.shape[0]) or kernel(x, w)
     for rows in (4, 5):  # the Triton GEMM up to 4 rows, cuBLAS above
-        x = torch.randn(rows, 256)
+        x = torch.randn(rows, 256, device=DEVICE)
         torch.testing.assert_close(linear(x), x @ linear.weight.T, rtol=1e-5, atol=1e-5)
     assert calls == [4]
     assert ColumnParallelLinear(256, 128, TPGroup())(torch.randn(0, 256)).shape == (0, 128)  # off: an empty batch too
