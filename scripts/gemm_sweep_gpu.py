@@ -1,0 +1,124 @@
+"""Tilings and launch settings of the Triton GEMMs and of the RMSNorm kernel, swept in one process
+on the GPU: for each variant the projections are re-planned, the decode and sampling graphs
+recaptured, and the decode graphs' device time measured (batches 1, 8, 32 and 64, replayed back to
+back), with one sequence decoding 1,024 tokens after 256 and a 48-token greedy run compared with
+the first variant's (random weights: any change of rounding moves its tokens).
+
+    python3 scripts/gemm_sweep_gpu.py MODEL_DIR "base/o=32:2;down=32:2/normwarps=8" [REPLAYS]
+
+Variants are separated by '/': 'base' (the code's own plans), or ';'-separated settings: o=BN:S and
+down=BN:S (split-K partials in BN-column blocks, K split S ways, up to 64 tokens), qkv=BN and
+gate_up=BN (the unsplit GEMM's column block), warps=N and stages=N (the GEMM's launch at 16-row
+tiles), normwarps=N (the RMSNorm kernel's launch). Steps with prefill run eagerly here."""
+
+import sys
+import time
+
+import torch
+
+import inferlab.kernels.rms_norm as rms_norm
+import inferlab.kernels.split_k_gemm as gemm
+from inferlab import LLM, SamplingParams
+
+BASE_PLAN, BASE_WIDE_PLAN = gemm.plan, gemm.wide_plan
+launch_settings: dict[str, int | None] = {}
+
+
+class LaunchOverride:
+    """Stands in for a Triton kernel: launches it with the swept num_warps / num_stages."""
+
+    def __init__(self, kernel, is_norm: bool):
+        self.kernel, self.is_norm = kernel, is_norm
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            if self.is_norm:
+                if launch_settings.get("normwarps"):
+                    kwargs["num_warps"] = launch_settings["normwarps"]
+            elif kwargs.get("BLOCK_M") == 16:
+                if launch_settings.get("stages"):
+                    kwargs["num_stages"] = launch_settings["stages"]
+                if launch_settings.get("warps"):
+                    kwargs["num_warps"] = launch_settings["warps"]
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def plans_for(by_shape: dict):
+    """plan and wide_plan with the swept tilings of the [n, k] weights in by_shape."""
+
+    def plan(n, k, num_tokens=1):
+        if num_tokens <= 64 and (n, k) in by_shape:
+            block_n, split = map(int, by_shape[n, k].split(":"))
+            return gemm.SplitKPlan(block_n, 128, split)
+        return BASE_PLAN(n, k, num_tokens)
+
+    def wide_plan(n, k):
+        if (n, k) in by_shape:
+            return gemm.SplitKPlan(int(by_shape[n, k]), 128, 1)
+        return BASE_WIDE_PLAN(n, k)
+
+    return plan, wide_plan
+
+
+def graph_us(graph, replays: int) -> float:
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1000
+
+
+def main(model_dir: str, variants: list[str], replays: int) -> None:
+    gemm._split_k_kernel = LaunchOverride(gemm._split_k_kernel, is_norm=False)
+    rms_norm._rms_norm_kernel = LaunchOverride(rms_norm._rms_norm_kernel, is_norm=True)
+    started = time.perf_counter()
+    llm = LLM(model_dir, attention="triton", max_model_len=4096)
+    print(f"start-up {time.perf_counter() - started:.1f} s", flush=True)
+    runner = llm.runner
+    runner.prefill_graphs = None  # only the decode graphs are recaptured for each variant
+    layers = runner.model.layers
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    projections = {"o": attn.o_proj, "down": mlp.down_proj, "qkv": attn.qkv_proj, "gate_up": mlp.gate_up_proj}
+    shape_of = {name: tuple(module.weight.shape) for name, module in projections.items()}
+    one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1024)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
+    reference = None
+    for variant in variants:
+        settings = dict(kv.split("=") for kv in variant.split(";")) if variant != "base" else {}
+        for key in ("warps", "stages", "normwarps"):
+            launch_settings[key] = int(settings.pop(key, 0)) or None
+        gemm.plan, gemm.wide_plan = plans_for({shape_of[name]: value for name, value in settings.items()})
+        runner.decode_graphs = runner.sampling_graphs = None
+        torch.cuda.empty_cache()
+        for layer in layers:
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                projection.partials_tokens, projection._split_k = 0, None
+                projection.return_partials(256)
+        runner.decode_graphs = runner._capture_decode_graphs()
+        runner.sampling_graphs = runner._capture_sampling_graphs()
+        tiling = f"o {gemm.plan(*shape_of['o'], 1)} down {gemm.plan(*shape_of['down'], 1)}"
+        tokens = llm.generate([[(13 * i) % 10000 for i in range(256)]], greedy, use_tqdm=False)[0]["token_ids"]
+        reference = reference or tokens
+        same = sum(a == b for a, b in zip(tokens, reference))
+        times = ", ".join(f"b{b} {graph_us(runner.decode_graphs.graphs[b], replays):.1f}" for b in (1, 8, 32, 64))
+        started = time.perf_counter()
+        llm.generate([[(13 * i + 1) % 10000 for i in range(256)]], one, use_tqdm=False)
+        rate = 1024 / (time.perf_counter() - started)
+        print(
+            f"{variant:36s} {tiling}; greedy same as first {same}/{len(reference)}; graph us: {times}; "
+            f"one sequence {rate:.0f} tok/s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split("/"), int(sys.argv[3]) if len(sys.argv) > 3 else 400)
