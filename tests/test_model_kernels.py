@@ -301,7 +301,7 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
     assert split_k_gemm.plan(128, 256, prompt_len) == tiling and prompt_len in rows and 1 in rows
 
 
-def test_split_k_plan_splits_only_narrow_weights_into_whole_steps():
+def test_split_k_plan_splits_narrow_weights_and_wide_deep_ones_into_whole_steps():
     assert split_k_gemm.plan(1024, 2048) == (32, 128, 4)  # Qwen3-0.6B's o_proj: 32 column blocks
     assert split_k_gemm.plan(1024, 3072, 64) == (32, 128, 4)  # its down_proj
     assert split_k_gemm.plan(1024, 3072, 65) == (32, 128, 2)  # two row blocks: fewer splits
