@@ -11,14 +11,18 @@ down=BN:S (split-K partials in BN-column blocks, K split S ways, up to 64 tokens
 gate_up=BN (the unsplit GEMM's column block), warps=N and stages=N (the GEMM's launch at 16-row
 tiles), normwarps=N (the RMSNorm kernel's launch). Steps with prefill run eagerly here."""
 
+import os
 import sys
 import time
 
 import torch
 
-import inferlab.kernels.rms_norm as rms_norm
-import inferlab.kernels.split_k_gemm as gemm
-from inferlab import LLM, SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from microbench_gpu import back_to_back_us  # noqa: E402
+
+import inferlab.kernels.rms_norm as rms_norm  # noqa: E402
+import inferlab.kernels.split_k_gemm as gemm  # noqa: E402
+from inferlab import LLM, SamplingParams  # noqa: E402
 
 BASE_PLAN, BASE_WIDE_PLAN = gemm.plan, gemm.wide_plan
 launch_settings: dict[str, int | None] = {}
@@ -64,19 +68,6 @@ def plans_for(by_shape: dict):
     return plan, wide_plan
 
 
-def graph_us(graph, replays: int) -> float:
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays * 1000
-
-
 def main(model_dir: str, variants: list[str], replays: int) -> None:
     gemm._split_k_kernel = LaunchOverride(gemm._split_k_kernel, is_norm=False)
     rms_norm._rms_norm_kernel = LaunchOverride(rms_norm._rms_norm_kernel, is_norm=True)
@@ -109,7 +100,8 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
         tokens = llm.generate([[(13 * i) % 10000 for i in range(256)]], greedy, use_tqdm=False)[0]["token_ids"]
         reference = reference or tokens
         same = sum(a == b for a, b in zip(tokens, reference))
-        times = ", ".join(f"b{b} {graph_us(runner.decode_graphs.graphs[b], replays):.1f}" for b in (1, 8, 32, 64))
+        graphs = runner.decode_graphs.graphs
+        times = ", ".join(f"b{b} {back_to_back_us(graphs[b].replay, replays):.1f}" for b in (1, 8, 32, 64))
         started = time.perf_counter()
         llm.generate([[(13 * i + 1) % 10000 for i in range(256)]], one, use_tqdm=False)
         rate = 1024 / (time.perf_counter() - started)

@@ -75,6 +75,22 @@ def replay_time_us(graph, replays: int = 20) -> float:
     return median_event_us(graph.replay, replays)
 
 
+def back_to_back_us(fn, calls: int, warmup: int = 10) -> float:
+    """Microseconds per fn() call (a graph's replay, say) over `calls` calls back to back between
+    two CUDA events, after `warmup` untimed ones: each call's tail may overlap the next's start, as
+    consecutive steps' graphs do in the engine."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1000
+
+
 def prefill_bench(rates, results):
     """Prefill attention on one bench-like chunk: the triton backend's kernel over tiles and warps
     (programs over the whole GQA group, 2 stages), flash-attn's varlen and torch's own kernels."""

@@ -7,13 +7,15 @@ which would turn the sampling graphs off). Then the device alone: the batch-1 de
     python3 scripts/one_sequence_gpu.py MODEL_DIR
 """
 
+import os
 import sys
 import time
 from collections import defaultdict
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from microbench_gpu import back_to_back_us  # noqa: E402
 
-from inferlab import LLM, SamplingParams
+from inferlab import LLM, SamplingParams  # noqa: E402
 
 llm = LLM(sys.argv[1], attention="triton", max_model_len=4096)
 runner, sched = llm.runner, llm.scheduler
@@ -63,13 +65,4 @@ for label, fn in (
     ("decode graph, batch 1", runner.decode_graphs.graphs[1].replay),
     ("sampling graph (LM head and sampler), batch 1", runner.sampling_graphs.graphs[1, "sampled"].replay),
 ):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(500):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    print(f"device: {label}: {a.elapsed_time(b) / 500 * 1000:.1f} us", flush=True)
+    print(f"device: {label}: {back_to_back_us(fn, 500, warmup=20):.1f} us", flush=True)
