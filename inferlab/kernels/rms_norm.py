@@ -67,6 +67,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     # partials are float32 whatever the model's dtype; the output is in the weight's (the model's)
     dtype = weight.dtype if partials else x.dtype
     out = torch.empty((num_tokens, width), dtype=dtype, device=x.device)
+    block = triton.next_power_of_2(width)
     residual_out = torch.empty_like(out) if residual is not None else out
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
@@ -80,10 +81,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             0 if residual is None else residual.stride(0),
             width,
             eps,
-            BLOCK=triton.next_power_of_2(width),
+            BLOCK=block,
             PARTIALS=x.shape[0] if partials else 1,
             ADD_RESIDUAL=residual is not None,
-            num_warps=max(4, min(16, triton.next_power_of_2(width) // 128)),
+            num_warps=max(4, min(16, block // 128)),
             **pdl.launch_options(x.device),
         )
     return out, residual_out
