@@ -9,8 +9,11 @@ the first variant's (random weights: any change of rounding moves its tokens).
 Variants are separated by '/': 'base' (the code's own plans), or ';'-separated settings: o=BN:S and
 down=BN:S (split-K partials in BN-column blocks, K split S ways, up to 64 tokens), qkv=BN and
 gate_up=BN (the unsplit GEMM's column block), warps=N and stages=N (the GEMM's launch at 16-row
-tiles), normwarps=N (the RMSNorm kernel's launch). Steps with prefill run eagerly here."""
+tiles), normwarps=N (the RMSNorm kernel's launch); gemv (one token through the layers' GEMVs,
+DecoderLayer.forward_gemv) with fused=0 (the norm and SiLU*mul kernels kept), preload=0 (weights read
+after the PDL wait) and slab=N (a program's weight elements). Steps with prefill run eagerly here."""
 
+import functools
 import os
 import sys
 import time
@@ -20,9 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from microbench_gpu import back_to_back_us  # noqa: E402
 
+import inferlab.kernels.gemv as gemv  # noqa: E402
 import inferlab.kernels.rms_norm as rms_norm  # noqa: E402
 import inferlab.kernels.split_k_gemm as gemm  # noqa: E402
 from inferlab import LLM, SamplingParams  # noqa: E402
+from inferlab.plugins.models.decoder import GemvPlan  # noqa: E402
 
 BASE_PLAN, BASE_WIDE_PLAN = gemm.plan, gemm.wide_plan
 launch_settings: dict[str, int | None] = {}
@@ -84,19 +89,33 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=48)
     reference = None
     for variant in variants:
-        settings = dict(kv.split("=") for kv in variant.split(";")) if variant != "base" else {}
+        settings = dict((*kv.split("="), "1")[:2] for kv in variant.split(";")) if variant != "base" else {}
         for key in ("warps", "stages", "normwarps"):
             launch_settings[key] = int(settings.pop(key, 0)) or None
+        gemv_plan = None
+        if "gemv" in settings:
+            settings.pop("gemv")
+            slab = int(settings.pop("slab", gemv.SLAB))
+            gemv_plan = GemvPlan(
+                gemv.splits_for(*shape_of["o"], slab),
+                gemv.splits_for(*shape_of["down"], slab),
+                settings.pop("fused", "1") == "1",
+                settings.pop("preload", "1") == "1",
+                functools.partial(gemv.gemv, slab=slab),
+            )
         gemm.plan, gemm.wide_plan = plans_for({shape_of[name]: value for name, value in settings.items()})
         runner.decode_graphs = runner.sampling_graphs = None
         torch.cuda.empty_cache()
         for layer in layers:
+            layer.gemv = gemv_plan
             for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 projection.partials_tokens, projection._split_k = 0, None
                 projection.return_partials(256)
         runner.decode_graphs = runner._capture_decode_graphs()
         runner.sampling_graphs = runner._capture_sampling_graphs()
         tiling = f"o {gemm.plan(*shape_of['o'], 1)} down {gemm.plan(*shape_of['down'], 1)}"
+        if gemv_plan is not None:
+            tiling = f"gemv splits o {gemv_plan.o_split} down {gemv_plan.down_split}"
         tokens = llm.generate([[(13 * i) % 10000 for i in range(256)]], greedy, use_tqdm=False)[0]["token_ids"]
         reference = reference or tokens
         same = sum(a == b for a, b in zip(tokens, reference))

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.core.parallel import TPGroup  # noqa: E402
+from inferlab.kernels import gemv as gemv_kernel  # noqa: E402
 from inferlab.kernels import rms_norm as rms_norm_kernel  # noqa: E402
 from inferlab.kernels import split_k_gemm  # noqa: E402
 from inferlab.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
@@ -536,3 +537,118 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
         assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
     finally:
         pdl._enabled.cache_clear()  # the real device's answer, for the tests after this one
+
+
+@pytest.mark.parametrize(
+    "n,k,split,prologue,parts,dtype",
+    [
+        (64, 256, 1, "plain", 1, torch.float32),
+        (64, 256, 4, "plain", 1, torch.float32),  # float32 partials out
+        (48, 128, 1, "norm", 1, torch.float32),  # 48: 16-column programs, not the slab's 64
+        (64, 128, 1, "add_norm", 1, torch.float32),
+        (64, 128, 1, "add_norm", 3, torch.float32),  # the row from float32 partials
+        (32, 256, 2, "silu_mul", 1, torch.float32),
+        pytest.param(4096, 1024, 1, "add_norm", 3, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
+        pytest.param(1024, 2048, 1, "plain", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its o_proj
+        pytest.param(6144, 1024, 1, "add_norm", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj
+        pytest.param(1024, 3072, 3, "silu_mul", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its down_proj
+        pytest.param(4096, 12288, 3, "silu_mul", 1, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-8B's down_proj
+    ],
+)
+def test_gemv_is_the_projection_of_its_row(n, k, split, prologue, parts, dtype):
+    """The GEMV's row is what the norm and SiLU*mul kernels would have written, to the bit; its
+    product is the float32 product of that row (in partials with a split)."""
+    torch.manual_seed(n + k)
+    weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    width = 2 * k if prologue == "silu_mul" else k
+    x = torch.randn(parts, 1, width, device=DEVICE) * 2
+    x = x if parts > 1 else x[0].to(dtype)
+    residual = (torch.randn(1, k, device=DEVICE) * 3).to(dtype)
+    norm_weight = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
+    kwargs, want_residual = {}, None
+    if prologue == "silu_mul":
+        row, kwargs = silu_mul_kernel(x), dict(silu_mul=True)
+    elif prologue == "norm":
+        row, kwargs = rms_norm_kernel.rms_norm(x, norm_weight, 1e-6), dict(norm_weight=norm_weight, eps=1e-6)
+    elif prologue == "add_norm":
+        row, want_residual = rms_norm_kernel.add_rms_norm(x, residual, norm_weight, 1e-6)
+        kwargs = dict(norm_weight=norm_weight, eps=1e-6, residual=residual)
+    else:
+        row = x
+    got, got_residual = gemv_kernel.gemv(x, weight, split=split, **kwargs)
+    if want_residual is None:
+        assert got_residual is None
+    else:
+        assert torch.equal(got_residual, want_residual)
+    part = k // split
+    want = torch.stack(
+        [
+            row[:, s * part : (s + 1) * part].float() @ weight[:, s * part : (s + 1) * part].float().T
+            for s in range(split)
+        ]
+    )
+    if split == 1:
+        want = want[0].to(dtype)
+    assert got.shape == want.shape and got.dtype == (torch.float32 if split > 1 else dtype)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_gemv_tilings():
+    assert gemv_kernel.slab_columns(4096, 1024) == 8  # Qwen3-0.6B's qkv_proj: 512 programs of 16 KB
+    assert gemv_kernel.splits_for(4096, 1024) == 1
+    assert gemv_kernel.splits_for(1024, 2048) == 1  # its o_proj: 256 programs unsplit
+    assert gemv_kernel.splits_for(1024, 3072) == 3  # its down_proj: K in power-of-two slices of 1,024
+    assert gemv_kernel.splits_for(4096, 12288) == 3  # Qwen3-8B's
+    assert gemv_kernel.splits_for(128, 256) == 16  # too small for 256 programs: the most it can have
+    assert gemv_kernel.slab_columns(64, 96) is None and gemv_kernel.splits_for(64, 80) is None  # no power of two
+    assert gemv_kernel.slab_columns(3, 1024) is None  # no column count divides
+    with pytest.raises(ValueError, match="whole row"):
+        gemv_kernel.gemv(torch.zeros(1, 256), torch.zeros(64, 256), split=2, norm_weight=torch.ones(256))
+    with pytest.raises(ValueError, match="one row of 256"):
+        gemv_kernel.gemv(torch.zeros(2, 256), torch.zeros(64, 256))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused):
+    """One sequence's decode steps go through the layers' GEMVs (the prefill chunks of several
+    tokens do not), with the norms and SiLU*mul inside them or between them."""
+    path = checkpoint("gqa4-untied")
+    llm = LLM(
+        path,
+        kvcache_block_size=16,
+        num_kvcache_blocks=16,
+        max_num_batched_tokens=24,
+        attention="triton",
+        model_options={"triton_kernels": True, "gemv_decode": True, "gemv_fused": fused},
+        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMV below
+    )
+    calls = []
+    for layer in llm.runner.model.layers:
+        assert layer.gemv.fused == fused and (layer.gemv.o_split, layer.gemv.down_split) == (16, 8)
+        layer.gemv = layer.gemv._replace(
+            gemv=lambda x, w, kernel=layer.gemv.gemv, **kw: calls.append(kw) or kernel(x, w, **kw)
+        )
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for prompt in GREEDY_PROMPTS:
+        assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 5)
+    layers = len(llm.runner.model.layers)
+    assert len(calls) == 2 * 4 * 4 * layers  # two prompts, four decode steps, four projections a layer
+    assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
+
+
+def test_gemv_decode_needs_what_it_folds(checkpoint, caplog):
+    import logging
+
+    options = dict(kvcache_block_size=16, num_kvcache_blocks=8, enforce_eager=True)
+    with caplog.at_level(logging.INFO, logger="inferlab"):
+        llm = LLM(checkpoint("gqa2-tied"), model_options={"triton_kernels": False, "gemv_decode": True}, **options)
+    assert llm.runner.model.layers[0].gemv is None and "gemv_decode is off: it needs the Triton kernels" in caplog.text
+    from inferlab.core.plugins import PluginError
+
+    with pytest.raises(PluginError, match="gemv_fused"):
+        LLM(
+            checkpoint("gqa2-tied"),
+            model_options={"triton_kernels": True, "gemv_decode": True, "gemv_fused": "sometimes"},
+            **options,
+        )

@@ -5,6 +5,7 @@ over the paged cache, a SwiGLU MLP, and the loading of its safetensors checkpoin
 subclasses DecoderForCausalLM and says where its architecture differs: per-head q/k RMSNorm
 (qk_norm) and which projections carry a bias (biases)."""
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,7 +77,10 @@ class Attention(nn.Module):
         self.kv_store_target = backend.kv_store_target if isinstance(backend, FusedKVStore) else None
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, rotary, attn_metadata))
+
+    def attend(self, positions, qkv, kv_cache, rotary, attn_metadata):
+        """Attention over the QKV projection's output: [T, heads * head_dim], o_proj's input."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_rotary is not None:
@@ -108,7 +112,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return out.reshape(-1, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -120,6 +124,32 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class GemvPlan(NamedTuple):
+    """How one token runs through a layer's GEMVs (DecoderLayer.forward_gemv): the split of K for
+    o_proj and down_proj (1: unsplit, their output in the model dtype), whether the norms and
+    SiLU*mul are formed inside the GEMVs (fused), whether the weights are read before the PDL wait
+    (preload), and the GEMV (kernels/gemv.py's)."""
+
+    o_split: int
+    down_split: int
+    fused: bool
+    preload: bool
+    gemv: Callable
+
+
+# checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
+# checkpoint tensors that hold no weights: the rotary frequencies some Llama exports include
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DecoderLayer(nn.Module):
@@ -134,10 +164,13 @@ class DecoderLayer(nn.Module):
         kernels: ModelKernels | None = None,
         split_k_tokens: int = 0,
         triton_gemm_tokens: int = 0,
+        gemv: GemvPlan | None = None,
     ):
         """split_k_tokens, triton_gemm_tokens: see DecoderOptions (only with kernels, whose norms sum
-        the partials; each projection takes them only where it has no bias)."""
+        the partials; each projection takes them only where it has no bias). gemv: how a single
+        token runs through the layer's GEMVs (gemv_plan), or None."""
         super().__init__()
+        self.gemv = gemv
         norms = kernels.norms if kernels else None
         self.self_attn = Attention(config, backend, tp, fused, biases, qk_norm, kernels.qk_rotary if kernels else None)
         self.mlp = MLP(config, tp, fused, biases.mlp, kernels.silu_and_mul if kernels else None)
@@ -152,6 +185,8 @@ class DecoderLayer(nn.Module):
             self.mlp.gate_up_proj.use_triton_gemm(triton_gemm_tokens)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
+        if self.gemv is not None and hidden.shape[-2] == 1:
+            return self.forward_gemv(positions, hidden, residual, kv_cache, rotary, attn_metadata)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -161,18 +196,35 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-
-# checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
-PACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
-# checkpoint tensors that hold no weights: the rotary frequencies some Llama exports include
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+    def forward_gemv(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
+        """forward for one token through GEMVs (kernels/gemv.py). With plan.fused each norm and
+        SiLU*mul is formed inside the GEMV after it, so the layer runs the GEMVs and attention's
+        kernels alone. hidden may be the previous layer's split-K partials, as it may return them."""
+        plan, attn, mlp = self.gemv, self.self_attn, self.mlp
+        gemv = functools.partial(plan.gemv, preload=plan.preload)
+        first_norm, second_norm = self.input_layernorm, self.post_attention_layernorm
+        if plan.fused:
+            qkv, summed = gemv(
+                hidden, attn.qkv_proj.weight, norm_weight=first_norm.weight, eps=first_norm.eps, residual=residual
+            )
+            residual = hidden if residual is None else summed
+        else:
+            if residual is None:
+                hidden, residual = first_norm(hidden), hidden
+            else:
+                hidden, residual = first_norm(hidden, residual)
+            qkv, _ = gemv(hidden, attn.qkv_proj.weight)
+        hidden, _ = gemv(
+            attn.attend(positions, qkv, kv_cache, rotary, attn_metadata), attn.o_proj.weight, split=plan.o_split
+        )
+        if plan.fused:
+            gate_up, residual = gemv(
+                hidden, mlp.gate_up_proj.weight, norm_weight=second_norm.weight, eps=second_norm.eps, residual=residual
+            )
+            return gemv(gate_up, mlp.down_proj.weight, split=plan.down_split, silu_mul=True)[0], residual
+        hidden, residual = second_norm(hidden, residual)
+        gate_up, _ = gemv(hidden, mlp.gate_up_proj.weight)
+        return gemv(mlp.act(gate_up), mlp.down_proj.weight, split=plan.down_split)[0], residual
 
 
 @dataclass
@@ -196,6 +248,14 @@ class DecoderOptions:
     # kernels. 0: never. On an H200 64 made the decoder stack 1.8% faster at 30 and 63 sequences
     # and the bench 0.4%, within its noise; 128 was 1.8% slower at 126.
     triton_gemm_tokens: int = 64
+    # A candidate, off until measured on a GPU: a single token (one sequence's decode step) runs
+    # each layer's projections as GEMVs with the norms and SiLU*mul formed inside them
+    # (kernels/gemv.py, DecoderLayer.forward_gemv), on one GPU, with the Triton kernels, where no
+    # projection has a bias. gemv_fused=false keeps the norm and SiLU*mul kernels between them;
+    # gemv_preload=false reads the weights after the PDL wait.
+    gemv_decode: bool = False
+    gemv_fused: bool = True
+    gemv_preload: bool = True
 
 
 class DecoderForCausalLM(nn.Module):
@@ -227,6 +287,9 @@ class DecoderForCausalLM(nn.Module):
         triton_kernels: bool | None = None,
         split_k_tokens: int = DecoderOptions.split_k_tokens,
         triton_gemm_tokens: int = DecoderOptions.triton_gemm_tokens,
+        gemv_decode: bool = DecoderOptions.gemv_decode,
+        gemv_fused: bool = DecoderOptions.gemv_fused,
+        gemv_preload: bool = DecoderOptions.gemv_preload,
     ):
         """max_model_len: the longest sequence the engine will run (default: the config's
         max_position_embeddings). Options: see DecoderOptions."""
@@ -234,11 +297,15 @@ class DecoderForCausalLM(nn.Module):
         for name, value in (("split_k_tokens", split_k_tokens), ("triton_gemm_tokens", triton_gemm_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
+        for name, value in (("gemv_decode", gemv_decode), ("gemv_fused", gemv_fused), ("gemv_preload", gemv_preload)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         check_config(hf_config, max_model_len or hf_config.max_position_embeddings)
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = triton_kernels_for(hf_config, self.qk_norm, on_cuda, triton_kernels)
         biases = self.biases(hf_config)
+        gemv = gemv_plan(hf_config, kernels, tp_group, biases, gemv_fused, gemv_preload) if gemv_decode else None
         theta, scaling = rope_settings(hf_config)
         # first, so that unsupported rotary scaling fails before the weights are allocated
         self.rotary = RotaryEmbedding(
@@ -249,7 +316,16 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp_group)
         self.layers = nn.ModuleList(
             DecoderLayer(
-                hf_config, backend, tp_group, fused, biases, self.qk_norm, kernels, split_k_tokens, triton_gemm_tokens
+                hf_config,
+                backend,
+                tp_group,
+                fused,
+                biases,
+                self.qk_norm,
+                kernels,
+                split_k_tokens,
+                triton_gemm_tokens,
+                gemv,
             )
             for _ in range(hf_config.num_hidden_layers)
         )
@@ -394,6 +470,33 @@ def triton_kernels_for(config, qk_norm: bool, on_cuda: bool, asked: bool | None)
     if asked:
         raise ValueError(f"{problem}; set model_options.triton_kernels=false")
     log.info("%s; using the torch code for the norms, rotary and SiLU*mul", problem)
+    return None
+
+
+def gemv_plan(config, kernels: ModelKernels | None, tp: TPGroup, biases: Biases, fused: bool, preload: bool):
+    """The layers' GemvPlan, or None (with the reason logged) where the GEMVs cannot serve: they
+    need the Triton kernels, one rank, no biases and weights the GEMV tiles (gemv.slab_columns)."""
+    problem = None
+    if kernels is None:
+        problem = "it needs the Triton kernels (model_options.triton_kernels)"
+    elif tp.size > 1:
+        problem = "it runs on one GPU only"
+    elif any(biases):
+        problem = "it has no bias add"
+    if problem is None:
+        from inferlab.kernels import gemv
+
+        hidden, inter = config.hidden_size, config.intermediate_size
+        head_dim = head_dim_of(config)
+        qkv_out = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+        o_split = gemv.splits_for(hidden, config.num_attention_heads * head_dim)
+        down_split = gemv.splits_for(hidden, inter)
+        wide = gemv.slab_columns(qkv_out, hidden) and gemv.slab_columns(2 * inter, hidden)
+        if o_split is None or down_split is None or not wide:
+            problem = f"no GEMV tiling fits these shapes (hidden {hidden}, intermediate {inter}, head_dim {head_dim})"
+        else:
+            return GemvPlan(o_split, down_split, fused, preload, gemv.gemv)
+    log.info("gemv_decode is off: %s", problem)
     return None
 
 

@@ -1,0 +1,172 @@
+"""One token's projections as GEMVs on the CUDA cores, with the elementwise kernel before each
+projection folded into its reads: a candidate for the decode step of a single sequence.
+
+At one token the Triton GEMM (split_k_gemm.py) pads the row to a 16-row tensor-core tile and
+streams each K step through shared memory; a decode layer's four GEMMs then add about 4 µs each
+to the step where their weights stream in 1-3 µs, and the RMSNorm, SiLU*mul kernels between them
+1-3 µs each (BENCHMARKS.md, "One sequence"). Here a program holds a [BLOCK_N, K_SPLIT] slab of the
+weight in registers, multiplies it by the row in float32 and sums along K:
+- the slab may be read before the PDL wait (PRELOAD): the weight does not depend on the kernel
+  before, so it streams while that kernel still runs and only the row is read after the wait;
+- the row can be the prologue's result instead of a tensor some earlier kernel wrote: RMSNorm of
+  x (of x + residual, the first program storing the new residual) or SiLU(gate) * up, rounded as
+  rms_norm.py's and silu_mul.py's kernels round them, so that each program forms the row itself and
+  no kernel sits between the projections.
+x may be float32 split-K partials [S, 1, K] (summed as read), as the o_proj and down_proj GEMVs
+leave them with a split; the output is then such partials too.
+
+Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+
+import torch
+import triton
+import triton.language as tl
+
+from inferlab.kernels import pdl
+
+# The row the slab multiplies: x itself, RMSNorm of x, RMSNorm of x + residual, SiLU(gate) * up.
+PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
+# A program's weight slab, in elements (16 KB of bf16: 32 registers a thread at 8 warps).
+SLAB = 8192
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    N,
+    eps,
+    part_stride,
+    K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    X_PARTS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: BLOCK_N outputs of x @ weight.T over one K_SPLIT-wide slice of K (the grid's
+    second axis), in float32, stored as that slice's partial (float32) or, unsplit, rounded to
+    the output's dtype."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
+    weight_ptrs = weight_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    if PRELOAD:
+        w = tl.load(weight_ptrs)
+        pdl.wait_for_inputs(PDL)
+    else:
+        pdl.wait_for_inputs(PDL)
+        w = tl.load(weight_ptrs)
+    dtype = weight_ptr.dtype.element_ty
+    if PROLOGUE == 3:  # SILU_MUL: x [1, 2K], gate then up
+        gate = tl.load(x_ptr + ks)
+        up = tl.load(x_ptr + K + ks)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        row = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        row = tl.load(x_ptr + ks).to(tl.float32)
+        for part in tl.static_range(1, X_PARTS):  # x is split-K partials: their sum is the row
+            row += tl.load(x_ptr + part * part_stride + ks)
+        if PROLOGUE != 0:  # the norms: K_SPLIT == K, the program holds the whole row
+            if PROLOGUE == 2:
+                row += tl.load(residual_ptr + ks).to(tl.float32)
+                if pid_n == 0:
+                    tl.store(residual_out_ptr + ks, row.to(dtype))
+            rstd = tl.rsqrt(tl.sum(row * row, 0) / K + eps)
+            norm_weight = tl.load(norm_weight_ptr + ks).to(tl.float32)
+            row = ((row * rstd).to(dtype).to(tl.float32) * norm_weight).to(dtype).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * row[None, :], 1)
+    tl.store(out_ptr + split * N + cols, acc.to(out_ptr.dtype.element_ty))
+
+
+def slab_columns(n: int, k_split: int, slab: int = SLAB) -> int | None:
+    """Columns a program takes: its slab's worth of k_split-long weight rows, a power of two from 2
+    that divides n; None where k_split is no power of two or no such count divides n."""
+    if k_split < 16 or k_split & (k_split - 1):
+        return None
+    block_n = max(2, slab // k_split)
+    while block_n >= 2 and n % block_n:
+        block_n //= 2
+    return block_n if block_n >= 2 else None
+
+
+def splits_for(n: int, k: int, slab: int = SLAB) -> int | None:
+    """The split of K in power-of-two slices for a [n, k] weight: the least that gives 256 programs
+    or more (two a multiprocessor of an H100 or H200), else the one that gives the most; None where
+    none fits."""
+    best, most = None, 0
+    for split in (1, 2, 3, 4, 6, 8, 12, 16):
+        block_n = slab_columns(n, k // split, slab) if k % split == 0 else None
+        if block_n is None:
+            continue
+        programs = n // block_n * split
+        if programs >= 256:
+            return split
+        if programs > most:
+            best, most = split, programs
+    return best
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    split: int = 1,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    preload: bool = True,
+    slab: int = SLAB,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, the new residual or None) for one token: y = row @ weight.T, weight [N, K] contiguous.
+    The row is x [1, K] (or float32 split-K partials [S, 1, K], summed); given norm_weight, its
+    RMSNorm (after adding residual [1, K], whose sum is also returned); with silu_mul, SiLU(gate) *
+    up of x [1, 2K]. split > 1 leaves y as float32 partials [split, 1, N] (not with a norm).
+    preload: read the weight before the PDL wait."""
+    n, k = weight.shape
+    parts = x.shape[0] if x.dim() == 3 else 1
+    if x.shape[-2] != 1 or x.shape[-1] != (2 * k if silu_mul else k):
+        raise ValueError(f"gemv takes one row of {k} (silu_mul: {2 * k}) values, got x of shape {tuple(x.shape)}")
+    if norm_weight is not None and split != 1:
+        raise ValueError("a GEMV with the norm first needs the whole row in each program: split=1")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    k_split = k // split
+    block_n = slab_columns(n, k_split, slab)
+    if k % split or block_n is None:
+        raise ValueError(f"no GEMV tiling of a [{n}, {k}] weight split {split} ways")
+    out_dtype = torch.float32 if split > 1 else weight.dtype
+    out = torch.empty((split, 1, n) if split > 1 else (1, n), dtype=out_dtype, device=x.device)
+    residual_out = torch.empty((1, k), dtype=weight.dtype, device=x.device) if residual is not None else None
+    if silu_mul:
+        prologue = SILU_MUL
+    elif norm_weight is None:
+        prologue = PLAIN
+    else:
+        prologue = NORM if residual is None else ADD_NORM
+    _gemv_kernel[(n // block_n, split)](
+        x,
+        x if residual is None else residual,
+        weight if norm_weight is None else norm_weight,
+        weight,
+        out,
+        out if residual_out is None else residual_out,
+        n,
+        eps,
+        x.stride(0) if parts > 1 else 0,
+        K=k,
+        K_SPLIT=k_split,
+        X_PARTS=parts,
+        PROLOGUE=prologue,
+        BLOCK_N=block_n,
+        PRELOAD=preload,
+        num_warps=8 if block_n * k_split >= 8192 else 4,
+        **pdl.launch_options(x.device),
+    )
+    return out, residual_out
