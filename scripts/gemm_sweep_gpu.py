@@ -11,7 +11,8 @@ down=BN:S (split-K partials in BN-column blocks, K split S ways, up to 64 tokens
 gate_up=BN (the unsplit GEMM's column block), warps=N and stages=N (the GEMM's launch at 16-row
 tiles), normwarps=N (the RMSNorm kernel's launch); gemv (one token through the layers' GEMVs,
 DecoderLayer.forward_gemv) with fused=0 (the norm and SiLU*mul kernels kept), preload=0 (weights read
-after the PDL wait) and slab=N (a program's weight elements). Steps with prefill run eagerly here."""
+after the PDL wait), slab=N (a program's weight elements), osplit=N and downsplit=N (their splits of
+K), gemvwarps=N. Steps with prefill run eagerly here."""
 
 import functools
 import os
@@ -36,16 +37,16 @@ launch_settings: dict[str, int | None] = {}
 class LaunchOverride:
     """Stands in for a Triton kernel: launches it with the swept num_warps / num_stages."""
 
-    def __init__(self, kernel, is_norm: bool):
-        self.kernel, self.is_norm = kernel, is_norm
+    def __init__(self, kernel, kind: str):
+        self.kernel, self.kind = kernel, kind
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            if self.is_norm:
-                if launch_settings.get("normwarps"):
-                    kwargs["num_warps"] = launch_settings["normwarps"]
+            if self.kind in ("norm", "gemv"):
+                if launch_settings.get(f"{self.kind}warps"):
+                    kwargs["num_warps"] = launch_settings[f"{self.kind}warps"]
             elif kwargs.get("BLOCK_M") == 16:
                 if launch_settings.get("stages"):
                     kwargs["num_stages"] = launch_settings["stages"]
@@ -74,8 +75,9 @@ def plans_for(by_shape: dict):
 
 
 def main(model_dir: str, variants: list[str], replays: int) -> None:
-    gemm._split_k_kernel = LaunchOverride(gemm._split_k_kernel, is_norm=False)
-    rms_norm._rms_norm_kernel = LaunchOverride(rms_norm._rms_norm_kernel, is_norm=True)
+    gemm._split_k_kernel = LaunchOverride(gemm._split_k_kernel, "gemm")
+    rms_norm._rms_norm_kernel = LaunchOverride(rms_norm._rms_norm_kernel, "norm")
+    gemv._gemv_kernel = LaunchOverride(gemv._gemv_kernel, "gemv")
     started = time.perf_counter()
     llm = LLM(model_dir, attention="triton", max_model_len=4096)
     print(f"start-up {time.perf_counter() - started:.1f} s", flush=True)
@@ -90,15 +92,15 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
     reference = None
     for variant in variants:
         settings = dict((*kv.split("="), "1")[:2] for kv in variant.split(";")) if variant != "base" else {}
-        for key in ("warps", "stages", "normwarps"):
+        for key in ("warps", "stages", "normwarps", "gemvwarps"):
             launch_settings[key] = int(settings.pop(key, 0)) or None
         gemv_plan = None
         if "gemv" in settings:
             settings.pop("gemv")
             slab = int(settings.pop("slab", gemv.SLAB))
             gemv_plan = GemvPlan(
-                gemv.splits_for(*shape_of["o"], slab),
-                gemv.splits_for(*shape_of["down"], slab),
+                int(settings.pop("osplit", 0)) or gemv.splits_for(*shape_of["o"], slab),
+                int(settings.pop("downsplit", 0)) or gemv.splits_for(*shape_of["down"], slab),
                 settings.pop("fused", "1") == "1",
                 settings.pop("preload", "1") == "1",
                 functools.partial(gemv.gemv, slab=slab),
