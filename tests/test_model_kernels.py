@@ -281,7 +281,8 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
 def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(checkpoint, hf_greedy, prompt_len, tiling):
     """A prompt of 65-128 tokens in one prefill chunk takes the middle tiling (two row blocks of
     32-wide columns, K in 2), one of more than 128 the wider one (64-wide columns); their partials
-    go through the norms, and the decode steps take the tiling for a few rows."""
+    go through the norms, and the decode steps take the tiling for a few rows (not the GEMVs that
+    one sequence's steps take by default)."""
     path = checkpoint("gqa4-untied")
     llm = LLM(
         path,
@@ -289,7 +290,7 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
         num_kvcache_blocks=16,
         max_num_batched_tokens=256,
         attention="triton",
-        model_options={"triton_kernels": True, "split_k_tokens": 256},
+        model_options={"triton_kernels": True, "split_k_tokens": 256, "gemv_decode": False},
         enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMM below
     )
     rows = []
@@ -635,6 +636,41 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     layers = len(llm.runner.model.layers)
     assert len(calls) == 2 * 4 * 4 * layers  # two prompts, four decode steps, four projections a layer
     assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
+
+
+def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_a_slab():
+    from types import SimpleNamespace
+
+    from inferlab.plugins.models.decoder import Biases, ModelKernels, gemv_plan
+
+    kernels = ModelKernels(*[None] * 4)
+
+    def plan(hidden, inter, heads, kv_heads, fused=None, **kw):
+        config = SimpleNamespace(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=128,
+        )
+        return gemv_plan(
+            config,
+            torch.bfloat16,
+            kernels,
+            kw.get("tp", TPGroup()),
+            kw.get("biases", Biases(False, False, False)),
+            fused,
+            True,
+        )
+
+    small = plan(1024, 3072, 16, 8)  # Qwen3-0.6B: a row of 1,024 x (3 partials + residual + weight) = 16 KB
+    assert (small.o_split, small.down_split, small.fused, small.preload) == (1, 3, True, True)
+    large = plan(4096, 12288, 32, 8)  # Qwen3-8B: 64 KB a program, four times its weight slab
+    assert (large.o_split, large.down_split, large.fused) == (1, 3, False)
+    assert plan(4096, 12288, 32, 8, fused=True).fused and not plan(1024, 3072, 16, 8, fused=False).fused
+    assert plan(1024, 3072, 16, 8, tp=TPGroup(rank=0, size=2)) is None
+    assert plan(1024, 3072, 16, 8, biases=Biases(True, False, False)) is None
+    assert plan(1000, 3072, 16, 8) is None  # no column count of a power of two divides 1,000
 
 
 def test_gemv_decode_needs_what_it_folds(checkpoint, caplog):

@@ -248,13 +248,16 @@ class DecoderOptions:
     # kernels. 0: never. On an H200 64 made the decoder stack 1.8% faster at 30 and 63 sequences
     # and the bench 0.4%, within its noise; 128 was 1.8% slower at 126.
     triton_gemm_tokens: int = 64
-    # A candidate, off until measured on a GPU: a single token (one sequence's decode step) runs
-    # each layer's projections as GEMVs with the norms and SiLU*mul formed inside them
-    # (kernels/gemv.py, DecoderLayer.forward_gemv), on one GPU, with the Triton kernels, where no
-    # projection has a bias. gemv_fused=false keeps the norm and SiLU*mul kernels between them;
-    # gemv_preload=false reads the weights after the PDL wait.
-    gemv_decode: bool = False
-    gemv_fused: bool = True
+    # A single token (one sequence's decode step) runs each layer's projections as GEMVs
+    # (kernels/gemv.py, DecoderLayer.forward_gemv) where it can: on one GPU, with the Triton
+    # kernels, no projection with a bias. gemv_fused: the norms and SiLU*mul formed inside the GEMVs
+    # instead of kernels of their own; None: where the row that every program then reads (the
+    # previous projection's partials, the residual and the norm's weight) is no larger than its
+    # weight slab. On an H200 the batch-1 decode graph took 669 µs against 855 with Qwen3-0.6B
+    # shapes (fused), and 4,046 against 4,175 with Qwen3-8B's (not fused: fused, 4,416).
+    # gemv_preload=false reads the weights after the PDL wait (743 µs with 0.6B shapes).
+    gemv_decode: bool = True
+    gemv_fused: bool | None = None
     gemv_preload: bool = True
 
 
@@ -288,7 +291,7 @@ class DecoderForCausalLM(nn.Module):
         split_k_tokens: int = DecoderOptions.split_k_tokens,
         triton_gemm_tokens: int = DecoderOptions.triton_gemm_tokens,
         gemv_decode: bool = DecoderOptions.gemv_decode,
-        gemv_fused: bool = DecoderOptions.gemv_fused,
+        gemv_fused: bool | None = DecoderOptions.gemv_fused,
         gemv_preload: bool = DecoderOptions.gemv_preload,
     ):
         """max_model_len: the longest sequence the engine will run (default: the config's
@@ -298,14 +301,14 @@ class DecoderForCausalLM(nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
         for name, value in (("gemv_decode", gemv_decode), ("gemv_fused", gemv_fused), ("gemv_preload", gemv_preload)):
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and (value is not None or name != "gemv_fused"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
         check_config(hf_config, max_model_len or hf_config.max_position_embeddings)
         on_cuda = device is not None and torch.device(device).type == "cuda"
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = triton_kernels_for(hf_config, self.qk_norm, on_cuda, triton_kernels)
         biases = self.biases(hf_config)
-        gemv = gemv_plan(hf_config, kernels, tp_group, biases, gemv_fused, gemv_preload) if gemv_decode else None
+        gemv = gemv_plan(hf_config, dtype, kernels, tp_group, biases, gemv_fused, gemv_preload) if gemv_decode else None
         theta, scaling = rope_settings(hf_config)
         # first, so that unsupported rotary scaling fails before the weights are allocated
         self.rotary = RotaryEmbedding(
@@ -473,9 +476,12 @@ def triton_kernels_for(config, qk_norm: bool, on_cuda: bool, asked: bool | None)
     return None
 
 
-def gemv_plan(config, kernels: ModelKernels | None, tp: TPGroup, biases: Biases, fused: bool, preload: bool):
+def gemv_plan(
+    config, dtype, kernels: ModelKernels | None, tp: TPGroup, biases: Biases, fused: bool | None, preload: bool
+):
     """The layers' GemvPlan, or None (with the reason logged) where the GEMVs cannot serve: they
-    need the Triton kernels, one rank, no biases and weights the GEMV tiles (gemv.slab_columns)."""
+    need the Triton kernels, one rank, no biases and weights the GEMV tiles (gemv.slab_columns).
+    fused: see DecoderOptions.gemv_fused."""
     problem = None
     if kernels is None:
         problem = "it needs the Triton kernels (model_options.triton_kernels)"
@@ -495,6 +501,10 @@ def gemv_plan(config, kernels: ModelKernels | None, tp: TPGroup, biases: Biases,
         if o_split is None or down_split is None or not wide:
             problem = f"no GEMV tiling fits these shapes (hidden {hidden}, intermediate {inter}, head_dim {head_dim})"
         else:
+            if fused is None:
+                # float32 partials of down_proj, the residual and the norm's weight in the model dtype
+                size = torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
+                fused = hidden * (4 * down_split + 2 * size) <= gemv.SLAB * size
             return GemvPlan(o_split, down_split, fused, preload, gemv.gemv)
     log.info("gemv_decode is off: %s", problem)
     return None
