@@ -10,7 +10,8 @@ Variants are separated by '/': 'base' (the code's own plans), or ';'-separated s
 down=BN:S (split-K partials in BN-column blocks, K split S ways, up to 64 tokens), qkv=BN and
 gate_up=BN (the unsplit GEMM's column block), warps=N and stages=N (the GEMM's launch at 16-row
 tiles), normwarps=N (the RMSNorm kernel's launch); gemv (one token through the layers' GEMVs,
-DecoderLayer.forward_gemv) with fused=0 (the norm and SiLU*mul kernels kept), preload=0 (weights read
+DecoderLayer.forward_gemv) with fused=0 or 1 (the norm and SiLU*mul kernels kept or not; by default
+as the model decides), preload=0 (weights read
 after the PDL wait), slab=N (a program's weight elements), osplit=N and downsplit=N (their splits of
 K), gemvwarps=N. Steps with prefill run eagerly here."""
 
@@ -84,6 +85,7 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
     runner = llm.runner
     runner.prefill_graphs = None  # only the decode graphs are recaptured for each variant
     layers = runner.model.layers
+    model_gemv = layers[0].gemv  # the model's own plan: fused or not as its shapes decide
     attn, mlp = layers[0].self_attn, layers[0].mlp
     projections = {"o": attn.o_proj, "down": mlp.down_proj, "qkv": attn.qkv_proj, "gate_up": mlp.gate_up_proj}
     shape_of = {name: tuple(module.weight.shape) for name, module in projections.items()}
@@ -101,7 +103,7 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
             gemv_plan = GemvPlan(
                 int(settings.pop("osplit", 0)) or gemv.splits_for(*shape_of["o"], slab),
                 int(settings.pop("downsplit", 0)) or gemv.splits_for(*shape_of["down"], slab),
-                settings.pop("fused", "1") == "1",
+                settings.pop("fused", "1" if model_gemv is None or model_gemv.fused else "0") == "1",
                 settings.pop("preload", "1") == "1",
                 functools.partial(gemv.gemv, slab=slab),
             )

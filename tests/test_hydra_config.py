@@ -107,6 +107,7 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
             "model.torch_compile=true",
             "model.split_k_tokens=0",
             "model.triton_gemm_tokens=16",
+            "model.gemv_fused=false",
         ]
     )
     _, settings = engine_arguments(cfg)
@@ -118,6 +119,9 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
         "triton_kernels": False,
         "split_k_tokens": 0,
         "triton_gemm_tokens": 16,
+        "gemv_decode": True,
+        "gemv_fused": False,
+        "gemv_preload": True,
     }
     from inferlab.plugins.attention.triton_backend import TritonBackend, TritonOptions
 
