@@ -15,6 +15,12 @@ weight in registers, multiplies it by the row in float32 and sums along K:
 x may be float32 split-K partials [S, 1, K] (summed as read), as the o_proj and down_proj GEMVs
 leave them with a split; the output is then such partials too.
 
+On an H200 the batch-1 decode graph took 669-684 µs against 854-858 for the Triton GEMMs with
+Qwen3-0.6B shapes, and one sequence ran 1,233-1,258 tok/s against 1,018-1,028; reading after the
+wait instead took 743 µs, the norm and SiLU*mul kernels kept 762. With Qwen3-8B's shapes, whose
+whole rows are four times a slab, the fused reads cost more than the kernels they save (4,324
+against 4,064 µs with the norm kernels kept, 4,176 for the Triton GEMMs).
+
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
 import torch
@@ -25,8 +31,9 @@ from inferlab.kernels import pdl
 
 # The row the slab multiplies: x itself, RMSNorm of x, RMSNorm of x + residual, SiLU(gate) * up.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
-# A program's weight slab, in elements (16 KB of bf16: 64 registers a thread at 4 warps). Half as
-# large was as fast with Qwen3-0.6B's shapes on an H200, twice as large slower with 0.6B's and 8B's.
+# A program's weight slab, in elements (16 KB of bf16: 64 registers a thread at 4 warps). On an
+# H200, half as large was as fast with Qwen3-0.6B's shapes and twice as large slower; four times as
+# large was slower with Qwen3-8B's as the model runs them (the norm kernels kept).
 SLAB = 8192
 
 
@@ -167,8 +174,8 @@ def gemv(
         PROLOGUE=prologue,
         BLOCK_N=block_n,
         PRELOAD=preload,
-        # on an H200 (norms inside the GEMVs) 8 warps were slower: the batch-1 decode graph 2.2%
-        # with Qwen3-0.6B's shapes (16 warps 6%), 2.3% with Qwen3-8B's
+        # on an H200, 8 warps instead of 4 made the batch-1 decode graph 2.2% slower with Qwen3-0.6B's
+        # shapes (16 warps 6%) and 0.5% faster with Qwen3-8B's (2.3% slower with their norms inside)
         num_warps=4,
         **pdl.launch_options(x.device),
     )

@@ -253,9 +253,9 @@ class DecoderOptions:
     # kernels, no projection with a bias. gemv_fused: the norms and SiLU*mul formed inside the GEMVs
     # instead of kernels of their own; None: where the row that every program then reads (the
     # previous projection's partials, the residual and the norm's weight) is no larger than its
-    # weight slab. On an H200 the batch-1 decode graph took 669 µs against 855 with Qwen3-0.6B
-    # shapes (fused), and 4,046 against 4,175 with Qwen3-8B's (not fused: fused, 4,416).
-    # gemv_preload=false reads the weights after the PDL wait (743 µs with 0.6B shapes).
+    # weight slab. On an H200 the batch-1 decode graph took 669 µs against 855 for the Triton GEMMs
+    # with Qwen3-0.6B shapes (fused; not fused, 762), and 4,064 against 4,176 with Qwen3-8B's (not
+    # fused; fused, 4,324). gemv_preload=false reads the weights after the PDL wait (743 µs, 0.6B).
     gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
