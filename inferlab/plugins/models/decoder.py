@@ -254,8 +254,9 @@ class DecoderOptions:
     # instead of kernels of their own; None: where the row that every program then reads (the
     # previous projection's partials, the residual and the norm's weight) is no larger than its
     # weight slab. On an H200 the batch-1 decode graph took 669 µs against 855 for the Triton GEMMs
-    # with Qwen3-0.6B shapes (fused; not fused, 762), and 4,064 against 4,176 with Qwen3-8B's (not
-    # fused; fused, 4,324). gemv_preload=false reads the weights after the PDL wait (743 µs, 0.6B).
+    # with Qwen3-0.6B shapes (fused), and 4,064 against 4,176 with Qwen3-8B's (not fused; fused,
+    # 4,324). gemv_preload=false reads the weights after the PDL wait. With 0.6B shapes at 8 warps,
+    # 684 µs; not fused 762, reading after the wait 743.
     gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
