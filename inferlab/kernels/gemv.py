@@ -15,11 +15,11 @@ weight in registers, multiplies it by the row in float32 and sums along K:
 x may be float32 split-K partials [S, 1, K] (summed as read), as the o_proj and down_proj GEMVs
 leave them with a split; the output is then such partials too.
 
-On an H200 the batch-1 decode graph took 669-684 µs against 854-858 for the Triton GEMMs with
-Qwen3-0.6B shapes, and one sequence ran 1,233-1,258 tok/s against 1,018-1,028; reading after the
-wait instead took 743 µs, the norm and SiLU*mul kernels kept 762. With Qwen3-8B's shapes, whose
-whole rows are four times a slab, the fused reads cost more than the kernels they save (4,324
-against 4,064 µs with the norm kernels kept, 4,176 for the Triton GEMMs).
+On an H200 the batch-1 decode graph took 669 µs against 854-858 for the Triton GEMMs with
+Qwen3-0.6B shapes, and one sequence ran 1,255-1,258 tok/s against 1,018-1,028; at 8 warps (684
+µs), reading after the wait took 743 µs and keeping the norm and SiLU*mul kernels 762. With
+Qwen3-8B's shapes, whose whole rows are four times a slab, the fused reads cost more than the
+kernels they save (4,324 against 4,064 µs with the norm kernels kept, 4,176 for the Triton GEMMs).
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -143,8 +143,8 @@ def gemv(
         raise ValueError(f"gemv takes one row of {k} (silu_mul: {2 * k}) values, got x of shape {tuple(x.shape)}")
     if norm_weight is not None and split != 1:
         raise ValueError("a GEMV with the norm first needs the whole row in each program: split=1")
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
     k_split = k // split
     block_n = slab_columns(n, k_split, slab)
     if k % split or block_n is None:

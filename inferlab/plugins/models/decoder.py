@@ -139,19 +139,6 @@ class GemvPlan(NamedTuple):
     gemv: Callable
 
 
-# checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
-PACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
-# checkpoint tensors that hold no weights: the rotary frequencies some Llama exports include
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -225,6 +212,19 @@ class DecoderLayer(nn.Module):
         hidden, residual = second_norm(hidden, residual)
         gate_up, _ = gemv(hidden, mlp.gate_up_proj.weight)
         return gemv(mlp.act(gate_up), mlp.down_proj.weight, split=plan.down_split)[0], residual
+
+
+# checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
+# checkpoint tensors that hold no weights: the rotary frequencies some Llama exports include
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass
