@@ -549,6 +549,8 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
         (64, 128, 1, "add_norm", 1, torch.float32),
         (64, 128, 1, "add_norm", 3, torch.float32),  # the row from float32 partials
         (32, 256, 2, "silu_mul", 1, torch.float32),
+        (16, 96, 1, "add_norm", 2, torch.float32),  # slices of no power of two: tiles masked past them
+        (32, 480, 3, "silu_mul", 1, torch.float32),
         pytest.param(4096, 1024, 1, "add_norm", 3, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
         pytest.param(1024, 2048, 1, "plain", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its o_proj
         pytest.param(6144, 1024, 1, "add_norm", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj
@@ -602,19 +604,25 @@ def test_gemv_tilings():
     assert gemv_kernel.splits_for(1024, 3072) == 3  # its down_proj: K in power-of-two slices of 1,024
     assert gemv_kernel.splits_for(4096, 12288) == 3  # Qwen3-8B's
     assert gemv_kernel.splits_for(128, 256) == 16  # too small for 256 programs: the most it can have
-    assert gemv_kernel.slab_columns(64, 96) is None and gemv_kernel.splits_for(64, 80) is None  # no power of two
-    assert gemv_kernel.slab_columns(3, 1024) is None  # no column count divides
+    # Qwen3-4B's down_proj [2560, 9728]: no split into power-of-two slices; 2,432-long ones in 4,096-wide
+    # tiles, since whole 9,728-long rows would overflow a slab two at a time
+    assert gemv_kernel.splits_for(2560, 9728) == 4 and gemv_kernel.slab_columns(2560, 2432) == 2
+    assert gemv_kernel.slab_columns(5120, 5120) is None  # Qwen3-14B's qkv_proj: two rows overflow the slab
+    assert gemv_kernel.slab_columns(64, 96) == 64 and gemv_kernel.slab_columns(24, 96) == 8
+    assert gemv_kernel.slab_columns(3, 1024) is None and gemv_kernel.slab_columns(64, 8) is None
+    assert gemv_kernel.splits_for(3, 1024) is None
     with pytest.raises(ValueError, match="whole row"):
         gemv_kernel.gemv(torch.zeros(1, 256), torch.zeros(64, 256), split=2, norm_weight=torch.ones(256))
     with pytest.raises(ValueError, match="one row of 256"):
         gemv_kernel.gemv(torch.zeros(2, 256), torch.zeros(64, 256))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused):
+@pytest.mark.parametrize("fused,intermediate", [(True, 128), (False, 128), (True, 120)])
+def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused, intermediate):
     """One sequence's decode steps go through the layers' GEMVs (the prefill chunks of several
-    tokens do not), with the norms and SiLU*mul inside them or between them."""
-    path = checkpoint("gqa4-untied")
+    tokens do not), with the norms and SiLU*mul inside them or between them; an intermediate size
+    of 120 has no power-of-two slices, so down_proj's tiles are masked past them."""
+    path = checkpoint("gqa4-untied", intermediate_size=intermediate)
     llm = LLM(
         path,
         kvcache_block_size=16,
@@ -626,7 +634,8 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     )
     calls = []
     for layer in llm.runner.model.layers:
-        assert layer.gemv.fused == fused and (layer.gemv.o_split, layer.gemv.down_split) == (16, 8)
+        assert layer.gemv.fused == fused and layer.gemv.o_split == 16  # o_proj [128, 256]: 16-long slices
+        assert layer.gemv.down_split == (8 if intermediate == 128 else 6)  # 120: six slices of 20 in 32-wide tiles
         layer.gemv = layer.gemv._replace(
             gemv=lambda x, w, kernel=layer.gemv.gemv, **kw: calls.append(kw) or kernel(x, w, **kw)
         )
@@ -670,7 +679,7 @@ def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_a_slab():
     assert plan(4096, 12288, 32, 8, fused=True).fused and not plan(1024, 3072, 16, 8, fused=False).fused
     assert plan(1024, 3072, 16, 8, tp=TPGroup(rank=0, size=2)) is None
     assert plan(1024, 3072, 16, 8, biases=Biases(True, False, False)) is None
-    assert plan(1000, 3072, 16, 8) is None  # no column count of a power of two divides 1,000
+    assert plan(1001, 3072, 16, 8) is None  # an odd width: no count of columns from 2 divides it
 
 
 def test_gemv_decode_needs_what_it_folds(checkpoint, caplog):

@@ -13,7 +13,9 @@ weight in registers, multiplies it by the row in float32 and sums along K:
   rms_norm.py's and silu_mul.py's kernels round them, so that each program forms the row itself and
   no kernel sits between the projections.
 x may be float32 split-K partials [S, 1, K] (summed as read), as the o_proj and down_proj GEMVs
-leave them with a split; the output is then such partials too.
+leave them with a split; the output is then such partials too. A slice of K that is no power of
+two (Qwen3-4B's 2,560) sits in a tile of the next power of two, masked past it; the measured
+shapes below split into power-of-two slices and run unmasked.
 
 On an H200 the batch-1 decode graph took 669 µs against 854-858 for the Triton GEMMs with
 Qwen3-0.6B shapes, and one sequence ran 1,255-1,258 tok/s against 1,018-1,028; at 8 warps (684
@@ -38,6 +40,16 @@ SLAB = 8192
 
 
 @triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    """ptrs' values, or zero where mask is false if MASKED (unmasked, the loads vectorize whole)."""
+    if MASKED:
+        values = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        values = tl.load(ptrs)
+    return values
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     residual_ptr,
@@ -50,6 +62,8 @@ def _gemv_kernel(
     part_stride,
     K: tl.constexpr,
     K_SPLIT: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
     X_PARTS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -58,66 +72,77 @@ def _gemv_kernel(
 ):
     """One program: BLOCK_N outputs of x @ weight.T over one K_SPLIT-wide slice of K (the grid's
     second axis), in float32, stored as that slice's partial (float32) or, unsplit, rounded to
-    the output's dtype."""
+    the output's dtype. K_BLOCK: K_SPLIT's power of two, the tile's width (MASKED past K_SPLIT when
+    they differ)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = split * K_SPLIT + tl.arange(0, K_SPLIT)
+    offsets = tl.arange(0, K_BLOCK)
+    in_slice = offsets < K_SPLIT
+    ks = split * K_SPLIT + offsets
     weight_ptrs = weight_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     if PRELOAD:
-        w = tl.load(weight_ptrs)
+        w = _load(weight_ptrs, in_slice[None, :], MASKED)
         pdl.wait_for_inputs(PDL)
     else:
         pdl.wait_for_inputs(PDL)
-        w = tl.load(weight_ptrs)
+        w = _load(weight_ptrs, in_slice[None, :], MASKED)
     dtype = weight_ptr.dtype.element_ty
     if PROLOGUE == 3:  # SILU_MUL: x [1, 2K], gate then up
-        gate = tl.load(x_ptr + ks)
-        up = tl.load(x_ptr + K + ks)
+        gate = _load(x_ptr + ks, in_slice, MASKED)
+        up = _load(x_ptr + K + ks, in_slice, MASKED)
         g = gate.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         row = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
     else:
-        row = tl.load(x_ptr + ks).to(tl.float32)
+        row = _load(x_ptr + ks, in_slice, MASKED).to(tl.float32)
         for part in tl.static_range(1, X_PARTS):  # x is split-K partials: their sum is the row
-            row += tl.load(x_ptr + part * part_stride + ks)
+            row += _load(x_ptr + part * part_stride + ks, in_slice, MASKED)
         if PROLOGUE != 0:  # the norms: K_SPLIT == K, the program holds the whole row
             if PROLOGUE == 2:
-                row += tl.load(residual_ptr + ks).to(tl.float32)
+                row += _load(residual_ptr + ks, in_slice, MASKED).to(tl.float32)
                 if pid_n == 0:
-                    tl.store(residual_out_ptr + ks, row.to(dtype))
+                    tl.store(residual_out_ptr + ks, row.to(dtype), mask=in_slice)
             rstd = tl.rsqrt(tl.sum(row * row, 0) / K + eps)
-            norm_weight = tl.load(norm_weight_ptr + ks).to(tl.float32)
+            norm_weight = _load(norm_weight_ptr + ks, in_slice, MASKED).to(tl.float32)
             row = ((row * rstd).to(dtype).to(tl.float32) * norm_weight).to(dtype).to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * row[None, :], 1)
     tl.store(out_ptr + split * N + cols, acc.to(out_ptr.dtype.element_ty))
 
 
 def slab_columns(n: int, k_split: int, slab: int = SLAB) -> int | None:
-    """Columns a program takes: its slab's worth of k_split-long weight rows, a power of two from 2
-    that divides n; None where k_split is no power of two or no such count divides n."""
-    if k_split < 16 or k_split & (k_split - 1):
+    """Columns a program takes: a slab's worth of weight rows k_split long (counted at its power of
+    two, the tile's width), a power of two from 2 that divides n; None where no such count does or
+    two rows overflow the slab."""
+    block_n = slab // triton.next_power_of_2(k_split)
+    if k_split < 16:
         return None
-    block_n = max(2, slab // k_split)
     while block_n >= 2 and n % block_n:
         block_n //= 2
     return block_n if block_n >= 2 else None
 
 
 def splits_for(n: int, k: int, slab: int = SLAB) -> int | None:
-    """The split of K in power-of-two slices for a [n, k] weight: the least that gives 256 programs
-    or more (two a multiprocessor of an H100 or H200), else the one that gives the most; None where
-    none fits."""
-    best, most = None, 0
-    for split in (1, 2, 3, 4, 6, 8, 12, 16):
-        block_n = slab_columns(n, k // split, slab) if k % split == 0 else None
-        if block_n is None:
-            continue
-        programs = n // block_n * split
-        if programs >= 256:
-            return split
-        if programs > most:
-            best, most = split, programs
-    return best
+    """The split of K for a [n, k] weight: the least that gives 256 programs or more (two a
+    multiprocessor of an H100 or H200), else the one that gives the most; splits into power-of-two
+    slices first, whose tiles have no masked columns, then any (a tile of 2,560 is 4,096 wide).
+    None where none fits."""
+    for whole_tiles in (True, False):
+        best, most = None, 0
+        for split in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16):
+            k_split = k // split
+            if k % split or (whole_tiles and k_split & (k_split - 1)):
+                continue
+            block_n = slab_columns(n, k_split, slab)
+            if block_n is None:
+                continue
+            programs = n // block_n * split
+            if programs >= 256:
+                return split
+            if programs > most:
+                best, most = split, programs
+        if best is not None:
+            return best
+    return None
 
 
 def gemv(
@@ -170,6 +195,8 @@ def gemv(
         x.stride(0) if parts > 1 else 0,
         K=k,
         K_SPLIT=k_split,
+        K_BLOCK=triton.next_power_of_2(k_split),
+        MASKED=k_split & (k_split - 1) != 0,
         X_PARTS=parts,
         PROLOGUE=prologue,
         BLOCK_N=block_n,
