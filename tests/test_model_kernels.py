@@ -39,6 +39,20 @@ def unfused(qkv, positions, q_weight, k_weight, rotary, eps, num_heads, num_kv_h
     return rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps))
 
 
+def wrapping_engine(path, attention="triton", max_num_batched_tokens=24, **model_options):
+    """A small engine through the Triton kernels with model_options, eager on CUDA too: a captured
+    graph would replay past the kernels a test wraps to see them called."""
+    return LLM(
+        path,
+        kvcache_block_size=16,
+        num_kvcache_blocks=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        attention=attention,
+        model_options={"triton_kernels": True, **model_options},
+        enforce_eager=True,
+    )
+
+
 # (tokens, query heads, KV heads, head_dim, dtype): q+k heads a power of two or not, GQA and MHA
 # two prompts for the greedy comparisons against Hugging Face: the second is longer than a prefill chunk
 GREEDY_PROMPTS = [
@@ -250,15 +264,7 @@ def test_rms_norm_kernels_match_torch(num_tokens, width, dtype):
 def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention, split_k_tokens):
     # torch's backend stores K/V itself; triton's lets the q/k kernel store them (kv_store_target)
     path = checkpoint("gqa4-untied")
-    llm = LLM(
-        path,
-        kvcache_block_size=16,
-        num_kvcache_blocks=16,
-        max_num_batched_tokens=24,
-        attention=attention,
-        model_options={"triton_kernels": True, "split_k_tokens": split_k_tokens},
-        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMMs below
-    )
+    llm = wrapping_engine(path, attention=attention, split_k_tokens=split_k_tokens)
     layer = llm.runner.model.layers[0]
     assert layer.self_attn.qk_rotary is qk_norm_rope and layer.mlp.act is silu_mul_kernel
     assert layer.input_layernorm.add_norm is rms_norm_kernel.add_rms_norm
@@ -284,15 +290,7 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
     go through the norms, and the decode steps take the tiling for a few rows (not the GEMVs that
     one sequence's steps take by default)."""
     path = checkpoint("gqa4-untied")
-    llm = LLM(
-        path,
-        kvcache_block_size=16,
-        num_kvcache_blocks=16,
-        max_num_batched_tokens=256,
-        attention="triton",
-        model_options={"triton_kernels": True, "split_k_tokens": 256, "gemv_decode": False},
-        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMM below
-    )
+    llm = wrapping_engine(path, max_num_batched_tokens=256, split_k_tokens=256, gemv_decode=False)
     rows = []
     for layer in llm.runner.model.layers:
         o_proj = layer.self_attn.o_proj
@@ -463,15 +461,7 @@ def test_wide_plan_and_column_parallel_linear_use_of_it():
 
 def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy):
     path = checkpoint("gqa4-untied")
-    llm = LLM(
-        path,
-        kvcache_block_size=16,
-        num_kvcache_blocks=16,
-        max_num_batched_tokens=24,
-        attention="triton",
-        model_options={"triton_kernels": True, "triton_gemm_tokens": 16},
-        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMMs below
-    )
+    llm = wrapping_engine(path, triton_gemm_tokens=16)
     rows = []
     for layer in llm.runner.model.layers:
         for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
@@ -623,15 +613,7 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     tokens do not), with the norms and SiLU*mul inside them or between them; an intermediate size
     of 120 has no power-of-two slices, so down_proj's tiles are masked past them."""
     path = checkpoint("gqa4-untied", intermediate_size=intermediate)
-    llm = LLM(
-        path,
-        kvcache_block_size=16,
-        num_kvcache_blocks=16,
-        max_num_batched_tokens=24,
-        attention="triton",
-        model_options={"triton_kernels": True, "gemv_decode": True, "gemv_fused": fused},
-        enforce_eager=True,  # on CUDA too: a captured graph would replay past the wrapped GEMV below
-    )
+    llm = wrapping_engine(path, gemv_decode=True, gemv_fused=fused)
     calls = []
     for layer in llm.runner.model.layers:
         assert layer.gemv.fused == fused and layer.gemv.o_split == 16  # o_proj [128, 256]: 16-long slices
