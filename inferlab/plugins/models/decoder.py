@@ -480,13 +480,13 @@ def triton_kernels_for(config, qk_norm: bool, on_cuda: bool, asked: bool | None)
 def gemv_plan(
     config, dtype, kernels: ModelKernels | None, tp: TPGroup, biases: Biases, fused: bool | None, preload: bool
 ):
-    """The layers' GemvPlan, or None (with the reason logged) where the GEMVs cannot serve: they
-    need the Triton kernels, one rank, no biases and weights the GEMV tiles (gemv.slab_columns).
-    fused: see DecoderOptions.gemv_fused."""
-    problem = None
+    """The layers' GemvPlan, or None where the GEMVs cannot serve: they need the Triton kernels
+    (without them, as on CPU by default, quietly), one rank, no biases and weights the GEMV tiles
+    (gemv.slab_columns); the reason is logged. fused: see DecoderOptions.gemv_fused."""
     if kernels is None:
-        problem = "it needs the Triton kernels (model_options.triton_kernels)"
-    elif tp.size > 1:
+        return None
+    problem = None
+    if tp.size > 1:
         problem = "it runs on one GPU only"
     elif any(biases):
         problem = "it has no bias add"
