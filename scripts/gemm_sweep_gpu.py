@@ -6,14 +6,14 @@ the first variant's (random weights: any change of rounding moves its tokens).
 
     python3 scripts/gemm_sweep_gpu.py MODEL_DIR "base/o=32:2;down=32:2/normwarps=8" [REPLAYS]
 
-Variants are separated by '/': 'base' (the code's own plans), or ';'-separated settings: o=BN:S and
-down=BN:S (split-K partials in BN-column blocks, K split S ways, up to 64 tokens), qkv=BN and
-gate_up=BN (the unsplit GEMM's column block), warps=N and stages=N (the GEMM's launch at 16-row
-tiles), normwarps=N (the RMSNorm kernel's launch); gemv (one token through the layers' GEMVs,
-DecoderLayer.forward_gemv) with fused=0 or 1 (the norm and SiLU*mul kernels kept or not; by default
-as the model decides), preload=0 (weights read
-after the PDL wait), slab=N (a program's weight elements), osplit=N and downsplit=N (their splits of
-K), gemvwarps=N. Steps with prefill run eagerly here."""
+Variants are separated by '/': 'base' (the Triton GEMMs as the code plans them, one token
+included: no GEMVs), or ';'-separated settings: o=BN:S and down=BN:S (split-K partials in
+BN-column blocks, K split S ways, up to 64 tokens), qkv=BN and gate_up=BN (the unsplit GEMM's
+column block), warps=N and stages=N (the GEMM's launch at 16-row tiles), normwarps=N (the RMSNorm
+kernel's launch); gemv (one token through the layers' GEMVs, DecoderLayer.forward_gemv, as the
+model plans them) with fused=1 or 0 (the norms and SiLU*mul inside the GEMVs or in kernels of
+their own; by default as the model decides), preload=0 (weights read after the PDL wait), slab=N
+(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N. Steps with prefill run eagerly here."""
 
 import functools
 import os
