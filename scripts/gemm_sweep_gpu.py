@@ -13,7 +13,8 @@ column block), warps=N and stages=N (the GEMM's launch at 16-row tiles), normwar
 kernel's launch); gemv (one token through the layers' GEMVs, DecoderLayer.forward_gemv, as the
 model plans them) with fused=1 or 0 (the norms and SiLU*mul inside the GEMVs or in kernels of
 their own; by default as the model decides), preload=0 (weights read after the PDL wait), slab=N
-(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N. Steps with prefill run eagerly here."""
+(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N. Steps
+with prefill run eagerly here."""
 
 import functools
 import os
