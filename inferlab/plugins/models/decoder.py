@@ -503,9 +503,13 @@ def gemv_plan(
             problem = f"no GEMV tiling fits these shapes (hidden {hidden}, intermediate {inter}, head_dim {head_dim})"
         else:
             if fused is None:
-                # float32 partials of down_proj, the residual and the norm's weight in the model dtype
+                # the projection's output before each norm (float32 partials where split), then the
+                # residual and the norm's weight in the model dtype
                 size = torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
-                fused = hidden * (4 * down_split + 2 * size) <= gemv.SLAB * size
+                row_bytes = max(
+                    hidden * ((4 * split if split > 1 else size) + 2 * size) for split in (o_split, down_split)
+                )
+                fused = row_bytes <= gemv.SLAB * size
             return GemvPlan(o_split, down_split, fused, preload, gemv.gemv)
     log.info("gemv_decode is off: %s", problem)
     return None
