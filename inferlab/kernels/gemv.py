@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from inferlab.kernels import pdl
+from inferlab.kernels.silu_mul import silu_times_up
 
 # The row the slab multiplies: x itself, RMSNorm of x, RMSNorm of x + residual, SiLU(gate) * up.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
@@ -91,9 +92,7 @@ def _gemv_kernel(
     if PROLOGUE == 3:  # SILU_MUL: x [1, 2K], gate then up
         gate = _load(x_ptr + ks, in_slice, MASKED)
         up = _load(x_ptr + K + ks, in_slice, MASKED)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        row = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+        row = silu_times_up(gate, up).to(tl.float32)
     else:
         row = _load(x_ptr + ks, in_slice, MASKED).to(tl.float32)
         for part in tl.static_range(1, X_PARTS):  # x is split-K partials: their sum is the row
@@ -114,9 +113,9 @@ def slab_columns(n: int, k_split: int, slab: int = SLAB) -> int | None:
     """Columns a program takes: a slab's worth of weight rows k_split long (counted at its power of
     two, the tile's width), a power of two from 2 that divides n; None where no such count does or
     two rows overflow the slab."""
-    block_n = slab // triton.next_power_of_2(k_split)
     if k_split < 16:
         return None
+    block_n = slab // triton.next_power_of_2(k_split)
     while block_n >= 2 and n % block_n:
         block_n //= 2
     return block_n if block_n >= 2 else None

@@ -18,6 +18,15 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_times_up(gate, up):
+    """SiLU(gate) * up in gate's dtype, SiLU rounded before the product (also gemv.py's SILU_MUL
+    rows, which must round as this kernel does)."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -25,9 +34,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.cons
     mask = cols < width
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + width + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * out_stride + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, silu_times_up(gate, up), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -174,14 +174,17 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         if self.gemv is not None and hidden.shape[-2] == 1:
             return self.forward_gemv(positions, hidden, residual, kv_cache, rotary, attn_metadata)
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.first_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, rotary, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def first_norm(self, hidden, residual):
+        """(input_layernorm of hidden, the residual): the first layer's input is its own residual,
+        the others add theirs first."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
 
     def forward_gemv(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
         """forward for one token through GEMVs (kernels/gemv.py). With plan.fused each norm and
@@ -189,27 +192,24 @@ class DecoderLayer(nn.Module):
         kernels alone. hidden may be the previous layer's split-K partials, as it may return them."""
         plan, attn, mlp = self.gemv, self.self_attn, self.mlp
         gemv = functools.partial(plan.gemv, preload=plan.preload)
-        first_norm, second_norm = self.input_layernorm, self.post_attention_layernorm
+        input_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if plan.fused:
             qkv, summed = gemv(
-                hidden, attn.qkv_proj.weight, norm_weight=first_norm.weight, eps=first_norm.eps, residual=residual
+                hidden, attn.qkv_proj.weight, norm_weight=input_norm.weight, eps=input_norm.eps, residual=residual
             )
             residual = hidden if residual is None else summed
         else:
-            if residual is None:
-                hidden, residual = first_norm(hidden), hidden
-            else:
-                hidden, residual = first_norm(hidden, residual)
+            hidden, residual = self.first_norm(hidden, residual)
             qkv, _ = gemv(hidden, attn.qkv_proj.weight)
         hidden, _ = gemv(
             attn.attend(positions, qkv, kv_cache, rotary, attn_metadata), attn.o_proj.weight, split=plan.o_split
         )
         if plan.fused:
             gate_up, residual = gemv(
-                hidden, mlp.gate_up_proj.weight, norm_weight=second_norm.weight, eps=second_norm.eps, residual=residual
+                hidden, mlp.gate_up_proj.weight, norm_weight=post_norm.weight, eps=post_norm.eps, residual=residual
             )
             return gemv(gate_up, mlp.down_proj.weight, split=plan.down_split, silu_mul=True)[0], residual
-        hidden, residual = second_norm(hidden, residual)
+        hidden, residual = post_norm(hidden, residual)
         gate_up, _ = gemv(hidden, mlp.gate_up_proj.weight)
         return gemv(mlp.act(gate_up), mlp.down_proj.weight, split=plan.down_split)[0], residual
 
