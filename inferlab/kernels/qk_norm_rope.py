@@ -21,6 +21,21 @@ from inferlab.kernels import pdl
 from inferlab.kernels.kv_store import cache_value, slot_stride
 
 
+@triton.jit
+def norm_rotate(x1, x2, w1, w2, cos, sin, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Head vectors given as their halves x1, x2 [rows, HEAD_DIM / 2]: RMSNorm'd each (NORM) with
+    the weight's halves w1, w2, then rotated by the angles' cos and sin [rows or 1, HEAD_DIM / 2];
+    (o1, o2) in x's dtype, rounded as the unfused code rounds (module docstring). The decode
+    attention kernel rotates the new token's q and k with this too."""
+    dtype = x1.dtype
+    n1, n2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1)) / HEAD_DIM + eps)[:, None]
+        n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype)
+
+
 # positions and slots are slices of one buffer per step (ModelRunner.upload), aligned as the
 # batch's size makes them: not specialized on, or new batch sizes would compile new variants.
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
@@ -60,21 +75,18 @@ def _qk_rotary_kernel(
     src = qkv_ptr + token.to(tl.int64) * qkv_stride_token + heads[:, None] * (2 * HALF) + dims[None, :]
     x1 = tl.load(src, mask=rows[:, None], other=0.0)
     x2 = tl.load(src + HALF, mask=rows[:, None], other=0.0)
-    dtype = x1.dtype
-    n1, n2 = x1.to(tl.float32), x2.to(tl.float32)
     if NORM:
-        rstd = tl.rsqrt((tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + dims)[None, :], tl.load(k_weight_ptr + dims)[None, :])
         w2 = tl.where(
             is_q[:, None], tl.load(q_weight_ptr + HALF + dims)[None, :], tl.load(k_weight_ptr + HALF + dims)[None, :]
         )
-        n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
-        n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
+    else:  # unread
+        w1 = x1
+        w2 = x2
     row = cos_sin_ptr + position * (2 * HALF)
     cos = tl.load(row + dims)[None, :]
     sin = tl.load(row + HALF + dims)[None, :]
-    o1 = (n1 * cos - n2 * sin).to(dtype)
-    o2 = (n2 * cos + n1 * sin).to(dtype)
+    o1, o2 = norm_rotate(x1, x2, w1, w2, cos, sin, eps, NORM, 2 * HALF)
     q_dst = q_out_ptr + token.to(tl.int64) * (NUM_Q_HEADS * 2 * HALF) + heads[:, None] * (2 * HALF) + dims[None, :]
     tl.store(q_dst, o1, mask=is_q[:, None])
     tl.store(q_dst + HALF, o2, mask=is_q[:, None])
