@@ -13,8 +13,9 @@ column block), warps=N and stages=N (the GEMM's launch at 16-row tiles), normwar
 kernel's launch); gemv (one token through the layers' GEMVs, DecoderLayer.forward_gemv, as the
 model plans them) with fused=1 or 0 (the norms and SiLU*mul inside the GEMVs or in kernels of
 their own; by default as the model decides), preload=0 (weights read after the PDL wait), slab=N
-(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N. Steps
-with prefill run eagerly here."""
+(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N; qkv=0
+(decode steps through the model's q/k kernel before attention, not the attention kernel's own:
+attention.decode_from_qkv=false). Steps with prefill run eagerly here."""
 
 import functools
 import os
@@ -97,6 +98,7 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
         settings = dict((*kv.split("="), "1")[:2] for kv in variant.split(";")) if variant != "base" else {}
         for key in ("warps", "stages", "normwarps", "gemvwarps"):
             launch_settings[key] = int(settings.pop(key, 0)) or None
+        runner.backend.decode_from_qkv = settings.pop("qkv", "1") == "1"
         gemv_plan = None
         if "gemv" in settings:
             settings.pop("gemv")

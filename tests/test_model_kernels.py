@@ -621,11 +621,14 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
         layer.gemv = layer.gemv._replace(
             gemv=lambda x, w, kernel=layer.gemv.gemv, **kw: calls.append(kw) or kernel(x, w, **kw)
         )
+    backend, attended = llm.runner.backend, []  # after the QKV GEMV, attention takes its rows as they are
+    backend.decode_qkv = lambda *args, original=backend.decode_qkv: attended.append(1) or original(*args)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     for prompt in GREEDY_PROMPTS:
         assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 5)
     layers = len(llm.runner.model.layers)
     assert len(calls) == 2 * 4 * 4 * layers  # two prompts, four decode steps, four projections a layer
+    assert len(attended) == 2 * 4 * layers
     assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
 
 

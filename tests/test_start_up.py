@@ -25,6 +25,9 @@ def test_warmup_shapes_cross_every_tiling_threshold_within_the_limits():
     assert {1, 2, 4, 8, 16, 32, 64, 128, 256} <= decode_batches  # the GEMM tilings, the decode order's block
     one_sequence_contexts = {parts[0][0] for parts, _ in shapes if len(parts) == 1 and parts[0][1] == 1}
     assert {256, 512, 1024, 2048, 4095} <= one_sequence_contexts  # every power of two of decode splits
+    # a decode the backend splits beside a prompt (after the model's q/k kernel), where one fits
+    assert ([(1024, 1), (0, 16)], "sampled") in warmup_shapes(config, 256, mixed_decode_split_len=1024)
+    assert not any(c >= 8192 for parts, _ in warmup_shapes(config, 256, 8192) for c, _ in parts)
     assert {kind for _, kind in shapes} == set(WARMUP_SAMPLING)
     for parts, _ in shapes:
         assert len(parts) <= config.max_num_seqs

@@ -19,10 +19,14 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
+from inferlab.core.protocols import DecodesFromQKV  # noqa: E402
 from inferlab.kernels.kv_store import store_kv  # noqa: E402
+from inferlab.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from inferlab.kernels.qk_norm_rope import rotary as rotary_kernel  # noqa: E402
 from inferlab.plugins.attention import triton_kernels  # noqa: E402
 from inferlab.plugins.attention.torch_backend import TorchBackend  # noqa: E402
 from inferlab.plugins.attention.triton_backend import TritonBackend  # noqa: E402
+from inferlab.plugins.models.layers import RotaryEmbedding  # noqa: E402
 from inferlab.testing.attention import attention_inputs, padded_for_cuda_graphs  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_kernels.INTERPRETED:
@@ -209,6 +213,70 @@ def test_split_decode_combines_partials_exactly(num_splits):
         seq_order=order,
     )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "rotary"])
+@pytest.mark.parametrize(
+    "group,context_lens,num_splits",
+    [(2, [0, 37, 95, 16], 8), (4, [63, 5], 3), pytest.param(2, [20], 1, marks=pytest.mark.gpu)],
+)
+def test_decode_from_qkv_is_the_q_k_kernel_then_decode(cache_dtype, norm, group, context_lens, num_splits):
+    """The QKV rows as the projection leaves them: the kernel's own q/k norms, rotary and K/V store
+    give the outputs and the cache that the q/k kernel (storing K/V) and the decode after it give,
+    split into more parts than the short sequences have keys, in a batch padded as a CUDA graph
+    pads it (padding rows store nothing and output zeros); through the backend as the model calls it."""
+    num_kv_heads, head_dim, block_size = 2, 32, 16
+    num_heads = num_kv_heads * group
+    inputs, _, _, _, cache = make_batch(
+        [1] * len(context_lens), context_lens, block_size, num_kv_heads, head_dim, group
+    )
+    padded = padded_for_cuda_graphs(inputs, num_rows=len(context_lens) + 2, max_blocks=12)
+    num_rows = padded.num_seqs
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
+    positions = torch.cat([inputs.context_lens, torch.zeros(2, dtype=torch.int32, device=DEVICE)]).long()
+    weights = (torch.rand(2, head_dim, generator=gen) + 0.5).to(DEVICE)
+    qk_norm = (weights[0], weights[1], 1e-6) if norm else None
+    cos_sin = RotaryEmbedding(head_dim, 128, 10000.0).to(DEVICE).cos_sin
+    cache = to_cache_dtype(cache, cache_dtype)
+    scratch = dict(
+        partial_out=torch.empty(num_rows, num_heads, num_splits, head_dim, device=DEVICE),
+        partial_lse=torch.empty(num_rows, num_heads, num_splits, device=DEVICE),
+    )
+
+    def decode(q, cache, new_tokens=None):
+        out = torch.full((num_rows, num_heads, head_dim), float("nan"), device=DEVICE)
+        args = (padded.seq_lens, padded.block_tables, 0.3, num_splits, 16)
+        return triton_kernels.paged_decode(q, cache, out, *args, **scratch, new_tokens=new_tokens)
+
+    want_cache = cache.clone()
+    kv_store = (want_cache[0], want_cache[1], padded.slot_mapping)
+    heads = (num_heads, num_kv_heads, head_dim)
+    if norm:
+        q, _ = qk_norm_rope(qkv, positions, *qk_norm[:2], cos_sin, qk_norm[2], *heads, kv_store=kv_store)
+    else:
+        q, _ = rotary_kernel(qkv, positions, cos_sin, *heads, kv_store=kv_store)
+    want = decode(q, want_cache)
+    got_cache = cache.clone()
+    new_tokens = triton_kernels.NewTokens(positions, padded.slot_mapping, cos_sin, qk_norm)
+    got = decode(qkv.view(num_rows, -1, head_dim), got_cache, new_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[len(context_lens) :], torch.zeros_like(got[len(context_lens) :]))
+    if cache_dtype == FP8:  # compared bit for bit
+        assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    else:  # the same arithmetic, the norm's squares summed in another order
+        torch.testing.assert_close(got_cache, want_cache, rtol=1e-6, atol=1e-6)
+
+    backend = TritonBackend(min_split_len=16)
+    metadata = backend.build_metadata(padded)
+    assert isinstance(backend, DecodesFromQKV) and backend.decodes_qkv(metadata)
+    through_backend = backend.decode_qkv(qkv, positions, cos_sin, qk_norm, num_heads, cache.clone(), metadata, 0.3)
+    torch.testing.assert_close(through_backend, want, rtol=1e-4, atol=1e-4)
+    assert not backend.decodes_qkv(backend.build_metadata(make_batch([1, 3], [4, 0], 16, 2, 32, 2)[0]))
+    assert not TritonBackend(decode_from_qkv=False).decodes_qkv(metadata)
+    with pytest.raises(ValueError, match="with new_tokens q must be the QKV rows"):
+        decode(q, cache.clone(), new_tokens)
 
 
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [0, 37, 20]), ([21, 3], [0, 40])])

@@ -370,7 +370,10 @@ class ModelRunner:
         nothing, and its first pass runs at 98% of a warm one, where it ran at 72% with the
         kernels compiling inside it."""
         start = perf_counter()
-        shapes = warmup_shapes(self.config, getattr(self.backend, "min_split_len", 256))
+        backend = self.backend
+        shapes = warmup_shapes(
+            self.config, getattr(backend, "min_split_len", 256), getattr(backend, "mixed_decode_split_len", None)
+        )
         # Sequences share the scratch blocks: warm-up values do not matter, only the kernels run.
         num_blocks = min(64, -(-self.config.max_model_len // self.block_size))
         scratch = list(self._new_kv_cache(num_blocks).unbind(0))
@@ -708,13 +711,17 @@ class PinnedStaging:
         return on_device
 
 
-def warmup_shapes(config: EngineConfig, min_split_len: int) -> list[tuple[list, str]]:
+def warmup_shapes(
+    config: EngineConfig, min_split_len: int, mixed_decode_split_len: int | None = None
+) -> list[tuple[list, str]]:
     """The steps ModelRunner._compile_kernels runs, as ([(cached context, new tokens)], sampling kind):
     prefill chunks on both sides of each token count at which a kernel's tiling changes (16, 32,
     64, 128, 256), alone, after cached context and beside decodes; decode batches of every power of
     two up to max_num_seqs (the GEMM tilings, the decode order's block), and of one sequence at
-    contexts that split into each power of two of parts (the decode reduction's variants); each
-    sampling path (greedy, sampled, filtered)."""
+    contexts that split into each power of two of parts (the decode reduction's variants), and at
+    mixed_decode_split_len beside a prompt (where the backend splits such decodes after the
+    model's q/k kernel, not from the QKV rows as in decode steps); each sampling path (greedy,
+    sampled, filtered)."""
     max_len, max_seqs = config.max_model_len, config.max_num_seqs
     max_tokens = min(config.max_num_batched_tokens, max_len)
     shapes: list[tuple[list, str]] = []
@@ -740,6 +747,8 @@ def warmup_shapes(config: EngineConfig, min_split_len: int) -> list[tuple[list, 
         add([(context, 1)])
         context *= 2
     add([(max_len - 1, 1)])
+    if mixed_decode_split_len is not None:
+        add([(mixed_decode_split_len, 1), (0, 16)])
     add([(128, 1)] * 4, "greedy")
     add([(0, 64)] + [(128, 1)] * 4, "filtered")
     return shapes

@@ -170,7 +170,8 @@ class AttentionBackend(Protocol):
     backend whose auto_priority lacks the device type is never chosen there by auto (`{}`: only
     when selected by name).
 
-    A backend may also implement FusedKVStore, so that a model stores the new K and V itself."""
+    A backend may also implement FusedKVStore, so that a model stores the new K and V itself, and
+    DecodesFromQKV, so that a decode step's attention starts from the QKV projection's output."""
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
@@ -209,6 +210,38 @@ class FusedKVStore(Protocol):
     def kv_store_target(self, kv_cache: torch.Tensor, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache, slot_mapping) of one layer's cache for the step that metadata
         describes (build_metadata's result)."""
+
+
+@runtime_checkable
+class DecodesFromQKV(Protocol):
+    """Optional for an AttentionBackend whose decode attention can start from the QKV projection's
+    output as it comes: it normalizes q and k per head (where the model does), rotates them, stores
+    the new k and v into the cache and attends, all in one kernel where a model would otherwise
+    launch its q/k kernel, then the store and attention. A model whose rotary is a cos/sin table
+    may call decode_qkv in place of those in the steps for which decodes_qkv says so (inferlab's
+    decoder does after its one-token GEMVs). Checked with isinstance(backend, DecodesFromQKV)."""
+
+    def decodes_qkv(self, metadata: Any) -> bool:
+        """Whether the step that metadata (build_metadata's result) describes goes through
+        decode_qkv: for instance, every sequence computes one new token."""
+
+    def decode_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+        num_heads: int,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention [B, H, D] of each sequence's new token. qkv [B, (H + 2 * Hkv) * D]: q's heads,
+        then k's, then v's. positions [B] (int64). cos_sin: float32 [positions, D], each row D / 2
+        cosines of the rotary angles, then their sines (the first half of a head pairs with the
+        second). qk_norm: (q_weight [D], k_weight [D], eps) of the per-head RMSNorm before the
+        rotary, rounded to the model dtype after the normalization and after the weight, or None.
+        The new k (rotated) and v go into the cache at the step's slots, as forward stores them."""
 
 
 @runtime_checkable

@@ -17,7 +17,8 @@ sharing KV heads (GQA). The scenarios: prefill of ragged sequences, a cached pre
 another sequence, chunked prefill beside decodes, decodes of long contexts leading a prompt, decode
 of ragged contexts over several steps, blocks reused after an earlier owner, CUDA-graph padding
 rows (and on CUDA a captured graph replayed), an fp8 cache, every block size and head shape
-validate accepts, a model storing K/V itself (FusedKVStore), and validate's answers. The cache layout is the backend's own: the suite
+validate accepts, a model storing K/V itself (FusedKVStore), decode steps from the QKV
+projection's output (DecodesFromQKV), and validate's answers. The cache layout is the backend's own: the suite
 reads the cache only through forward.
 """
 
@@ -32,7 +33,7 @@ from inferlab.core.batch import AttentionInputs
 from inferlab.core.config import DTYPES, EngineConfig
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype
 from inferlab.core.plugins import get_registry
-from inferlab.core.protocols import FusedKVStore
+from inferlab.core.protocols import DecodesFromQKV, FusedKVStore
 from inferlab.testing.common import ceil_div
 
 MODEL_DTYPES = tuple(getattr(torch, name) for name in sorted(DTYPES - {"auto"}))
@@ -162,6 +163,28 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
 
 
+def rotary_table(head_dim: int, num_positions: int, theta: float = 10000.0) -> torch.Tensor:
+    """The rotary's cos/sin table as DecodesFromQKV takes it: float32 [positions, D], each row the
+    D / 2 cosines of the angles, then their sines."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(num_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def reference_norm_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, norm) -> torch.Tensor:
+    """Head vectors x [T, heads, D] RMSNorm'd per head with norm = (weight, eps) (None: not) and
+    rotated at positions [T], in float64: the first half of a head pairs with the second."""
+    x = x.double()
+    if norm is not None:
+        weight, eps = norm
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    half = x.shape[-1] // 2
+    table = cos_sin[positions.long()].double()[:, None, :]
+    cos, sin = table[..., :half], table[..., half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 @dataclass(slots=True, eq=False)
 class SequenceState:
     """One sequence in the cache: its blocks and, for the reference, the K and V [L, Hkv, D] of
@@ -240,9 +263,10 @@ class AttentionRun:
     def random(self, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=self.generator).to(self.dtype).to(self.device)
 
-    def prepare(self, work: list[tuple[SequenceState, int]], is_decode: bool | None = None) -> Step:
+    def prepare(self, work: list[tuple[SequenceState, int]], is_decode: bool | None = None, qkv=None) -> Step:
         """The inputs of a call computing work's (sequence, num_new_tokens) and their reference
-        output; records the new tokens' K/V as the sequences' own."""
+        output; records the new tokens' K/V as the sequences' own. qkv: the new tokens' (q, k, v),
+        random by default."""
         for sequence, num_new in work:
             needed = ceil_div(sequence.num_tokens + num_new, self.block_size) - len(sequence.block_table)
             if needed > len(self.free_blocks):
@@ -258,9 +282,11 @@ class AttentionRun:
             is_decode,
         )
         num_tokens = sum(n for _, n in work)
-        q = self.random(num_tokens, self.num_heads, self.head_dim)
-        k = self.random(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.random(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv or (
+            self.random(num_tokens, self.num_heads, self.head_dim),
+            self.random(num_tokens, self.num_kv_heads, self.head_dim),
+            self.random(num_tokens, self.num_kv_heads, self.head_dim),
+        )
         expected, start = [], 0
         for sequence, num_new in work:
             end = start + num_new
@@ -320,6 +346,30 @@ class AttentionRun:
         prepared = self.prepare(work, is_decode)
         out = self.forward(prepared.inputs, prepared.q, prepared.k, prepared.v)
         self.check(prepared, out, what)
+        return out
+
+    @torch.inference_mode()
+    def decode_from_qkv(self, work: list[SequenceState], qk_norm: bool, what: str = "") -> torch.Tensor:
+        """A decode step of work's sequences through the backend's decode_qkv (DecodesFromQKV), from
+        random QKV rows; the reference normalizes (qk_norm) and rotates q and k in float64, rounded
+        to the model dtype once, and records the rotated k as the sequences' own."""
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        positions = torch.tensor([s.num_tokens for s in work], device=self.device)
+        qkv = self.random(len(work), (heads + 2 * kv_heads) * dim)
+        cos_sin = rotary_table(dim, int(positions.max()) + 1).to(self.device)
+        weights = self.random(2, dim).abs() + 0.5
+        norm = (weights[0], weights[1], 1e-6) if qk_norm else None
+        rows = qkv.view(len(work), -1, dim)
+        q = reference_norm_rotate(rows[:, :heads].cpu(), positions.cpu(), cos_sin.cpu(), norm and norm[::2])
+        k = reference_norm_rotate(
+            rows[:, heads : heads + kv_heads].cpu(), positions.cpu(), cos_sin.cpu(), norm and norm[1:]
+        )
+        as_model = (q.to(self.dtype).to(self.device), k.to(self.dtype).to(self.device), rows[:, heads + kv_heads :])
+        step = self.prepare([(s, 1) for s in work], True, qkv=as_model)
+        metadata = self.backend.build_metadata(step.inputs)
+        assert self.backend.decodes_qkv(metadata), f"decodes_qkv refuses a decode step ({what})"
+        out = self.backend.decode_qkv(qkv, positions, cos_sin, norm, heads, self.cache, metadata, self.scale)
+        self.check(step, out, what)
         return out
 
 
@@ -621,6 +671,18 @@ class AttentionBackendSuite:
         assert served or not self.head_shapes, f"validate refuses every head_dim of head_shapes={self.head_shapes}"
         for heads in served:
             run_scenario(self.make_run(dtype, heads=heads))
+
+    def test_decodes_from_qkv(self, dtype):
+        """A backend with DecodesFromQKV attends from the QKV rows in decode steps: q and k normalized
+        (Qwen3) or not (Llama) and rotated, the new k and v stored where a later step reads them."""
+        if not isinstance(self.make_backend(), DecodesFromQKV):
+            pytest.skip(f"attention {self.attention!r} does not implement DecodesFromQKV")
+        run = self.make_run(dtype)
+        a, b, c = run.new_sequence(), run.new_sequence(), run.new_sequence()
+        run.step([(a, run.block_size + 3), (b, 5), (c, 1)], what="ragged prefill")
+        run.decode_from_qkv([a, b, c], qk_norm=True, what="decode from QKV with the q/k norms")
+        run.decode_from_qkv([c, a], qk_norm=False, what="decode from QKV, the rotary alone")
+        run.step([(a, 1), (b, 1), (c, 1)], is_decode=True, what="a decode reading the K/V decode_qkv stored")
 
     def test_fused_kv_store(self, dtype):
         """A backend with FusedKVStore lets a model write K/V into kv_store_target's arrays itself

@@ -56,6 +56,11 @@ class TritonOptions:
     # decodes of 1k tokens rode along a prompt (two more launches a layer; such steps are bound by
     # the host's launches, and the prefill kernel takes a 1k-token decode in 32 tiles).
     mixed_decode_split_len: int | None = None  # None takes 8192 (16 in the interpreter)
+    # Decode steps start from the QKV projection's output where the model hands it over
+    # (DecodesFromQKV; inferlab's decoder does after its one-token GEMVs): the split decode kernel
+    # normalizes and rotates q and k and stores the new K/V itself, one kernel less a layer.
+    # false: the model's q/k kernel first, for ablations.
+    decode_from_qkv: bool = True
 
 
 @dataclass(slots=True)
@@ -82,7 +87,8 @@ class TritonBackend:
     sequence takes) and decode_programs_per_sm (how many programs the split plan
     aims to give each multiprocessor), decode_order (which sequences' programs start first);
     mixed_decode_split_len (from what context the decodes of a step with prefill run as split
-    decodes rather than in the prefill kernel)."""
+    decodes rather than in the prefill kernel); decode_from_qkv (decode steps start from the QKV
+    projection's output, DecodesFromQKV)."""
 
     name = "triton"
     supports_cuda_graphs = True
@@ -105,6 +111,7 @@ class TritonBackend:
         decode_programs_per_sm: int = TritonOptions.decode_programs_per_sm,
         decode_order: str = TritonOptions.decode_order,
         mixed_decode_split_len: int | None = None,
+        decode_from_qkv: bool = TritonOptions.decode_from_qkv,
     ):
         self.kernels, kv_store = import_kernels()
         self.store_kv = kv_store.store_kv
@@ -130,6 +137,9 @@ class TritonBackend:
         self.decode_num_stages = decode_num_stages
         self.decode_programs_per_sm = decode_programs_per_sm
         self.decode_order = decode_order
+        if not isinstance(decode_from_qkv, bool):
+            raise ValueError(f"triton attention option decode_from_qkv must be true or false, got {decode_from_qkv!r}")
+        self.decode_from_qkv = decode_from_qkv
         if mixed_decode_split_len is None:
             mixed_decode_split_len = 16 if small else 8192
         if isinstance(mixed_decode_split_len, bool) or not isinstance(mixed_decode_split_len, int):
@@ -232,21 +242,39 @@ class TritonBackend:
             flat=inputs.static_shapes,
         )
 
-    def _decode(self, q, kv_cache, out, seq_lens, block_tables, max_seq_len, metadata: TritonMetadata, scale):
-        """Split-context decode attention of q's rows; the first layer of a step plans the split
-        and its scratch, which the other layers reuse."""
+    def decodes_qkv(self, metadata: TritonMetadata) -> bool:
+        return self.decode_from_qkv and metadata.inputs.is_decode
+
+    def decode_qkv(self, qkv, positions, cos_sin, qk_norm, num_heads, kv_cache, metadata: TritonMetadata, scale):
+        inputs = metadata.inputs
+        head_dim = kv_cache.shape[-1]
+        rows = qkv.view(qkv.shape[0], -1, head_dim)  # q's heads, then k's, then v's
+        out = rows.new_empty((rows.shape[0], num_heads, head_dim))
+        new_tokens = self.kernels.NewTokens(positions, inputs.slot_mapping, cos_sin, qk_norm)
+        return self._decode(
+            rows, kv_cache, out, inputs.seq_lens, inputs.block_tables, inputs.max_seq_len, metadata, scale, new_tokens
+        )
+
+    def _decode(
+        self, q, kv_cache, out, seq_lens, block_tables, max_seq_len, metadata: TritonMetadata, scale, new_tokens=None
+    ):
+        """Split-context decode attention of out's rows (q: their queries, or with new_tokens the
+        QKV rows); the first layer of a step plans the split and its scratch, which the other
+        layers reuse."""
         kernels = self.kernels
+        num_seqs, num_heads, head_dim = out.shape
+        num_kv_heads = kv_cache.shape[3]
         if metadata.num_splits == 0:
-            num_seqs, num_heads, head_dim = q.shape
             metadata.num_splits = kernels.decode_splits(
-                q, kv_cache.shape[3], max_seq_len, self.min_split_len, self.decode_programs_per_sm
+                out, num_kv_heads, max_seq_len, self.min_split_len, self.decode_programs_per_sm
             )
             if metadata.num_splits > 1:
-                metadata.partial_out = q.new_empty(
+                metadata.partial_out = out.new_empty(
                     (num_seqs, num_heads, metadata.num_splits, head_dim), dtype=torch.float32
                 )
-                metadata.partial_lse = q.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
-            if self.decode_order == "longest_first":
+                metadata.partial_lse = out.new_empty((num_seqs, num_heads, metadata.num_splits), dtype=torch.float32)
+            # one sequence has one order (and its kernel then reads its inputs before the PDL wait)
+            if self.decode_order == "longest_first" and num_seqs > 1:
                 metadata.seq_order = kernels.longest_first(seq_lens)
         return kernels.paged_decode(
             q,
@@ -263,6 +291,7 @@ class TritonBackend:
             self.decode_num_warps,
             self.decode_num_stages,
             metadata.seq_order,
+            new_tokens,
         )
 
 

@@ -12,13 +12,16 @@ way they run on CPU), so this module is imported only when the triton backend is
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from inferlab.kernels import pdl
+from inferlab.kernels.kv_store import cache_value
 from inferlab.kernels.pdl import INTERPRETED  # noqa: F401  (the backend and tests read it here)
+from inferlab.kernels.qk_norm_rope import norm_rotate
 
 # Query heads one decode program handles are padded to this: tl.dot needs at least 16 rows.
 MIN_DOT_ROWS = 16
@@ -40,7 +43,7 @@ REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_
 # Nor is the 16-byte alignment of the step's metadata: these are slices of one buffer per step
 # (ModelRunner.upload), whose offsets, and so alignments, follow the batch's size.
 PREFILL_RUNTIME_POINTERS = ["query_start_ptr", "seq_lens_ptr", "block_tables_ptr"]
-DECODE_RUNTIME_POINTERS = ["seq_lens_ptr", "block_tables_ptr", "seq_order_ptr"]
+DECODE_RUNTIME_POINTERS = ["seq_lens_ptr", "block_tables_ptr", "seq_order_ptr", "positions_ptr", "slot_mapping_ptr"]
 
 
 @triton.jit
@@ -239,6 +242,21 @@ def _prefill_kernel(
     )
 
 
+@triton.jit
+def _attend_new_key(q, acc, m_i, l_i, k, v, scale_log2):
+    """_attend_tile's step for a single key held in registers, the new token's: k and its value v
+    [1, D] as the cache holds them, read back in q's dtype; rounded as a tile's step rounds (p in
+    q's dtype)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    scores = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale_log2
+    m_new = tl.maximum(m_i, scores)
+    p = tl.exp2(scores - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS, do_not_specialize_on_alignment=DECODE_RUNTIME_POINTERS)
 def _decode_split_kernel(
     q_ptr,
@@ -250,6 +268,12 @@ def _decode_split_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     seq_order_ptr,
+    positions_ptr,
+    slot_mapping_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     scale_log2,
     num_splits,
     min_split_len,
@@ -266,6 +290,7 @@ def _decode_split_kernel(
     lse_stride_seq,
     lse_stride_head,
     GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -273,6 +298,8 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     ORDERED: tl.constexpr,
+    FROM_QKV: tl.constexpr,
+    QK_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: one sequence's single new token, all GROUP query heads sharing one KV head
@@ -281,16 +308,26 @@ def _decode_split_kernel(
     sequence by its own length keeps the programs' work even in a batch of mixed lengths. With
     SINGLE_SPLIT it writes the final output, else a normalized partial and its log2-sum-exp.
 
+    FROM_QKV: q_ptr is the QKV projection's output, [B, (H + 2 * Hkv), D] as rows of heads. Each
+    program normalizes (QK_NORM) and rotates its q heads; the program whose part holds the new
+    token's position also rotates its k, stores k and v into the cache slot and attends to them
+    from registers, while the cached keys before it are read from the cache. So the q/k kernel and
+    the K/V store need no kernels of their own. What the step's inputs and the weights give (the
+    sequence's length, position and slot, its rotary angles, the norms' weights) is read before
+    the PDL wait, since the kernel before (the QKV projection) writes none of it; with ORDERED,
+    after it, since seq_order may be that kernel's output.
+
     The grid is (KV heads x splits, sequences), so the GPU starts all of a sequence's programs
     together (they read neighbouring bytes of the same cache rows), sequence after sequence; with
     ORDERED the sequences go in seq_order's order. Longest first leaves short programs for the
     last wave, so the multiprocessors finish together instead of waiting on one long sequence."""
-    pdl.wait_for_inputs(PDL)
     kv_head = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
-    seq = tl.program_id(1)
     if ORDERED:
-        seq = tl.load(seq_order_ptr + seq)
+        pdl.wait_for_inputs(PDL)
+        seq = tl.load(seq_order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     split_len = tl.maximum(split_len, min_split_len)
@@ -301,25 +338,62 @@ def _decode_split_kernel(
     head_mask = head_offsets < GROUP
     heads = kv_head * GROUP + head_offsets
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq * q_stride_token + heads[:, None] * q_stride_head + dims[None, :],
-        mask=head_mask[:, None],
-        other=0.0,
-    )
+    q_row = q_ptr + seq * q_stride_token
+    if FROM_QKV:
+        # Whole rows through norm_rotate's halves form: each head vector with its halves swapped
+        # as the "second half" (the sine negated past the middle, the norm's squares counted
+        # twice), so q stays one [heads, D] tile for tl.dot; its other result goes unused.
+        half = HEAD_DIM // 2
+        swapped = (dims + half) % HEAD_DIM
+        angles = cos_sin_ptr + tl.load(positions_ptr + seq) * HEAD_DIM
+        cos = tl.load(angles + dims % half)[None, :]
+        sin = tl.load(angles + half + dims % half)
+        sin = tl.where(dims < half, sin, -sin)[None, :]
+        if QK_NORM:
+            q_weight, q_weight_swapped = tl.load(q_norm_ptr + dims)[None, :], tl.load(q_norm_ptr + swapped)[None, :]
+            k_weight, k_weight_swapped = tl.load(k_norm_ptr + dims)[None, :], tl.load(k_norm_ptr + swapped)[None, :]
+        else:  # unread
+            q_weight = cos
+            q_weight_swapped = cos
+            k_weight = cos
+            k_weight_swapped = cos
+        # -1 is a padding row's slot (as a vector: a scalar mask, or a scalar & a vector, trips
+        # Triton's interpreter)
+        slot = tl.load(slot_mapping_ptr + seq + dims * 0)[None, :]
+        holds_new_token = (start < end) & (end == seq_len)
+        store_kv = tl.where(holds_new_token, slot >= 0, False)
+        cached_end = tl.minimum(end, seq_len - 1)  # the new token's K/V are not in the cache yet
+    else:
+        cached_end = end
+    if not ORDERED:
+        pdl.wait_for_inputs(PDL)
+    q_rows = q_row + heads[:, None] * q_stride_head
+    q = tl.load(q_rows + dims[None, :], mask=head_mask[:, None], other=0.0)
+    if FROM_QKV:
+        k_row = q_row + (GROUP * NUM_KV_HEADS + kv_head) * q_stride_head
+        q_swapped = tl.load(q_rows + swapped[None, :], mask=head_mask[:, None], other=0.0)
+        k_new, k_swapped = tl.load(k_row + dims)[None, :], tl.load(k_row + swapped)[None, :]
+        v_new = cache_value(tl.load(k_row + NUM_KV_HEADS * q_stride_head + dims)[None, :], v_cache_ptr)
+        q, _ = norm_rotate(q, q_swapped, q_weight, q_weight_swapped, cos, sin, eps, QK_NORM, 2 * HEAD_DIM)
+        k_new, _ = norm_rotate(k_new, k_swapped, k_weight, k_weight_swapped, cos, sin, eps, QK_NORM, 2 * HEAD_DIM)
+        k_new = cache_value(k_new, k_cache_ptr)
+        kv_offsets = slot * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+        tl.store(k_cache_ptr + kv_offsets, k_new, mask=store_kv)
+        tl.store(v_cache_ptr + kv_offsets, v_new, mask=store_kv)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # The first column of each tile is < end, so the running max is finite after the first tile.
-    for tile_start in range(start, end, BLOCK_N):
+    # The first column of each tile is < cached_end, so the running max is finite after it.
+    for tile_start in range(start, cached_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
             m_i,
             l_i,
             tile_start + tl.arange(0, BLOCK_N),
-            end,
+            cached_end,
             0,
             k_cache_ptr,
             v_cache_ptr,
@@ -333,6 +407,9 @@ def _decode_split_kernel(
             PRECISION,
             CAUSAL=False,
         )
+    if FROM_QKV:
+        if holds_new_token:
+            acc, m_i, l_i = _attend_new_key(q, acc, m_i, l_i, k_new, v_new, scale_log2)
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -495,6 +572,18 @@ def decode_splits(
     return max(1, min(wanted, most))
 
 
+class NewTokens(NamedTuple):
+    """What paged_decode needs to start from the QKV projection's output: each sequence's new
+    token's position and cache slot (int64; -1 stores nothing), the rotary's table (float32
+    [positions, D], each row D / 2 cosines then the sines) and the per-head q/k RMSNorm as
+    (q_weight [D], k_weight [D], eps), or None for the rotary alone."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+
 def paged_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -510,14 +599,18 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int = 2,
     seq_order: torch.Tensor | None = None,
+    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
     at least min_split_len (flash-decoding) when num_splits > 1, which needs scratch
     partial_out [B, H, splits, D] and partial_lse [B, H, splits] (float32). seq_order, a
     permutation of 0..B-1 (int32, e.g. longest_first(seq_lens)), is the order the GPU starts the
-    sequences in; it changes only the timing."""
-    num_seqs, num_heads, head_dim = q.shape
+    sequences in; it changes only the timing. With new_tokens, q is the QKV projection's output
+    viewed as [B, H + 2 * Hkv, D], and the kernel normalizes and rotates q and the new k and
+    stores the new k and v into the cache itself, in place of the q/k kernel and the K/V store
+    (see NewTokens)."""
+    num_seqs, num_heads, head_dim = out.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -525,6 +618,16 @@ def paged_decode(
     if single:  # unused by the kernel; any float32 tensor serves as the pointer
         partial_out = partial_lse = out
     ordered = seq_order is not None
+    if new_tokens is not None:
+        expected = (num_seqs, num_heads + 2 * num_kv_heads, head_dim)
+        if tuple(q.shape) != expected or q.stride(2) != 1:
+            raise ValueError(f"with new_tokens q must be the QKV rows {expected}, got {tuple(q.shape)}")
+        positions, slot_mapping, cos_sin, qk_norm = new_tokens
+        q_weight, k_weight, eps = qk_norm or (cos_sin, cos_sin, 0.0)  # unread without the norm
+    else:  # unused by the kernel: any tensors of their types serve as the pointers
+        positions = slot_mapping = seq_lens
+        cos_sin = q_weight = k_weight = out
+        eps, qk_norm = 0.0, None
     _decode_split_kernel[(num_kv_heads * num_splits, num_seqs)](
         q,
         k_cache,
@@ -535,6 +638,12 @@ def paged_decode(
         seq_lens,
         block_tables,
         seq_order if ordered else seq_lens,  # unused unless ORDERED: any int tensor serves
+        positions,
+        slot_mapping,
+        cos_sin,
+        q_weight,
+        k_weight,
+        eps,
         scale * LOG2E,
         num_splits,
         min_split_len,
@@ -551,6 +660,7 @@ def paged_decode(
         0 if single else partial_lse.stride(0),
         0 if single else partial_lse.stride(1),
         GROUP=group,
+        NUM_KV_HEADS=num_kv_heads,
         BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -558,6 +668,8 @@ def paged_decode(
         PRECISION=_precision(q.dtype),
         SINGLE_SPLIT=single,
         ORDERED=ordered,
+        FROM_QKV=new_tokens is not None,
+        QK_NORM=qk_norm is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl.launch_options(q.device),

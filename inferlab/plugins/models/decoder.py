@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from inferlab.core.parallel import SINGLE, TPGroup
-from inferlab.core.protocols import FusedKVStore
+from inferlab.core.protocols import DecodesFromQKV, FusedKVStore
 from inferlab.plugins.models.checkpoint import CheckpointError, read_tensors, weight_files
 from inferlab.plugins.models.layers import (
     MergedColumnParallelLinear,
@@ -75,12 +75,26 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.qk_rotary = qk_rotary
         self.kv_store_target = backend.kv_store_target if isinstance(backend, FusedKVStore) else None
+        # the backend may take the QKV rows as they come in decode steps, where the rotary is the
+        # cos/sin table the kernels read
+        self.decodes_from_qkv = qk_rotary is not None and isinstance(backend, DecodesFromQKV)
 
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, rotary, attn_metadata))
 
-    def attend(self, positions, qkv, kv_cache, rotary, attn_metadata):
-        """Attention over the QKV projection's output: [T, heads * head_dim], o_proj's input."""
+    def attend(self, positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=False):
+        """Attention over the QKV projection's output: [T, heads * head_dim], o_proj's input.
+        after_gemv: the projection ran as a GEMV (one token), and the backend may then take its
+        rows as they are (DecodesFromQKV): on an H200 the batch-1 decode graph took 648 against
+        666 µs with the q/k kernel (Qwen3-0.6B shapes). Not after the GEMMs of larger batches,
+        where the decode graphs of 8-64 sequences were 5-16% slower (the attention kernel,
+        launched early under PDL, likely held multiprocessors the GEMM's later waves needed)."""
+        if after_gemv and self.decodes_from_qkv and self.backend.decodes_qkv(attn_metadata):
+            norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            out = self.backend.decode_qkv(
+                qkv, positions, rotary.cos_sin, norm, self.num_heads, kv_cache, attn_metadata, self.scale
+            )
+            return out.reshape(-1, self.num_heads * self.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_rotary is not None:
@@ -201,9 +215,8 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.first_norm(hidden, residual)
             qkv, _ = gemv(hidden, attn.qkv_proj.weight)
-        hidden, _ = gemv(
-            attn.attend(positions, qkv, kv_cache, rotary, attn_metadata), attn.o_proj.weight, split=plan.o_split
-        )
+        attended = attn.attend(positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=True)
+        hidden, _ = gemv(attended, attn.o_proj.weight, split=plan.o_split)
         if plan.fused:
             gate_up, residual = gemv(
                 hidden, mlp.gate_up_proj.weight, norm_weight=post_norm.weight, eps=post_norm.eps, residual=residual
