@@ -262,11 +262,10 @@ class TritonBackend:
         QKV rows); the first layer of a step plans the split and its scratch, which the other
         layers reuse."""
         kernels = self.kernels
-        num_seqs, num_heads, head_dim = out.shape
-        num_kv_heads = kv_cache.shape[3]
         if metadata.num_splits == 0:
+            num_seqs, num_heads, head_dim = out.shape
             metadata.num_splits = kernels.decode_splits(
-                out, num_kv_heads, max_seq_len, self.min_split_len, self.decode_programs_per_sm
+                out, kv_cache.shape[3], max_seq_len, self.min_split_len, self.decode_programs_per_sm
             )
             if metadata.num_splits > 1:
                 metadata.partial_out = out.new_empty(
