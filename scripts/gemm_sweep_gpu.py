@@ -13,9 +13,11 @@ column block), warps=N and stages=N (the GEMM's launch at 16-row tiles), normwar
 kernel's launch); gemv (one token through the layers' GEMVs, DecoderLayer.forward_gemv, as the
 model plans them) with fused=1 or 0 (the norms and SiLU*mul inside the GEMVs or in kernels of
 their own; by default as the model decides), preload=0 (weights read after the PDL wait), slab=N
-(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N; qkv=0
-(decode steps through the model's q/k kernel before attention, not the attention kernel's own:
-attention.decode_from_qkv=false). Steps with prefill run eagerly here."""
+(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N, combine=0
+(attention's reduction kernel combines its split parts, not o_proj's GEMV: model.gemv_combine=false)
+and parts=N (the parts a GEMV program loads at once); qkv=0 (decode steps through the model's q/k
+kernel before attention, not the attention kernel's own: attention.decode_from_qkv=false);
+minsplit=N (attention.min_split_len). Steps with prefill run eagerly here."""
 
 import functools
 import os
@@ -88,6 +90,7 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
     runner.prefill_graphs = None  # only the decode graphs are recaptured for each variant
     layers = runner.model.layers
     model_gemv = layers[0].gemv  # the model's own plan: fused or not as its shapes decide
+    min_split_len = runner.backend.min_split_len
     attn, mlp = layers[0].self_attn, layers[0].mlp
     projections = {"o": attn.o_proj, "down": mlp.down_proj, "qkv": attn.qkv_proj, "gate_up": mlp.gate_up_proj}
     shape_of = {name: tuple(module.weight.shape) for name, module in projections.items()}
@@ -99,6 +102,7 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
         for key in ("warps", "stages", "normwarps", "gemvwarps"):
             launch_settings[key] = int(settings.pop(key, 0)) or None
         runner.backend.decode_from_qkv = settings.pop("qkv", "1") == "1"
+        runner.backend.min_split_len = int(settings.pop("minsplit", min_split_len))
         gemv_plan = None
         if "gemv" in settings:
             settings.pop("gemv")
@@ -108,7 +112,8 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
                 int(settings.pop("downsplit", 0)) or gemv.splits_for(*shape_of["down"], slab),
                 settings.pop("fused", "1" if model_gemv is None or model_gemv.fused else "0") == "1",
                 settings.pop("preload", "1") == "1",
-                functools.partial(gemv.gemv, slab=slab),
+                functools.partial(gemv.gemv, slab=slab, combine_parts=int(settings.pop("parts", gemv.COMBINE_PARTS))),
+                settings.pop("combine", "1") == "1",
             )
         gemm.plan, gemm.wide_plan = plans_for({shape_of[name]: value for name, value in settings.items()})
         runner.decode_graphs = runner.sampling_graphs = None
