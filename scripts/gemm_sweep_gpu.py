@@ -13,11 +13,10 @@ column block), warps=N and stages=N (the GEMM's launch at 16-row tiles), normwar
 kernel's launch); gemv (one token through the layers' GEMVs, DecoderLayer.forward_gemv, as the
 model plans them) with fused=1 or 0 (the norms and SiLU*mul inside the GEMVs or in kernels of
 their own; by default as the model decides), preload=0 (weights read after the PDL wait), slab=N
-(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N, combine=0
-(attention's reduction kernel combines its split parts, not o_proj's GEMV: model.gemv_combine=false)
-and parts=N (the parts a GEMV program loads at once); qkv=0 (decode steps through the model's q/k
-kernel before attention, not the attention kernel's own: attention.decode_from_qkv=false);
-minsplit=N (attention.min_split_len). Steps with prefill run eagerly here."""
+(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N; qkv=0
+(decode steps through the model's q/k kernel before attention, not the attention kernel's own:
+attention.decode_from_qkv=false); minsplit=N (attention.min_split_len: the fewest keys a decode
+split part holds). Steps with prefill run eagerly here."""
 
 import functools
 import os
@@ -112,8 +111,7 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
                 int(settings.pop("downsplit", 0)) or gemv.splits_for(*shape_of["down"], slab),
                 settings.pop("fused", "1" if model_gemv is None or model_gemv.fused else "0") == "1",
                 settings.pop("preload", "1") == "1",
-                functools.partial(gemv.gemv, slab=slab, combine_parts=int(settings.pop("parts", gemv.COMBINE_PARTS))),
-                settings.pop("combine", "1") == "1",
+                functools.partial(gemv.gemv, slab=slab),
             )
         gemm.plan, gemm.wide_plan = plans_for({shape_of[name]: value for name, value in settings.items()})
         runner.decode_graphs = runner.sampling_graphs = None

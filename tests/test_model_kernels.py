@@ -15,7 +15,6 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
 from inferlab.core.parallel import TPGroup  # noqa: E402
-from inferlab.core.protocols import SplitAttention  # noqa: E402
 from inferlab.kernels import gemv as gemv_kernel  # noqa: E402
 from inferlab.kernels import rms_norm as rms_norm_kernel  # noqa: E402
 from inferlab.kernels import split_k_gemm  # noqa: E402
@@ -40,7 +39,7 @@ def unfused(qkv, positions, q_weight, k_weight, rotary, eps, num_heads, num_kv_h
     return rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps))
 
 
-def wrapping_engine(path, attention="triton", max_num_batched_tokens=24, attention_options=None, **model_options):
+def wrapping_engine(path, attention="triton", max_num_batched_tokens=24, **model_options):
     """A small engine through the Triton kernels with model_options, eager on CUDA too: a captured
     graph would replay past the kernels a test wraps to see them called."""
     return LLM(
@@ -49,7 +48,6 @@ def wrapping_engine(path, attention="triton", max_num_batched_tokens=24, attenti
         num_kvcache_blocks=16,
         max_num_batched_tokens=max_num_batched_tokens,
         attention=attention,
-        attention_options=attention_options or {},
         model_options={"triton_kernels": True, **model_options},
         enforce_eager=True,
     )
@@ -609,27 +607,19 @@ def test_gemv_tilings():
         gemv_kernel.gemv(torch.zeros(2, 256), torch.zeros(64, 256))
 
 
-@pytest.mark.parametrize(
-    "fused,intermediate,combine", [(True, 128, True), (False, 128, True), (True, 120, True), (True, 128, False)]
-)
-def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused, intermediate, combine):
+@pytest.mark.parametrize("fused,intermediate", [(True, 128), (False, 128), (True, 120)])
+def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused, intermediate):
     """One sequence's decode steps go through the layers' GEMVs (the prefill chunks of several
     tokens do not), with the norms and SiLU*mul inside them or between them; an intermediate size
-    of 120 has no power-of-two slices, so down_proj's tiles are masked past them. With combine,
-    o_proj's GEMV reads attention's split parts where the second prompt's context splits."""
+    of 120 has no power-of-two slices, so down_proj's tiles are masked past them."""
     path = checkpoint("gqa4-untied", intermediate_size=intermediate)
-    # parts of 16 keys, the interpreter's default, on a GPU too
-    options = dict(gemv_decode=True, gemv_fused=fused, gemv_combine=combine)
-    llm = wrapping_engine(path, attention_options={"min_split_len": 16}, **options)
-    calls, parts = [], []
+    llm = wrapping_engine(path, gemv_decode=True, gemv_fused=fused)
+    calls = []
     for layer in llm.runner.model.layers:
         assert layer.gemv.fused == fused and layer.gemv.o_split == 16  # o_proj [128, 256]: 16-long slices
         assert layer.gemv.down_split == (8 if intermediate == 128 else 6)  # 120: six slices of 20 in 32-wide tiles
-        assert layer.gemv.combine == combine
         layer.gemv = layer.gemv._replace(
-            gemv=lambda x, w, kernel=layer.gemv.gemv, **kw: (
-                calls.append(kw) or parts.append(isinstance(x, SplitAttention)) or kernel(x, w, **kw)
-            )
+            gemv=lambda x, w, kernel=layer.gemv.gemv, **kw: calls.append(kw) or kernel(x, w, **kw)
         )
     backend, attended = llm.runner.backend, []  # after the QKV GEMV, attention takes its rows as they are
     backend.decode_qkv = lambda *args, original=backend.decode_qkv: attended.append(1) or original(*args)
@@ -640,8 +630,6 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     assert len(calls) == 2 * 4 * 4 * layers  # two prompts, four decode steps, four projections a layer
     assert len(attended) == 2 * 4 * layers
     assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
-    # the second prompt's 29-33 keys fill two parts of 16: its four steps combine
-    assert sum(parts) == (4 * layers if combine else 0)
 
 
 def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_a_slab():

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from inferlab import LLM, SamplingParams  # noqa: E402
 from inferlab.core.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_graph_sizes  # noqa: E402
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype  # noqa: E402
-from inferlab.core.protocols import DecodesFromQKV, SplitAttention  # noqa: E402
+from inferlab.core.protocols import DecodesFromQKV  # noqa: E402
 from inferlab.kernels.kv_store import store_kv  # noqa: E402
 from inferlab.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
 from inferlab.kernels.qk_norm_rope import rotary as rotary_kernel  # noqa: E402
@@ -27,7 +27,7 @@ from inferlab.plugins.attention import triton_kernels  # noqa: E402
 from inferlab.plugins.attention.torch_backend import TorchBackend  # noqa: E402
 from inferlab.plugins.attention.triton_backend import TritonBackend  # noqa: E402
 from inferlab.plugins.models.layers import RotaryEmbedding  # noqa: E402
-from inferlab.testing.attention import attention_inputs, combined_parts, padded_for_cuda_graphs  # noqa: E402
+from inferlab.testing.attention import attention_inputs, padded_for_cuda_graphs  # noqa: E402
 
 if not torch.cuda.is_available() and not triton_kernels.INTERPRETED:
     triton_kernels = importlib.reload(triton_kernels)
@@ -215,51 +215,6 @@ def test_split_decode_combines_partials_exactly(num_splits):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "context_len,num_splits,combine_parts,o_split,dtype",
-    [
-        (100, 8, 8, 1, torch.float32),  # seven parts of 16 filled, the eighth empty, one round of loads
-        (100, 8, 3, 2, torch.float32),  # three rounds; two programs split K, each over two heads
-        (9, 8, 8, 1, torch.float32),  # one part filled
-        (300, 4, 2, 8, torch.float32),  # every part filled, slices of K narrower than a head
-        (-1, 4, 8, 1, torch.float32),  # a CUDA graph's padding row: no keys, a row of zeros
-        pytest.param(1000, 16, 8, 1, torch.bfloat16, marks=pytest.mark.gpu),
-    ],
-)
-def test_gemv_combines_split_attention_as_the_reduction_kernel(context_len, num_splits, combine_parts, o_split, dtype):
-    """o_proj's GEMV reads split decode's parts (SplitAttention) in place of the reduction kernel's
-    output: the same product, reading only the parts the sequence's length can fill (the others
-    hold NaN here)."""
-    from inferlab.kernels import gemv as gemv_kernel
-
-    num_heads, head_dim, min_split_len = 4, 32, 16
-    inputs, q, k, v, cache = make_batch([1], [max(context_len, 0)], 16, 2, head_dim, 2, seed=4)
-    if context_len < 0:
-        inputs.seq_lens.zero_()
-    q, cache = q.to(dtype), cache.to(dtype)
-    store_kv(k.to(dtype), v.to(dtype), cache, inputs.slot_mapping)
-    partial_out = torch.empty(1, num_heads, num_splits, head_dim, device=DEVICE)
-    partial_lse = torch.empty(1, num_heads, num_splits, device=DEVICE)
-    args = (q, cache, torch.empty_like(q), inputs.seq_lens, inputs.block_tables, 0.25, num_splits, 16)
-    reduced = triton_kernels.paged_decode(*args, partial_out, partial_lse, min_split_len)
-    triton_kernels.paged_decode(*args, partial_out, partial_lse, min_split_len, reduce=False)
-    filled = min(num_splits, -(-max(context_len + 1, 0) // min_split_len))
-    partial_out[:, :, filled:] = float("nan")
-    partial_lse[:, :, filled:] = float("nan")
-    attention = SplitAttention(partial_out, partial_lse, inputs.seq_lens, min_split_len)
-    weight = (torch.randn(32, num_heads * head_dim, device=DEVICE) * 0.1).to(dtype)
-    got, _ = gemv_kernel.gemv(attention, weight, split=o_split, combine_parts=combine_parts)
-    want, _ = gemv_kernel.gemv(reduced.reshape(1, -1), weight, split=o_split)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
-    torch.testing.assert_close(got, want, **tolerance)
-    if context_len < 0:
-        assert torch.equal(got, torch.zeros_like(got))
-    with pytest.raises(ValueError, match="combines its parts alone"):
-        gemv_kernel.gemv(attention, weight, silu_mul=True)
-    with pytest.raises(ValueError, match="one sequence.s attention parts of 128 values"):
-        gemv_kernel.gemv(attention._replace(out=partial_out.transpose(2, 3)), weight)
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "rotary"])
 @pytest.mark.parametrize(
@@ -318,18 +273,6 @@ def test_decode_from_qkv_is_the_q_k_kernel_then_decode(cache_dtype, norm, group,
     assert isinstance(backend, DecodesFromQKV) and backend.decodes_qkv(metadata)
     through_backend = backend.decode_qkv(qkv, positions, cos_sin, qk_norm, num_heads, cache.clone(), metadata, 0.3)
     torch.testing.assert_close(through_backend, want, rtol=1e-4, atol=1e-4)
-    # unreduced: a step that splits (here one long sequence, as a graph of one pads it) leaves its
-    # parts for the caller (o_proj's GEMV combines them); one that does not returns the attention
-    one = padded_for_cuda_graphs(make_batch([1], [95], block_size, num_kv_heads, head_dim, group)[0], 1, 12)
-    one_cache = to_cache_dtype(make_batch([1], [95], block_size, num_kv_heads, head_dim, group)[4], cache_dtype)
-    one_qkv, one_position = qkv[:1], torch.tensor([95], device=DEVICE)
-    args = (one_qkv, one_position, cos_sin, qk_norm, num_heads)
-    whole = backend.decode_qkv(*args, one_cache.clone(), backend.build_metadata(one), 0.3)
-    parts = backend.decode_qkv(*args, one_cache.clone(), backend.build_metadata(one), 0.3, unreduced=True)
-    assert isinstance(parts, SplitAttention) and parts.min_split_len == 16 and parts.out.shape[2] > 1
-    torch.testing.assert_close(combined_parts(parts).float(), whole, rtol=1e-4, atol=1e-4)
-    not_split = backend.decode_qkv(qkv, positions, cos_sin, qk_norm, num_heads, cache.clone(), metadata, 0.3, True)
-    assert metadata.num_splits > 1 or torch.equal(not_split, through_backend)
     assert not backend.decodes_qkv(backend.build_metadata(make_batch([1, 3], [4, 0], 16, 2, 32, 2)[0]))
     assert not TritonBackend(decode_from_qkv=False).decodes_qkv(metadata)
     with pytest.raises(ValueError, match="with new_tokens q must be the QKV rows"):

@@ -717,9 +717,8 @@ def warmup_shapes(
     """The steps ModelRunner._compile_kernels runs, as ([(cached context, new tokens)], sampling kind):
     prefill chunks on both sides of each token count at which a kernel's tiling changes (16, 32,
     64, 128, 256), alone, after cached context and beside decodes; decode batches of every power of
-    two up to max_num_seqs (the GEMM tilings, the decode order's block), of two sequences at
-    contexts that split into each power of two of parts (the decode reduction's variants), of one
-    sequence split (o_proj's GEMV combining the parts), and at
+    two up to max_num_seqs (the GEMM tilings, the decode order's block), and of one sequence at
+    contexts that split into each power of two of parts (the decode reduction's variants), and at
     mixed_decode_split_len beside a prompt (where the backend splits such decodes after the
     model's q/k kernel, not from the QKV rows as in decode steps); each sampling path (greedy,
     sampled, filtered)."""
@@ -743,15 +742,10 @@ def warmup_shapes(
         batch *= 2
     for batch in (3, 17, 48, 100, max_seqs):
         add([(128, 1)] * batch)
-    # Two sequences at contexts that split into each power of two of parts: the reduction kernel's
-    # variants (one sequence's parts go to o_proj's GEMV, which combines them itself, with the
-    # model's gemv_combine); one alone at the shortest split and the longest context.
     context = min_split_len
     while context < max_len:
-        add([(context, 1)] * 2)
+        add([(context, 1)])
         context *= 2
-    add([(max_len - 1, 1)] * 2)
-    add([(min_split_len, 1)])
     add([(max_len - 1, 1)])
     if mixed_decode_split_len is not None:
         add([(mixed_decode_split_len, 1), (0, 16)])

@@ -3,7 +3,7 @@ capabilities a plugin may add, each a small Protocol of its own that the core ch
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -235,32 +235,13 @@ class DecodesFromQKV(Protocol):
         kv_cache: torch.Tensor,
         metadata: Any,
         scale: float,
-        unreduced: bool = False,
-    ) -> "torch.Tensor | SplitAttention":
+    ) -> torch.Tensor:
         """Attention [B, H, D] of each sequence's new token. qkv [B, (H + 2 * Hkv) * D]: q's heads,
         then k's, then v's. positions [B] (int64). cos_sin: float32 [positions, D], each row D / 2
         cosines of the rotary angles, then their sines (the first half of a head pairs with the
         second). qk_norm: (q_weight [D], k_weight [D], eps) of the per-head RMSNorm before the
         rotary, rounded to the model dtype after the normalization and after the weight, or None.
-        The new k (rotated) and v go into the cache at the step's slots, as forward stores them.
-        unreduced: the caller combines split parts itself (inferlab's o_proj GEMV does, as it reads
-        its row), so the backend may return its parts as a SplitAttention instead of combining them
-        in a kernel of its own."""
-
-
-class SplitAttention(NamedTuple):
-    """Decode attention left in parts (flash-decoding) for the caller to combine, as
-    DecodesFromQKV.decode_qkv may return it with unreduced=True. Each sequence's keys are cut into
-    S consecutive parts, the nonempty ones first, each nonempty one but the last holding at least
-    min_split_len keys: n keys fill at most ceil(n / min_split_len) parts, and the caller need not
-    read the others. out[b, h, s] (float32 [B, H, S, D]) is head h's attention over part s's keys
-    alone, lse[b, h, s] (float32 [B, H, S]) the base-2 log of that part's sum of exp(score), -inf
-    for an empty part. The attention is the parts' average weighted by 2 ** lse."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    seq_lens: torch.Tensor  # int32 [B], each sequence's keys
-    min_split_len: int
+        The new k (rotated) and v go into the cache at the step's slots, as forward stores them."""
 
 
 @runtime_checkable

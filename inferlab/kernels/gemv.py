@@ -29,16 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from inferlab.core.protocols import SplitAttention
 from inferlab.kernels import pdl
 from inferlab.kernels.silu_mul import silu_times_up
 
-# The row the slab multiplies: x itself, RMSNorm of x, RMSNorm of x + residual, SiLU(gate) * up,
-# split decode attention's parts combined (SplitAttention).
-PLAIN, NORM, ADD_NORM, SILU_MUL, COMBINE = 0, 1, 2, 3, 4
-# Attention parts a COMBINE program loads at once: a sequence of up to COMBINE_PARTS * min_split_len
-# keys takes one round of loads.
-COMBINE_PARTS = 8
+# The row the slab multiplies: x itself, RMSNorm of x, RMSNorm of x + residual, SiLU(gate) * up.
+PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
 # A program's weight slab, in elements (16 KB of bf16: 64 registers a thread at 4 warps). On an
 # H200 with Qwen3-0.6B's shapes, half as large was slower at 4 warps (684 against 669 µs) and as
 # fast at 8, twice as large slower; four times as large was slower with Qwen3-8B's shapes as the
@@ -57,54 +52,6 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _combined_row(
-    parts_ptr,
-    lse_ptr,
-    slice_start,
-    filled,
-    parts_stride_head,
-    lse_stride_head,
-    K_SPLIT: tl.constexpr,
-    K_BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """The attention row over K's slice from slice_start (K_SPLIT long, in a K_BLOCK tile) from one
-    sequence's split parts (SplitAttention): their average weighted by 2 ** lse, over the first
-    `filled` parts, CHUNK loaded at a time. The slice is held as rows of at most a head each, so
-    each part's weight is worked out once a row and the values load as whole rows (a weight per
-    column cost more than the reduction kernel it replaces)."""
-    COLS: tl.constexpr = HEAD_DIM if HEAD_DIM < K_BLOCK else K_BLOCK
-    ROWS: tl.constexpr = K_BLOCK // COLS
-    rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
-    offsets = rows[:, None] * COLS + cols[None, :]  # within the slice
-    in_slice = offsets < K_SPLIT
-    ks = slice_start + offsets
-    heads = (slice_start + rows * COLS) // HEAD_DIM
-    values_ptrs = parts_ptr + (ks // HEAD_DIM) * parts_stride_head + ks % HEAD_DIM
-    lse_ptrs = lse_ptr + heads * lse_stride_head
-    top = tl.full([ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, COLS], tl.float32)
-    for first in range(0, filled, CHUNK):
-        for j in tl.static_range(CHUNK):
-            part = first + j
-            holds = (rows * COLS < K_SPLIT) & (
-                rows * 0 + part < filled
-            )  # a vector: a scalar mask trips the interpreter
-            lse = tl.load(lse_ptrs + part, mask=holds, other=float("-inf"))
-            values = tl.load(values_ptrs + part * HEAD_DIM, mask=holds[:, None] & in_slice, other=0.0)
-            new_top = tl.maximum(top, lse)
-            base = tl.where(new_top == float("-inf"), 0.0, new_top)  # no keys yet: nothing to rescale
-            rescale, weight = tl.exp2(top - base), tl.exp2(lse - base)
-            acc = acc * rescale[:, None] + values * weight[:, None]
-            total = total * rescale + weight
-            top = new_top
-    row = acc / tl.where(total > 0, total, 1.0)[:, None]
-    return tl.reshape(row, [K_BLOCK])
-
-
-@triton.jit(do_not_specialize=["num_splits", "min_split_len", "lse_stride_head"])
 def _gemv_kernel(
     x_ptr,
     residual_ptr,
@@ -112,14 +59,9 @@ def _gemv_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
-    lse_ptr,
-    seq_lens_ptr,
     N,
     eps,
     part_stride,
-    num_splits,
-    min_split_len,
-    lse_stride_head,
     K: tl.constexpr,
     K_SPLIT: tl.constexpr,
     K_BLOCK: tl.constexpr,
@@ -128,24 +70,18 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRELOAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: BLOCK_N outputs of x @ weight.T over one K_SPLIT-wide slice of K (the grid's
     second axis), in float32, stored as that slice's partial (float32) or, unsplit, rounded to
     the output's dtype. K_BLOCK: K_SPLIT's power of two, the tile's width (MASKED past K_SPLIT when
-    they differ). COMBINE: x_ptr and lse_ptr are a SplitAttention's out and lse, part_stride its
-    heads' stride in out; HEAD_DIM and CHUNK as _combined_row takes them."""
+    they differ)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offsets = tl.arange(0, K_BLOCK)
     in_slice = offsets < K_SPLIT
     ks = split * K_SPLIT + offsets
     weight_ptrs = weight_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
-    filled = 0
-    if PROLOGUE == 4:  # the step's input, which the kernel before does not write: read before the wait
-        filled = tl.minimum(num_splits, tl.cdiv(tl.load(seq_lens_ptr), min_split_len))
     if PRELOAD:
         w = _load(weight_ptrs, in_slice[None, :], MASKED)
         pdl.wait_for_inputs(PDL)
@@ -157,11 +93,6 @@ def _gemv_kernel(
         gate = _load(x_ptr + ks, in_slice, MASKED)
         up = _load(x_ptr + K + ks, in_slice, MASKED)
         row = silu_times_up(gate, up).to(tl.float32)
-    elif PROLOGUE == 4:  # rounded as the reduction kernel stores the attention
-        row = _combined_row(
-            x_ptr, lse_ptr, split * K_SPLIT, filled, part_stride, lse_stride_head, K_SPLIT, K_BLOCK, HEAD_DIM, CHUNK
-        )
-        row = row.to(dtype).to(tl.float32)
     else:
         row = _load(x_ptr + ks, in_slice, MASKED).to(tl.float32)
         for part in tl.static_range(1, X_PARTS):  # x is split-K partials: their sum is the row
@@ -225,37 +156,19 @@ def gemv(
     silu_mul: bool = False,
     preload: bool = True,
     slab: int = SLAB,
-    combine_parts: int = COMBINE_PARTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, the new residual or None) for one token: y = row @ weight.T, weight [N, K] contiguous.
     The row is x [1, K] (or float32 split-K partials [S, 1, K], summed); given norm_weight, its
     RMSNorm (after adding residual [1, K], whose sum is also returned); with silu_mul, SiLU(gate) *
-    up of x [1, 2K]. x may also be one sequence's split decode attention (SplitAttention, K its
-    heads x head_dim), whose parts each program combines as it reads the row, combine_parts at a
-    time, in place of the attention's reduction kernel. split > 1 leaves y as float32 partials
-    [split, 1, N] (not with a norm). preload: read the weight before the PDL wait."""
+    up of x [1, 2K]. split > 1 leaves y as float32 partials [split, 1, N] (not with a norm).
+    preload: read the weight before the PDL wait."""
     n, k = weight.shape
-    attention = x if isinstance(x, SplitAttention) else None
-    if attention is not None:
-        x = attention.out
-        batch, heads, num_splits, head_dim = x.shape
-        if norm_weight is not None or silu_mul:
-            raise ValueError("a GEMV of split attention combines its parts alone: no norm_weight or silu_mul")
-        if batch != 1 or heads * head_dim != k or x.stride(3) != 1 or x.stride(2) != head_dim:
-            raise ValueError(
-                f"gemv takes one sequence's attention parts of {k} values a part, [1, heads, parts, head_dim] "
-                f"with each head's parts side by side, got out of shape {tuple(x.shape)}, strides {x.stride()}"
-            )
-        if attention.lse.shape != x.shape[:3] or attention.lse.stride(2) != 1:
-            raise ValueError(f"lse must be [1, heads, parts] with parts side by side, got {attention.lse.shape}")
-        parts = 1
-    else:
-        parts = x.shape[0] if x.dim() == 3 else 1
-        if x.shape[-2] != 1 or x.shape[-1] != (2 * k if silu_mul else k):
-            raise ValueError(f"gemv takes one row of {k} (silu_mul: {2 * k}) values, got x of shape {tuple(x.shape)}")
-        x = x.contiguous()
+    parts = x.shape[0] if x.dim() == 3 else 1
+    if x.shape[-2] != 1 or x.shape[-1] != (2 * k if silu_mul else k):
+        raise ValueError(f"gemv takes one row of {k} (silu_mul: {2 * k}) values, got x of shape {tuple(x.shape)}")
     if norm_weight is not None and split != 1:
         raise ValueError("a GEMV with the norm first needs the whole row in each program: split=1")
+    x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     k_split = k // split
     block_n = slab_columns(n, k_split, slab)
@@ -264,9 +177,7 @@ def gemv(
     out_dtype = torch.float32 if split > 1 else weight.dtype
     out = torch.empty((split, 1, n) if split > 1 else (1, n), dtype=out_dtype, device=x.device)
     residual_out = torch.empty((1, k), dtype=weight.dtype, device=x.device) if residual is not None else None
-    if attention is not None:
-        prologue = COMBINE
-    elif silu_mul:
+    if silu_mul:
         prologue = SILU_MUL
     elif norm_weight is None:
         prologue = PLAIN
@@ -279,14 +190,9 @@ def gemv(
         weight,
         out,
         out if residual_out is None else residual_out,
-        x if attention is None else attention.lse,
-        x if attention is None else attention.seq_lens,
         n,
         eps,
-        x.stride(1) if attention is not None else x.stride(0) if parts > 1 else 0,
-        1 if attention is None else num_splits,
-        1 if attention is None else attention.min_split_len,
-        0 if attention is None else attention.lse.stride(1),
+        x.stride(0) if parts > 1 else 0,
         K=k,
         K_SPLIT=k_split,
         K_BLOCK=triton.next_power_of_2(k_split),
@@ -295,8 +201,6 @@ def gemv(
         PROLOGUE=prologue,
         BLOCK_N=block_n,
         PRELOAD=preload,
-        HEAD_DIM=1 if attention is None else head_dim,
-        CHUNK=combine_parts if attention is not None else 1,
         # on an H200, 8 warps instead of 4 made the batch-1 decode graph 2.2% slower with Qwen3-0.6B's
         # shapes (16 warps 6%) and 0.5% faster with Qwen3-8B's (2.3% slower with their norms inside)
         num_warps=4,

@@ -18,8 +18,7 @@ another sequence, chunked prefill beside decodes, decodes of long contexts leadi
 of ragged contexts over several steps, blocks reused after an earlier owner, CUDA-graph padding
 rows (and on CUDA a captured graph replayed), an fp8 cache, every block size and head shape
 validate accepts, a model storing K/V itself (FusedKVStore), decode steps from the QKV
-projection's output (DecodesFromQKV), their parts left for the caller to combine (SplitAttention),
-and validate's answers. The cache layout is the backend's own: the suite
+projection's output (DecodesFromQKV), and validate's answers. The cache layout is the backend's own: the suite
 reads the cache only through forward.
 """
 
@@ -34,7 +33,7 @@ from inferlab.core.batch import AttentionInputs
 from inferlab.core.config import DTYPES, EngineConfig
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype
 from inferlab.core.plugins import get_registry
-from inferlab.core.protocols import DecodesFromQKV, FusedKVStore, SplitAttention
+from inferlab.core.protocols import DecodesFromQKV, FusedKVStore
 from inferlab.testing.common import ceil_div
 
 MODEL_DTYPES = tuple(getattr(torch, name) for name in sorted(DTYPES - {"auto"}))
@@ -184,29 +183,6 @@ def reference_norm_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     cos, sin = table[..., :half], table[..., half:]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def combined_parts(attention: SplitAttention) -> torch.Tensor:
-    """The attention [B, H, D] (float64) that a SplitAttention's parts make, reading only the parts
-    each sequence's length can fill, after checking the contract: the nonempty parts come first
-    and are the same for every head, and the ones after them within that bound have lse -inf."""
-    batch, heads, num_parts, _ = attention.out.shape
-    assert attention.lse.shape == (batch, heads, num_parts), f"lse is {tuple(attention.lse.shape)}"
-    assert attention.min_split_len >= 1, f"min_split_len {attention.min_split_len} bounds no part"
-    rows = []
-    for b, seq_len in enumerate(attention.seq_lens.tolist()):
-        filled = min(num_parts, ceil_div(seq_len, attention.min_split_len))
-        lse, out = attention.lse[b, :, :filled].double().cpu(), attention.out[b, :, :filled].double().cpu()
-        nonempty = lse > float("-inf")
-        assert (nonempty == nonempty[:1]).all(), f"sequence {b}: heads disagree on which parts hold keys"
-        count = int(nonempty[0].sum())
-        assert nonempty[0, :count].all(), f"sequence {b}: an empty part before a nonempty one ({lse[0].tolist()})"
-        assert count > 0 or seq_len == 0, f"sequence {b} has {seq_len} keys and no nonempty part"
-        weights = torch.exp2(lse[:, :count] - lse[:, :count].amax(-1, keepdim=True)) if count else lse[:, :0]
-        total = weights.sum(-1, keepdim=True)
-        row = (weights[..., None] * out[:, :count]).sum(1) / total.clamp_min(1e-300)
-        rows.append(row)
-    return torch.stack(rows).to(attention.out.device)
 
 
 @dataclass(slots=True, eq=False)
@@ -373,13 +349,10 @@ class AttentionRun:
         return out
 
     @torch.inference_mode()
-    def decode_from_qkv(
-        self, work: list[SequenceState], qk_norm: bool, what: str = "", unreduced: bool = False
-    ) -> torch.Tensor:
+    def decode_from_qkv(self, work: list[SequenceState], qk_norm: bool, what: str = "") -> torch.Tensor:
         """A decode step of work's sequences through the backend's decode_qkv (DecodesFromQKV), from
         random QKV rows; the reference normalizes (qk_norm) and rotates q and k in float64, rounded
-        to the model dtype once, and records the rotated k as the sequences' own. unreduced: the
-        backend may return parts (SplitAttention), combined here in float64."""
+        to the model dtype once, and records the rotated k as the sequences' own."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         positions = torch.tensor([s.num_tokens for s in work], device=self.device)
         qkv = self.random(len(work), (heads + 2 * kv_heads) * dim)
@@ -395,11 +368,7 @@ class AttentionRun:
         step = self.prepare([(s, 1) for s in work], True, qkv=as_model)
         metadata = self.backend.build_metadata(step.inputs)
         assert self.backend.decodes_qkv(metadata), f"decodes_qkv refuses a decode step ({what})"
-        out = self.backend.decode_qkv(
-            qkv, positions, cos_sin, norm, heads, self.cache, metadata, self.scale, unreduced=unreduced
-        )
-        if isinstance(out, SplitAttention):
-            out = combined_parts(out).to(self.dtype)
+        out = self.backend.decode_qkv(qkv, positions, cos_sin, norm, heads, self.cache, metadata, self.scale)
         self.check(step, out, what)
         return out
 
@@ -713,7 +682,6 @@ class AttentionBackendSuite:
         run.step([(a, run.block_size + 3), (b, 5), (c, 1)], what="ragged prefill")
         run.decode_from_qkv([a, b, c], qk_norm=True, what="decode from QKV with the q/k norms")
         run.decode_from_qkv([c, a], qk_norm=False, what="decode from QKV, the rotary alone")
-        run.decode_from_qkv([a], qk_norm=True, what="decode from QKV, its parts left uncombined", unreduced=True)
         run.step([(a, 1), (b, 1), (c, 1)], is_decode=True, what="a decode reading the K/V decode_qkv stored")
 
     def test_fused_kv_store(self, dtype):

@@ -11,7 +11,6 @@ import torch
 from inferlab.core.batch import AttentionInputs
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import FP8, kv_cache_dtype_problems
-from inferlab.core.protocols import SplitAttention
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ORDERS = ("longest_first", "batch")
@@ -246,43 +245,22 @@ class TritonBackend:
     def decodes_qkv(self, metadata: TritonMetadata) -> bool:
         return self.decode_from_qkv and metadata.inputs.is_decode
 
-    def decode_qkv(
-        self, qkv, positions, cos_sin, qk_norm, num_heads, kv_cache, metadata: TritonMetadata, scale, unreduced=False
-    ):
+    def decode_qkv(self, qkv, positions, cos_sin, qk_norm, num_heads, kv_cache, metadata: TritonMetadata, scale):
         inputs = metadata.inputs
         head_dim = kv_cache.shape[-1]
         rows = qkv.view(qkv.shape[0], -1, head_dim)  # q's heads, then k's, then v's
         out = rows.new_empty((rows.shape[0], num_heads, head_dim))
         new_tokens = self.kernels.NewTokens(positions, inputs.slot_mapping, cos_sin, qk_norm)
         return self._decode(
-            rows,
-            kv_cache,
-            out,
-            inputs.seq_lens,
-            inputs.block_tables,
-            inputs.max_seq_len,
-            metadata,
-            scale,
-            new_tokens,
-            unreduced,
+            rows, kv_cache, out, inputs.seq_lens, inputs.block_tables, inputs.max_seq_len, metadata, scale, new_tokens
         )
 
     def _decode(
-        self,
-        q,
-        kv_cache,
-        out,
-        seq_lens,
-        block_tables,
-        max_seq_len,
-        metadata: TritonMetadata,
-        scale,
-        new_tokens=None,
-        unreduced=False,
+        self, q, kv_cache, out, seq_lens, block_tables, max_seq_len, metadata: TritonMetadata, scale, new_tokens=None
     ):
         """Split-context decode attention of out's rows (q: their queries, or with new_tokens the
-        QKV rows), or with unreduced its parts where it splits (SplitAttention); the first layer
-        of a step plans the split and its scratch, which the other layers reuse."""
+        QKV rows); the first layer of a step plans the split and its scratch, which the other
+        layers reuse."""
         kernels = self.kernels
         if metadata.num_splits == 0:
             num_seqs, num_heads, head_dim = out.shape
@@ -297,8 +275,7 @@ class TritonBackend:
             # one sequence has one order (and its kernel then reads its inputs before the PDL wait)
             if self.decode_order == "longest_first" and num_seqs > 1:
                 metadata.seq_order = kernels.longest_first(seq_lens)
-        split = unreduced and metadata.num_splits > 1
-        attended = kernels.paged_decode(
+        return kernels.paged_decode(
             q,
             kv_cache,
             out,
@@ -314,11 +291,7 @@ class TritonBackend:
             self.decode_num_stages,
             metadata.seq_order,
             new_tokens,
-            reduce=not split,
         )
-        if split:
-            return SplitAttention(metadata.partial_out, metadata.partial_lse, seq_lens, self.min_split_len)
-        return attended
 
 
 @hookimpl

@@ -600,7 +600,6 @@ def paged_decode(
     num_stages: int = 2,
     seq_order: torch.Tensor | None = None,
     new_tokens: NewTokens | None = None,
-    reduce: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (its own included), into out [B, H, D]. Each sequence's keys are split in num_splits parts of
@@ -610,8 +609,7 @@ def paged_decode(
     sequences in; it changes only the timing. With new_tokens, q is the QKV projection's output
     viewed as [B, H + 2 * Hkv, D], and the kernel normalizes and rotates q and the new k and
     stores the new k and v into the cache itself, in place of the q/k kernel and the K/V store
-    (see NewTokens). reduce=False leaves a split decode's parts in partial_out and partial_lse for
-    the caller to combine (SplitAttention) and out unwritten."""
+    (see NewTokens)."""
     num_seqs, num_heads, head_dim = out.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -676,7 +674,7 @@ def paged_decode(
         num_stages=num_stages,
         **pdl.launch_options(q.device),
     )
-    if reduce and not single:
+    if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out,
             partial_out,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from inferlab.core.parallel import SINGLE, TPGroup
-from inferlab.core.protocols import DecodesFromQKV, FusedKVStore, SplitAttention
+from inferlab.core.protocols import DecodesFromQKV, FusedKVStore
 from inferlab.plugins.models.checkpoint import CheckpointError, read_tensors, weight_files
 from inferlab.plugins.models.layers import (
     MergedColumnParallelLinear,
@@ -82,10 +82,8 @@ class Attention(nn.Module):
     def forward(self, positions, hidden, kv_cache, rotary, attn_metadata):
         return self.o_proj(self.attend(positions, self.qkv_proj(hidden), kv_cache, rotary, attn_metadata))
 
-    def attend(self, positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=False, unreduced=False):
-        """Attention over the QKV projection's output: [T, heads * head_dim], o_proj's input, or
-        with unreduced (o_proj's GEMV combines the parts) a SplitAttention where the backend leaves
-        its parts so.
+    def attend(self, positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=False):
+        """Attention over the QKV projection's output: [T, heads * head_dim], o_proj's input.
         after_gemv: the projection ran as a GEMV (one token), and the backend may then take its
         rows as they are (DecodesFromQKV): on an H200 the batch-1 decode graph took 648 against
         666 µs with the q/k kernel (Qwen3-0.6B shapes). Not after the GEMMs of larger batches,
@@ -94,9 +92,9 @@ class Attention(nn.Module):
         if after_gemv and self.decodes_from_qkv and self.backend.decodes_qkv(attn_metadata):
             norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = self.backend.decode_qkv(
-                qkv, positions, rotary.cos_sin, norm, self.num_heads, kv_cache, attn_metadata, self.scale, unreduced
+                qkv, positions, rotary.cos_sin, norm, self.num_heads, kv_cache, attn_metadata, self.scale
             )
-            return out if isinstance(out, SplitAttention) else out.reshape(-1, self.num_heads * self.head_dim)
+            return out.reshape(-1, self.num_heads * self.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_rotary is not None:
@@ -146,15 +144,13 @@ class GemvPlan(NamedTuple):
     """How one token runs through a layer's GEMVs (DecoderLayer.forward_gemv): the split of K for
     o_proj and down_proj (1: unsplit, their output in the model dtype), whether the norms and
     SiLU*mul are formed inside the GEMVs (fused), whether the weights are read before the PDL wait
-    (preload), the GEMV (kernels/gemv.py's), and whether o_proj's GEMV combines split decode
-    attention's parts as it reads them (combine), so the backend launches no reduction kernel."""
+    (preload), and the GEMV (kernels/gemv.py's)."""
 
     o_split: int
     down_split: int
     fused: bool
     preload: bool
     gemv: Callable
-    combine: bool = True
 
 
 class DecoderLayer(nn.Module):
@@ -219,7 +215,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.first_norm(hidden, residual)
             qkv, _ = gemv(hidden, attn.qkv_proj.weight)
-        attended = attn.attend(positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=True, unreduced=plan.combine)
+        attended = attn.attend(positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=True)
         hidden, _ = gemv(attended, attn.o_proj.weight, split=plan.o_split)
         if plan.fused:
             gate_up, residual = gemv(
@@ -273,12 +269,10 @@ class DecoderOptions:
     # weight slab. On an H200 the batch-1 decode graph took 669 µs against 855 for the Triton GEMMs
     # with Qwen3-0.6B shapes (fused), and 4,064 against 4,176 with Qwen3-8B's (not fused; fused,
     # 4,324). gemv_preload=false reads the weights after the PDL wait. With 0.6B shapes at 8 warps,
-    # 684 µs; not fused 762, reading after the wait 743. gemv_combine: o_proj's GEMV combines the
-    # split decode attention's parts as it reads its row, in place of attention's reduction kernel.
+    # 684 µs; not fused 762, reading after the wait 743.
     gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
-    gemv_combine: bool = True
 
 
 class DecoderForCausalLM(nn.Module):
@@ -313,7 +307,6 @@ class DecoderForCausalLM(nn.Module):
         gemv_decode: bool = DecoderOptions.gemv_decode,
         gemv_fused: bool | None = DecoderOptions.gemv_fused,
         gemv_preload: bool = DecoderOptions.gemv_preload,
-        gemv_combine: bool = DecoderOptions.gemv_combine,
     ):
         """max_model_len: the longest sequence the engine will run (default: the config's
         max_position_embeddings). Options: see DecoderOptions."""
@@ -321,13 +314,7 @@ class DecoderForCausalLM(nn.Module):
         for name, value in (("split_k_tokens", split_k_tokens), ("triton_gemm_tokens", triton_gemm_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
-        switches = (
-            ("gemv_decode", gemv_decode),
-            ("gemv_fused", gemv_fused),
-            ("gemv_preload", gemv_preload),
-            ("gemv_combine", gemv_combine),
-        )
-        for name, value in switches:
+        for name, value in (("gemv_decode", gemv_decode), ("gemv_fused", gemv_fused), ("gemv_preload", gemv_preload)):
             if not isinstance(value, bool) and (value is not None or name != "gemv_fused"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
         check_config(hf_config, max_model_len or hf_config.max_position_embeddings)
@@ -335,9 +322,7 @@ class DecoderForCausalLM(nn.Module):
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = triton_kernels_for(hf_config, self.qk_norm, on_cuda, triton_kernels)
         biases = self.biases(hf_config)
-        gemv = None
-        if gemv_decode:
-            gemv = gemv_plan(hf_config, dtype, kernels, tp_group, biases, gemv_fused, gemv_preload, gemv_combine)
+        gemv = gemv_plan(hf_config, dtype, kernels, tp_group, biases, gemv_fused, gemv_preload) if gemv_decode else None
         theta, scaling = rope_settings(hf_config)
         # first, so that unsupported rotary scaling fails before the weights are allocated
         self.rotary = RotaryEmbedding(
@@ -506,14 +491,7 @@ def triton_kernels_for(config, qk_norm: bool, on_cuda: bool, asked: bool | None)
 
 
 def gemv_plan(
-    config,
-    dtype,
-    kernels: ModelKernels | None,
-    tp: TPGroup,
-    biases: Biases,
-    fused: bool | None,
-    preload: bool,
-    combine: bool = True,
+    config, dtype, kernels: ModelKernels | None, tp: TPGroup, biases: Biases, fused: bool | None, preload: bool
 ):
     """The layers' GemvPlan, or None where the GEMVs cannot serve: they need the Triton kernels
     (without them, as on CPU by default, quietly), one rank, no biases and weights the GEMV tiles
@@ -545,7 +523,7 @@ def gemv_plan(
                     hidden * ((4 * split if split > 1 else size) + 2 * size) for split in (o_split, down_split)
                 )
                 fused = row_bytes <= gemv.SLAB * size
-            return GemvPlan(o_split, down_split, fused, preload, gemv.gemv, combine)
+            return GemvPlan(o_split, down_split, fused, preload, gemv.gemv)
     log.info("gemv_decode is off: %s", problem)
     return None
 
