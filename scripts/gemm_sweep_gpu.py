@@ -13,12 +13,13 @@ column block), warps=N and stages=N (the GEMM's launch at 16-row tiles), normwar
 kernel's launch); gemv (one token through the layers' GEMVs, DecoderLayer.forward_gemv, as the
 model plans them) with fused=1 or 0 (the norms and SiLU*mul inside the GEMVs or in kernels of
 their own; by default as the model decides), preload=0 (weights read after the PDL wait), slab=N
-(a program's weight elements), osplit=N and downsplit=N (their splits of K), gemvwarps=N; qkv=0
+(a program's weight elements), rows=N (a program's weight rows, read a slab at a time along K;
+0: a slab of whole rows; by default as the model plans them; orows=N, downrows=N, qkvrows=N,
+gate_uprows=N for one projection), osplit=N and downsplit=N (their splits of K), gemvwarps=N; qkv=0
 (decode steps through the model's q/k kernel before attention, not the attention kernel's own:
 attention.decode_from_qkv=false); minsplit=N (attention.min_split_len: the fewest keys a decode
 split part holds). Steps with prefill run eagerly here."""
 
-import functools
 import os
 import sys
 import time
@@ -78,6 +79,13 @@ def plans_for(by_shape: dict):
     return plan, wide_plan
 
 
+def rows_setting(settings: dict, name: str, planned: int | None) -> int | None:
+    """A projection's GEMV rows a program: its own setting (NAMErows), else rows, else as planned;
+    0 is a slab of whole rows (None). Pops the projection's own setting."""
+    value = settings.pop(f"{name}rows", settings.get("rows"))
+    return planned if value is None else int(value) or None
+
+
 def main(model_dir: str, variants: list[str], replays: int) -> None:
     gemm._split_k_kernel = LaunchOverride(gemm._split_k_kernel, "gemm")
     rms_norm._rms_norm_kernel = LaunchOverride(rms_norm._rms_norm_kernel, "norm")
@@ -106,13 +114,22 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
         if "gemv" in settings:
             settings.pop("gemv")
             slab = int(settings.pop("slab", gemv.SLAB))
+            o_rows = rows_setting(settings, "o", gemv.unsplit_rows(*shape_of["o"], slab))
+            down_rows = rows_setting(settings, "down", gemv.unsplit_rows(*shape_of["down"], slab))
+            # qkv_proj's and gate_up_proj's GEMVs get no rows from the plan: set them by weight shape
+            wide_rows = {shape_of[name]: rows_setting(settings, name, None) for name in ("qkv", "gate_up")}
             gemv_plan = GemvPlan(
-                int(settings.pop("osplit", 0)) or gemv.splits_for(*shape_of["o"], slab),
-                int(settings.pop("downsplit", 0)) or gemv.splits_for(*shape_of["down"], slab),
-                settings.pop("fused", "1" if model_gemv is None or model_gemv.fused else "0") == "1",
-                settings.pop("preload", "1") == "1",
-                functools.partial(gemv.gemv, slab=slab),
+                o_split=int(settings.pop("osplit", 0)) or gemv.splits_for(*shape_of["o"], slab, o_rows),
+                down_split=int(settings.pop("downsplit", 0)) or gemv.splits_for(*shape_of["down"], slab, down_rows),
+                o_rows=o_rows,
+                down_rows=down_rows,
+                fused=settings.pop("fused", "1" if model_gemv is None or model_gemv.fused else "0") == "1",
+                preload=settings.pop("preload", "1") == "1",
+                gemv=lambda x, w, wide_rows=wide_rows, slab=slab, rows=0, **kw: gemv.gemv(
+                    x, w, slab=slab, rows=wide_rows.get(tuple(w.shape)) if rows == 0 else rows, **kw
+                ),
             )
+            settings.pop("rows", None)
         gemm.plan, gemm.wide_plan = plans_for({shape_of[name]: value for name, value in settings.items()})
         runner.decode_graphs = runner.sampling_graphs = None
         torch.cuda.empty_cache()
@@ -125,7 +142,10 @@ def main(model_dir: str, variants: list[str], replays: int) -> None:
         runner.sampling_graphs = runner._capture_sampling_graphs()
         tiling = f"o {gemm.plan(*shape_of['o'], 1)} down {gemm.plan(*shape_of['down'], 1)}"
         if gemv_plan is not None:
-            tiling = f"gemv splits o {gemv_plan.o_split} down {gemv_plan.down_split}"
+            tiling = (
+                f"gemv splits o {gemv_plan.o_split} down {gemv_plan.down_split}, "
+                f"rows o {gemv_plan.o_rows} down {gemv_plan.down_rows}"
+            )
         tokens = llm.generate([[(13 * i) % 10000 for i in range(256)]], greedy, use_tqdm=False)[0]["token_ids"]
         reference = reference or tokens
         same = sum(a == b for a, b in zip(tokens, reference))

@@ -3,6 +3,7 @@ the RMSNorm sums) against the torch code they replace, and a greedy generate thr
 Hugging Face. Without CUDA the kernels run in Triton's interpreter, so TRITON_INTERPRET is set
 before the kernel modules are first imported."""
 
+import functools
 import os
 
 import pytest
@@ -531,24 +532,35 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "n,k,split,prologue,parts,dtype",
+    "n,k,split,prologue,parts,dtype,looped",
     [
-        (64, 256, 1, "plain", 1, torch.float32),
-        (64, 256, 4, "plain", 1, torch.float32),  # float32 partials out
-        (48, 128, 1, "norm", 1, torch.float32),  # 48: 16-column programs, not the slab's 64
-        (64, 128, 1, "add_norm", 1, torch.float32),
-        (64, 128, 1, "add_norm", 3, torch.float32),  # the row from float32 partials
-        (32, 256, 2, "silu_mul", 1, torch.float32),
-        (16, 96, 1, "add_norm", 2, torch.float32),  # slices of no power of two: tiles masked past them
-        (32, 480, 3, "silu_mul", 1, torch.float32),
-        pytest.param(4096, 1024, 1, "add_norm", 3, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-0.6B's qkv_proj
-        pytest.param(1024, 2048, 1, "plain", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its o_proj
-        pytest.param(6144, 1024, 1, "add_norm", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its gate_up_proj
-        pytest.param(1024, 3072, 3, "silu_mul", 1, torch.bfloat16, marks=pytest.mark.gpu),  # its down_proj
-        pytest.param(4096, 12288, 3, "silu_mul", 1, torch.bfloat16, marks=pytest.mark.gpu),  # Qwen3-8B's down_proj
+        (64, 256, 1, "plain", 1, torch.float32, None),
+        (64, 256, 4, "plain", 1, torch.float32, None),  # float32 partials out
+        (48, 128, 1, "norm", 1, torch.float32, None),  # 48: 16-column programs, not the slab's 64
+        (64, 128, 1, "add_norm", 1, torch.float32, None),
+        (64, 128, 1, "add_norm", 3, torch.float32, None),  # the row from float32 partials
+        (32, 256, 2, "silu_mul", 1, torch.float32, None),
+        (16, 96, 1, "add_norm", 2, torch.float32, None),  # slices of no power of two: tiles masked past them
+        (32, 480, 3, "silu_mul", 1, torch.float32, None),
+        # looped: (rows, slab), a program's rows read a slab at a time along K
+        (64, 256, 1, "add_norm", 3, torch.float32, (8, 256)),  # 8 parts of 32 columns, the norm over all
+        (32, 384, 1, "norm", 1, torch.float32, (4, 256)),  # 6 parts of 64
+        (64, 192, 1, "silu_mul", 1, torch.float32, (8, 256)),
+        (64, 256, 2, "plain", 1, torch.float32, (16, 256)),  # partials of 8 parts each
+        (48, 256, 1, "add_norm", 1, torch.float32, (32, 512)),  # 48: 16 rows a program, not 32
+        # Qwen3-0.6B's qkv_proj, o_proj, gate_up_proj and down_proj
+        pytest.param(4096, 1024, 1, "add_norm", 3, torch.bfloat16, None, marks=pytest.mark.gpu),
+        pytest.param(1024, 2048, 1, "plain", 1, torch.bfloat16, None, marks=pytest.mark.gpu),
+        pytest.param(6144, 1024, 1, "add_norm", 1, torch.bfloat16, None, marks=pytest.mark.gpu),
+        pytest.param(1024, 3072, 3, "silu_mul", 1, torch.bfloat16, None, marks=pytest.mark.gpu),
+        # Qwen3-8B's qkv_proj, o_proj and down_proj as planned, and its down_proj split into whole rows
+        pytest.param(6144, 4096, 1, "add_norm", 1, torch.bfloat16, None, marks=pytest.mark.gpu),
+        pytest.param(4096, 4096, 1, "plain", 1, torch.bfloat16, (8, 8192), marks=pytest.mark.gpu),
+        pytest.param(4096, 12288, 1, "silu_mul", 1, torch.bfloat16, (8, 8192), marks=pytest.mark.gpu),
+        pytest.param(4096, 12288, 3, "silu_mul", 1, torch.bfloat16, None, marks=pytest.mark.gpu),
     ],
 )
-def test_gemv_is_the_projection_of_its_row(n, k, split, prologue, parts, dtype):
+def test_gemv_is_the_projection_of_its_row(n, k, split, prologue, parts, dtype, looped):
     """The GEMV's row is what the norm and SiLU*mul kernels would have written, to the bit; its
     product is the float32 product of that row (in partials with a split)."""
     torch.manual_seed(n + k)
@@ -568,6 +580,9 @@ def test_gemv_is_the_projection_of_its_row(n, k, split, prologue, parts, dtype):
         kwargs = dict(norm_weight=norm_weight, eps=1e-6, residual=residual)
     else:
         row = x
+    if looped is not None:
+        kwargs.update(rows=looped[0], slab=looped[1])
+        assert gemv_kernel.tiling(n, k // split, looped[1], looped[0])[1] < k // split  # more than one part
     got, got_residual = gemv_kernel.gemv(x, weight, split=split, **kwargs)
     if want_residual is None:
         assert got_residual is None
@@ -601,26 +616,38 @@ def test_gemv_tilings():
     assert gemv_kernel.slab_columns(64, 96) == 64 and gemv_kernel.slab_columns(24, 96) == 8
     assert gemv_kernel.slab_columns(3, 1024) is None and gemv_kernel.slab_columns(64, 8) is None
     assert gemv_kernel.splits_for(3, 1024) is None
+    # more rows a program, K read a slab at a time in the largest power of two that divides it
+    assert gemv_kernel.tiling(4096, 4096, rows=8) == (8, 1024) and gemv_kernel.tiling(2560, 9728, rows=8) == (8, 512)
+    assert gemv_kernel.tiling(24, 96, rows=16) == (8, 32) and gemv_kernel.tiling(64, 8, rows=8) is None
+    assert gemv_kernel.unsplit_rows(4096, 4096) == 8 and gemv_kernel.unsplit_rows(4096, 12288) == 8  # Qwen3-8B's
+    assert gemv_kernel.unsplit_rows(1024, 2048) is None  # Qwen3-0.6B's o_proj: 128 programs of 8 rows
+    assert gemv_kernel.splits_for(1024, 2048, rows=8) == 2
     with pytest.raises(ValueError, match="whole row"):
         gemv_kernel.gemv(torch.zeros(1, 256), torch.zeros(64, 256), split=2, norm_weight=torch.ones(256))
     with pytest.raises(ValueError, match="one row of 256"):
         gemv_kernel.gemv(torch.zeros(2, 256), torch.zeros(64, 256))
 
 
-@pytest.mark.parametrize("fused,intermediate", [(True, 128), (False, 128), (True, 120)])
-def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused, intermediate):
+@pytest.mark.parametrize(
+    "fused,intermediate,looped", [(True, 128, False), (False, 128, False), (True, 120, False), (True, 128, True)]
+)
+def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused, intermediate, looped):
     """One sequence's decode steps go through the layers' GEMVs (the prefill chunks of several
     tokens do not), with the norms and SiLU*mul inside them or between them; an intermediate size
-    of 120 has no power-of-two slices, so down_proj's tiles are masked past them."""
+    of 120 has no power-of-two slices, so down_proj's tiles are masked past them. looped: o_proj
+    and down_proj unsplit, 8 rows a program reading K 32 columns at a time (a slab of 256), as
+    Qwen3-8B's run at its full slab."""
     path = checkpoint("gqa4-untied", intermediate_size=intermediate)
     llm = wrapping_engine(path, gemv_decode=True, gemv_fused=fused)
     calls = []
     for layer in llm.runner.model.layers:
-        assert layer.gemv.fused == fused and layer.gemv.o_split == 16  # o_proj [128, 256]: 16-long slices
-        assert layer.gemv.down_split == (8 if intermediate == 128 else 6)  # 120: six slices of 20 in 32-wide tiles
-        layer.gemv = layer.gemv._replace(
-            gemv=lambda x, w, kernel=layer.gemv.gemv, **kw: calls.append(kw) or kernel(x, w, **kw)
-        )
+        plan = layer.gemv
+        assert plan.fused == fused and plan.o_split == 16 and plan.o_rows is None  # o_proj [128, 256]: 16-long slices
+        assert plan.down_split == (8 if intermediate == 128 else 6)  # 120: six slices of 20 in 32-wide tiles
+        kernel = functools.partial(plan.gemv, slab=256) if looped else plan.gemv
+        if looped:
+            plan = plan._replace(o_split=1, down_split=1, o_rows=8, down_rows=8)
+        layer.gemv = plan._replace(gemv=lambda x, w, kernel=kernel, **kw: calls.append(kw) or kernel(x, w, **kw))
     backend, attended = llm.runner.backend, []  # after the QKV GEMV, attention takes its rows as they are
     backend.decode_qkv = lambda *args, original=backend.decode_qkv: attended.append(1) or original(*args)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -630,9 +657,10 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     assert len(calls) == 2 * 4 * 4 * layers  # two prompts, four decode steps, four projections a layer
     assert len(attended) == 2 * 4 * layers
     assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
+    assert sum(kw.get("rows") == 8 for kw in calls) == (2 * 4 * 2 * layers if looped else 0)
 
 
-def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_a_slab():
+def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_two_slabs():
     from types import SimpleNamespace
 
     from inferlab.plugins.models.decoder import Biases, ModelKernels, gemv_plan
@@ -658,10 +686,13 @@ def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_a_slab():
         )
 
     small = plan(1024, 3072, 16, 8)  # Qwen3-0.6B: a row of 1,024 x (3 partials + residual + weight) = 16 KB
-    assert (small.o_split, small.down_split, small.fused, small.preload) == (1, 3, True, True)
-    large = plan(4096, 12288, 32, 8)  # Qwen3-8B: 64 KB a program, four times its weight slab
-    assert (large.o_split, large.down_split, large.fused) == (1, 3, False)
-    assert plan(4096, 12288, 32, 8, fused=True).fused and not plan(1024, 3072, 16, 8, fused=False).fused
+    assert (small.o_split, small.down_split, small.o_rows, small.down_rows) == (1, 3, None, None)
+    assert small.fused and small.preload
+    large = plan(4096, 12288, 32, 8)  # Qwen3-8B: o_proj and down_proj unsplit, 8 rows a program; a 24 KB row
+    assert (large.o_split, large.down_split, large.o_rows, large.down_rows, large.fused) == (1, 1, 8, 8, True)
+    split = plan(1536, 18944, 12, 2)  # down_proj split 8 ways: a row of 1,536 x (8 partials + 2) = 54 KB
+    assert (split.o_split, split.down_split, split.o_rows, split.down_rows, split.fused) == (3, 8, None, None, False)
+    assert plan(1536, 18944, 12, 2, fused=True).fused and not plan(1024, 3072, 16, 8, fused=False).fused
     assert plan(1024, 3072, 16, 8, tp=TPGroup(rank=0, size=2)) is None
     assert plan(1024, 3072, 16, 8, biases=Biases(True, False, False)) is None
     assert plan(1001, 3072, 16, 8) is None  # an odd width: no count of columns from 2 divides it

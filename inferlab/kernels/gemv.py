@@ -4,24 +4,28 @@ projection folded into its reads: the decode step of a single sequence.
 At one token the Triton GEMM (split_k_gemm.py) pads the row to a 16-row tensor-core tile and
 streams each K step through shared memory; a decode layer's four GEMMs then add about 4 µs each
 to the step where their weights stream in 1-3 µs, and the RMSNorm, SiLU*mul kernels between them
-1-3 µs each (BENCHMARKS.md, "One sequence"). Here a program holds a [BLOCK_N, K_SPLIT] slab of the
-weight in registers, multiplies it by the row in float32 and sums along K:
-- the slab may be read before the PDL wait (PRELOAD): the weight does not depend on the kernel
-  before, so it streams while that kernel still runs and only the row is read after the wait;
+1-3 µs each (BENCHMARKS.md, "One sequence"). Here a program holds a [BLOCK_N, K_BLOCK] slab of
+the weight in registers, multiplies it by the row in float32 and sums along K; the slab covers a
+whole slice of K (K_SPLIT, the grid's second axis) or, with more rows a program, a slab-wide part
+of it at a time (tiling):
+- the first slab may be read before the PDL wait (PRELOAD): the weight does not depend on the
+  kernel before, so it streams while that kernel still runs and only the row is read after the wait;
 - the row can be the prologue's result instead of a tensor some earlier kernel wrote: RMSNorm of
   x (of x + residual, the first program storing the new residual) or SiLU(gate) * up, rounded as
   rms_norm.py's and silu_mul.py's kernels round them, so that each program forms the row itself and
   no kernel sits between the projections.
 x may be float32 split-K partials [S, 1, K] (summed as read), as the o_proj and down_proj GEMVs
-leave them with a split; the output is then such partials too. A slice of K that is no power of
-two (Qwen3-4B's 2,560) sits in a tile of the next power of two, masked past it; the measured
-shapes below split into power-of-two slices and run unmasked.
+leave them with a split; the output is then such partials too. A whole slice of K that is no power
+of two (Qwen3-4B's rows of 2,560) sits in a tile of the next power of two, masked past it.
 
-On an H200 the batch-1 decode graph took 669 µs against 854-858 for the Triton GEMMs with
-Qwen3-0.6B shapes, and one sequence ran 1,255-1,258 tok/s against 1,018-1,028; at 8 warps (684
-µs), reading after the wait took 743 µs and keeping the norm and SiLU*mul kernels 762. With
-Qwen3-8B's shapes, whose whole rows are four times a slab, the fused reads cost more than the
-kernels they save (4,324 against 4,064 µs with the norm kernels kept, 4,176 for the Triton GEMMs).
+On an H200 the batch-1 decode graph took 649-651 µs against 854-858 for the Triton GEMMs with
+Qwen3-0.6B shapes, and one sequence ran 1,274-1,279 tok/s against 1,018-1,028; at 8 warps 684 µs,
+reading after the wait 743 and keeping the norm and SiLU*mul kernels 762. Qwen3-8B's whole rows are
+four times a slab: split into whole-row slabs (two rows a program), o_proj and down_proj streamed
+their weights at 3.5-3.7 TB/s where 8 rows a program, 1,024 columns at a time, reached 3.9-4.1
+(scripts/gemv_bandwidth_gpu.py), and unsplit they leave the next fused norm one row in the model
+dtype instead of three float32 partials: 3,743 µs with the norms inside against 3,976-4,000 with
+them in kernels of their own, 4,176 for the Triton GEMMs.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -39,6 +43,10 @@ PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
 # fast at 8, twice as large slower; four times as large was slower with Qwen3-8B's shapes as the
 # model runs them (the norm kernels kept).
 SLAB = 8192
+# Rows a program of an unsplit o_proj or down_proj takes, reading K a slab at a time (unsplit_rows).
+# On an H200 with Qwen3-8B's shapes the batch-1 decode graph took 3,743 µs with 8 (the norms inside
+# the GEMVs), 3,828 with 4 and 3,963 with 16, against 3,976-4,000 split into whole-row slabs.
+LOOP_ROWS = 8
 
 
 @triton.jit
@@ -49,6 +57,32 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
     else:
         values = tl.load(ptrs)
     return values
+
+
+@triton.jit
+def _row_chunk(
+    x_ptr, residual_ptr, ks, in_slice, part_stride, K, X_PARTS: tl.constexpr, PROLOGUE: tl.constexpr, MASKED
+):
+    """The row at ks in float32, before any norm: SiLU(gate) * up, or x (summed over its split-K
+    partials) plus the residual where ADD_NORM."""
+    if PROLOGUE == 3:  # SILU_MUL: x [1, 2K], gate then up
+        gate = _load(x_ptr + ks, in_slice, MASKED)
+        up = _load(x_ptr + K + ks, in_slice, MASKED)
+        row = silu_times_up(gate, up).to(tl.float32)
+    else:
+        row = _load(x_ptr + ks, in_slice, MASKED).to(tl.float32)
+        for part in tl.static_range(1, X_PARTS):  # x is split-K partials: their sum is the row
+            row += _load(x_ptr + part * part_stride + ks, in_slice, MASKED)
+        if PROLOGUE == 2:
+            row += _load(residual_ptr + ks, in_slice, MASKED).to(tl.float32)
+    return row
+
+
+@triton.jit
+def _normed(row, rstd, norm_weight_ptr, ks, in_slice, MASKED, dtype):
+    """The RMSNorm of row at ks, rounded as rms_norm.py's kernels round it."""
+    norm_weight = _load(norm_weight_ptr + ks, in_slice, MASKED).to(tl.float32)
+    return ((row * rstd).to(dtype).to(tl.float32) * norm_weight).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -74,8 +108,8 @@ def _gemv_kernel(
 ):
     """One program: BLOCK_N outputs of x @ weight.T over one K_SPLIT-wide slice of K (the grid's
     second axis), in float32, stored as that slice's partial (float32) or, unsplit, rounded to
-    the output's dtype. K_BLOCK: K_SPLIT's power of two, the tile's width (MASKED past K_SPLIT when
-    they differ)."""
+    the output's dtype. The slice is read K_BLOCK columns at a time: a power of two dividing
+    K_SPLIT, or one tile of K_SPLIT's next power of two, MASKED past it."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offsets = tl.arange(0, K_BLOCK)
@@ -89,24 +123,26 @@ def _gemv_kernel(
         pdl.wait_for_inputs(PDL)
         w = _load(weight_ptrs, in_slice[None, :], MASKED)
     dtype = weight_ptr.dtype.element_ty
-    if PROLOGUE == 3:  # SILU_MUL: x [1, 2K], gate then up
-        gate = _load(x_ptr + ks, in_slice, MASKED)
-        up = _load(x_ptr + K + ks, in_slice, MASKED)
-        row = silu_times_up(gate, up).to(tl.float32)
-    else:
-        row = _load(x_ptr + ks, in_slice, MASKED).to(tl.float32)
-        for part in tl.static_range(1, X_PARTS):  # x is split-K partials: their sum is the row
-            row += _load(x_ptr + part * part_stride + ks, in_slice, MASKED)
-        if PROLOGUE != 0:  # the norms: K_SPLIT == K, the program holds the whole row
-            if PROLOGUE == 2:
-                row += _load(residual_ptr + ks, in_slice, MASKED).to(tl.float32)
-                if pid_n == 0:
-                    tl.store(residual_out_ptr + ks, row.to(dtype), mask=in_slice)
-            rstd = tl.rsqrt(tl.sum(row * row, 0) / K + eps)
-            norm_weight = _load(norm_weight_ptr + ks, in_slice, MASKED).to(tl.float32)
-            row = ((row * rstd).to(dtype).to(tl.float32) * norm_weight).to(dtype).to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * row[None, :], 1)
-    tl.store(out_ptr + split * N + cols, acc.to(out_ptr.dtype.element_ty))
+    row = _row_chunk(x_ptr, residual_ptr, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+    if PROLOGUE == 1 or PROLOGUE == 2:  # the norms: K_SPLIT == K, the program reads the whole row
+        if PROLOGUE == 2 and pid_n == 0:
+            tl.store(residual_out_ptr + ks, row.to(dtype), mask=in_slice)
+        sum_sq = tl.sum(row * row, 0)
+        for start in tl.range(K_BLOCK, K, K_BLOCK):  # the rest of the row, for its norm
+            later = _row_chunk(x_ptr, residual_ptr, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+            if PROLOGUE == 2 and pid_n == 0:
+                tl.store(residual_out_ptr + ks + start, later.to(dtype))
+            sum_sq += tl.sum(later * later, 0)
+        rstd = tl.rsqrt(sum_sq / K + eps)
+        row = _normed(row, rstd, norm_weight_ptr, ks, in_slice, MASKED, dtype)
+    acc = w.to(tl.float32) * row[None, :]
+    for start in tl.range(K_BLOCK, K_SPLIT, K_BLOCK):
+        w = tl.load(weight_ptrs + start)
+        row = _row_chunk(x_ptr, residual_ptr, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            row = _normed(row, rstd, norm_weight_ptr, ks + start, in_slice, MASKED, dtype)
+        acc += w.to(tl.float32) * row[None, :]
+    tl.store(out_ptr + split * N + cols, tl.sum(acc, 1).to(out_ptr.dtype.element_ty))
 
 
 def slab_columns(n: int, k_split: int, slab: int = SLAB) -> int | None:
@@ -121,7 +157,30 @@ def slab_columns(n: int, k_split: int, slab: int = SLAB) -> int | None:
     return block_n if block_n >= 2 else None
 
 
-def splits_for(n: int, k: int, slab: int = SLAB) -> int | None:
+def tiling(n: int, k_split: int, slab: int = SLAB, rows: int | None = None) -> tuple[int, int] | None:
+    """(BLOCK_N, K_BLOCK) for a [n, k_split] slice: by default a slab's worth of whole rows
+    (slab_columns) in one tile; given rows, that many (the largest power of two up to it dividing n)
+    read a slab at a time, K_BLOCK being the largest power of two that divides k_split and fits."""
+    if rows is None:
+        block_n = slab_columns(n, k_split, slab)
+        return None if block_n is None else (block_n, triton.next_power_of_2(k_split))
+    block_n = triton.next_power_of_2(rows + 1) // 2
+    while block_n > 1 and n % block_n:
+        block_n //= 2
+    k_block = min(k_split & -k_split, max(slab // block_n, 16))
+    return None if k_block < 16 or n % block_n else (block_n, k_block)
+
+
+def unsplit_rows(n: int, k: int, slab: int = SLAB) -> int | None:
+    """LOOP_ROWS where an [n, k] weight can run unsplit that many rows a program, reading K a slab at
+    a time, in 256 programs or more; else None (splits_for's split of whole-row slabs). Unsplit,
+    the output is one row in the model dtype, which the norm after o_proj and down_proj reads in
+    every program of a fused GEMV instead of float32 partials."""
+    tile = tiling(n, k, slab, LOOP_ROWS)
+    return LOOP_ROWS if tile is not None and tile[0] == LOOP_ROWS and n // LOOP_ROWS >= 256 else None
+
+
+def splits_for(n: int, k: int, slab: int = SLAB, rows: int | None = None) -> int | None:
     """The split of K for a [n, k] weight: the least that gives 256 programs or more (two a
     multiprocessor of an H100 or H200), else the one that gives the most; splits into power-of-two
     slices first, whose tiles have no masked columns, then any (a tile of 2,560 is 4,096 wide).
@@ -130,12 +189,12 @@ def splits_for(n: int, k: int, slab: int = SLAB) -> int | None:
         best, most = None, 0
         for split in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16):
             k_split = k // split
-            if k % split or (whole_tiles and k_split & (k_split - 1)):
+            if k % split or (whole_tiles and rows is None and k_split & (k_split - 1)):
                 continue
-            block_n = slab_columns(n, k_split, slab)
-            if block_n is None:
+            tile = tiling(n, k_split, slab, rows)
+            if tile is None:
                 continue
-            programs = n // block_n * split
+            programs = n // tile[0] * split
             if programs >= 256:
                 return split
             if programs > most:
@@ -156,6 +215,7 @@ def gemv(
     silu_mul: bool = False,
     preload: bool = True,
     slab: int = SLAB,
+    rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, the new residual or None) for one token: y = row @ weight.T, weight [N, K] contiguous.
     The row is x [1, K] (or float32 split-K partials [S, 1, K], summed); given norm_weight, its
@@ -171,8 +231,8 @@ def gemv(
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     k_split = k // split
-    block_n = slab_columns(n, k_split, slab)
-    if k % split or block_n is None:
+    tile = tiling(n, k_split, slab, rows)
+    if k % split or tile is None:
         raise ValueError(f"no GEMV tiling of a [{n}, {k}] weight split {split} ways")
     out_dtype = torch.float32 if split > 1 else weight.dtype
     out = torch.empty((split, 1, n) if split > 1 else (1, n), dtype=out_dtype, device=x.device)
@@ -183,6 +243,7 @@ def gemv(
         prologue = PLAIN
     else:
         prologue = NORM if residual is None else ADD_NORM
+    block_n, k_block = tile
     _gemv_kernel[(n // block_n, split)](
         x,
         x if residual is None else residual,
@@ -195,8 +256,8 @@ def gemv(
         x.stride(0) if parts > 1 else 0,
         K=k,
         K_SPLIT=k_split,
-        K_BLOCK=triton.next_power_of_2(k_split),
-        MASKED=k_split & (k_split - 1) != 0,
+        K_BLOCK=k_block,
+        MASKED=k_block > k_split,
         X_PARTS=parts,
         PROLOGUE=prologue,
         BLOCK_N=block_n,

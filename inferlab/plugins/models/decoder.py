@@ -142,12 +142,15 @@ class MLP(nn.Module):
 
 class GemvPlan(NamedTuple):
     """How one token runs through a layer's GEMVs (DecoderLayer.forward_gemv): the split of K for
-    o_proj and down_proj (1: unsplit, their output in the model dtype), whether the norms and
+    o_proj and down_proj (1: unsplit, their output in the model dtype) and the rows a program of
+    theirs takes (None: a slab of whole rows; see kernels/gemv.py's tiling), whether the norms and
     SiLU*mul are formed inside the GEMVs (fused), whether the weights are read before the PDL wait
     (preload), and the GEMV (kernels/gemv.py's)."""
 
     o_split: int
     down_split: int
+    o_rows: int | None
+    down_rows: int | None
     fused: bool
     preload: bool
     gemv: Callable
@@ -216,15 +219,16 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.first_norm(hidden, residual)
             qkv, _ = gemv(hidden, attn.qkv_proj.weight)
         attended = attn.attend(positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=True)
-        hidden, _ = gemv(attended, attn.o_proj.weight, split=plan.o_split)
+        hidden, _ = gemv(attended, attn.o_proj.weight, split=plan.o_split, rows=plan.o_rows)
         if plan.fused:
             gate_up, residual = gemv(
                 hidden, mlp.gate_up_proj.weight, norm_weight=post_norm.weight, eps=post_norm.eps, residual=residual
             )
-            return gemv(gate_up, mlp.down_proj.weight, split=plan.down_split, silu_mul=True)[0], residual
+            down = gemv(gate_up, mlp.down_proj.weight, split=plan.down_split, rows=plan.down_rows, silu_mul=True)
+            return down[0], residual
         hidden, residual = post_norm(hidden, residual)
         gate_up, _ = gemv(hidden, mlp.gate_up_proj.weight)
-        return gemv(mlp.act(gate_up), mlp.down_proj.weight, split=plan.down_split)[0], residual
+        return gemv(mlp.act(gate_up), mlp.down_proj.weight, split=plan.down_split, rows=plan.down_rows)[0], residual
 
 
 # checkpoint name fragment -> (our fragment, shard id) for projections stored fused here
@@ -265,11 +269,12 @@ class DecoderOptions:
     # (kernels/gemv.py, DecoderLayer.forward_gemv) where it can: on one GPU, with the Triton
     # kernels, no projection with a bias. gemv_fused: the norms and SiLU*mul formed inside the GEMVs
     # instead of kernels of their own; None: where the row that every program then reads (the
-    # previous projection's partials, the residual and the norm's weight) is no larger than its
-    # weight slab. On an H200 the batch-1 decode graph took 669 µs against 855 for the Triton GEMMs
-    # with Qwen3-0.6B shapes (fused), and 4,064 against 4,176 with Qwen3-8B's (not fused; fused,
-    # 4,324). gemv_preload=false reads the weights after the PDL wait. With 0.6B shapes at 8 warps,
-    # 684 µs; not fused 762, reading after the wait 743.
+    # previous projection's output, the residual and the norm's weight) is no larger than two of
+    # its weight slabs. On an H200 the batch-1 decode graph took 649-651 µs against 855 for the
+    # Triton GEMMs with Qwen3-0.6B shapes (fused: a 16 KB row), and 3,743 with Qwen3-8B's (fused:
+    # o_proj and down_proj unsplit, a 24 KB row) against 3,976 not fused and 4,176 fused with
+    # down_proj split 3 ways (a 64 KB row; the Triton GEMMs also took 4,176). gemv_preload=false reads the weights after the
+    # PDL wait. With 0.6B shapes at 8 warps, 684 µs; not fused 762, reading after the wait 743.
     gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
@@ -509,21 +514,23 @@ def gemv_plan(
         hidden, inter = config.hidden_size, config.intermediate_size
         head_dim = head_dim_of(config)
         qkv_out = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
-        o_split = gemv.splits_for(hidden, config.num_attention_heads * head_dim)
-        down_split = gemv.splits_for(hidden, inter)
+        q_width = config.num_attention_heads * head_dim
+        o_rows, down_rows = gemv.unsplit_rows(hidden, q_width), gemv.unsplit_rows(hidden, inter)
+        o_split = 1 if o_rows else gemv.splits_for(hidden, q_width)
+        down_split = 1 if down_rows else gemv.splits_for(hidden, inter)
         wide = gemv.slab_columns(qkv_out, hidden) and gemv.slab_columns(2 * inter, hidden)
         if o_split is None or down_split is None or not wide:
             problem = f"no GEMV tiling fits these shapes (hidden {hidden}, intermediate {inter}, head_dim {head_dim})"
         else:
             if fused is None:
                 # the projection's output before each norm (float32 partials where split), then the
-                # residual and the norm's weight in the model dtype
+                # residual and the norm's weight in the model dtype, read by every program
                 size = torch.empty((), dtype=dtype or torch.get_default_dtype()).element_size()
                 row_bytes = max(
                     hidden * ((4 * split if split > 1 else size) + 2 * size) for split in (o_split, down_split)
                 )
-                fused = row_bytes <= gemv.SLAB * size
-            return GemvPlan(o_split, down_split, fused, preload, gemv.gemv)
+                fused = row_bytes <= 2 * gemv.SLAB * size
+            return GemvPlan(o_split, down_split, o_rows, down_rows, fused, preload, gemv.gemv)
     log.info("gemv_decode is off: %s", problem)
     return None
 
