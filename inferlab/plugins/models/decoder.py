@@ -273,8 +273,9 @@ class DecoderOptions:
     # its weight slabs. On an H200 the batch-1 decode graph took 649-651 µs against 855 for the
     # Triton GEMMs with Qwen3-0.6B shapes (fused: a 16 KB row), and 3,743 with Qwen3-8B's (fused:
     # o_proj and down_proj unsplit, a 24 KB row) against 3,976 not fused and 4,176 fused with
-    # down_proj split 3 ways (a 64 KB row; the Triton GEMMs also took 4,176). gemv_preload=false reads the weights after the
-    # PDL wait. With 0.6B shapes at 8 warps, 684 µs; not fused 762, reading after the wait 743.
+    # down_proj split 3 ways (a 64 KB row; the Triton GEMMs also took 4,176). gemv_preload=false
+    # reads the weights after the PDL wait. With 0.6B shapes at 8 warps, 684 µs; not fused 762,
+    # reading after the wait 743.
     gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
