@@ -221,7 +221,8 @@ def gemv(
     The row is x [1, K] (or float32 split-K partials [S, 1, K], summed); given norm_weight, its
     RMSNorm (after adding residual [1, K], whose sum is also returned); with silu_mul, SiLU(gate) *
     up of x [1, 2K]. split > 1 leaves y as float32 partials [split, 1, N] (not with a norm).
-    preload: read the weight before the PDL wait."""
+    preload: read the weight's first slab before the PDL wait. slab, rows: a program's tile (tiling).
+    """
     n, k = weight.shape
     parts = x.shape[0] if x.dim() == 3 else 1
     if x.shape[-2] != 1 or x.shape[-1] != (2 * k if silu_mul else k):
