@@ -5,16 +5,17 @@ bandwidth its weight streams at, next to a device copy's and cuBLAS's.
 
     python scripts/gemv_bandwidth_gpu.py 8B "default/rows=16/rows=32;slab=16384"
 
-Tilings are separated by '/': 'default' (a slab of whole rows a program, as the model runs them),
-or ';'-separated rows=N and slab=N (gemv.tiling's). Each projection runs with the prologue it has
+Tilings are separated by '/': 'default' (a slab of whole rows a program, as the model runs all but
+the projections gemv.unsplit_rows gives rows), or ';'-separated rows=N and slab=N (gemv.tiling's). Each projection runs with the prologue it has
 in the fused layer (qkv and gate_up: add + RMSNorm; down: SiLU*mul) and plain."""
 
 import functools
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from microbench_gpu import back_to_back_us  # noqa: E402
 
 from inferlab.kernels import gemv  # noqa: E402
@@ -63,15 +64,12 @@ def main(model: str, tilings: list[str]) -> None:
             for prologue in ("plain", fused):
                 kwargs = dict(slab=slab, rows=rows)
                 x = row
-                if prologue == "add_norm":
+                if prologue == "add_norm":  # a norm needs the whole row in each program: unsplit
                     kwargs.update(norm_weight=norm_weight, eps=1e-6, residual=residual)
-                    split = 1
                 elif prologue == "silu_mul":
                     x, kwargs["silu_mul"] = torch.randn(1, 2 * k, device=device, dtype=dtype), True
-                    split = gemv.splits_for(n, k, slab, rows)
-                else:
-                    split = gemv.splits_for(n, k, slab, rows)
-                tile = gemv.tiling(n, k // split, slab, rows)
+                split = 1 if prologue == "add_norm" else gemv.splits_for(n, k, slab, rows)
+                tile = gemv.tiling(n, k // split, slab, rows) if split else None
                 if tile is None:
                     line.append(f"  {tiling} {prologue}: no tiling")
                     continue

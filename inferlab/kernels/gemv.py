@@ -168,7 +168,7 @@ def tiling(n: int, k_split: int, slab: int = SLAB, rows: int | None = None) -> t
     while block_n > 1 and n % block_n:
         block_n //= 2
     k_block = min(k_split & -k_split, max(slab // block_n, 16))
-    return None if k_block < 16 or n % block_n else (block_n, k_block)
+    return None if k_block < 16 else (block_n, k_block)
 
 
 def unsplit_rows(n: int, k: int, slab: int = SLAB) -> int | None:

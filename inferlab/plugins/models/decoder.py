@@ -517,8 +517,10 @@ def gemv_plan(
         qkv_out = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
         q_width = config.num_attention_heads * head_dim
         o_rows, down_rows = gemv.unsplit_rows(hidden, q_width), gemv.unsplit_rows(hidden, inter)
-        o_split = 1 if o_rows else gemv.splits_for(hidden, q_width)
-        down_split = 1 if down_rows else gemv.splits_for(hidden, inter)
+        o_split, down_split = (
+            gemv.splits_for(hidden, q_width, rows=o_rows),
+            gemv.splits_for(hidden, inter, rows=down_rows),
+        )
         wide = gemv.slab_columns(qkv_out, hidden) and gemv.slab_columns(2 * inter, hidden)
         if o_split is None or down_split is None or not wide:
             problem = f"no GEMV tiling fits these shapes (hidden {hidden}, intermediate {inter}, head_dim {head_dim})"
