@@ -360,10 +360,10 @@ class AttentionRun:
         weights = self.random(2, dim).abs() + 0.5
         norm = (weights[0], weights[1], 1e-6) if qk_norm else None
         rows = qkv.view(len(work), -1, dim)
-        q = reference_norm_rotate(rows[:, :heads].cpu(), positions.cpu(), cos_sin.cpu(), norm and norm[::2])
-        k = reference_norm_rotate(
-            rows[:, heads : heads + kv_heads].cpu(), positions.cpu(), cos_sin.cpu(), norm and norm[1:]
-        )
+        # the reference runs on the CPU, its norm weights with it
+        q_norm, k_norm = ((weights[0].cpu(), 1e-6), (weights[1].cpu(), 1e-6)) if qk_norm else (None, None)
+        q = reference_norm_rotate(rows[:, :heads].cpu(), positions.cpu(), cos_sin.cpu(), q_norm)
+        k = reference_norm_rotate(rows[:, heads : heads + kv_heads].cpu(), positions.cpu(), cos_sin.cpu(), k_norm)
         as_model = (q.to(self.dtype).to(self.device), k.to(self.dtype).to(self.device), rows[:, heads + kv_heads :])
         step = self.prepare([(s, 1) for s in work], True, qkv=as_model)
         metadata = self.backend.build_metadata(step.inputs)
