@@ -358,10 +358,11 @@ class AttentionRun:
         qkv = self.random(len(work), (heads + 2 * kv_heads) * dim)
         cos_sin = rotary_table(dim, int(positions.max()) + 1).to(self.device)
         weights = self.random(2, dim).abs() + 0.5
-        norm = (weights[0], weights[1], 1e-6) if qk_norm else None
+        eps = 1e-6
+        norm = (weights[0], weights[1], eps) if qk_norm else None
         rows = qkv.view(len(work), -1, dim)
         # the reference runs on the CPU, its norm weights with it
-        q_norm, k_norm = ((weights[0].cpu(), 1e-6), (weights[1].cpu(), 1e-6)) if qk_norm else (None, None)
+        q_norm, k_norm = ((weights[0].cpu(), eps), (weights[1].cpu(), eps)) if qk_norm else (None, None)
         q = reference_norm_rotate(rows[:, :heads].cpu(), positions.cpu(), cos_sin.cpu(), q_norm)
         k = reference_norm_rotate(rows[:, heads : heads + kv_heads].cpu(), positions.cpu(), cos_sin.cpu(), k_norm)
         as_model = (q.to(self.dtype).to(self.device), k.to(self.dtype).to(self.device), rows[:, heads + kv_heads :])
