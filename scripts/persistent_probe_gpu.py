@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemv_bandwidth_gpu import graph_us  # noqa: E402
 from microbench_gpu import back_to_back_us  # noqa: E402
 
 from inferlab.kernels import gemv  # noqa: E402
@@ -107,6 +108,34 @@ def _phase(
 
 
 @triton.jit
+def _projection(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    counter_ptr,
+    arrived,
+    wait,
+    pid,
+    nprog,
+    N,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    CR: tl.constexpr,
+    NCH: tl.constexpr,
+    SILU: tl.constexpr,
+    POLL_ATOMIC: tl.constexpr,
+):
+    """One projection of the chain: its first weight chunk read, then (if wait) the barrier after the
+    projection before, then _phase. Returns the arrival count the next barrier waits past."""
+    w = _load_chunk(w_ptr, pid, nprog, 0, N, K, KP, CR)
+    if wait:
+        arrived += nprog
+        _grid_sync(counter_ptr, arrived, POLL_ATOMIC)
+    _phase(x_ptr, w_ptr, out_ptr, w, pid, nprog, N, K, KP, CR, NCH, SILU)
+    return arrived
+
+
+@triton.jit
 def _chain_kernel(
     x_ptr,
     qkv_w,
@@ -143,23 +172,47 @@ def _chain_kernel(
         lo = o_w + layer.to(tl.int64) * (H * ATT)
         lg = gu_w + layer.to(tl.int64) * (2 * INTER * H)
         ld = down_w + layer.to(tl.int64) * (H * INTER)
-        w = _load_chunk(lq, pid, nprog, 0, QKV_N, H, HP, CR_QKV)
-        if layer > 0:
-            arrived += nprog
-            _grid_sync(counter_ptr, arrived, POLL_ATOMIC)
-        _phase(x_ptr, lq, qkv_buf, w, pid, nprog, QKV_N, H, HP, CR_QKV, NCH_QKV, False)
-        w = _load_chunk(lo, pid, nprog, 0, H, ATT, ATTP, CR_O)
-        arrived += nprog
-        _grid_sync(counter_ptr, arrived, POLL_ATOMIC)
-        _phase(qkv_buf, lo, o_buf, w, pid, nprog, H, ATT, ATTP, CR_O, NCH_O, False)
-        w = _load_chunk(lg, pid, nprog, 0, 2 * INTER, H, HP, CR_GU)
-        arrived += nprog
-        _grid_sync(counter_ptr, arrived, POLL_ATOMIC)
-        _phase(o_buf, lg, gu_buf, w, pid, nprog, 2 * INTER, H, HP, CR_GU, NCH_GU, False)
-        w = _load_chunk(ld, pid, nprog, 0, H, INTER, INTERP, CR_D)
-        arrived += nprog
-        _grid_sync(counter_ptr, arrived, POLL_ATOMIC)
-        _phase(gu_buf, ld, x_ptr, w, pid, nprog, H, INTER, INTERP, CR_D, NCH_D, True)
+        # the layer's input is the last layer's down_proj output: no barrier before the first
+        arrived = _projection(
+            x_ptr,
+            lq,
+            qkv_buf,
+            counter_ptr,
+            arrived,
+            layer > 0,
+            pid,
+            nprog,
+            QKV_N,
+            H,
+            HP,
+            CR_QKV,
+            NCH_QKV,
+            False,
+            POLL_ATOMIC,
+        )
+        arrived = _projection(
+            qkv_buf, lo, o_buf, counter_ptr, arrived, True, pid, nprog, H, ATT, ATTP, CR_O, NCH_O, False, POLL_ATOMIC
+        )
+        arrived = _projection(
+            o_buf,
+            lg,
+            gu_buf,
+            counter_ptr,
+            arrived,
+            True,
+            pid,
+            nprog,
+            2 * INTER,
+            H,
+            HP,
+            CR_GU,
+            NCH_GU,
+            False,
+            POLL_ATOMIC,
+        )
+        arrived = _projection(
+            gu_buf, ld, x_ptr, counter_ptr, arrived, True, pid, nprog, H, INTER, INTERP, CR_D, NCH_D, True, POLL_ATOMIC
+        )
 
 
 @triton.jit
@@ -217,8 +270,10 @@ def main(model: str, variants: list[str]) -> None:
             x = ((torch.nn.functional.silu(gate) * up) @ down_w[layer].float().T).to(dtype)
         return x
 
-    def error(got, n_layers):
-        want = reference(x0, n_layers).float()
+    # two layers: this random chain's activations vanish within a few more (SiLU(gate) * up squares them)
+    want = reference(x0, 2).float()
+
+    def error(got):
         return ((got.float() - want).norm() / want.norm()).item()
 
     # As the model runs them: one GEMV kernel a projection, the plan's splits.
@@ -234,12 +289,8 @@ def main(model: str, variants: list[str]) -> None:
             x, _ = gemv.gemv(gu, down_w[layer], split=s_d, rows=r_d, silu_mul=True)
         return x.sum(0) if x.dim() == 3 else x
 
-    # two layers: this random chain's activations vanish within a few more (SiLU(gate) * up squares them)
-    err2 = error(kernels_chain(2), 2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels_chain()
-    us = back_to_back_us(graph.replay, 50)
+    err2 = error(kernels_chain(2))
+    us = graph_us([kernels_chain])
     print(
         f"kernels (o split {s_o} rows {r_o}, down split {s_d} rows {r_d}): {us / layers:.2f} us a layer, "
         f"{total / us / 1e3:.0f} GB/s; error against torch {err2:.2e} (2 layers)"
@@ -301,12 +352,8 @@ def main(model: str, variants: list[str]) -> None:
             )
 
         persistent(2)
-        torch.cuda.synchronize()
-        err2 = error(x, 2)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            persistent()
-        us = back_to_back_us(graph.replay, 50)
+        err2 = error(x)
+        us = graph_us([persistent])
         print(
             f"persistent {variant or 'default'} ({programs} programs; chunks qkv {cq}x{nq}, o {co}x{no}, "
             f"gate_up {cg}x{ng}, down {cd}x{nd}): {us / layers:.2f} us a layer, {total / us / 1e3:.0f} GB/s; "
