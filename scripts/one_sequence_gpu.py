@@ -4,7 +4,7 @@ each part (timers wrapped around the scheduler's and runner's calls; none replac
 which would turn the sampling graphs off). Then the device alone: the batch-1 decode graph replayed
 500 times back to back, and the batch-1 sampling graph (LM head and sampler) likewise.
 
-    python3 scripts/one_sequence_gpu.py MODEL_DIR
+    python3 scripts/one_sequence_gpu.py MODEL_DIR [MAX_MODEL_LEN]    # default 4096
 """
 
 import os
@@ -17,7 +17,7 @@ from microbench_gpu import back_to_back_us  # noqa: E402
 
 from inferlab import LLM, SamplingParams  # noqa: E402
 
-llm = LLM(sys.argv[1], attention="triton", max_model_len=4096)
+llm = LLM(sys.argv[1], attention="triton", max_model_len=int(sys.argv[2]) if len(sys.argv) > 2 else 4096)
 runner, sched = llm.runner, llm.scheduler
 spent = defaultdict(float)
 

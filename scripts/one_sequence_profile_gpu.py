@@ -3,7 +3,7 @@ under torch.profiler (CUDA activity: kernels inside graph replays included). Eac
 in launch order with their median duration and their median addition to the step's critical path
 (end minus the latest earlier end: under PDL a kernel starts before its predecessor ends).
 
-    python3 scripts/one_sequence_profile_gpu.py MODEL_DIR
+    python3 scripts/one_sequence_profile_gpu.py MODEL_DIR [MAX_MODEL_LEN]    # default 4096
 """
 
 import statistics
@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from inferlab import LLM, SamplingParams
 
 path = sys.argv[1]
-llm = LLM(path, attention="triton", max_model_len=4096)
+llm = LLM(path, attention="triton", max_model_len=int(sys.argv[2]) if len(sys.argv) > 2 else 4096)
 sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=400)
 llm.generate([[7] * 256], sp, use_tqdm=False)
 t = time.perf_counter()

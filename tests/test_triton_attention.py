@@ -171,15 +171,17 @@ def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     assert_matches_torch(inputs, q, k, v, cache, backend=TritonBackend(decode_order=order))
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 40])
 def test_split_decode_combines_partials_exactly(num_splits):
-    # more splits than some sequences have keys: their empty splits must weigh nothing
-    context_lens = [100, 9, 47]
-    inputs, q, k, v, cache = make_batch([1] * 3, context_lens, 16, 2, 16, 2, seed=2)
+    # more splits than some sequences have keys: their empty splits must weigh nothing, and (as a
+    # graph plans splits for max_model_len) the reduction must not read the scratch they leave, here
+    # NaN; 40 splits of 300 keys give 19 parts of 16, more than the reduction reads at once
+    context_lens = [100, 9, 47, 300]
+    inputs, q, k, v, cache = make_batch([1] * 4, context_lens, 16, 2, 16, 2, seed=2)
     expected = TorchBackend().forward(q, k, v, cache.clone(), TorchBackend().build_metadata(inputs), 0.25)
     store_kv(k, v, cache, inputs.slot_mapping)
-    partial_out = torch.empty(3, q.shape[1], num_splits, 16, device=DEVICE)
-    partial_lse = torch.empty(3, q.shape[1], num_splits, device=DEVICE)
+    partial_out = torch.full((4, q.shape[1], num_splits, 16), float("nan"), device=DEVICE)
+    partial_lse = torch.full((4, q.shape[1], num_splits), float("nan"), device=DEVICE)
     for min_split_len in (0, 32):  # each sequence split evenly; or in parts of at least 32 keys
         got = triton_kernels.paged_decode(
             q,
@@ -197,7 +199,7 @@ def test_split_decode_combines_partials_exactly(num_splits):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # started longest first, each program still writes its own sequence's rows
     order = triton_kernels.longest_first(inputs.seq_lens)
-    assert order.tolist() == [0, 2, 1] and order.dtype == torch.int32
+    assert order.tolist() == [3, 0, 2, 1] and order.dtype == torch.int32
     got = triton_kernels.paged_decode(
         q,
         cache,

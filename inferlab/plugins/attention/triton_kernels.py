@@ -39,7 +39,16 @@ DECODE_RUNTIME_INTS = [
     "lse_stride_seq",
     "lse_stride_head",
 ]
-REDUCE_RUNTIME_INTS = ["partial_stride_seq", "partial_stride_head", "lse_stride_seq", "lse_stride_head", "num_splits"]
+REDUCE_RUNTIME_INTS = [
+    "partial_stride_seq",
+    "partial_stride_head",
+    "lse_stride_seq",
+    "lse_stride_head",
+    "num_splits",
+    "min_split_len",
+]
+# The split partials the reduction reads at a time
+REDUCE_CHUNK = 16
 # Nor is the 16-byte alignment of the step's metadata: these are slices of one buffer per step
 # (ModelRunner.upload), whose offsets, and so alignments, follow the batch's size.
 PREFILL_RUNTIME_POINTERS = ["query_start_ptr", "seq_lens_ptr", "block_tables_ptr"]
@@ -333,6 +342,11 @@ def _decode_split_kernel(
     split_len = tl.maximum(split_len, min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    # A graph's plan has splits enough for max_model_len, so a short sequence leaves most programs
+    # no keys: they write nothing (the reduction reads only the parts that hold keys); the first
+    # still writes a padding row's zeros.
+    if (split > 0) & (start >= seq_len):
+        return
 
     head_offsets = tl.arange(0, BLOCK_H)
     head_mask = head_offsets < GROUP
@@ -425,11 +439,12 @@ def _decode_split_kernel(
         tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split, lse, mask=head_mask)
 
 
-@triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS, do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    seq_lens_ptr,
     out_stride_token,
     out_stride_head,
     partial_stride_seq,
@@ -438,29 +453,52 @@ def _decode_reduce_kernel(
     lse_stride_seq,
     lse_stride_head,
     num_splits,
+    min_split_len,
     SPLITS_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax."""
-    pdl.wait_for_inputs(PDL)
+    """Combines one (sequence, head)'s split partials, weighting each by its share of the softmax.
+    Only the parts that hold keys are read (at least the first), as the split kernel's programs
+    of the others wrote nothing: with the weights in one load where the plan has at most CHUNK
+    parts, else after the weights CHUNK at a time."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_POW2)
-    split_mask = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(
-        partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head + splits, mask=split_mask, other=float("-inf")
-    )
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all (a padding row)
-    weights = tl.exp2(lse - lse_max)
-    total = tl.sum(weights, 0)
+    seq_len = tl.load(seq_lens_ptr + seq)  # a step input, not the split kernel's output
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)  # 0 keys (padding) leave split_len 0
+    pdl.wait_for_inputs(PDL)
+    lse_row = partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head
     partial = partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
-    parts = tl.load(
-        partial + splits[:, None] * partial_stride_split + dims[None, :], mask=split_mask[:, None], other=0.0
-    )
-    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    dims = tl.arange(0, HEAD_DIM)
+    if SPLITS_POW2 <= CHUNK:  # the weights and the parts in one round trip
+        splits = tl.arange(0, SPLITS_POW2)
+        mask = splits < used
+        lse = tl.load(lse_row + splits, mask=mask, other=float("-inf"))
+        parts = tl.load(partial + splits[:, None] * partial_stride_split + dims[None, :], mask=mask[:, None], other=0.0)
+        lse_max = tl.max(lse, 0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no keys at all (a padding row)
+        weights = tl.exp2(lse - lse_max)
+        total = tl.sum(weights, 0)
+        acc = tl.sum(parts * weights[:, None], 0)
+    else:  # the weights first, then the parts CHUNK at a time, which bounds the registers
+        splits = tl.arange(0, SPLITS_POW2)
+        lse = tl.load(lse_row + splits, mask=splits < used, other=float("-inf"))
+        lse_max = tl.max(lse, 0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        total = tl.sum(tl.exp2(lse - lse_max), 0)
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for first in range(0, used, CHUNK):
+            chunk = first + tl.arange(0, CHUNK)
+            mask = chunk < used
+            weights = tl.exp2(tl.load(lse_row + chunk, mask=mask, other=float("-inf")) - lse_max)
+            parts = tl.load(
+                partial + chunk[:, None] * partial_stride_split + dims[None, :], mask=mask[:, None], other=0.0
+            )
+            acc += tl.sum(parts * weights[:, None], 0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * out_stride_token + head * out_stride_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
@@ -679,6 +717,7 @@ def paged_decode(
             out,
             partial_out,
             partial_lse,
+            seq_lens,
             out.stride(0),
             out.stride(1),
             partial_out.stride(0),
@@ -687,7 +726,10 @@ def paged_decode(
             partial_lse.stride(0),
             partial_lse.stride(1),
             num_splits,
+            min_split_len,
             SPLITS_POW2=triton.next_power_of_2(num_splits),
+            CHUNK=min(REDUCE_CHUNK, triton.next_power_of_2(num_splits)),
+            BLOCK_N=block_n,
             HEAD_DIM=head_dim,
             num_warps=4,
             **pdl.launch_options(q.device),
