@@ -392,7 +392,12 @@ def test_the_same_policy_code_schedules_real_and_simulated_runs_alike(tmp_path):
         ]
     )
     settings = dict(
-        scheduler="lpm", kvcache_block_size=16, num_kvcache_blocks=10, max_num_seqs=6, max_num_batched_tokens=64
+        scheduler="lpm",
+        kvcache_block_size=16,
+        num_kvcache_blocks=10,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        overlap_scheduling=False,  # the real steps here are timed one at a time
     )
     real = LLM(device="cpu", **settings)
     workload = build_workload(cfg.bench, real.hf_config.vocab_size, real.config.max_model_len)
@@ -413,3 +418,29 @@ def test_the_same_policy_code_schedules_real_and_simulated_runs_alike(tmp_path):
     ] == pytest.approx(
         [(r.request_id, r.first_scheduled_s, r.first_token_s, r.finish_s, r.num_preemptions) for r in real_run.requests]
     )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_simulated_request_arriving_mid_step_waits_as_on_the_device(overlap):
+    """Steps of 10 ms on the virtual device. Under overlap scheduling (a simulation's default, as
+    a GPU engine's) the step after the running one is launched before a new arrival is seen, so the
+    arrival's prefill runs one step later than without overlap; its tokens are read when each step
+    ends."""
+    from inferlab.driver import run_workload
+    from inferlab.workload import WorkloadRequest
+
+    options = {} if overlap else {"overlap_scheduling": False}
+    sim = LLM(executor="simulated", executor_options={"profile": "roofline"}, **options)
+    assert sim.overlap is overlap
+    sim.runner.cost_model = lambda shape: 0.01
+    sim.runner.profile.admission_s_per_request = sim.runner.profile.admission_s_per_token = 0.0
+    requests = [WorkloadRequest(0, 0.0, list(range(10, 18)), 20), WorkloadRequest(1, 0.025, list(range(20, 28)), 3)]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    run = run_workload(sim, requests, params)
+    first, second = run.requests
+    # the first request's tokens come at the end of each step: 10 ms, 20 ms, ...
+    assert first.token_times_s == pytest.approx([0.01 * (k + 1) for k in range(20)])
+    # seen at 30 ms (the end of the step it arrived in); under overlap the step launched at 20 ms
+    # still runs until 40 ms, so its prefill ends at 50 ms, else at 40 ms
+    assert second.first_token_s == pytest.approx(0.05 if overlap else 0.04)
+    assert second.token_times_s == pytest.approx([second.first_token_s + 0.01 * k for k in range(3)])

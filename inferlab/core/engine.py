@@ -244,7 +244,9 @@ class LLMEngine:
         self.next_request_id = 0
         self.stats = EngineStats()
         overlap = config.overlap_scheduling
-        self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
+        # a simulation stands in for a GPU engine, so it overlaps as that engine would
+        default_overlap = simulated or self.runner.device.type == "cuda"
+        self.overlap = default_overlap if overlap is None else bool(overlap)
         self.pending = None  # (tokens advance appended, StepHandle) of the step launched last, under overlap
         self.unreported: list[Request] = []  # finished, for the next step to report (a step that raised could not)
         if not simulated:

@@ -1,10 +1,13 @@
 """The simulated executor: the engine's runner replaced by a step-cost model on a virtual clock.
 
 The scheduler policy, the KV cache manager and the engine loop run as they do on a GPU; only the
-forward pass and sampling are replaced: each launched step advances the virtual clock by the
-time the cost model predicts for it (and each added request by the host's time to admit it),
-and every sampling row gets a synthetic token (never EOS), so output lengths come from
-max_tokens (the workloads use ignore_eos). The KV cache holds as
+forward pass and sampling are replaced: each launched step occupies a virtual device for the time
+the cost model predicts for it, after the steps launched before it, and reading its tokens moves
+the virtual clock to its end (each added request moves the clock by the host's time to admit it).
+So under overlap scheduling (on by default, as on a GPU) the next step is scheduled and launched
+while one runs, and a request that arrives meanwhile waits for both, as on the device. Every
+sampling row gets a synthetic token (never EOS), so output lengths come from max_tokens (the
+workloads use ignore_eos). The KV cache holds as
 many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
 eviction happen as on the device.
 """
@@ -115,7 +118,8 @@ class SimulatedRunner:
         self.profile = profile
         self.clock = VirtualClock()
         self.cost_model = profile.cost_model()
-        self.device = torch.device("cpu")  # nothing runs anywhere: no overlap, no CUDA graphs to capture
+        self.device = torch.device("cpu")  # nothing runs anywhere: no CUDA graphs to capture
+        self.device_free_at = 0.0  # when the virtual device finishes the steps launched so far
         self.dtype = getattr(torch, profile.dtype)
         self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
         self.block_size = config.kvcache_block_size
@@ -168,8 +172,10 @@ class SimulatedRunner:
         self.clock.now += self.profile.admission_seconds(request.num_prompt_tokens)
 
     def launch(self, batch) -> "SimulatedStep":
+        """Queues the step on the virtual device; its tokens are ready when it ends (the
+        profile's step times are of steps launched back to back, so they hold the host's launch)."""
         seconds = self.cost_model(StepShape.of(batch, self.graph_limits))
-        self.clock.now += seconds
+        self.device_free_at = max(self.clock.now, self.device_free_at) + seconds
         self.simulated_seconds += seconds
         self.num_steps += 1
         sample_rows = [
@@ -177,14 +183,17 @@ class SimulatedRunner:
             for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
             if request.num_computed_tokens + num_tokens == len(request.token_ids)
         ]
-        return SimulatedStep(len(batch.requests), sample_rows, self.token)
+        return SimulatedStep(len(batch.requests), sample_rows, self.token, self.clock, self.device_free_at)
 
 
 class SimulatedStep:
-    def __init__(self, num_rows: int, sample_rows: list[int], token: int):
+    def __init__(self, num_rows: int, sample_rows: list[int], token: int, clock: VirtualClock, ends_at: float):
         self.num_rows, self.sample_rows, self.token = num_rows, sample_rows, token
+        self.clock, self.ends_at = clock, ends_at
 
     def tokens(self) -> list[int | None]:
+        """The step's tokens, once the virtual device has run it."""
+        self.clock.advance_to(self.ends_at)
         out: list[int | None] = [None] * self.num_rows
         for row in self.sample_rows:
             out[row] = self.token
