@@ -30,7 +30,8 @@ class EngineConfig:
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1  # -1: sized from free device memory
     enable_prefix_caching: bool = True
-    overlap_scheduling: bool | None = None  # None: on for CUDA, where the CPU can run ahead of the GPU
+    # None: on for CUDA, where the CPU can run ahead of the GPU, and for a simulation of it
+    overlap_scheduling: bool | None = None
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": the checkpoint's on GPU, float32 on CPU
     kv_cache_dtype: str = "auto"  # "auto": dtype's; "fp8": float8 e4m3 (inferlab/core/kv_cache_dtype.py)
