@@ -266,6 +266,13 @@ def _attend_new_key(q, acc, m_i, l_i, k, v, scale_log2):
     return acc, m_new, l_i
 
 
+@triton.jit
+def _split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """How many of a sequence's keys each of its num_splits parts takes: an even share in whole
+    tiles, at least min_split_len. The split kernel and the reduction must agree on it."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+
+
 @triton.jit(do_not_specialize=DECODE_RUNTIME_INTS, do_not_specialize_on_alignment=DECODE_RUNTIME_POINTERS)
 def _decode_split_kernel(
     q_ptr,
@@ -338,8 +345,7 @@ def _decode_split_kernel(
     else:
         seq = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)  # 0 for padding rows: they attend to nothing and output 0
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
+    split_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     # A graph's plan has splits enough for max_model_len, so a short sequence leaves most programs
@@ -467,7 +473,7 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)  # a step input, not the split kernel's output
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    split_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
     used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)  # 0 keys (padding) leave split_len 0
     pdl.wait_for_inputs(PDL)
     lse_row = partial_lse_ptr + seq * lse_stride_seq + head * lse_stride_head
