@@ -1,0 +1,76 @@
+"""Every Triton kernel variant the CPU tests reach compiles for a Hopper GPU (sm_90).
+
+CI has no GPU, and Triton's interpreter runs kernels that its compiler rejects (a loop that
+changes a variable's shape, a branch that makes a value of two types), so the kernel tests below
+are re-run interpreted with their launches recorded, and each distinct variant is then compiled,
+with PDL as a Hopper GPU launches it, by the installed Triton (kernel_variants.py)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+SAMPLING = textwrap.dedent("""
+    import sys
+    import kernel_variants
+    kernel_variants.start_recording()
+    import torch
+    from inferlab.kernels.sampling import sample_tokens
+    for rows, vocab in [(3, 4099), (2, 7)]:
+        temperatures = torch.tensor([0.0, 0.7, 1.3][:rows])
+        sample_tokens(torch.randn(rows, vocab).bfloat16(), temperatures, torch.arange(rows), torch.arange(rows))
+    kernel_variants.save(sys.argv[1])
+""")
+
+
+def test_every_kernel_variant_the_cpu_tests_reach_compiles_for_sm90(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the kernel tests compile every variant themselves")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    recording = {**env, "TRITON_INTERPRET": "1", "INFERLAB_KERNEL_LAUNCHES": str(tmp_path / "tests.pkl")}
+    tests = [os.path.join(TESTS, name) for name in ("test_triton_attention.py", "test_model_kernels.py")]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "kernel_variants", "-p", "no:cacheprovider", *tests]
+        + ["-k", "not generate"],
+        env=recording,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = subprocess.run(
+        [sys.executable, "-c", SAMPLING, str(tmp_path / "sampling.pkl")],
+        env=recording,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    compiling = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    compiling["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled here, not found from an earlier run
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(TESTS, "kernel_variants.py"),
+            str(tmp_path / "tests.pkl"),
+            str(tmp_path / "sampling.pkl"),
+        ],
+        env=compiling,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    report = run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0 and "FAILED" not in run.stdout, report
+    assert "never compiled" not in run.stdout, report  # each kernel reached by some test
+    assert run.stdout.count("compiled ") >= 14, report
