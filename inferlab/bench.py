@@ -168,6 +168,7 @@ def simulation(llm) -> dict:
             "profile_kind": runner.profile.kind,
             "profile_source": runner.profile.source,
             "cost_model": runner.cost_model.describe(),
+            "host_launch": runner.host_launch_model.describe() if runner.host_launch_model else None,
             "admission_s": {
                 "per_request": runner.profile.admission_s_per_request,
                 "per_prompt_token": runner.profile.admission_s_per_token,

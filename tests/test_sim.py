@@ -10,7 +10,13 @@ import pytest
 from inferlab import LLM, SamplingParams
 from inferlab.core.cuda_graphs import prefill_graph_capacity
 from inferlab.floor import DeviceRates, ModelCost
-from inferlab.sim.cost_model import MeasuredCostModel, RooflineCostModel, StepShape, nonnegative_least_squares
+from inferlab.sim.cost_model import (
+    HostLaunchModel,
+    MeasuredCostModel,
+    RooflineCostModel,
+    StepShape,
+    nonnegative_least_squares,
+)
 from inferlab.sim.profile import Profile, load_profile, model_fields, shipped_profiles
 
 
@@ -124,6 +130,74 @@ def test_graphed_prefill_steps_have_their_own_costs_and_no_host_floor():
     # a profile older than graph_tokens: its graphed steps pay for their own tokens
     old = StepShape.from_measurement({k: v for k, v in small.as_dict().items() if k != "graph_tokens"})
     assert old == small and few(old) == few(small)
+
+
+def test_the_host_launch_model_recovers_linear_launch_times(tmp_path):
+    """host_seconds of graphed steps (0.7 ms, 0.5 ms more with prefill, 2 us a request, 0.5 us a
+    prefill token, 0.1 ns a context token) and of eager ones (20 ms, 1 us a prefill token) are
+    fitted apart; a profile without host_seconds launches in no time."""
+
+    def truth(shape: StepShape) -> float:
+        if not shape.graph:
+            return 0.02 + 1e-6 * shape.prefill_tokens
+        requests = shape.prefill_requests + shape.decode_requests
+        return (
+            7e-4
+            + 5e-4 * bool(shape.prefill_tokens)
+            + 2e-6 * requests
+            + 5e-7 * shape.prefill_tokens
+            + 1e-10 * shape.decode_context
+        )
+
+    graphed = [
+        StepShape(prefill_tokens=n, prefill_requests=1, decode_requests=d, graph=True)
+        for n in (16, 1024)
+        for d in (0, 8)
+    ]
+    grid = GRID + graphed
+    model = HostLaunchModel([{**s.as_dict(), "seconds": 1.0, "host_seconds": truth(s)} for s in grid])
+    unseen = [
+        StepShape(decode_requests=32, decode_context=32 * 700, graph=True),
+        StepShape(prefill_tokens=300, prefill_requests=2, decode_requests=3, graph=True),
+        StepShape(prefill_tokens=5000, prefill_requests=1),
+    ]
+    for shape in grid + unseen:
+        assert model(shape) == pytest.approx(truth(shape), rel=1e-6)
+    assert model.describe()["graph"]["with_prefill_s"] == pytest.approx(5e-4, rel=1e-6)
+    with pytest.raises(ValueError, match="host_seconds"):
+        HostLaunchModel(measured(GRID))
+    assert load_profile(hand_profile(tmp_path)).host_launch_model() is None
+    assert load_profile("h200-qwen3-0.6b-triton").host_launch_model() is not None
+
+
+@pytest.mark.parametrize(
+    "graph,launch_ms,token_ms",
+    [
+        # each step 2 ms on the device. A graph launched onto the idle device starts when its 1 ms
+        # launch ends; then each next launch hides behind the step before it
+        (True, 1.0, [3, 5, 7]),
+        # launches of 5 ms bound the steps; a step's tokens are read after the next launch
+        (True, 5.0, [10, 15, 17]),
+        # an eager step's kernels start as they are launched, and it ends no earlier than its launch
+        (False, 1.0, [2, 4, 6]),
+        (False, 5.0, [10, 15, 15]),
+    ],
+)
+def test_launching_a_step_takes_the_host_its_launch_time(graph, launch_ms, token_ms):
+    """One request of three tokens under overlap scheduling (prefill, then two decodes)."""
+    from inferlab.core.cuda_graphs import GraphLimits
+    from inferlab.driver import run_workload
+    from inferlab.workload import WorkloadRequest
+
+    sim = LLM(executor="simulated", executor_options={"profile": "roofline"})
+    sim.runner.cost_model = lambda shape: 0.002
+    sim.runner.host_launch_model = lambda shape: launch_ms / 1e3
+    sim.runner.graph_limits = GraphLimits(decode_batch=8, prefill_tokens=64) if graph else GraphLimits()
+    sim.runner.profile.admission_s_per_request = sim.runner.profile.admission_s_per_token = 0.0
+    run = run_workload(
+        sim, [WorkloadRequest(0, 0.0, list(range(10, 18)), 3)], [SamplingParams(max_tokens=3, ignore_eos=True)]
+    )
+    assert run.requests[0].token_times_s == pytest.approx([t / 1e3 for t in token_ms])
 
 
 def test_which_steps_replay_graphs():

@@ -1,4 +1,5 @@
-"""Step-cost models: how long the GPU work of one engine step takes, from the step's composition.
+"""Step-cost models: how long the GPU work of one engine step takes, from the step's composition,
+and how long the host takes to launch it.
 
 A step is described by what drives its cost: its prefill tokens and the (query, key) pairs their
 attention covers (so cached context counts), its decode sequences and the cached tokens they read,
@@ -13,6 +14,9 @@ and whether it replays a CUDA graph. Two models predict a step's seconds from th
   part per prefill token, per attention pair and per decode request, fitted by least squares,
   plus its decode requests' K/V reads; one replayed from a CUDA graph, the same terms fitted apart
   with no floor, its tokens counted as the graph's padded size.
+- `HostLaunchModel`, fitted to the same profile's host times: how long the host takes to launch
+  a step, which the simulated executor puts on its clock (a device step hides the next launch;
+  a step launched onto an idle device waits for its own).
 - `RooflineCostModel`, from a device's memory bandwidth and matmul rate alone: the larger of the
   step's bytes over the bandwidth and its FLOPs over the matmul rate, plus a per-step overhead.
   It serves any model shape and device, as a floor rather than a prediction.
@@ -205,6 +209,44 @@ class _DecodeFit:
 
     def describe(self) -> dict:
         return {"batch_sizes": self.sizes, "fixed_s": self.fixed, "per_context_token_s": self.per_token}
+
+
+class HostLaunchModel:
+    """The host's time to launch a step (prepare its inputs, launch or replay its kernels), fitted
+    to a profile's `host_seconds`: a fixed part, more for a step with prefill, and parts per
+    request, per prefill token and per decode context token, with their own coefficients for
+    steps replayed from CUDA graphs and for eager ones, fitted to relative errors. Back to back
+    the device hides it, but a step launched onto an idle device waits for it, as does reading
+    the tokens of the step before, which comes after the next launch."""
+
+    def __init__(self, measurements: list[dict]):
+        self.coefficients = {}
+        for graph in (True, False):
+            points = [m for m in measurements if bool(m["graph"]) == graph and m.get("host_seconds")]
+            if points:
+                rows = np.array([self._row(StepShape.from_measurement(m)) for m in points])
+                host = np.array([m["host_seconds"] for m in points])
+                self.coefficients[graph] = nonnegative_least_squares(rows / host[:, None], np.ones_like(host))
+        if not self.coefficients:
+            raise ValueError("the profile's measurements hold no host_seconds")
+
+    @staticmethod
+    def _row(shape: StepShape) -> list[float]:
+        return [
+            1.0,
+            1.0 if shape.prefill_tokens else 0.0,
+            shape.prefill_requests + shape.decode_requests,
+            shape.prefill_tokens,
+            shape.decode_context,
+        ]
+
+    def __call__(self, shape: StepShape) -> float:
+        coefficients = self.coefficients.get(bool(shape.graph)) or next(iter(self.coefficients.values()))
+        return float(np.dot(self._row(shape), coefficients))
+
+    def describe(self) -> dict:
+        names = ("base_s", "with_prefill_s", "per_request_s", "per_prefill_token_s", "per_decode_context_token_s")
+        return {("graph" if g else "eager"): dict(zip(names, c)) for g, c in self.coefficients.items()}
 
 
 class RooflineCostModel:

@@ -3,7 +3,8 @@
 The scheduler policy, the KV cache manager and the engine loop run as they do on a GPU; only the
 forward pass and sampling are replaced: each launched step occupies a virtual device for the time
 the cost model predicts for it, after the steps launched before it, and reading its tokens moves
-the virtual clock to its end (each added request moves the clock by the host's time to admit it).
+the virtual clock to its end (launching a step moves the clock by the host's time to launch it,
+and each added request by the host's time to admit it).
 So under overlap scheduling (on by default, as on a GPU) the next step is scheduled and launched
 while one runs, and a request that arrives meanwhile waits for both, as on the device. Every
 sampling row gets a synthetic token (never EOS), so output lengths come from max_tokens (the
@@ -118,6 +119,7 @@ class SimulatedRunner:
         self.profile = profile
         self.clock = VirtualClock()
         self.cost_model = profile.cost_model()
+        self.host_launch_model = profile.host_launch_model()
         self.device = torch.device("cpu")  # nothing runs anywhere: no CUDA graphs to capture
         self.device_free_at = 0.0  # when the virtual device finishes the steps launched so far
         self.dtype = getattr(torch, profile.dtype)
@@ -172,10 +174,19 @@ class SimulatedRunner:
         self.clock.now += self.profile.admission_seconds(request.num_prompt_tokens)
 
     def launch(self, batch) -> "SimulatedStep":
-        """Queues the step on the virtual device; its tokens are ready when it ends (the
-        profile's step times are of steps launched back to back, so they hold the host's launch)."""
-        seconds = self.cost_model(StepShape.of(batch, self.graph_limits))
-        self.device_free_at = max(self.clock.now, self.device_free_at) + seconds
+        """Queues the step on the virtual device; its tokens are ready when it ends. Launching
+        takes the host the profile's launch time for the step, on the clock: a CUDA graph runs
+        once launched; an eager step's kernels run as they are launched, so it starts at once but
+        ends no earlier than its launch. Back to back, a device step longer than the next launch
+        hides that launch; a step onto an idle device waits for its own."""
+        shape = StepShape.of(batch, self.graph_limits)
+        seconds = self.cost_model(shape)
+        launched = self.clock.now + (self.host_launch_model(shape) if self.host_launch_model else 0.0)
+        if shape.graph:
+            self.device_free_at = max(self.device_free_at, launched) + seconds
+        else:
+            self.device_free_at = max(max(self.device_free_at, self.clock.now) + seconds, launched)
+        self.clock.now = launched
         self.simulated_seconds += seconds
         self.num_steps += 1
         sample_rows = [

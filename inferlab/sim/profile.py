@@ -14,7 +14,7 @@ from typing import Any
 
 from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.floor import DeviceRates, model_cost
-from inferlab.sim.cost_model import MeasuredCostModel, RooflineCostModel
+from inferlab.sim.cost_model import HostLaunchModel, MeasuredCostModel, RooflineCostModel
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 FORMAT = 1
@@ -73,6 +73,13 @@ class Profile:
         if config.graph_prefill_tokens is not None:  # the profile holds the limit its engine resolved
             prefill_tokens = min(prefill_tokens, config.graph_prefill_tokens)
         return GraphLimits(min(self.graph_batch_limit, config.max_num_seqs), prefill_tokens, self.graph_decode_limit)
+
+    def host_launch_model(self) -> HostLaunchModel | None:
+        """The host's launch time of a step, where the profile measured it (None: a roofline
+        estimate, or a profile older than host_seconds, whose steps launch in no time)."""
+        if self.kind != "measured" or not any(m.get("host_seconds") for m in self.measurements):
+            return None
+        return HostLaunchModel(self.measurements)
 
     def cost_model(self):
         if self.kind == "measured":
