@@ -370,7 +370,7 @@ def report(root: str) -> tuple[list[str], list[list]]:
         print(format_table(header, rows, num_figures))
         write_csv(os.path.join(root, "report.csv"), header, rows)
         written.append("report.csv")
-        title = f"{os.path.abspath(root)} ({len(results)} runs" + (f", {len(failed)} failed)" if failed else ")")
+        title = f"{os.path.normpath(root)} ({len(results)} runs" + (f", {len(failed)} failed)" if failed else ")")
         if any(figure(r, key) is not None for _, r in results for key in PLOTTED):
             plot_throughput(os.path.join(root, "report.png"), results, title)
             written.append("report.png")
