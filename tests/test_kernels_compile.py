@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import kernel_variants
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -71,6 +72,8 @@ def test_every_kernel_variant_the_cpu_tests_reach_compiles_for_sm90(tmp_path):
         timeout=900,
     )
     report = run.stdout + run.stderr[-3000:]
+    if run.returncode == kernel_variants.NO_INTERNALS:
+        pytest.skip(run.stdout.strip())
     assert run.returncode == 0 and "FAILED" not in run.stdout, report
     assert "never compiled" not in run.stdout, report  # each kernel reached by some test
     assert run.stdout.count("compiled ") >= 14, report
