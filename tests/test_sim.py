@@ -412,6 +412,40 @@ def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
     assert sim.clock() > 0
 
 
+@pytest.mark.parametrize("host,device", [(0.002, 0.005), (0.005, 0.002)])
+def test_a_profiled_step_takes_its_device_time_or_its_launch_whichever_is_longer(monkeypatch, host, device):
+    """A runner whose launch takes the host `host` seconds and whose step then takes the device
+    `device` seconds, on a virtual clock: the profiled step time is the steady interval between
+    reads, max(host, device), without the first launch onto the idle device."""
+    from inferlab.sim import profiling
+    from inferlab.sim.executor import VirtualClock
+
+    class Step:
+        def __init__(self, ends_at):
+            self.ends_at = ends_at
+
+        def tokens(self):
+            clock.advance_to(self.ends_at)
+            return []
+
+    clock, device_free_at = VirtualClock(), [0.0]
+
+    def launch(batch):
+        clock.now += host
+        device_free_at[0] = max(device_free_at[0], clock.now) + device
+        return Step(device_free_at[0])
+
+    with LLM(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        monkeypatch.setattr(llm.runner, "launch", launch)
+        monkeypatch.setattr(profiling.time, "perf_counter", clock)
+        measurement = profiling.StepTimer(llm, repeats=5).time([(16, 1)])
+        monkeypatch.undo()
+    assert measurement["seconds"] == pytest.approx(max(host, device))
+    assert measurement["host_seconds"] == pytest.approx(host)
+    with pytest.raises(ValueError, match="repeats"):
+        profiling.ProfileConfig(repeats=1)
+
+
 class ReplayCost:
     """A cost model that returns measured step times, in order."""
 

@@ -5,8 +5,8 @@ Each composition (decode batches of several sizes and contexts, with and without
 prefill chunks of several sizes with and without cached context, alone, split over requests and
 mixed with decodes of short and long contexts) is built as requests holding real KV blocks and
 launched back to back as the engine does under overlap scheduling (the next launch before the
-previous tokens are read), so a step's time is what a run pays for it: the device's work or, where
-it is longer, the host's. Each measurement also gives `host_seconds`, the host's time in launching
+previous tokens are read), so a step's time, the steady interval between two reads, is what a run
+pays for it: the device's work or, where it is longer, the host's launch. Each measurement also gives `host_seconds`, the host's time in launching
 it, and on a GPU `device_seconds`, the device's own time for the step: where `seconds` is well
 above it, the host bounds the step.
 """
@@ -43,11 +43,17 @@ class ProfileConfig:
     """`inferlab job=profile`: where to write the profile and how long to time each step."""
 
     out: str = "profile.json"
-    repeats: int = 10  # timed launches per composition (after 3 untimed ones)
+    repeats: int = 10  # steps timed per composition, after 3 untimed ones
     decode_batches: list[int] = field(default_factory=lambda: list(DECODE_BATCHES))
     decode_contexts: list[int] = field(default_factory=lambda: list(DECODE_CONTEXTS))
     prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
     commit: str | None = None  # recorded in the profile (default: the checkout's)
+
+    def __post_init__(self):
+        if not isinstance(self.repeats, int) or self.repeats < 2:
+            raise ValueError(
+                f"profile.repeats must be a whole number >= 2 (steps timed a composition), got {self.repeats!r}"
+            )
 
 
 def synchronize(device: torch.device) -> None:
@@ -94,17 +100,22 @@ class StepTimer:
             for _ in range(3):
                 runner.launch(batch).tokens()
             synchronize(runner.device)
-            start, previous, launching = time.perf_counter(), None, 0.0
-            for _ in range(self.repeats):
+            # The step's time is the steady interval between reading one step's tokens and the
+            # next's, each read after the next launch as the engine does: the device's step or the
+            # host's launch, whichever is longer, without the first launch onto the idle device
+            # (which the simulator puts on its clock itself).
+            previous, launching, read = None, 0.0, []
+            for _ in range(self.repeats + 1):
                 launched = time.perf_counter()
                 handle = runner.launch(batch)
                 launching += time.perf_counter() - launched
                 if previous is not None:
                     previous.tokens()
+                    read.append(time.perf_counter())
                 previous = handle
             previous.tokens()
             synchronize(runner.device)
-            seconds = (time.perf_counter() - start) / self.repeats
+            seconds = (read[-1] - read[0]) / (len(read) - 1)
             device_seconds = self._device_seconds(batch, seconds) if runner.device.type == "cuda" else None
         finally:
             runner.decode_graphs, runner.prefill_graphs = saved
@@ -115,7 +126,7 @@ class StepTimer:
         measurement = {
             **StepShape.of(batch, limits).as_dict(),
             "seconds": seconds,
-            "host_seconds": launching / self.repeats,
+            "host_seconds": launching / (self.repeats + 1),
         }
         if device_seconds is not None:
             measurement["device_seconds"] = device_seconds
