@@ -6,9 +6,9 @@ prefill chunks of several sizes with and without cached context, alone, split ov
 mixed with decodes of short and long contexts) is built as requests holding real KV blocks and
 launched back to back as the engine does under overlap scheduling (the next launch before the
 previous tokens are read), so a step's time, the steady interval between two reads, is what a run
-pays for it: the device's work or, where it is longer, the host's launch. Each measurement also gives `host_seconds`, the host's time in launching
-it, and on a GPU `device_seconds`, the device's own time for the step: where `seconds` is well
-above it, the host bounds the step.
+pays for it: the device's work or, where it is longer, the host's launch. Each measurement also
+gives `host_seconds`, the host's time in launching it, and on a GPU `device_seconds`, the
+device's own time for the step: where `seconds` is well above it, the host bounds the step.
 """
 
 import json
@@ -43,7 +43,7 @@ class ProfileConfig:
     """`inferlab job=profile`: where to write the profile and how long to time each step."""
 
     out: str = "profile.json"
-    repeats: int = 10  # steps timed per composition, after 3 untimed ones
+    repeats: int = 10  # steps read per composition (repeats - 1 intervals timed), after 3 untimed ones
     decode_batches: list[int] = field(default_factory=lambda: list(DECODE_BATCHES))
     decode_contexts: list[int] = field(default_factory=lambda: list(DECODE_CONTEXTS))
     prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
