@@ -85,15 +85,16 @@ def compile_variants(launches, threads: int = 2) -> tuple[dict, list[str]]:
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    variants = {}
+    variants, binders = {}, {}
     for module, name, args, kwargs in launches:
         kernel = getattr(importlib.import_module(module), name)
         args = [rebuilt(a) for a in args]
         kwargs = {k: rebuilt(v) for k, v in kwargs.items()}
         if "PDL" in kwargs:  # the interpreter launches without PDL, a Hopper GPU with it
             kwargs.update(PDL=True, launch_pdl=True)
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
+        if kernel not in binders:  # one per kernel, as Triton builds it once a device
+            binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binders[kernel](*args, **kwargs)
         key = (module, name, compute_cache_key({}, specialization, options))
         if key not in variants:
             variants[key] = (kernel, *kernel._pack_args(backend, kwargs, bound, specialization, options))
