@@ -29,6 +29,8 @@ them in kernels of their own, 4,176 for the Triton GEMMs.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -169,6 +171,75 @@ def _gemv_rows_kernel(
     PDL: tl.constexpr,
 ):
     """_gemv_kernel's program for the M (at most ROWS, a power of two) rows of a step of a few
+    tokens: each weight tile, read once, multiplies a [ROWS, K_BLOCK] tile of the rows, summed
+    along K per row; rows past M read row M - 1 again and are not stored."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offsets = tl.arange(0, K_BLOCK)
+    in_slice = offsets < K_SPLIT
+    ks = split * K_SPLIT + offsets
+    weight_ptrs = weight_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    if PRELOAD:
+        w = _load(weight_ptrs, in_slice[None, :], MASKED)
+        pdl.wait_for_inputs(PDL)
+    else:
+        pdl.wait_for_inputs(PDL)
+        w = _load(weight_ptrs, in_slice[None, :], MASKED)
+    dtype = weight_ptr.dtype.element_ty
+    row_ids = tl.arange(0, ROWS)
+    live = row_ids[:, None] < M
+    taken = tl.minimum(row_ids, M - 1)[:, None]
+    x_rows = x_ptr + taken * (2 * K if PROLOGUE == 3 else K)  # SILU_MUL: gate then up
+    residual_rows = residual_ptr + taken * K
+    residual_out = residual_out_ptr + row_ids[:, None] * K
+    ks, in_slice = ks[None, :], in_slice[None, :]
+    rows = _row_chunk(x_rows, residual_rows, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+    if PROLOGUE == 1 or PROLOGUE == 2:  # the norms: K_SPLIT == K, the program reads the whole rows
+        if PROLOGUE == 2 and pid_n == 0:
+            tl.store(residual_out + ks, rows.to(dtype), mask=live & in_slice)
+        sum_sq = tl.sum(rows * rows, 1)
+        for start in tl.range(K_BLOCK, K, K_BLOCK):  # the rest of the rows, for their norms
+            later = _row_chunk(x_rows, residual_rows, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+            if PROLOGUE == 2 and pid_n == 0:
+                tl.store(residual_out + ks + start, later.to(dtype), mask=live)
+            sum_sq += tl.sum(later * later, 1)
+        rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
+        rows = _normed(rows, rstd, norm_weight_ptr, ks, in_slice, MASKED, dtype)
+    acc = tl.sum(w.to(tl.float32)[None, :, :] * rows[:, None, :], 2)
+    for start in tl.range(K_BLOCK, K_SPLIT, K_BLOCK):
+        w = tl.load(weight_ptrs + start)
+        rows = _row_chunk(x_rows, residual_rows, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            rows = _normed(rows, rstd, norm_weight_ptr, ks + start, in_slice, MASKED, dtype)
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * rows[:, None, :], 2)
+    out_ptrs = out_ptr + (split * M + row_ids[:, None]) * N + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _gemv_turns_kernel(
+    x_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    M,
+    N,
+    eps,
+    part_stride,
+    K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+    X_PARTS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """_gemv_kernel's program for the M (at most ROWS, a power of two) rows of a step of a few
     tokens: each weight tile, read once, serves every row in turn. A row's reads come before any
     store of the program (the rows' new residual is stored after them), so that they are all in
     flight at once instead of one row's latency after another's; rows past M read row M - 1 again
@@ -191,15 +262,12 @@ def _gemv_rows_kernel(
     row_ids = tl.arange(0, ROWS)
     out = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     rstds = tl.zeros([ROWS], dtype=tl.float32)
-    sums = tl.zeros([ROWS, K_BLOCK], dtype=tl.float32)  # ADD_NORM: the rows' first chunk of residual
     weights = w.to(tl.float32)
     for r in tl.static_range(ROWS):
         x_r = x_ptr + tl.minimum(r, M - 1) * x_width
         residual_r = residual_ptr + tl.minimum(r, M - 1) * K
         row = _row_chunk(x_r, residual_r, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
         if PROLOGUE == 1 or PROLOGUE == 2:  # the norms: K_SPLIT == K, the program reads the whole row
-            if PROLOGUE == 2:
-                sums = tl.where(row_ids[:, None] == r, row[None, :], sums)
             sum_sq = tl.sum(row * row, 0)
             for start in tl.range(K_BLOCK, K, K_BLOCK):  # the rest of the row, for its norm
                 later = _row_chunk(x_r, residual_r, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
@@ -212,8 +280,11 @@ def _gemv_rows_kernel(
         product = tl.sum(weights * row[None, :], 1)
         out += tl.where(row_ids[None, :] == r, product[:, None], 0.0)
     if PROLOGUE == 2 and pid_n == 0:
-        live = (row_ids[:, None] < M) & in_slice[None, :]
-        tl.store(residual_out_ptr + row_ids[:, None] * K + ks[None, :], sums.to(dtype), mask=live)
+        for r in tl.static_range(ROWS):
+            if r < M:
+                x_r = x_ptr + r * x_width
+                row = _row_chunk(x_r, residual_ptr + r * K, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
+                tl.store(residual_out_ptr + r * K + ks, row.to(dtype), mask=in_slice)
     for start in tl.range(K_BLOCK, K_SPLIT, K_BLOCK):
         weights = tl.load(weight_ptrs + start).to(tl.float32)
         for r in tl.static_range(ROWS):
@@ -331,7 +402,8 @@ def gemv(
     else:
         prologue = NORM if residual is None else ADD_NORM
     block_n, k_block = tile
-    kernel, by_rows = (_gemv_kernel, ()) if m == 1 else (_gemv_rows_kernel, (m,))
+    rows_kernel = _gemv_turns_kernel if os.environ.get("INFERLAB_GEMV_TURNS") == "1" else _gemv_rows_kernel
+    kernel, by_rows = (_gemv_kernel, ()) if m == 1 else (rows_kernel, (m,))
     kernel[(n // block_n, split)](
         x,
         x if residual is None else residual,
