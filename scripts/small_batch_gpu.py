@@ -1,10 +1,9 @@
-"""Decode at small batches against model options (gemv_tokens, the most tokens a step runs
-through the GEMVs, say), in one process: per setting and batch B of 1-16 sequences, B sequences
-decoding 512 tokens each after 256-token prompts of their own ids (output tok/s, the best of two
-runs), then the decode graph of B sequences replayed 300 times back to back as the last step left
-it (device time a step at a context of 767 tokens).
+"""Decode at small batches against model options (DecoderOptions), in one process: per setting
+and batch B of 1-16 sequences, B sequences decoding 512 tokens each after 256-token prompts of
+their own ids (output tok/s, the best of two runs), then the decode graph of B sequences replayed
+300 times back to back as the last step left it (device time a step at a context of 767 tokens).
 
-    python3 scripts/small_batch_gpu.py MODEL_DIR SETTING...   # e.g. gemv_tokens=1 gemv_tokens=8,gemv_fused=false
+    python3 scripts/small_batch_gpu.py MODEL_DIR SETTING...   # e.g. split_k_tokens=256 split_k_tokens=0,gemv_decode=false
 """
 
 import os

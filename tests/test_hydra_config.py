@@ -119,7 +119,7 @@ def test_builtin_backend_and_model_options_are_typed_overrides():
         "triton_kernels": False,
         "split_k_tokens": 0,
         "triton_gemm_tokens": 16,
-        "gemv_tokens": 1,
+        "gemv_decode": True,
         "gemv_fused": False,
         "gemv_preload": True,
     }

@@ -291,7 +291,7 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
     go through the norms, and the decode steps take the tiling for a few rows (not the GEMVs that
     one sequence's steps take by default)."""
     path = checkpoint("gqa4-untied")
-    llm = wrapping_engine(path, max_num_batched_tokens=256, split_k_tokens=256, gemv_tokens=0)
+    llm = wrapping_engine(path, max_num_batched_tokens=256, split_k_tokens=256, gemv_decode=False)
     rows = []
     for layer in llm.runner.model.layers:
         o_proj = layer.self_attn.o_proj
@@ -560,17 +560,15 @@ def test_pdl_only_on_compiled_hopper_kernels_and_switchable(monkeypatch):
         pytest.param(4096, 12288, 3, "silu_mul", 1, torch.bfloat16, None, marks=pytest.mark.gpu),
     ],
 )
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
-def test_gemv_is_the_projection_of_its_rows(n, k, split, prologue, parts, dtype, looped, tokens):
-    """The GEMV's rows are what the norm and SiLU*mul kernels would have written, to the bit; its
-    product is the float32 product of those rows (in partials with a split). Several tokens take
-    the rows kernel, 3 of them in a program of 4 rows whose last is not stored."""
-    torch.manual_seed(n + k + tokens)
+def test_gemv_is_the_projection_of_its_row(n, k, split, prologue, parts, dtype, looped):
+    """The GEMV's row is what the norm and SiLU*mul kernels would have written, to the bit; its
+    product is the float32 product of that row (in partials with a split)."""
+    torch.manual_seed(n + k)
     weight = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
     width = 2 * k if prologue == "silu_mul" else k
-    x = torch.randn(parts, tokens, width, device=DEVICE) * 2
+    x = torch.randn(parts, 1, width, device=DEVICE) * 2
     x = x if parts > 1 else x[0].to(dtype)
-    residual = (torch.randn(tokens, k, device=DEVICE) * 3).to(dtype)
+    residual = (torch.randn(1, k, device=DEVICE) * 3).to(dtype)
     norm_weight = (torch.rand(k, device=DEVICE) + 0.5).to(dtype)
     kwargs, want_residual = {}, None
     if prologue == "silu_mul":
@@ -626,8 +624,8 @@ def test_gemv_tilings():
     assert gemv_kernel.splits_for(1024, 2048, rows=8) == 2
     with pytest.raises(ValueError, match="whole row"):
         gemv_kernel.gemv(torch.zeros(1, 256), torch.zeros(64, 256), split=2, norm_weight=torch.ones(256))
-    with pytest.raises(ValueError, match="rows of 256"):
-        gemv_kernel.gemv(torch.zeros(2, 128), torch.zeros(64, 256))
+    with pytest.raises(ValueError, match="one row of 256"):
+        gemv_kernel.gemv(torch.zeros(2, 256), torch.zeros(64, 256))
 
 
 @pytest.mark.parametrize(
@@ -640,7 +638,7 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     and down_proj unsplit, 8 rows a program reading K 32 columns at a time (a slab of 256), as
     Qwen3-8B's run at its full slab."""
     path = checkpoint("gqa4-untied", intermediate_size=intermediate)
-    llm = wrapping_engine(path, gemv_tokens=1, gemv_fused=fused)
+    llm = wrapping_engine(path, gemv_decode=True, gemv_fused=fused)
     calls = []
     for layer in llm.runner.model.layers:
         plan = layer.gemv
@@ -660,33 +658,6 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
     assert len(attended) == 2 * 4 * layers
     assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
     assert sum(kw.get("rows") == 8 for kw in calls) == (2 * 4 * 2 * layers if looped else 0)
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_greedy_generate_of_a_few_sequences_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused):
-    """With gemv_tokens=4, the decode steps of three sequences (and any step of up to four tokens)
-    run the GEMVs over their rows, and attention takes the QKV rows as they are; each sequence's
-    greedy tokens are Hugging Face's."""
-    path = checkpoint("gqa4-untied")
-    llm = wrapping_engine(path, gemv_tokens=4, gemv_fused=fused)
-    rows = []
-    for layer in llm.runner.model.layers:
-        plan = layer.gemv
-        assert plan.max_tokens == 4 and plan.fused == fused
-        layer.gemv = plan._replace(
-            gemv=lambda x, w, kernel=plan.gemv, **kw: rows.append(x.shape[-2]) or kernel(x, w, **kw)
-        )
-    backend, attended = llm.runner.backend, []
-    backend.decode_qkv = lambda qkv, *args, original=backend.decode_qkv: (
-        attended.append(qkv.shape[0]) or original(qkv, *args)
-    )
-    prompts = [*GREEDY_PROMPTS, [5, 7, 11]]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        assert output["token_ids"] == hf_greedy(path, prompt, 5)
-    assert 3 in rows and 3 in attended and max(rows) <= 4
-    assert set(attended) <= set(rows)
 
 
 def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_two_slabs():
@@ -727,28 +698,21 @@ def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_two_slabs():
     assert plan(1001, 3072, 16, 8) is None  # an odd width: no count of columns from 2 divides it
 
 
-def test_gemvs_need_what_they_fold(checkpoint, caplog):
+def test_gemv_decode_needs_what_it_folds(checkpoint, caplog):
     import logging
 
     options = dict(kvcache_block_size=16, num_kvcache_blocks=8, enforce_eager=True)
     with caplog.at_level(logging.INFO, logger="inferlab"):
-        llm = LLM(checkpoint("gqa2-tied"), model_options={"triton_kernels": False, "gemv_tokens": 1}, **options)
-    assert llm.runner.model.layers[0].gemv is None and "gemv_tokens" not in caplog.text  # the torch code: quietly
+        llm = LLM(checkpoint("gqa2-tied"), model_options={"triton_kernels": False, "gemv_decode": True}, **options)
+    assert llm.runner.model.layers[0].gemv is None and "gemv_decode" not in caplog.text  # the torch code: quietly
     with caplog.at_level(logging.INFO, logger="inferlab"):
         llm = LLM(checkpoint("qwen2-bias-kv1-tied"), model_options={"triton_kernels": True}, **options)
-    assert (
-        llm.runner.model.layers[0].gemv is None and "the GEMVs are off (gemv_tokens): it has no bias add" in caplog.text
-    )
+    assert llm.runner.model.layers[0].gemv is None and "gemv_decode is off: it has no bias add" in caplog.text
     from inferlab.core.plugins import PluginError
 
     with pytest.raises(PluginError, match="gemv_fused"):
         LLM(
             checkpoint("gqa2-tied"),
-            model_options={"triton_kernels": True, "gemv_tokens": 1, "gemv_fused": "sometimes"},
+            model_options={"triton_kernels": True, "gemv_decode": True, "gemv_fused": "sometimes"},
             **options,
         )
-    for tokens in (-1, 9):
-        with pytest.raises(PluginError, match="gemv_tokens must be an integer from 0 to 8"):
-            LLM(checkpoint("gqa2-tied"), model_options={"gemv_tokens": tokens}, **options)
-    with pytest.raises(PluginError, match="gemv_tokens=1"):  # typed: the options and their defaults
-        LLM(checkpoint("gqa2-tied"), model_options={"gemv_tokens": 2.5}, **options)

@@ -29,8 +29,6 @@ them in kernels of their own, 4,176 for the Triton GEMMs.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -147,159 +145,6 @@ def _gemv_kernel(
     tl.store(out_ptr + split * N + cols, tl.sum(acc, 1).to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _gemv_rows_kernel(
-    x_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    weight_ptr,
-    out_ptr,
-    residual_out_ptr,
-    M,
-    N,
-    eps,
-    part_stride,
-    K: tl.constexpr,
-    K_SPLIT: tl.constexpr,
-    K_BLOCK: tl.constexpr,
-    MASKED: tl.constexpr,
-    X_PARTS: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """_gemv_kernel's program for the M (at most ROWS, a power of two) rows of a step of a few
-    tokens: each weight tile, read once, multiplies a [ROWS, K_BLOCK] tile of the rows, summed
-    along K per row; rows past M read row M - 1 again and are not stored."""
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offsets = tl.arange(0, K_BLOCK)
-    in_slice = offsets < K_SPLIT
-    ks = split * K_SPLIT + offsets
-    weight_ptrs = weight_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
-    if PRELOAD:
-        w = _load(weight_ptrs, in_slice[None, :], MASKED)
-        pdl.wait_for_inputs(PDL)
-    else:
-        pdl.wait_for_inputs(PDL)
-        w = _load(weight_ptrs, in_slice[None, :], MASKED)
-    dtype = weight_ptr.dtype.element_ty
-    row_ids = tl.arange(0, ROWS)
-    live = row_ids[:, None] < M
-    taken = tl.minimum(row_ids, M - 1)[:, None]
-    x_rows = x_ptr + taken * (2 * K if PROLOGUE == 3 else K)  # SILU_MUL: gate then up
-    residual_rows = residual_ptr + taken * K
-    residual_out = residual_out_ptr + row_ids[:, None] * K
-    ks, in_slice = ks[None, :], in_slice[None, :]
-    rows = _row_chunk(x_rows, residual_rows, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-    if PROLOGUE == 1 or PROLOGUE == 2:  # the norms: K_SPLIT == K, the program reads the whole rows
-        if PROLOGUE == 2 and pid_n == 0:
-            tl.store(residual_out + ks, rows.to(dtype), mask=live & in_slice)
-        sum_sq = tl.sum(rows * rows, 1)
-        for start in tl.range(K_BLOCK, K, K_BLOCK):  # the rest of the rows, for their norms
-            later = _row_chunk(x_rows, residual_rows, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-            if PROLOGUE == 2 and pid_n == 0:
-                tl.store(residual_out + ks + start, later.to(dtype), mask=live)
-            sum_sq += tl.sum(later * later, 1)
-        rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
-        rows = _normed(rows, rstd, norm_weight_ptr, ks, in_slice, MASKED, dtype)
-    acc = tl.sum(w.to(tl.float32)[None, :, :] * rows[:, None, :], 2)
-    for start in tl.range(K_BLOCK, K_SPLIT, K_BLOCK):
-        w = tl.load(weight_ptrs + start)
-        rows = _row_chunk(x_rows, residual_rows, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-        if PROLOGUE == 1 or PROLOGUE == 2:
-            rows = _normed(rows, rstd, norm_weight_ptr, ks + start, in_slice, MASKED, dtype)
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * rows[:, None, :], 2)
-    out_ptrs = out_ptr + (split * M + row_ids[:, None]) * N + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=live)
-
-
-@triton.jit
-def _gemv_turns_kernel(
-    x_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    weight_ptr,
-    out_ptr,
-    residual_out_ptr,
-    M,
-    N,
-    eps,
-    part_stride,
-    K: tl.constexpr,
-    K_SPLIT: tl.constexpr,
-    K_BLOCK: tl.constexpr,
-    MASKED: tl.constexpr,
-    X_PARTS: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """_gemv_kernel's program for the M (at most ROWS, a power of two) rows of a step of a few
-    tokens: each weight tile, read once, serves every row in turn. A row's reads come before any
-    store of the program (the rows' new residual is stored after them), so that they are all in
-    flight at once instead of one row's latency after another's; rows past M read row M - 1 again
-    and are not stored. Each tile's products are summed per row, where _gemv_kernel sums its one
-    row's only at the end."""
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offsets = tl.arange(0, K_BLOCK)
-    in_slice = offsets < K_SPLIT
-    ks = split * K_SPLIT + offsets
-    weight_ptrs = weight_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
-    if PRELOAD:
-        w = _load(weight_ptrs, in_slice[None, :], MASKED)
-        pdl.wait_for_inputs(PDL)
-    else:
-        pdl.wait_for_inputs(PDL)
-        w = _load(weight_ptrs, in_slice[None, :], MASKED)
-    dtype = weight_ptr.dtype.element_ty
-    x_width = 2 * K if PROLOGUE == 3 else K  # SILU_MUL: gate then up
-    row_ids = tl.arange(0, ROWS)
-    out = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-    rstds = tl.zeros([ROWS], dtype=tl.float32)
-    weights = w.to(tl.float32)
-    for r in tl.static_range(ROWS):
-        x_r = x_ptr + tl.minimum(r, M - 1) * x_width
-        residual_r = residual_ptr + tl.minimum(r, M - 1) * K
-        row = _row_chunk(x_r, residual_r, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-        if PROLOGUE == 1 or PROLOGUE == 2:  # the norms: K_SPLIT == K, the program reads the whole row
-            sum_sq = tl.sum(row * row, 0)
-            for start in tl.range(K_BLOCK, K, K_BLOCK):  # the rest of the row, for its norm
-                later = _row_chunk(x_r, residual_r, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-                if PROLOGUE == 2 and pid_n == 0 and r < M:
-                    tl.store(residual_out_ptr + r * K + ks + start, later.to(dtype))
-                sum_sq += tl.sum(later * later, 0)
-            rstd = tl.rsqrt(sum_sq / K + eps)
-            rstds = tl.where(row_ids == r, rstd, rstds)
-            row = _normed(row, rstd, norm_weight_ptr, ks, in_slice, MASKED, dtype)
-        product = tl.sum(weights * row[None, :], 1)
-        out += tl.where(row_ids[None, :] == r, product[:, None], 0.0)
-    if PROLOGUE == 2 and pid_n == 0:
-        for r in tl.static_range(ROWS):
-            if r < M:
-                x_r = x_ptr + r * x_width
-                row = _row_chunk(x_r, residual_ptr + r * K, ks, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-                tl.store(residual_out_ptr + r * K + ks, row.to(dtype), mask=in_slice)
-    for start in tl.range(K_BLOCK, K_SPLIT, K_BLOCK):
-        weights = tl.load(weight_ptrs + start).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            x_r = x_ptr + tl.minimum(r, M - 1) * x_width
-            residual_r = residual_ptr + tl.minimum(r, M - 1) * K
-            row = _row_chunk(x_r, residual_r, ks + start, in_slice, part_stride, K, X_PARTS, PROLOGUE, MASKED)
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                rstd = tl.sum(tl.where(row_ids == r, rstds, 0.0), 0)
-                row = _normed(row, rstd, norm_weight_ptr, ks + start, in_slice, MASKED, dtype)
-            product = tl.sum(weights * row[None, :], 1)
-            out += tl.where(row_ids[None, :] == r, product[:, None], 0.0)
-    out_ptrs = out_ptr + (split * M + row_ids[None, :]) * N + cols[:, None]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ids[None, :] < M)
-
-
 def slab_columns(n: int, k_split: int, slab: int = SLAB) -> int | None:
     """Columns a program takes: a slab's worth of weight rows k_split long (counted at its power of
     two, the tile's width), a power of two from 2 that divides n; None where no such count does or
@@ -372,18 +217,16 @@ def gemv(
     slab: int = SLAB,
     rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y, the new residual or None) for a step of a few tokens: y = x @ weight.T, weight [N, K]
-    contiguous. x is [M, K], M a few (each program unrolls them), or float32 split-K partials [S, M, K], summed;
-    given norm_weight, each row's RMSNorm (after adding residual [M, K], whose sum is also
-    returned); with silu_mul, SiLU(gate) * up of x [M, 2K]. split > 1 leaves y as float32 partials
-    [split, M, N] (not with a norm). preload: read the weight's first slab before the PDL wait.
-    slab, rows: a program's tile (tiling; rows counts the weight's rows, not x's).
+    """(y, the new residual or None) for one token: y = row @ weight.T, weight [N, K] contiguous.
+    The row is x [1, K] (or float32 split-K partials [S, 1, K], summed); given norm_weight, its
+    RMSNorm (after adding residual [1, K], whose sum is also returned); with silu_mul, SiLU(gate) *
+    up of x [1, 2K]. split > 1 leaves y as float32 partials [split, 1, N] (not with a norm).
+    preload: read the weight's first slab before the PDL wait. slab, rows: a program's tile (tiling).
     """
     n, k = weight.shape
     parts = x.shape[0] if x.dim() == 3 else 1
-    m = x.shape[-2]
-    if m < 1 or x.shape[-1] != (2 * k if silu_mul else k):
-        raise ValueError(f"gemv takes rows of {k} (silu_mul: {2 * k}) values, got x of shape {tuple(x.shape)}")
+    if x.shape[-2] != 1 or x.shape[-1] != (2 * k if silu_mul else k):
+        raise ValueError(f"gemv takes one row of {k} (silu_mul: {2 * k}) values, got x of shape {tuple(x.shape)}")
     if norm_weight is not None and split != 1:
         raise ValueError("a GEMV with the norm first needs the whole row in each program: split=1")
     x = x.contiguous()
@@ -393,8 +236,8 @@ def gemv(
     if k % split or tile is None:
         raise ValueError(f"no GEMV tiling of a [{n}, {k}] weight split {split} ways")
     out_dtype = torch.float32 if split > 1 else weight.dtype
-    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=out_dtype, device=x.device)
-    residual_out = torch.empty((m, k), dtype=weight.dtype, device=x.device) if residual is not None else None
+    out = torch.empty((split, 1, n) if split > 1 else (1, n), dtype=out_dtype, device=x.device)
+    residual_out = torch.empty((1, k), dtype=weight.dtype, device=x.device) if residual is not None else None
     if silu_mul:
         prologue = SILU_MUL
     elif norm_weight is None:
@@ -402,16 +245,13 @@ def gemv(
     else:
         prologue = NORM if residual is None else ADD_NORM
     block_n, k_block = tile
-    rows_kernel = _gemv_turns_kernel if os.environ.get("INFERLAB_GEMV_TURNS") == "1" else _gemv_rows_kernel
-    kernel, by_rows = (_gemv_kernel, ()) if m == 1 else (rows_kernel, (m,))
-    kernel[(n // block_n, split)](
+    _gemv_kernel[(n // block_n, split)](
         x,
         x if residual is None else residual,
         weight if norm_weight is None else norm_weight,
         weight,
         out,
         out if residual_out is None else residual_out,
-        *by_rows,
         n,
         eps,
         x.stride(0) if parts > 1 else 0,
@@ -426,7 +266,6 @@ def gemv(
         # on an H200, 8 warps instead of 4 made the batch-1 decode graph 2.2% slower with Qwen3-0.6B's
         # shapes (16 warps 6%) and 0.5% faster with Qwen3-8B's (2.3% slower with their norms inside)
         num_warps=4,
-        **({} if m == 1 else {"ROWS": triton.next_power_of_2(m)}),
         **pdl.launch_options(x.device),
     )
     return out, residual_out

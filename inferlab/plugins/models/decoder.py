@@ -141,14 +141,12 @@ class MLP(nn.Module):
 
 
 class GemvPlan(NamedTuple):
-    """How a step of a few tokens runs through a layer's GEMVs (DecoderLayer.forward_gemv): the
-    most tokens it takes (max_tokens), the split of K for
+    """How one token runs through a layer's GEMVs (DecoderLayer.forward_gemv): the split of K for
     o_proj and down_proj (1: unsplit, their output in the model dtype) and the rows a program of
     theirs takes (None: a slab of whole rows; see kernels/gemv.py's tiling), whether the norms and
     SiLU*mul are formed inside the GEMVs (fused), whether the weights are read before the PDL wait
     (preload), and the GEMV (kernels/gemv.py's)."""
 
-    max_tokens: int
     o_split: int
     down_split: int
     o_rows: int | None
@@ -173,8 +171,8 @@ class DecoderLayer(nn.Module):
         gemv: GemvPlan | None = None,
     ):
         """split_k_tokens, triton_gemm_tokens: see DecoderOptions (only with kernels, whose norms sum
-        the partials; each projection takes them only where it has no bias). gemv: how a step of
-        a few tokens runs through the layer's GEMVs (gemv_plan), or None."""
+        the partials; each projection takes them only where it has no bias). gemv: how a single
+        token runs through the layer's GEMVs (gemv_plan), or None."""
         super().__init__()
         self.gemv = gemv
         norms = kernels.norms if kernels else None
@@ -191,7 +189,7 @@ class DecoderLayer(nn.Module):
             self.mlp.gate_up_proj.use_triton_gemm(triton_gemm_tokens)
 
     def forward(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
-        if self.gemv is not None and hidden.shape[-2] <= self.gemv.max_tokens:
+        if self.gemv is not None and hidden.shape[-2] == 1:
             return self.forward_gemv(positions, hidden, residual, kv_cache, rotary, attn_metadata)
         hidden, residual = self.first_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, rotary, attn_metadata)
@@ -206,7 +204,7 @@ class DecoderLayer(nn.Module):
         return self.input_layernorm(hidden, residual)
 
     def forward_gemv(self, positions, hidden, residual, kv_cache, rotary, attn_metadata):
-        """forward for a few tokens through GEMVs (kernels/gemv.py). With plan.fused each norm and
+        """forward for one token through GEMVs (kernels/gemv.py). With plan.fused each norm and
         SiLU*mul is formed inside the GEMV after it, so the layer runs the GEMVs and attention's
         kernels alone. hidden may be the previous layer's split-K partials, as it may return them."""
         plan, attn, mlp = self.gemv, self.self_attn, self.mlp
@@ -246,11 +244,6 @@ SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-# Each GEMV program unrolls a step's tokens, and from a handful of them the GEMMs' tensor cores
-# serve better: gemv_tokens' limit.
-GEMV_MAX_TOKENS = 8
-
-
 @dataclass
 class DecoderOptions:
     """The model's switches, typed for Hydra (`model=llama model.triton_kernels=false`).
@@ -272,9 +265,9 @@ class DecoderOptions:
     # kernels. 0: never. On an H200 64 made the decoder stack 1.8% faster at 30 and 63 sequences
     # and the bench 0.4%, within its noise; 128 was 1.8% slower at 126.
     triton_gemm_tokens: int = 64
-    # Steps of up to gemv_tokens tokens (1: one sequence's decode steps; at most GEMV_MAX_TOKENS; 0:
-    # none) run each layer's projections as GEMVs (kernels/gemv.py, DecoderLayer.forward_gemv) where
-    # they can: on one GPU, with the Triton kernels, no projection with a bias. gemv_fused: the norms and SiLU*mul formed inside the GEMVs
+    # A single token (one sequence's decode step) runs each layer's projections as GEMVs
+    # (kernels/gemv.py, DecoderLayer.forward_gemv) where it can: on one GPU, with the Triton
+    # kernels, no projection with a bias. gemv_fused: the norms and SiLU*mul formed inside the GEMVs
     # instead of kernels of their own; None: where the row that every program then reads (the
     # previous projection's output, the residual and the norm's weight) is no larger than two of
     # its weight slabs. On an H200 the batch-1 decode graph took 649-651 µs against 855 for the
@@ -283,7 +276,7 @@ class DecoderOptions:
     # down_proj split 3 ways (a 64 KB row; the Triton GEMMs also took 4,176). gemv_preload=false
     # reads the weights after the PDL wait. With 0.6B shapes at 8 warps, 684 µs; not fused 762,
     # reading after the wait 743.
-    gemv_tokens: int = 1
+    gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
 
@@ -317,22 +310,17 @@ class DecoderForCausalLM(nn.Module):
         triton_kernels: bool | None = None,
         split_k_tokens: int = DecoderOptions.split_k_tokens,
         triton_gemm_tokens: int = DecoderOptions.triton_gemm_tokens,
-        gemv_tokens: int = DecoderOptions.gemv_tokens,
+        gemv_decode: bool = DecoderOptions.gemv_decode,
         gemv_fused: bool | None = DecoderOptions.gemv_fused,
         gemv_preload: bool = DecoderOptions.gemv_preload,
     ):
         """max_model_len: the longest sequence the engine will run (default: the config's
         max_position_embeddings). Options: see DecoderOptions."""
         super().__init__()
-        for name, value, most in (
-            ("split_k_tokens", split_k_tokens, None),
-            ("triton_gemm_tokens", triton_gemm_tokens, None),
-            ("gemv_tokens", gemv_tokens, GEMV_MAX_TOKENS),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (most and value > most):
-                allowed = f"from 0 to {most}" if most else ">= 0"
-                raise ValueError(f"{name} must be an integer {allowed} (0: off), got {value!r}")
-        for name, value in (("gemv_fused", gemv_fused), ("gemv_preload", gemv_preload)):
+        for name, value in (("split_k_tokens", split_k_tokens), ("triton_gemm_tokens", triton_gemm_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
+        for name, value in (("gemv_decode", gemv_decode), ("gemv_fused", gemv_fused), ("gemv_preload", gemv_preload)):
             if not isinstance(value, bool) and (value is not None or name != "gemv_fused"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
         check_config(hf_config, max_model_len or hf_config.max_position_embeddings)
@@ -340,9 +328,7 @@ class DecoderForCausalLM(nn.Module):
         fused = on_cuda if torch_compile is None else bool(torch_compile)
         kernels = triton_kernels_for(hf_config, self.qk_norm, on_cuda, triton_kernels)
         biases = self.biases(hf_config)
-        gemv = None
-        if gemv_tokens:
-            gemv = gemv_plan(hf_config, dtype, kernels, tp_group, biases, gemv_fused, gemv_preload, gemv_tokens)
+        gemv = gemv_plan(hf_config, dtype, kernels, tp_group, biases, gemv_fused, gemv_preload) if gemv_decode else None
         theta, scaling = rope_settings(hf_config)
         # first, so that unsupported rotary scaling fails before the weights are allocated
         self.rotary = RotaryEmbedding(
@@ -511,19 +497,11 @@ def triton_kernels_for(config, qk_norm: bool, on_cuda: bool, asked: bool | None)
 
 
 def gemv_plan(
-    config,
-    dtype,
-    kernels: ModelKernels | None,
-    tp: TPGroup,
-    biases: Biases,
-    fused: bool | None,
-    preload: bool,
-    max_tokens: int = DecoderOptions.gemv_tokens,
+    config, dtype, kernels: ModelKernels | None, tp: TPGroup, biases: Biases, fused: bool | None, preload: bool
 ):
     """The layers' GemvPlan, or None where the GEMVs cannot serve: they need the Triton kernels
     (without them, as on CPU by default, quietly), one rank, no biases and weights the GEMV tiles
-    (gemv.slab_columns); the reason is logged. fused, max_tokens: see DecoderOptions.gemv_fused
-    and gemv_tokens."""
+    (gemv.slab_columns); the reason is logged. fused: see DecoderOptions.gemv_fused."""
     if kernels is None:
         return None
     problem = None
@@ -555,8 +533,8 @@ def gemv_plan(
                     hidden * ((4 * split if split > 1 else size) + 2 * size) for split in (o_split, down_split)
                 )
                 fused = row_bytes <= 2 * gemv.SLAB * size
-            return GemvPlan(max_tokens, o_split, down_split, o_rows, down_rows, fused, preload, gemv.gemv)
-    log.info("the GEMVs are off (gemv_tokens): %s", problem)
+            return GemvPlan(o_split, down_split, o_rows, down_rows, fused, preload, gemv.gemv)
+    log.info("gemv_decode is off: %s", problem)
     return None
 
 
