@@ -563,3 +563,33 @@ def test_the_api_key_may_come_from_the_environment_and_max_tokens_defaults_to_wh
         assert reply["usage"]["total_tokens"] == 8 * 16 + 1  # the last token is sampled, never cached
     assert server.engine_loop.thread is not None and not server.engine_loop.thread.is_alive()
     assert os.environ["INFERLAB_API_KEY"] == "from-env"
+
+
+def test_connections_to_the_listening_socket_send_without_nagle_delays():
+    """asyncio turns Nagle's algorithm off on the connections it accepts only where the listening
+    socket's protocol is TCP by number: with it on, a stream's first chunk after the headers waited
+    for the client's delayed ACK (about 40 ms)."""
+    import socket
+
+    from inferlab.server.server import listening_socket
+
+    async def accepted_nodelay() -> int:
+        sock = listening_socket("127.0.0.1", 0)
+        seen = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
+    with listening_socket("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"cannot listen on 127\.0\.0\.1:{port} \(serve\.host, serve\.port\)"):
+            listening_socket("127.0.0.1", port)
