@@ -593,3 +593,25 @@ def test_connections_to_the_listening_socket_send_without_nagle_delays():
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=rf"cannot listen on 127\.0\.0\.1:{port} \(serve\.host, serve\.port\)"):
             listening_socket("127.0.0.1", port)
+
+
+def test_the_server_loads_what_the_first_streamed_response_would_at_start_up():
+    """anyio's asyncio backend is loaded while the server starts, not by its first streamed
+    response (on the CPU that request's first chunk took twice as long). A fresh process: this
+    one may have loaded it already."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from inferlab import LLM\n"
+        "from inferlab.conf import ServeConfig\n"
+        "from inferlab.server import InferenceServer\n"
+        "engine = LLM(kvcache_block_size=16, num_kvcache_blocks=8, enforce_eager=True)\n"
+        "before = 'anyio._backends._asyncio' in sys.modules\n"
+        "with engine, InferenceServer(engine, ServeConfig(port=0, log_level='warning')):\n"
+        "    print(before, 'anyio._backends._asyncio' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == ["False", "True"]
