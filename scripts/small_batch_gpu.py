@@ -2,10 +2,12 @@
 and batch B of 1-16 sequences, B sequences decoding 512 tokens each after 256-token prompts of
 their own ids (output tok/s, the best of two runs), then the decode graph of B sequences replayed
 300 times back to back as the last step left it (device time a step at a context of 767 tokens).
+A SETTING is KEY=VALUE[,KEY=VALUE...], each VALUE read as JSON (256, false, null).
 
     python3 scripts/small_batch_gpu.py MODEL_DIR SETTING...   # e.g. split_k_tokens=256 split_k_tokens=0,gemv_decode=false
 """
 
+import json
 import os
 import sys
 import time
@@ -17,16 +19,9 @@ from inferlab import LLM, SamplingParams  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16)
 params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512)
-WORDS = {"true": True, "false": False, "null": None}
-
-
-def option(value: str):
-    return WORDS[value] if value in WORDS else int(value)
-
-
 seed = 0
 for setting in sys.argv[2:]:
-    options = {k: option(v) for k, v in (pair.split("=", 1) for pair in setting.split(","))}
+    options = {k: json.loads(v) for k, v in (pair.split("=", 1) for pair in setting.split(","))}
     with LLM(sys.argv[1], attention="triton", max_model_len=4096, model_options=options) as llm:
         graphs = llm.runner.decode_graphs.graphs
         rates, device = {}, {}
