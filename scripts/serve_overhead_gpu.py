@@ -1,0 +1,310 @@
+"""Where a streamed completion's time goes in the OpenAI server, against the same stream in
+process, in one process on one engine: one stream of --tokens tokens after a --prompt-token
+prompt (fresh ids each run, so no run reuses another's prefix cache),
+  1. in process: engine.add_request, then engine.step() until it finishes;
+  2. over HTTP: the InferenceServer on this engine, the stream sent from a client process of its
+     own (a raw socket, or the HTTP bench's httpx client), the server's steps and hand-overs
+     timed here on the same clock (perf_counter is CLOCK_MONOTONIC on Linux).
+Prints, per run, TTFT and TPOT as the client saw them, the server's path of the first token
+(client send, handler, the engine thread's add, the first steps, the hand-overs to the event loop,
+the chunk's send) and the engine's step intervals, so that the server's added latency is split
+into its parts. A SETTING (engine keyword arguments) is KEY=VALUE, each VALUE read as JSON.
+
+    python3 scripts/serve_overhead_gpu.py MODEL_DIR [--runs 3] [SETTING...]   # e.g. attention="triton"
+"""
+
+import argparse
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+from time import perf_counter
+
+EVENT = re.compile(rb"data: (.*?)\n\n", re.S)
+
+
+def raw_client(url: str, body: dict) -> dict:
+    """One streamed completion over a plain socket: the times of the send, the response's
+    headers and every chunk with token ids (perf_counter), and each chunk's token count."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sent = perf_counter()
+    sock.sendall(head + payload)
+    buffer, headers_at, chunks, done = b"", None, [], False
+    while not done:
+        data = sock.recv(1 << 16)
+        now = perf_counter()
+        if not data:
+            break
+        buffer += data
+        if headers_at is None and b"\r\n\r\n" in buffer:
+            headers_at = now
+        while (match := EVENT.search(buffer)) is not None:
+            buffer = buffer[match.end() :]
+            if match.group(1) == b"[DONE]":
+                done = True
+                break
+            event = json.loads(match.group(1))
+            count = sum(len(c.get("token_ids") or ()) for c in event["choices"])
+            if count:
+                chunks.append((now, count))
+    sock.close()
+    return {"sent": sent, "headers": headers_at, "chunks": chunks}
+
+
+def httpx_client(url: str, body: dict) -> dict:
+    """The same stream through the HTTP bench's client (inferlab.server.load.send_request)."""
+    import asyncio
+
+    import httpx
+
+    from inferlab.server.load import send_request
+    from inferlab.workload import WorkloadRequest
+
+    async def run() -> dict:
+        async with httpx.AsyncClient(timeout=None) as client:
+            request = WorkloadRequest(0, 0.0, body["prompt"], body["max_tokens"])
+            # a short request first, as the HTTP bench sends one, so the connection is open
+            warm = WorkloadRequest(-1, 0.0, body["prompt"][:8], 4)
+            await send_request(
+                client, url, {**body, "prompt": warm.prompt_token_ids, "max_tokens": 4}, warm, perf_counter()
+            )
+            start = perf_counter()
+            record, error = await send_request(client, url, body, request, start)
+            if error:
+                raise RuntimeError(error)
+            return {"sent": start, "headers": None, "chunks": [(start + t, 1) for t in record.token_times_s]}
+
+    return asyncio.run(run())
+
+
+class Timeline:
+    """The server's moments, on this process's clock: (name, time, detail)."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float, object]] = []
+
+    def wrap(self, owner, name: str, label: str, after: bool = False, detail=None) -> None:
+        original = getattr(owner, name)
+        events = self.events
+
+        def wrapper(*args, **kwargs):
+            if not after:
+                events.append((label, perf_counter(), detail(*args) if detail else None))
+            result = original(*args, **kwargs)
+            if after:
+                events.append((label, perf_counter(), detail(*args) if detail else None))
+            return result
+
+        setattr(owner, name, wrapper)
+
+    def between(self, start: float, end: float) -> list[tuple[str, float, object]]:
+        return [e for e in self.events if start <= e[1] <= end]
+
+
+def instrument(timeline: Timeline, engine) -> None:
+    """Times the server's path: the handler (body parsed), the engine thread's add and steps, its
+    posts to the event loop and their delivery, and each message the response sends."""
+    import starlette.applications
+
+    import inferlab.server.app as app
+    from inferlab.server.engine_loop import ACCEPTED, EngineLoop
+
+    for module in ("h11_impl", "httptools_impl"):  # whichever uvicorn runs
+        try:
+            protocols = __import__(f"uvicorn.protocols.http.{module}", fromlist=["x"])
+        except ImportError:
+            continue
+        owner = getattr(protocols, "H11Protocol" if module == "h11_impl" else "HttpToolsProtocol")
+        timeline.wrap(owner, "data_received", "bytes in")
+    original_call = starlette.applications.Starlette.__call__
+
+    async def call(self, scope, receive, send):
+        if scope["type"] == "http":
+            timeline.events.append(("app", perf_counter(), None))
+        await original_call(self, scope, receive, send)
+
+    starlette.applications.Starlette.__call__ = call
+    timeline.wrap(app, "parse_body", "handler")
+    timeline.wrap(EngineLoop, "_add", "added", after=True)
+    timeline.wrap(engine, "step", "step start")
+    timeline.wrap(engine, "step", "step end", after=True)  # wraps the wrapper: its end
+    kinds = lambda self, updates: {"accepted" if u is ACCEPTED else "tokens" for _, u in updates}  # noqa: E731
+    timeline.wrap(EngineLoop, "_post", "post", detail=kinds)
+    timeline.wrap(EngineLoop, "_deliver", "deliver")
+    original = app.EventStream.stream_response
+    events = timeline.events
+
+    async def stream_response(self, send):
+        async def timed(message):
+            await send(message)
+            events.append(("sent " + message["type"].split(".")[-1], perf_counter(), len(message.get("body", b""))))
+
+        await original(self, timed)
+
+    app.EventStream.stream_response = stream_response
+
+
+def figures(first: float, token_times: list[float]) -> tuple[float, float]:
+    """TTFT from `first` and the mean time between tokens, in ms."""
+    ttft = (token_times[0] - first) * 1000
+    tpot = (token_times[-1] - token_times[0]) / max(1, len(token_times) - 1) * 1000
+    return ttft, tpot
+
+
+def ms(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{(b - a) * 1000:7.3f}"
+
+
+def first_of(events, name: str, after: float = 0.0, detail=None):
+    """The time of the first event `name` at or after `after` (whose detail holds `detail`)."""
+    for label, t, d in events:
+        if label == name and t >= after and (detail is None or detail in d):
+            return t
+    return None
+
+
+def intervals_us(times: list[float]) -> str:
+    gaps = [(b - a) * 1e6 for a, b in zip(times, times[1:])]
+    if not gaps:
+        return "-"
+    q = statistics.quantiles(gaps, n=10)
+    return f"p10 {q[0]:.0f}, p50 {statistics.median(gaps):.0f}, p90 {q[-1]:.0f} us ({len(gaps)} gaps)"
+
+
+def durations_us(starts: list[float], ends: list[float]) -> str:
+    spans = sorted((b - a) * 1e6 for a, b in zip(starts, ends))
+    return f"p10 {spans[len(spans) // 10]:.0f}, p50 {statistics.median(spans):.0f}, p90 {spans[9 * len(spans) // 10]:.0f} us"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("settings", nargs="*")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the server, in seconds")
+    parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: run one client, print its times
+    args = parser.parse_args()
+    if args.client:
+        kind, url = args.client.split(",", 1)
+        body = json.loads(sys.stdin.read())
+        print(json.dumps((raw_client if kind == "raw" else httpx_client)(url, body)))
+        return
+
+    from inferlab import LLM, SamplingParams
+    from inferlab.conf import ServeConfig
+    from inferlab.server.server import InferenceServer
+
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    settings = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.settings)}
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
+    seed = [0]
+
+    with LLM(args.model_dir, **settings) as engine:
+        vocab = min(10000, engine.hf_config.vocab_size)
+
+        def prompt() -> list[int]:
+            seed[0] += 1
+            return [(7919 * seed[0] + 104729 * j) % vocab for j in range(args.prompt)]
+
+        step_times: list[float] = []
+        step = engine.step
+
+        step_ends: list[float] = []
+
+        def timed_step():
+            step_times.append(perf_counter())
+            output = step()
+            step_ends.append(perf_counter())
+            return output
+
+        print(f"in process ({settings}), {args.tokens} tokens after {args.prompt}:", flush=True)
+        engine.step = timed_step
+        for run in range(args.runs + 1):  # the first is a warm-up
+            step_times.clear()
+            step_ends.clear()
+            request_id = engine.add_request(prompt(), params)
+            request = engine.requests[request_id]
+            while not engine.is_finished():
+                engine.step()
+            if run:
+                ttft, tpot = figures(request.arrival_time, request.token_times)
+                print(f"  TTFT {ttft:.3f} ms, TPOT {tpot:.4f} ms; step starts {intervals_us(step_times)}")
+                print(f"    step() calls {durations_us(step_times, step_ends)}")
+        del engine.step
+
+        timeline = Timeline()
+        instrument(timeline, engine)
+        server = InferenceServer(engine, ServeConfig(port=0, log_level="warning")).start()
+        protocol = server.uvicorn.config.http_protocol_class.__name__
+        print(
+            f"uvicorn: {protocol}, {type(server.engine_loop.event_loop).__name__}, switch interval {sys.getswitchinterval()} s"
+        )
+        try:
+            for kind in ("raw", "httpx"):
+                print(f"over HTTP, {kind} client in a process of its own:", flush=True)
+                for run in range(args.runs + 1):
+                    body = {"model": server.model.name, "prompt": prompt(), "max_tokens": args.tokens,
+                            "temperature": 0.6, "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+                    out = subprocess.run(
+                        [sys.executable, __file__, "x", "--client", f"{kind},{server.url}"],
+                        input=json.dumps(body), capture_output=True, text=True, check=True,
+                    ).stdout  # fmt: skip
+                    client = json.loads(out)
+                    if not run:
+                        continue
+                    times = [t for t, n in client["chunks"] for _ in range(n)]
+                    ttft, tpot = figures(client["sent"], times)
+                    events = timeline.between(client["sent"], times[-1])
+                    sent = client["sent"]
+                    bytes_in = first_of(events, "bytes in", sent)
+                    app_at = first_of(events, "app", sent)
+                    handler = first_of(events, "handler", sent)
+                    added = first_of(events, "added", sent)
+                    step1 = first_of(events, "step start", sent)
+                    step1_end = first_of(events, "step end", sent)
+                    accepted = first_of(events, "post", sent, "accepted")
+                    delivered1 = first_of(events, "deliver", accepted or sent)
+                    headers = first_of(events, "sent start", sent)
+                    posted = first_of(events, "post", sent, "tokens")
+                    delivered = first_of(events, "deliver", posted or sent)
+                    first_chunk = first_of(events, "sent body", (headers or sent) + 1e-9)
+                    server_tokens = [t for label, t, d in events if label == "post" and "tokens" in d]
+                    steps = [t for label, t, _ in events if label == "step start"]
+                    print(
+                        f"  TTFT {ttft:.3f} ms, TPOT {tpot:.4f} ms, {len(times)} tokens in {len(client['chunks'])} chunks"
+                    )
+                    print(
+                        "    ms from the client's send: bytes in " + ms(sent, bytes_in) + ", app " + ms(sent, app_at)
+                        + ", handler " + ms(sent, handler)
+                        + ", added " + ms(sent, added) + ", step 1 " + ms(sent, step1) + "-" + ms(sent, step1_end)
+                        + ", ACCEPTED posted " + ms(sent, accepted) + ", delivered " + ms(sent, delivered1)
+                        + ", headers sent " + ms(sent, headers) + ", at the client " + ms(sent, client["headers"])
+                    )  # fmt: skip
+                    print(
+                        "    first token posted " + ms(sent, posted) + ", delivered " + ms(sent, delivered)
+                        + ", its chunk sent " + ms(sent, first_chunk) + ", at the client " + ms(sent, times[0])
+                        + "; in-process TTFT (added to posted) " + ms(added, posted)
+                    )  # fmt: skip
+                    print(f"    engine step starts {intervals_us(steps)}")
+                    ends = [t for label, t, _ in events if label == "step end"]
+                    print(f"    step() calls {durations_us(steps[: len(ends)], ends)}")
+                    print(f"    token posts {intervals_us(server_tokens)}")
+                    print(f"    at the client {intervals_us([t for t, _ in client['chunks']])}", flush=True)
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
