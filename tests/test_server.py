@@ -615,3 +615,57 @@ def test_the_server_loads_what_the_first_streamed_response_would_at_start_up():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-2:] == ["False", "True"]
+
+
+def test_updates_of_several_steps_reach_a_stream_as_one_chunk_per_choice(server):
+    """When the event loop falls behind the engine, the updates of several steps arrive together:
+    each choice then costs one detokenization and one chunk for all of them (so the loop catches
+    up), and its text is the decode of all its tokens, as per-step chunks would have joined to."""
+    from inferlab.server.app import Generation
+    from inferlab.server.engine_loop import ACCEPTED, Finish, Prompt
+
+    tokenizer = server.model.tokenizer
+    prompt = tokenizer.encode("The quick brown fox")
+    output = tokenizer.encode(" jumps over the lazy dog. Once upon a time, a small engine")
+
+    class Loop:  # the engine loop's part: the test hands the steps' updates over itself
+        def submit(self, stream, prompts):
+            stream.items.append(ACCEPTED)
+            stream.ready.set()
+
+        def abort(self, stream, index=None):
+            raise AssertionError("nothing is aborted")
+
+    async def run():
+        params = SamplingParams(max_tokens=len(output), ignore_eos=True)
+        generation = Generation(Loop(), [Prompt(prompt, params), Prompt(prompt, params)], tokenizer)
+        await generation.start()
+        generation.stream.items += [
+            (1, output[:1], None),
+            (0, output[:2], None),
+            (0, output[2:5], None),
+            (1, output[1:], Finish("length")),
+            (0, output[5:], Finish("length")),
+        ]
+        generation.stream.ready.set()
+        return [deltas async for deltas in generation]
+
+    [deltas] = asyncio.run(run())
+    assert [(d.index, d.token_ids, d.finish.reason) for d in deltas] == [(1, output, "length"), (0, output, "length")]
+    assert deltas[0].text == deltas[1].text == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_the_server_sets_its_gil_switch_interval_while_it_serves_and_refuses_a_bad_one():
+    import sys
+
+    engine = LLM(**{**SETTINGS, "num_kvcache_blocks": 8})
+    before = sys.getswitchinterval()
+    with engine:
+        with InferenceServer(engine, ServeConfig(port=0, log_level="warning", gil_switch_interval_s=0.002)):
+            assert sys.getswitchinterval() == pytest.approx(0.002)
+        assert sys.getswitchinterval() == before
+        with InferenceServer(engine, ServeConfig(port=0, log_level="warning", gil_switch_interval_s=None)):
+            assert sys.getswitchinterval() == before
+        for bad in (0, -0.001, "1ms", True):
+            with pytest.raises(ValueError, match=r"serve\.gil_switch_interval_s must be a positive number of seconds"):
+                InferenceServer(engine, ServeConfig(port=0, gil_switch_interval_s=bad))

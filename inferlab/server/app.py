@@ -46,6 +46,24 @@ class Delta:
         self.finish = finish
 
 
+def per_choice(updates: list) -> list:
+    """The loop's (index, token ids, finish) updates joined into one per choice, in the order the
+    choices first appear: when the event loop falls behind the engine, the updates of several
+    steps arrive together, and each choice then costs one detokenization and one chunk for all of
+    them instead of one per step, so the loop catches up instead of falling further behind."""
+    if len(updates) == 1:
+        return updates
+    joined: dict[int, list] = {}
+    for index, token_ids, finish in updates:
+        update = joined.get(index)
+        if update is None:
+            joined[index] = [index, list(token_ids), finish]
+        else:
+            update[1] += token_ids
+            update[2] = finish  # a choice's finish comes with its last update
+    return list(joined.values())
+
+
 class Generation:
     """One HTTP request's prompts in the engine, as text: start() queues them (ApiError when the
     engine refuses them), iterating yields each batch of updates as Deltas, close() aborts what
@@ -79,7 +97,7 @@ class Generation:
     async def __aiter__(self) -> AsyncIterator[list[Delta]]:
         while self.num_open:
             items, self.backlog = self.backlog or await self.stream.get(), []
-            deltas = [delta for item in items if (delta := self._delta(*item)) is not None]
+            deltas = [delta for item in per_choice(items) if (delta := self._delta(*item)) is not None]
             if deltas:
                 yield deltas
 
