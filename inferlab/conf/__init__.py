@@ -128,6 +128,9 @@ class ServeConfig:
     max_queued_requests: int | None = 1024  # requests waiting for admission; past it, 429; None: no limit
     shutdown_timeout_s: float = 10.0  # after SIGINT/SIGTERM, streams may finish for this long, then are aborted
     log_level: str = "info"  # uvicorn's
+    # Python's GIL switch interval while serving (its default is 5 ms): the longest the engine's
+    # thread waits for the GIL while the event loop is busy streaming; None leaves it as it is.
+    gil_switch_interval_s: float | None = 0.001
 
 
 @dataclass

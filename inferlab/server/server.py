@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -93,6 +94,11 @@ class InferenceServer:
 
     def __init__(self, engine, config: ServeConfig | None = None):
         config = config or ServeConfig()
+        interval = config.gil_switch_interval_s
+        if interval is not None and not (type(interval) in (int, float) and interval > 0):
+            raise ValueError(
+                f"serve.gil_switch_interval_s must be a positive number of seconds or null, got {interval!r}"
+            )
         self.config = config
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         name = config.model_name or os.path.basename(os.path.normpath(engine.model_path))
@@ -158,8 +164,18 @@ class InferenceServer:
             self.engine_loop.drain(self.config.shutdown_timeout_s)
 
     def serve(self) -> None:
-        """Serves until SIGINT or SIGTERM (on the main thread) or stop(), then returns."""
-        self.uvicorn.run(sockets=[self.socket])
+        """Serves until SIGINT or SIGTERM (on the main thread) or stop(), then returns. While it
+        serves, the process's GIL switch interval is serve.gil_switch_interval_s."""
+        previous = sys.getswitchinterval()
+        if self.config.gil_switch_interval_s is not None:
+            # The engine's thread and the event loop share the GIL. Python makes a thread that
+            # wants it wait a whole interval before the holder must let go, and a busy event loop
+            # rarely lets go sooner: at 5 ms, a step's launch could wait longer than the step.
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            sys.setswitchinterval(previous)
 
     def start(self, timeout_s: float = 60.0) -> "InferenceServer":
         """Serves on a background thread; returns once requests are accepted."""
