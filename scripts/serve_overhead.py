@@ -10,7 +10,7 @@ Prints, per run, TTFT and TPOT as the client saw them, the server's path of the 
 the chunk's send) and the engine's step intervals, so that the server's added latency is split
 into its parts. A SETTING (engine keyword arguments) is KEY=VALUE, each VALUE read as JSON.
 
-    python3 scripts/serve_overhead_gpu.py MODEL_DIR [--runs 3] [SETTING...]   # e.g. attention="triton"
+    python3 scripts/serve_overhead.py MODEL_DIR [--runs 3] [SETTING...]   # e.g. attention="triton"
 """
 
 import argparse
@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from time import perf_counter
 
 EVENT = re.compile(rb"data: (.*?)\n\n", re.S)
@@ -58,6 +59,51 @@ def raw_client(url: str, body: dict) -> dict:
                 chunks.append((now, count))
     sock.close()
     return {"sent": sent, "headers": headers_at, "chunks": chunks}
+
+
+TOKEN_IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')
+
+
+def burst_client(url: str, bodies: list[dict]) -> dict:
+    """Every body sent at once as a streamed completion, each on a socket of its own, read as
+    the chunks come (counting token ids without decoding the JSON, so the client stays light):
+    the send time, and per stream its first token's time, its end and its token and chunk counts."""
+    import selectors
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    selector = selectors.DefaultSelector()
+    streams = []
+    for body in bodies:
+        payload = json.dumps(body).encode()
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        streams.append({"sock": sock, "request": (head + f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload,
+                        "buffer": b"", "first": None, "end": None, "tokens": 0, "chunks": 0})  # fmt: skip
+    sent = perf_counter()
+    for stream in streams:
+        stream["sock"].sendall(stream.pop("request"))
+        selector.register(stream["sock"], selectors.EVENT_READ, stream)
+    open_streams = len(streams)
+    while open_streams:
+        for key, _ in selector.select():
+            stream = key.data
+            data = key.fileobj.recv(1 << 16)
+            now = perf_counter()
+            buffer = stream["buffer"] + data
+            cut = buffer.rfind(b"\n\n") + 2
+            complete, stream["buffer"] = buffer[:cut], buffer[cut:]
+            counts = [ids.count(b",") + 1 for ids in TOKEN_IDS.findall(complete) if ids]
+            if counts:
+                stream["first"] = stream["first"] or now
+                stream["tokens"] += sum(counts)
+                stream["chunks"] += len(counts)
+            if not data or b"data: [DONE]" in complete:
+                stream["end"] = now
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+                open_streams -= 1
+    return {"sent": sent, "streams": [{k: s[k] for k in ("first", "end", "tokens", "chunks")} for s in streams]}
 
 
 def httpx_client(url: str, body: dict) -> dict:
@@ -180,44 +226,210 @@ def intervals_us(times: list[float]) -> str:
     return f"p10 {q[0]:.0f}, p50 {statistics.median(gaps):.0f}, p90 {q[-1]:.0f} us ({len(gaps)} gaps)"
 
 
+def thread_cpu_s(server) -> tuple[float, float]:
+    """CPU seconds so far of the server's engine thread and of its event loop's thread."""
+    threads = (server.engine_loop.thread, server.thread)
+    return tuple(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
+
+
 def durations_us(starts: list[float], ends: list[float]) -> str:
     spans = sorted((b - a) * 1e6 for a, b in zip(starts, ends))
     return f"p10 {spans[len(spans) // 10]:.0f}, p50 {statistics.median(spans):.0f}, p90 {spans[9 * len(spans) // 10]:.0f} us"
 
 
+def start_server(engine, args, **settings):
+    """The InferenceServer over engine with the script's options, serving on a thread."""
+    import inferlab.server.app as app
+    from inferlab.conf import ServeConfig
+    from inferlab.server.server import InferenceServer
+
+    if args.gil_switch_interval is not ...:
+        settings["gil_switch_interval_s"] = args.gil_switch_interval
+    if args.chunk_per_step:
+        app.per_choice = lambda updates: updates
+    server = InferenceServer(engine, ServeConfig(port=0, log_level="warning", **settings))
+    if args.uvicorn:
+        server.uvicorn.config.http, server.uvicorn.config.loop = args.uvicorn.split(",")
+    return server.start()
+
+
+def burst(engine, args, prompt, params) -> None:
+    """args.streams streams at once, in process and then over HTTP (from one light client process):
+    output tok/s, the engine's step intervals and its thread's CPU, the event loop's CPU a token."""
+
+    n, total = args.streams, args.streams * args.tokens
+    starts: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        starts.append(perf_counter())
+        return step()
+
+    engine.step = timed_step
+    print(f"{n} streams at once, {args.tokens} tokens after {args.prompt} each:")
+    for run in range(args.runs + 1):
+        starts.clear()
+        cpu, begin = time.thread_time(), perf_counter()
+        for _ in range(n):
+            engine.add_request(prompt(), params)
+        while not engine.is_finished():
+            engine.step()
+        wall, cpu = perf_counter() - begin, time.thread_time() - cpu
+        if run:
+            print(f"  in process: {total / wall:.0f} tok/s; step starts {intervals_us(starts)}; "
+                  f"the engine thread's CPU {cpu / len(starts) * 1e6:.0f} us a step")  # fmt: skip
+    server = start_server(engine, args, max_queued_requests=None)
+    from inferlab.server.engine_loop import EngineLoop
+
+    adds: list[float] = []
+    add = EngineLoop._add
+
+    def timed_add(self, *a):
+        add(self, *a)
+        adds.append(perf_counter())
+
+    EngineLoop._add = timed_add
+    protocol, loop = server.uvicorn.config.http_protocol_class.__name__, type(server.engine_loop.event_loop).__name__
+    print(f"  uvicorn: {protocol}, {loop}, GIL switch interval {sys.getswitchinterval()} s")
+    try:
+        for run in range(args.runs + 1):
+            bodies = [{"prompt": prompt(), "max_tokens": args.tokens, "temperature": 0.6, "ignore_eos": True,
+                       "stream": True, "return_token_ids": True} for _ in range(n)]  # fmt: skip
+            starts.clear()
+            adds.clear()
+            cpu_before = thread_cpu_s(server)
+            out = subprocess.run(
+                [sys.executable, __file__, "x", "--client", f"burst,{server.url}"],
+                input=json.dumps(bodies), capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            engine_cpu, loop_cpu = (b - a for a, b in zip(cpu_before, thread_cpu_s(server)))
+            client = json.loads(out)
+            if not run:
+                continue
+            streams = client["streams"]
+            wall = max(s["end"] for s in streams) - client["sent"]
+            tokens = sum(s["tokens"] for s in streams)
+            chunks = sum(s["chunks"] for s in streams)
+            ttft = statistics.median(s["first"] - client["sent"] for s in streams) * 1000
+            sent = client["sent"]
+            print(f"  over HTTP, ms from the first send: the first and last adds {(adds[0] - sent) * 1e3:.1f}, "
+                  f"{(adds[-1] - sent) * 1e3:.1f}; the first and last steps {(starts[0] - sent) * 1e3:.1f}, "
+                  f"{(starts[-1] - sent) * 1e3:.1f}; the first and last streams' ends "
+                  f"{(min(s['end'] for s in streams) - sent) * 1e3:.1f}, {wall * 1e3:.1f}")  # fmt: skip
+            print(f"  over HTTP: {tokens / wall:.0f} tok/s ({tokens} of {total} tokens in {chunks} chunks), "
+                  f"TTFT p50 {ttft:.1f} ms; step starts {intervals_us(starts)}; the engine thread's CPU "
+                  f"{engine_cpu / max(1, len(starts)) * 1e6:.0f} us a step, the event loop's {loop_cpu / tokens * 1e6:.1f} us a token "
+                  f"({loop_cpu / chunks * 1e6:.1f} a chunk)", flush=True)  # fmt: skip
+    finally:
+        server.stop()
+        EngineLoop._add = add
+        del engine.step
+
+
+def run_in_real_time(engine) -> None:
+    """Turns a simulated engine (executor="simulated") into a stand-in for a GPU's on this host's
+    clock: the steps' host time (the profile's launch and admission times) is a busy wait that
+    holds the GIL, as launching does; their device time passes while reading tokens sleeps, with
+    the GIL released, as waiting for a device does. So the server's threads share the GIL as they
+    would beside a GPU, and its overhead can be measured without one."""
+    import ctypes
+
+    from inferlab.sim.cost_model import StepShape
+
+    runner = engine.runner
+    host_model = runner.host_launch_model
+    device = {"free_at": 0.0}
+    libc = ctypes.CDLL(None)
+    PR_SET_TIMERSLACK = 29
+
+    def busy(seconds: float) -> None:
+        end = perf_counter() + seconds
+        while perf_counter() < end:
+            pass
+
+    class Step:
+        def __init__(self, num_rows, sample_rows, ends_at):
+            self.num_rows, self.sample_rows, self.ends_at = num_rows, sample_rows, ends_at
+
+        def tokens(self):
+            libc.prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # this thread's sleeps end within 1 us
+            time.sleep(max(0.0, self.ends_at - perf_counter()))
+            out = [None] * self.num_rows
+            for row in self.sample_rows:
+                out[row] = runner.token
+            return out
+
+        def placeholders(self):
+            out = [None] * self.num_rows
+            for k, row in enumerate(self.sample_rows):
+                out[row] = -(k + 1)
+            return out
+
+    def launch(batch):
+        shape = StepShape.of(batch, runner.graph_limits)
+        seconds = runner.cost_model(shape)
+        start = perf_counter()
+        busy(host_model(shape) if host_model else 0.0)
+        launched = perf_counter()
+        if shape.graph:
+            device["free_at"] = max(device["free_at"], launched) + seconds
+        else:
+            device["free_at"] = max(max(device["free_at"], start) + seconds, launched)
+        sample_rows = [
+            row
+            for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
+            if request.num_computed_tokens + num_tokens == len(request.token_ids)
+        ]
+        return Step(len(batch.requests), sample_rows, device["free_at"])
+
+    runner.launch = launch
+    runner.admit = lambda request: busy(runner.profile.admission_seconds(request.num_prompt_tokens))
+    runner.clock = engine.clock = perf_counter
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir")
+    parser.add_argument("model_dir", nargs="?", help="a checkpoint directory (none with --emulate)")
     parser.add_argument("settings", nargs="*")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the server, in seconds")
+    parser.add_argument("--emulate", metavar="PROFILE", help="a simulated engine of this profile, in real time")
+    parser.add_argument("--streams", type=int, default=1, help="above 1: a burst of this many streams instead")
+    parser.add_argument(
+        "--gil-switch-interval", type=json.loads, default=..., help="serve.gil_switch_interval_s (JSON: 0.005, null)"
+    )
+    parser.add_argument("--uvicorn", metavar="HTTP,LOOP", help="uvicorn's http and loop settings (default auto,auto)")
+    parser.add_argument("--chunk-per-step", action="store_true", help="a chunk per step's update, as before per_choice")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # internal: run one client, print its times
     args = parser.parse_args()
     if args.client:
         kind, url = args.client.split(",", 1)
         body = json.loads(sys.stdin.read())
-        print(json.dumps((raw_client if kind == "raw" else httpx_client)(url, body)))
+        client = {"raw": raw_client, "httpx": httpx_client, "burst": burst_client}[kind]
+        print(json.dumps(client(url, body)))
         return
 
     from inferlab import LLM, SamplingParams
-    from inferlab.conf import ServeConfig
-    from inferlab.server.server import InferenceServer
 
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
     settings = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.settings)}
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
     seed = [0]
 
-    with LLM(args.model_dir, **settings) as engine:
+    if args.emulate:
+        settings.update(executor="simulated", executor_options={"profile": args.emulate})
+    with LLM(None if args.emulate else args.model_dir, **settings) as engine:
+        if args.emulate:
+            run_in_real_time(engine)
         vocab = min(10000, engine.hf_config.vocab_size)
 
         def prompt() -> list[int]:
             seed[0] += 1
             return [(7919 * seed[0] + 104729 * j) % vocab for j in range(args.prompt)]
 
+        if args.streams > 1:
+            burst(engine, args, prompt, params)
+            return
         step_times: list[float] = []
         step = engine.step
 
@@ -236,31 +448,35 @@ def main() -> None:
             step_ends.clear()
             request_id = engine.add_request(prompt(), params)
             request = engine.requests[request_id]
+            cpu = time.thread_time()
             while not engine.is_finished():
                 engine.step()
+            cpu = (time.thread_time() - cpu) / args.tokens * 1e6
             if run:
                 ttft, tpot = figures(request.arrival_time, request.token_times)
                 print(f"  TTFT {ttft:.3f} ms, TPOT {tpot:.4f} ms; step starts {intervals_us(step_times)}")
+                print(f"    CPU a token: the engine's thread {cpu:.0f} us")
                 print(f"    step() calls {durations_us(step_times, step_ends)}")
         del engine.step
 
         timeline = Timeline()
         instrument(timeline, engine)
-        server = InferenceServer(engine, ServeConfig(port=0, log_level="warning")).start()
+        server = start_server(engine, args)
         protocol = server.uvicorn.config.http_protocol_class.__name__
-        print(
-            f"uvicorn: {protocol}, {type(server.engine_loop.event_loop).__name__}, switch interval {sys.getswitchinterval()} s"
-        )
+        loop = type(server.engine_loop.event_loop).__name__
+        print(f"uvicorn: {protocol}, {loop}, GIL switch interval {sys.getswitchinterval()} s")
         try:
             for kind in ("raw", "httpx"):
                 print(f"over HTTP, {kind} client in a process of its own:", flush=True)
                 for run in range(args.runs + 1):
                     body = {"model": server.model.name, "prompt": prompt(), "max_tokens": args.tokens,
                             "temperature": 0.6, "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+                    cpu_before = thread_cpu_s(server)
                     out = subprocess.run(
                         [sys.executable, __file__, "x", "--client", f"{kind},{server.url}"],
                         input=json.dumps(body), capture_output=True, text=True, check=True,
                     ).stdout  # fmt: skip
+                    cpu = [(b - a) / args.tokens * 1e6 for a, b in zip(cpu_before, thread_cpu_s(server))]
                     client = json.loads(out)
                     if not run:
                         continue
@@ -301,7 +517,11 @@ def main() -> None:
                     ends = [t for label, t, _ in events if label == "step end"]
                     print(f"    step() calls {durations_us(steps[: len(ends)], ends)}")
                     print(f"    token posts {intervals_us(server_tokens)}")
-                    print(f"    at the client {intervals_us([t for t, _ in client['chunks']])}", flush=True)
+                    print(f"    at the client {intervals_us([t for t, _ in client['chunks']])}")
+                    print(
+                        f"    CPU a token: the engine's thread {cpu[0]:.0f} us, the event loop's {cpu[1]:.0f} us",
+                        flush=True,
+                    )
         finally:
             server.stop()
 
