@@ -3,7 +3,7 @@ process, in one process on one engine: one stream of --tokens tokens after a --p
 prompt (fresh ids each run, so no run reuses another's prefix cache),
   1. in process: engine.add_request, then engine.step() until it finishes;
   2. over HTTP: the InferenceServer on this engine, the stream sent from a client process of its
-     own (a raw socket, or the HTTP bench's httpx client), the server's steps and hand-overs
+     own (a raw socket, or the HTTP bench's client), the server's steps and hand-overs
      timed here on the same clock (perf_counter is CLOCK_MONOTONIC on Linux).
 Prints, per run, TTFT and TPOT as the client saw them, the server's path of the first token
 (client send, handler, the engine thread's add, the first steps, the hand-overs to the event loop,
@@ -106,28 +106,26 @@ def burst_client(url: str, bodies: list[dict]) -> dict:
     return {"sent": sent, "streams": [{k: s[k] for k in ("first", "end", "tokens", "chunks")} for s in streams]}
 
 
-def httpx_client(url: str, body: dict) -> dict:
-    """The same stream through the HTTP bench's client (inferlab.server.load.send_request)."""
+def bench_client(url: str, body: dict) -> dict:
+    """The same stream through the HTTP bench's client (inferlab.server.load.send_request), after a
+    short request that opens the connection, as the bench's warm-up does."""
     import asyncio
 
-    import httpx
-
     from inferlab.server.load import send_request
+    from inferlab.server.sse_client import SSEClient
     from inferlab.workload import WorkloadRequest
 
     async def run() -> dict:
-        async with httpx.AsyncClient(timeout=None) as client:
-            request = WorkloadRequest(0, 0.0, body["prompt"], body["max_tokens"])
-            # a short request first, as the HTTP bench sends one, so the connection is open
-            warm = WorkloadRequest(-1, 0.0, body["prompt"][:8], 4)
-            await send_request(
-                client, url, {**body, "prompt": warm.prompt_token_ids, "max_tokens": 4}, warm, perf_counter()
-            )
-            start = perf_counter()
-            record, error = await send_request(client, url, body, request, start)
-            if error:
-                raise RuntimeError(error)
-            return {"sent": start, "headers": None, "chunks": [(start + t, 1) for t in record.token_times_s]}
+        client = SSEClient(url)
+        warm = WorkloadRequest(-1, 0.0, body["prompt"][:8], 4)
+        await send_request(client, {**body, "prompt": warm.prompt_token_ids, "max_tokens": 4}, warm, perf_counter())
+        request = WorkloadRequest(0, 0.0, body["prompt"], body["max_tokens"])
+        start = perf_counter()
+        record, error = await send_request(client, body, request, start)
+        await client.aclose()
+        if error:
+            raise RuntimeError(error)
+        return {"sent": start, "headers": None, "chunks": [(start + t, 1) for t in record.token_times_s]}
 
     return asyncio.run(run())
 
@@ -406,7 +404,7 @@ def main() -> None:
     if args.client:
         kind, url = args.client.split(",", 1)
         body = json.loads(sys.stdin.read())
-        client = {"raw": raw_client, "httpx": httpx_client, "burst": burst_client}[kind]
+        client = {"raw": raw_client, "bench": bench_client, "burst": burst_client}[kind]
         print(json.dumps(client(url, body)))
         return
 
@@ -466,7 +464,7 @@ def main() -> None:
         loop = type(server.engine_loop.event_loop).__name__
         print(f"uvicorn: {protocol}, {loop}, GIL switch interval {sys.getswitchinterval()} s")
         try:
-            for kind in ("raw", "httpx"):
+            for kind in ("raw", "bench"):
                 print(f"over HTTP, {kind} client in a process of its own:", flush=True)
                 for run in range(args.runs + 1):
                     body = {"model": server.model.name, "prompt": prompt(), "max_tokens": args.tokens,

@@ -20,6 +20,7 @@ from time import perf_counter
 import httpx
 
 from inferlab.latency import RequestRecord, RunRecords
+from inferlab.server.sse_client import HTTPProtocolError, SSEClient
 from inferlab.workload import BenchConfigError, Workload, WorkloadRequest, build_workload, validate_bench
 
 API_KEY_ENV = "INFERLAB_API_KEY"  # sent as the bearer token when set
@@ -65,7 +66,7 @@ def request_body(model: str, request: WorkloadRequest, temperature: float, ignor
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, body: dict, request: WorkloadRequest, start: float
+    client: SSEClient, body: dict, request: WorkloadRequest, start: float
 ) -> tuple[RequestRecord, str | None]:
     """Sends one request at its arrival time (start + arrival_s on perf_counter) and records
     it; returns the record and the error, if the request failed."""
@@ -74,29 +75,29 @@ async def send_request(
         await asyncio.sleep(delay)
     token_times: list[float] = []
     finish_reason, stats, error = "error", {}, None
+    response = None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                error = f"HTTP {response.status_code}: {text[:300]}"
-            else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    now = perf_counter() - start
-                    event = json.loads(data)
-                    if "error" in event:
-                        error = str(event["error"].get("message"))
-                        continue
-                    for choice in event["choices"]:
-                        token_times += [now] * len(choice.get("token_ids") or ())
-                        if choice.get("finish_reason"):
-                            finish_reason, stats = choice["finish_reason"], choice.get("stats") or {}
-    except httpx.HTTPError as e:
+        response = await client.post("/v1/completions", json.dumps(body).encode())
+        if response.status != 200:
+            error = f"HTTP {response.status}: {(await response.text())[:300]}"
+        else:
+            async for arrived, data in response.events():
+                if data == b"[DONE]":  # the body ends after it: reading on frees the connection for reuse
+                    continue
+                now = arrived - start
+                event = json.loads(data)
+                if "error" in event:
+                    error = str(event["error"].get("message"))
+                    continue
+                for choice in event["choices"]:
+                    token_times += [now] * len(choice.get("token_ids") or ())
+                    if choice.get("finish_reason"):
+                        finish_reason, stats = choice["finish_reason"], choice.get("stats") or {}
+    except (OSError, EOFError, ValueError, HTTPProtocolError, asyncio.LimitOverrunError) as e:  # EOFError: cut short
         error = f"{type(e).__name__}: {e}"
+    finally:
+        if response is not None:
+            response.close()
     finish_s = perf_counter() - start
     if error is not None:
         finish_reason = "error"
@@ -135,25 +136,25 @@ async def run_workload(
     each run's records and the errors of every failed request."""
     runs, errors = [], []
     # No connection limit (a burst opens one connection per request) and no timeout.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(headers=auth_headers(), limits=limits, timeout=None) as client:
+    client = SSEClient(url, auth_headers())
+    try:
         if warmup:
             first = workload.requests[0]
             warm = WorkloadRequest(-1, 0.0, first.prompt_token_ids[:8], 4)
-            _, error = await send_request(
-                client, url, request_body(model, warm, temperature, True), warm, perf_counter()
-            )
+            _, error = await send_request(client, request_body(model, warm, temperature, True), warm, perf_counter())
             if error is not None:
                 errors.append(f"warm-up: {error}")
         for _ in range(repeats):
             bodies = [request_body(model, r, temperature, ignore_eos) for r in workload.requests]
             start = perf_counter()
             sent = await asyncio.gather(
-                *(send_request(client, url, body, r, start) for body, r in zip(bodies, workload.requests))
+                *(send_request(client, body, r, start) for body, r in zip(bodies, workload.requests))
             )
             records = [record for record, _ in sent]
             errors += [f"request {r.request_id}: {e}" for r, e in sent if e is not None]
             runs.append(RunRecords(records, [], max(r.finish_s for r in records)))
+    finally:
+        await client.aclose()
     return runs, errors
 
 
