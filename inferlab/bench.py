@@ -174,6 +174,7 @@ def simulation(llm) -> dict:
                 "per_prompt_token": runner.profile.admission_s_per_token,
             },
             "num_steps": runner.num_steps,
+            "real_time": runner.real_time,  # on this host's clock (its wall time), not a virtual one
         }
     }
 

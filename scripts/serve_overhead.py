@@ -8,9 +8,13 @@ prompt (fresh ids each run, so no run reuses another's prefix cache),
 Prints, per run, TTFT and TPOT as the client saw them, the server's path of the first token
 (client send, handler, the engine thread's add, the first steps, the hand-overs to the event loop,
 the chunk's send) and the engine's step intervals, so that the server's added latency is split
-into its parts. A SETTING (engine keyword arguments) is KEY=VALUE, each VALUE read as JSON.
+into its parts. With --streams N, a burst of N streams instead (tok/s, the engine's step
+intervals, each server thread's CPU). With --emulate PROFILE, no checkpoint: the simulated engine
+of that profile in real time (executor.real_time) stands in for the GPU. A SETTING (engine
+keyword arguments) is KEY=VALUE, each VALUE read as JSON.
 
-    python3 scripts/serve_overhead.py MODEL_DIR [--runs 3] [SETTING...]   # e.g. attention="triton"
+    python3 scripts/serve_overhead.py MODEL_DIR [--runs 3] [SETTING...]   # e.g. attention='"triton"'
+    python3 scripts/serve_overhead.py --emulate h200-qwen3-0.6b-triton --streams 256 --prompt 256 --tokens 256
 """
 
 import argparse
@@ -324,67 +328,6 @@ def burst(engine, args, prompt, params) -> None:
         del engine.step
 
 
-def run_in_real_time(engine) -> None:
-    """Turns a simulated engine (executor="simulated") into a stand-in for a GPU's on this host's
-    clock: the steps' host time (the profile's launch and admission times) is a busy wait that
-    holds the GIL, as launching does; their device time passes while reading tokens sleeps, with
-    the GIL released, as waiting for a device does. So the server's threads share the GIL as they
-    would beside a GPU, and its overhead can be measured without one."""
-    import ctypes
-
-    from inferlab.sim.cost_model import StepShape
-
-    runner = engine.runner
-    host_model = runner.host_launch_model
-    device = {"free_at": 0.0}
-    libc = ctypes.CDLL(None)
-    PR_SET_TIMERSLACK = 29
-
-    def busy(seconds: float) -> None:
-        end = perf_counter() + seconds
-        while perf_counter() < end:
-            pass
-
-    class Step:
-        def __init__(self, num_rows, sample_rows, ends_at):
-            self.num_rows, self.sample_rows, self.ends_at = num_rows, sample_rows, ends_at
-
-        def tokens(self):
-            libc.prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # this thread's sleeps end within 1 us
-            time.sleep(max(0.0, self.ends_at - perf_counter()))
-            out = [None] * self.num_rows
-            for row in self.sample_rows:
-                out[row] = runner.token
-            return out
-
-        def placeholders(self):
-            out = [None] * self.num_rows
-            for k, row in enumerate(self.sample_rows):
-                out[row] = -(k + 1)
-            return out
-
-    def launch(batch):
-        shape = StepShape.of(batch, runner.graph_limits)
-        seconds = runner.cost_model(shape)
-        start = perf_counter()
-        busy(host_model(shape) if host_model else 0.0)
-        launched = perf_counter()
-        if shape.graph:
-            device["free_at"] = max(device["free_at"], launched) + seconds
-        else:
-            device["free_at"] = max(max(device["free_at"], start) + seconds, launched)
-        sample_rows = [
-            row
-            for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
-            if request.num_computed_tokens + num_tokens == len(request.token_ids)
-        ]
-        return Step(len(batch.requests), sample_rows, device["free_at"])
-
-    runner.launch = launch
-    runner.admit = lambda request: busy(runner.profile.admission_seconds(request.num_prompt_tokens))
-    runner.clock = engine.clock = perf_counter
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", nargs="?", help="a checkpoint directory (none with --emulate)")
@@ -392,7 +335,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--emulate", metavar="PROFILE", help="a simulated engine of this profile, in real time")
+    parser.add_argument(
+        "--emulate", metavar="PROFILE", help="a simulated engine of this profile in real time (executor.real_time)"
+    )
     parser.add_argument("--streams", type=int, default=1, help="above 1: a burst of this many streams instead")
     parser.add_argument(
         "--gil-switch-interval", type=json.loads, default=..., help="serve.gil_switch_interval_s (JSON: 0.005, null)"
@@ -414,11 +359,9 @@ def main() -> None:
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.tokens)
     seed = [0]
 
-    if args.emulate:
-        settings.update(executor="simulated", executor_options={"profile": args.emulate})
+    if args.emulate:  # the simulated engine on this host's clock, standing in for the profiled GPU
+        settings.update(executor="simulated", executor_options={"profile": args.emulate, "real_time": True})
     with LLM(None if args.emulate else args.model_dir, **settings) as engine:
-        if args.emulate:
-            run_in_real_time(engine)
         vocab = min(10000, engine.hf_config.vocab_size)
 
         def prompt() -> list[int]:

@@ -314,6 +314,43 @@ def test_admitting_requests_takes_the_profiles_host_time(tmp_path):
     assert simulation(llm)["simulated"]["admission_s"] == {"per_request": 1e-3, "per_prompt_token": 1e-5}
 
 
+def test_a_real_time_simulation_takes_the_hand_computations_time_on_this_hosts_clock(tmp_path):
+    """executor.real_time: the hand computation's run (admissions, a prefill, four decodes) takes
+    at least its simulated time in wall time, the engine's clock reads perf_counter, and the
+    tokens and steps are those of the virtual run; waiting for the device sleeps (little CPU,
+    the GIL free for a server's event loop) while the host's work is a busy loop (all CPU)."""
+    import time
+
+    from inferlab.bench import simulation
+    from inferlab.sim.executor import RealTimeClock
+
+    profile = hand_profile(tmp_path, admission_s_per_request=1e-3, admission_s_per_token=1e-5)
+    options = {"profile": profile, "real_time": True}
+    llm = LLM(executor="simulated", executor_options=options, kvcache_block_size=16)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
+    start = perf_counter()
+    outputs = llm.generate([list(range(1, 11)), list(range(1, 7))], params, use_tqdm=False)
+    wall = perf_counter() - start
+    admissions = 2e-3 + 1e-5 * (10 + 6)
+    prefill = 3e-3 + 2e-8 * 16 + 5e-13 * (10 * 11 // 2 + 6 * 7 // 2)
+    decodes = [2e-3 + 2e-5 + 1e-9 * (11 + 7), 2e-3 + 2e-5 + 1e-9 * (12 + 8)] + [2e-3 + 1e-5 + 1e-9 * c for c in (9, 10)]
+    assert admissions + prefill + sum(decodes) <= wall < admissions + prefill + sum(decodes) + 2.0
+    assert [len(o["token_ids"]) for o in outputs] == [3, 5] and llm.runner.num_steps == 5
+    assert abs(llm.clock() - perf_counter()) < 0.1
+    assert simulation(llm)["simulated"]["real_time"] is True
+
+    clock = RealTimeClock()
+    for busy in (False, True):
+        cpu, begin = time.thread_time(), perf_counter()
+        if busy:
+            clock.spend(0.05)
+        else:
+            clock.advance_to(begin + 0.05)
+        cpu, elapsed = time.thread_time() - cpu, perf_counter() - begin
+        assert elapsed >= 0.05
+        assert (cpu > 0.025) if busy else (cpu < 0.02), (busy, cpu)
+
+
 def test_capacity_comes_from_the_profile_or_the_setting(tmp_path):
     profile = hand_profile(tmp_path)
     llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)

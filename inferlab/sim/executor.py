@@ -11,10 +11,20 @@ sampling row gets a synthetic token (never EOS), so output lengths come from max
 workloads use ignore_eos). The KV cache holds as
 many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
 eviction happen as on the device.
+
+With `real_time` the same runner keeps this host's clock instead: the host's times are spent in a
+busy loop that holds the GIL and the device's pass while reading tokens sleeps without it, so
+the engine serves (and loads a server's event loop) as one on the profiled GPU would, for
+measuring the HTTP side on a machine without one (scripts/serve_overhead.py --emulate).
 """
 
+import ctypes
 import logging
+import sys
+import threading
+import time
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 
@@ -34,6 +44,10 @@ class SimulatedOptions:
     profile: str = "roofline"
     roofline_device: str = "h200"
     roofline_step_overhead_s: float = 0.0005  # per step, for the roofline estimate only
+    # On this host's clock instead of a virtual one: the profile's host times are spent holding
+    # the GIL (busy), its device times pass while reading tokens sleeps. A stand-in for the GPU
+    # that serves, and loads the HTTP server and its clients, as a GPU-backed engine would.
+    real_time: bool = False
 
     def __post_init__(self):
         if not self.profile:
@@ -63,6 +77,39 @@ class VirtualClock:
 
     def advance_to(self, t: float) -> None:
         self.now = max(self.now, t)
+
+    def spend(self, seconds: float) -> None:
+        """The host's work of `seconds`."""
+        self.now += seconds
+
+
+class RealTimeClock:
+    """perf_counter's seconds, for a simulation in real time: waiting for the device sleeps
+    (releasing the GIL, as waiting for a GPU does) and the host's work is a busy loop (holding
+    it, as launching does)."""
+
+    PR_SET_TIMERSLACK = 29  # Linux prctl: how late a sleep may end
+
+    def __init__(self):
+        self.precise_sleeps: set[int] = set()  # the threads whose sleeps end within 1 us
+
+    def __call__(self) -> float:
+        return perf_counter()
+
+    def advance_to(self, t: float) -> None:
+        thread = threading.get_ident()
+        if thread not in self.precise_sleeps and sys.platform == "linux":
+            # Linux lets a thread's sleep end up to 50 us late, about a tenth of a small decode step.
+            ctypes.CDLL(None).prctl(self.PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+            self.precise_sleeps.add(thread)
+        remaining = t - perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def spend(self, seconds: float) -> None:
+        end = perf_counter() + seconds
+        while perf_counter() < end:
+            pass
 
 
 def load_simulated_profile(options: SimulatedOptions, hf_config, config) -> Profile:
@@ -117,7 +164,8 @@ class SimulatedRunner:
     def __init__(self, config, hf_config, profile: Profile, avoid_token: int | None):
         self.config = config
         self.profile = profile
-        self.clock = VirtualClock()
+        self.real_time = simulated_options(config.executor_options).real_time
+        self.clock = RealTimeClock() if self.real_time else VirtualClock()
         self.cost_model = profile.cost_model()
         self.host_launch_model = profile.host_launch_model()
         self.device = torch.device("cpu")  # nothing runs anywhere: no CUDA graphs to capture
@@ -171,7 +219,7 @@ class SimulatedRunner:
     def admit(self, request) -> None:
         """The host's work of adding a request, on the virtual clock (the profile's admission
         costs): the engine does it between steps, so it delays the next one."""
-        self.clock.now += self.profile.admission_seconds(request.num_prompt_tokens)
+        self.clock.spend(self.profile.admission_seconds(request.num_prompt_tokens))
 
     def launch(self, batch) -> "SimulatedStep":
         """Queues the step on the virtual device; its tokens are ready when it ends. Launching
@@ -181,12 +229,13 @@ class SimulatedRunner:
         hides that launch; a step onto an idle device waits for its own."""
         shape = StepShape.of(batch, self.graph_limits)
         seconds = self.cost_model(shape)
-        launched = self.clock.now + (self.host_launch_model(shape) if self.host_launch_model else 0.0)
+        start = self.clock()
+        self.clock.spend(self.host_launch_model(shape) if self.host_launch_model else 0.0)
+        launched = self.clock()
         if shape.graph:
             self.device_free_at = max(self.device_free_at, launched) + seconds
         else:
-            self.device_free_at = max(max(self.device_free_at, self.clock.now) + seconds, launched)
-        self.clock.now = launched
+            self.device_free_at = max(max(self.device_free_at, start) + seconds, launched)
         self.simulated_seconds += seconds
         self.num_steps += 1
         sample_rows = [
@@ -198,7 +247,7 @@ class SimulatedRunner:
 
 
 class SimulatedStep:
-    def __init__(self, num_rows: int, sample_rows: list[int], token: int, clock: VirtualClock, ends_at: float):
+    def __init__(self, num_rows: int, sample_rows: list[int], token: int, clock, ends_at: float):
         self.num_rows, self.sample_rows, self.token = num_rows, sample_rows, token
         self.clock, self.ends_at = clock, ends_at
 
