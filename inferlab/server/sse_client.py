@@ -3,8 +3,8 @@ connections, and server-sent events handed over as they arrive with the time the
 
 A bench over HTTP is only as good as its client's timing, and at hundreds of concurrent streams
 httpx's per-chunk work (its connection pool, h11, line decoding) made the client the bottleneck:
-against one emulated server, 256 streams measured 41,800-43,600 tok/s and TTFT p50 357-445 ms
-through httpx, 47,500-50,500 and 143-222 ms through this client, and 52,000 and about 130 ms
+against one emulated server, 256 streams measured 42,800-43,800 tok/s and TTFT p50 286-365 ms
+through httpx, 47,600-50,200 and 140-187 ms through this client, and about 52,000 and 130 ms
 through a bare socket (BENCHMARKS.md, "Serving over HTTP"). This client does what the bench needs
 and no more: one POST a stream, a status line, headers, and a chunked, sized or close-delimited
 body cut into events.
