@@ -70,7 +70,8 @@ async def read_events(client: SSEClient, body: bytes = b"{}") -> tuple[int, list
 
 
 def test_events_split_anywhere_arrive_whole_and_the_connection_is_kept():
-    body = event([1, 2]) + b"data: line one\r\ndata: line two\r\n\r\n" + event([3], "length") + b"data: [DONE]\n\n"
+    # the last event ends in CRLFs alone, as a server that writes CRLF line ends sends them
+    body = event([1, 2]) + b"data: line one\r\ndata: line two\r\n\r\n" + event([3], "length") + b"data: [DONE]\r\n\r\n"
     pieces = [body[i : i + 5] for i in range(0, len(body), 5)]  # chunk boundaries inside events and CRLFs
 
     async def run():

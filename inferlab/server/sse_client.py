@@ -74,9 +74,11 @@ class Response:
         async for piece in self._pieces():
             now = perf_counter()
             buffer += piece
+            if b"\r" in buffer:  # CRLF line ends; a CR that ends a piece waits for the LF after it
+                buffer = buffer.replace(b"\r\n", b"\n")
             if b"\n\n" not in buffer:
                 continue
-            *complete, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+            *complete, buffer = buffer.split(b"\n\n")
             for event in complete:
                 data = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
                 if data:
