@@ -3,7 +3,7 @@ process, in one process on one engine: one stream of --tokens tokens after a --p
 prompt (fresh ids each run, so no run reuses another's prefix cache),
   1. in process: engine.add_request, then engine.step() until it finishes;
   2. over HTTP: the InferenceServer on this engine, the stream sent from a client process of its
-     own (a raw socket, or the HTTP bench's client), the server's steps and hand-overs
+     own (the HTTP bench's, on a new connection or a kept one), the server's steps and hand-overs
      timed here on the same clock (perf_counter is CLOCK_MONOTONIC on Linux).
 Prints, per run, TTFT and TPOT as the client saw them, the server's path of the first token
 (client send, handler, the engine thread's add, the first steps, the hand-overs to the event loop,
@@ -26,44 +26,6 @@ import subprocess
 import sys
 import time
 from time import perf_counter
-
-EVENT = re.compile(rb"data: (.*?)\n\n", re.S)
-
-
-def raw_client(url: str, body: dict) -> dict:
-    """One streamed completion over a plain socket: the times of the send, the response's
-    headers and every chunk with token ids (perf_counter), and each chunk's token count."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sent = perf_counter()
-    sock.sendall(head + payload)
-    buffer, headers_at, chunks, done = b"", None, [], False
-    while not done:
-        data = sock.recv(1 << 16)
-        now = perf_counter()
-        if not data:
-            break
-        buffer += data
-        if headers_at is None and b"\r\n\r\n" in buffer:
-            headers_at = now
-        while (match := EVENT.search(buffer)) is not None:
-            buffer = buffer[match.end() :]
-            if match.group(1) == b"[DONE]":
-                done = True
-                break
-            event = json.loads(match.group(1))
-            count = sum(len(c.get("token_ids") or ()) for c in event["choices"])
-            if count:
-                chunks.append((now, count))
-    sock.close()
-    return {"sent": sent, "headers": headers_at, "chunks": chunks}
-
 
 TOKEN_IDS = re.compile(rb'"token_ids":\[([^\]]*)\]')
 
@@ -110,26 +72,36 @@ def burst_client(url: str, bodies: list[dict]) -> dict:
     return {"sent": sent, "streams": [{k: s[k] for k in ("first", "end", "tokens", "chunks")} for s in streams]}
 
 
-def bench_client(url: str, body: dict) -> dict:
-    """The same stream through the HTTP bench's client (inferlab.server.load.send_request), after a
-    short request that opens the connection, as the bench's warm-up does."""
+def stream_client(url: str, body: dict, kept: bool) -> dict:
+    """One streamed completion through the HTTP bench's client (inferlab.server.sse_client): on a
+    new connection (its connect timed with the send), or, when kept, on one a short request
+    opened first, as the bench's warm-up does. The times of the send, of the response's headers
+    and of every chunk with token ids (perf_counter), and each chunk's token count."""
     import asyncio
 
-    from inferlab.server.load import send_request
     from inferlab.server.sse_client import SSEClient
-    from inferlab.workload import WorkloadRequest
+
+    async def stream(client: SSEClient, body: dict) -> tuple[float, float, list]:
+        sent = perf_counter()
+        response = await client.post("/v1/completions", json.dumps(body).encode())
+        headers, chunks = perf_counter(), []
+        async for arrived, data in response.events():
+            if data != b"[DONE]":
+                count = sum(len(c.get("token_ids") or ()) for c in json.loads(data)["choices"])
+                if count:
+                    chunks.append((arrived, count))
+        response.close()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}")
+        return sent, headers, chunks
 
     async def run() -> dict:
         client = SSEClient(url)
-        warm = WorkloadRequest(-1, 0.0, body["prompt"][:8], 4)
-        await send_request(client, {**body, "prompt": warm.prompt_token_ids, "max_tokens": 4}, warm, perf_counter())
-        request = WorkloadRequest(0, 0.0, body["prompt"], body["max_tokens"])
-        start = perf_counter()
-        record, error = await send_request(client, body, request, start)
+        if kept:
+            await stream(client, {**body, "prompt": body["prompt"][:8], "max_tokens": 4})
+        sent, headers, chunks = await stream(client, body)
         await client.aclose()
-        if error:
-            raise RuntimeError(error)
-        return {"sent": start, "headers": None, "chunks": [(start + t, 1) for t in record.token_times_s]}
+        return {"sent": sent, "headers": headers, "chunks": chunks}
 
     return asyncio.run(run())
 
@@ -349,8 +321,10 @@ def main() -> None:
     if args.client:
         kind, url = args.client.split(",", 1)
         body = json.loads(sys.stdin.read())
-        client = {"raw": raw_client, "bench": bench_client, "burst": burst_client}[kind]
-        print(json.dumps(client(url, body)))
+        if kind == "burst":
+            print(json.dumps(burst_client(url, body)))
+        else:
+            print(json.dumps(stream_client(url, body, kept=kind == "kept")))
         return
 
     from inferlab import LLM, SamplingParams
@@ -407,8 +381,8 @@ def main() -> None:
         loop = type(server.engine_loop.event_loop).__name__
         print(f"uvicorn: {protocol}, {loop}, GIL switch interval {sys.getswitchinterval()} s")
         try:
-            for kind in ("raw", "bench"):
-                print(f"over HTTP, {kind} client in a process of its own:", flush=True)
+            for kind in ("new", "kept"):
+                print(f"over HTTP, a client in a process of its own, on a {kind} connection:", flush=True)
                 for run in range(args.runs + 1):
                     body = {"model": server.model.name, "prompt": prompt(), "max_tokens": args.tokens,
                             "temperature": 0.6, "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
