@@ -129,6 +129,9 @@ class Timeline:
     def between(self, start: float, end: float) -> list[tuple[str, float, object]]:
         return [e for e in self.events if start <= e[1] <= end]
 
+    def times(self, label: str, start: float, end: float) -> list[float]:
+        return [t for name, t, _ in self.between(start, end) if name == label]
+
 
 def instrument(timeline: Timeline, engine) -> None:
     """Times the server's path: the handler (body parsed), the engine thread's add and steps, its
@@ -227,50 +230,29 @@ def start_server(engine, args, **settings):
     return server.start()
 
 
-def burst(engine, args, prompt, params) -> None:
+def burst(engine, args, prompt, params, timeline: "Timeline") -> None:
     """args.streams streams at once, in process and then over HTTP (from one light client process):
     output tok/s, the engine's step intervals and its thread's CPU, the event loop's CPU a token."""
-
     n, total = args.streams, args.streams * args.tokens
-    starts: list[float] = []
-    step = engine.step
-
-    def timed_step():
-        starts.append(perf_counter())
-        return step()
-
-    engine.step = timed_step
     print(f"{n} streams at once, {args.tokens} tokens after {args.prompt} each:")
     for run in range(args.runs + 1):
-        starts.clear()
         cpu, begin = time.thread_time(), perf_counter()
         for _ in range(n):
             engine.add_request(prompt(), params)
         while not engine.is_finished():
             engine.step()
         wall, cpu = perf_counter() - begin, time.thread_time() - cpu
+        starts = timeline.times("step start", begin, begin + wall)
         if run:
             print(f"  in process: {total / wall:.0f} tok/s; step starts {intervals_us(starts)}; "
                   f"the engine thread's CPU {cpu / len(starts) * 1e6:.0f} us a step")  # fmt: skip
     server = start_server(engine, args, max_queued_requests=None)
-    from inferlab.server.engine_loop import EngineLoop
-
-    adds: list[float] = []
-    add = EngineLoop._add
-
-    def timed_add(self, *a):
-        add(self, *a)
-        adds.append(perf_counter())
-
-    EngineLoop._add = timed_add
     protocol, loop = server.uvicorn.config.http_protocol_class.__name__, type(server.engine_loop.event_loop).__name__
     print(f"  uvicorn: {protocol}, {loop}, GIL switch interval {sys.getswitchinterval()} s")
     try:
         for run in range(args.runs + 1):
             bodies = [{"prompt": prompt(), "max_tokens": args.tokens, "temperature": 0.6, "ignore_eos": True,
                        "stream": True, "return_token_ids": True} for _ in range(n)]  # fmt: skip
-            starts.clear()
-            adds.clear()
             cpu_before = thread_cpu_s(server)
             out = subprocess.run(
                 [sys.executable, __file__, "x", "--client", f"burst,{server.url}"],
@@ -286,6 +268,7 @@ def burst(engine, args, prompt, params) -> None:
             chunks = sum(s["chunks"] for s in streams)
             ttft = statistics.median(s["first"] - client["sent"] for s in streams) * 1000
             sent = client["sent"]
+            starts, adds = (timeline.times(label, sent, sent + wall) for label in ("step start", "added"))
             print(f"  over HTTP, ms from the first send: the first and last adds {(adds[0] - sent) * 1e3:.1f}, "
                   f"{(adds[-1] - sent) * 1e3:.1f}; the first and last steps {(starts[0] - sent) * 1e3:.1f}, "
                   f"{(starts[-1] - sent) * 1e3:.1f}; the first and last streams' ends "
@@ -296,8 +279,6 @@ def burst(engine, args, prompt, params) -> None:
                   f"({loop_cpu / chunks * 1e6:.1f} a chunk)", flush=True)  # fmt: skip
     finally:
         server.stop()
-        EngineLoop._add = add
-        del engine.step
 
 
 def main() -> None:
@@ -342,40 +323,29 @@ def main() -> None:
             seed[0] += 1
             return [(7919 * seed[0] + 104729 * j) % vocab for j in range(args.prompt)]
 
+        timeline = Timeline()
+        instrument(timeline, engine)
         if args.streams > 1:
-            burst(engine, args, prompt, params)
+            burst(engine, args, prompt, params, timeline)
             return
-        step_times: list[float] = []
-        step = engine.step
-
-        step_ends: list[float] = []
-
-        def timed_step():
-            step_times.append(perf_counter())
-            output = step()
-            step_ends.append(perf_counter())
-            return output
-
         print(f"in process ({settings}), {args.tokens} tokens after {args.prompt}:", flush=True)
-        engine.step = timed_step
         for run in range(args.runs + 1):  # the first is a warm-up
-            step_times.clear()
-            step_ends.clear()
+            begin = perf_counter()
             request_id = engine.add_request(prompt(), params)
             request = engine.requests[request_id]
             cpu = time.thread_time()
             while not engine.is_finished():
                 engine.step()
             cpu = (time.thread_time() - cpu) / args.tokens * 1e6
+            step_times, step_ends = (
+                timeline.times(label, begin, perf_counter()) for label in ("step start", "step end")
+            )
             if run:
                 ttft, tpot = figures(request.arrival_time, request.token_times)
                 print(f"  TTFT {ttft:.3f} ms, TPOT {tpot:.4f} ms; step starts {intervals_us(step_times)}")
                 print(f"    CPU a token: the engine's thread {cpu:.0f} us")
                 print(f"    step() calls {durations_us(step_times, step_ends)}")
-        del engine.step
 
-        timeline = Timeline()
-        instrument(timeline, engine)
         server = start_server(engine, args)
         protocol = server.uvicorn.config.http_protocol_class.__name__
         loop = type(server.engine_loop.event_loop).__name__
