@@ -30,7 +30,7 @@ def inferlab(args, cwd, **env):
         (["generate.prompts=['']"], "inferlab: prompt 0: the prompt is empty: give at least one token"),
         (
             ["generate.temperature=-1"],
-            "inferlab: temperature must be a finite number >= 0 (below 1e-5: greedy), got -1.0",
+            "inferlab: temperature must be a number in [0, 2**126] (below 1e-5: greedy), got -1.0",
         ),
     ],
     ids=["bad-path", "bad-setting", "empty-prompt", "bad-sampling"],

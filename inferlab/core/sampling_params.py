@@ -1,9 +1,11 @@
 """Per-request generation settings: validated and normalized when constructed, immutable after."""
 
-import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+# The sampler scales logits by log2(e) / temperature in float32, where a GPU flushes subnormal
+# numbers to zero: temperatures above 2**126 would scale every logit to 0 and masked ones to NaN.
+MAX_TEMPERATURE = 2.0**126
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: dividing the logits by a
 # smaller one overflows float32 (1e-39 turned every logit into inf and picked the last token).
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -16,7 +18,7 @@ INT64_LIMIT = 2**63 - 1  # counts and token ids travel as int64
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 (or below 1e-5) means greedy. top_k=-1, top_p=1 and min_p=0 disable their
+    temperature 0 (or below 1e-5) means greedy; at most 2**126. top_k=-1, top_p=1 and min_p=0 disable their
     filters. seed (an integer in [0, 2**32)) makes one request reproducible regardless of what
     else is in the batch. stop strings end the returned text before the first match.
 
@@ -38,7 +40,7 @@ class SamplingParams:
     def __post_init__(self):
         set_field = object.__setattr__  # the one place a frozen instance is written: normalizing it
         set_field(
-            self, "temperature", _real(self.temperature, "temperature", "a finite number >= 0 (below 1e-5: greedy)")
+            self, "temperature", _real(self.temperature, "temperature", "a number in [0, 2**126] (below 1e-5: greedy)")
         )
         set_field(self, "max_tokens", _integer(self.max_tokens, "max_tokens", 1, INT64_LIMIT))
         if not isinstance(self.ignore_eos, bool):
@@ -77,7 +79,7 @@ def _integer(value, name: str, low: int, high: int, allowed: str = "") -> int:
 
 
 REAL_RANGES = {
-    "a finite number >= 0 (below 1e-5: greedy)": lambda x: 0 <= x < math.inf,
+    "a number in [0, 2**126] (below 1e-5: greedy)": lambda x: 0 <= x <= MAX_TEMPERATURE,
     "in (0, 1]": lambda x: 0 < x <= 1,
     "in [0, 1]": lambda x: 0 <= x <= 1,
 }

@@ -36,9 +36,11 @@ def filter_logits(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
         if p.any_top_p:
             probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            # the top token always stays; rows without top_p keep all, though float32 sums over a
-            # large vocabulary reach 1 before their tail
+            # rows without top_p keep all, though float32 sums over a large vocabulary reach 1
+            # before their tail; the top token always stays, also where a top_p below float32's
+            # range arrives as 0
             keep &= (mass_before < p.top_p[:, None]) | (p.top_p[:, None] >= 1)
+            keep[:, 0] = True
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(~keep, float("-inf")))
     if p.any_min_p:
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
