@@ -5,9 +5,11 @@ error status, stop strings, priority and metadata reaching the policy, a short l
 the latency bench over bench.url."""
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
+import threading
 import time
 import types
 
@@ -369,6 +371,13 @@ def test_a_bearer_token_is_required_when_a_key_is_set(server):
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
         ("/v1/chat/completions", {"prompt": "x"}, "messages"),
+        # each of these used to reach the tokenizer, json or the sampler and answer 500 or garbage
+        ("/v1/completions", b'{"prompt": "\\ud800 lone"}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages.0.content"),
+        pytest.param("/v1/completions", b'{"max_tokens": 1' + b"0" * 5000 + b"}", None, id="5001-digit-integer"),
+        pytest.param("/v1/completions", b"[" * 100_000 + b"]" * 100_000, None, id="100000-deep-nesting"),
+        ("/v1/completions", {"prompt": "x", "temperature": 3.5e38}, "temperature"),
     ],
 )
 def test_bad_requests_get_400_with_openai_error_json(server, client, path, body, param):
@@ -376,6 +385,53 @@ def test_bad_requests_get_400_with_openai_error_json(server, client, path, body,
     assert "Traceback" not in message
     # and the server keeps serving the others
     assert client.completions.create(model=server.model.name, prompt="ok", max_tokens=2).choices[0].finish_reason
+
+
+def test_a_message_without_content_is_empty_text_as_with_null(server):
+    bodies = [{"role": "user"}, {"role": "user", "content": None}]
+    answers = [
+        post(
+            server,
+            "/v1/chat/completions",
+            {"messages": [body], "max_tokens": 3, "temperature": 0, "return_token_ids": True},
+        )
+        for body in bodies
+    ]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["choices"][0]["token_ids"] == answers[1].json()["choices"][0]["token_ids"]
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token(server, reference):
+    # 1e-46 is 0 in float32: the filter then kept nothing, and every draw was the last token
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "ignore_eos": True, "top_p": 1e-46, "return_token_ids": True}
+    answer = post(server, "/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["token_ids"] == reference([PROMPTS[0]], 6)[0]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """While one request's long prompt tokenizes, health checks and other requests are answered."""
+    tokenizer = server.model.tokenizer
+    started, release = threading.Event(), threading.Event()
+    encode = tokenizer.encode
+
+    def slow_encode(text, *args, **kwargs):
+        if len(text) >= 100_000:
+            started.set()
+            release.wait(30)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(post, server, "/v1/completions", {"prompt": "ab " * 40_000, "max_tokens": 1})
+        assert started.wait(30)
+        try:
+            assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok"}
+            short = post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
+            assert short.status_code == 200 and not long.done()
+        finally:
+            release.set()
+        assert_openai_error(long.result(timeout=60), 400, "prompt")  # 80,000 tokens: past the context
 
 
 def test_the_openai_client_raises_bad_request_for_400(server, client):
@@ -449,6 +505,9 @@ def test_priority_and_metadata_reach_the_policy_and_the_queue_limit_answers_429(
                     await asyncio.sleep(0.02)
                 refused = await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
                 assert_openai_error(refused, 429)
+                # more prompts in one request than may ever wait: no retry could succeed
+                never = await http.post("/v1/completions", json={"prompt": [[1]] * 4, "max_tokens": 1})
+                assert "serve.max_queued_requests=3" in assert_openai_error(never, 400, "prompt")
             await asyncio.gather(*tasks)  # the blocker's disconnect aborted it
             return order
 

@@ -177,6 +177,20 @@ async def disconnected(receive) -> None:
         pass
 
 
+# Tokenizers take about 0.7 us a character and release the GIL: past this many characters a
+# request is tokenized on a worker thread, so that one huge prompt does not stall every other
+# stream for seconds; below it the hand-over to a thread would cost more than the work.
+TOKENIZE_ON_THREAD_CHARS = 8192
+
+
+async def tokenized(num_chars: int, prepare: Callable[[], list[Prompt]]) -> list[Prompt]:
+    """prepare() (which tokenizes and checks a request's prompts) on this thread, or on a worker
+    thread for a request of num_chars characters or more."""
+    if num_chars < TOKENIZE_ON_THREAD_CHARS:
+        return prepare()
+    return await anyio.to_thread.run_sync(prepare)
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -331,7 +345,11 @@ def build_app(
         body = parse_body(await request.body(), CompletionBody)
         check_model(body, model)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        prompts = engine_prompts(body, completion_token_ids(body, model), model, max_tokens)
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        num_chars = sum(len(text) for text in texts if isinstance(text, str))
+        prompts = await tokenized(
+            num_chars, lambda: engine_prompts(body, completion_token_ids(body, model), model, max_tokens)
+        )
         return await respond(request, Responder(body, model, chat=False), prompts)
 
     @app.post("/v1/chat/completions")
@@ -340,12 +358,23 @@ def build_app(
         body = parse_body(await request.body(), ChatBody)
         check_model(body, model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompts = engine_prompts(body, [chat_token_ids(body, model)], model, max_tokens)
+        num_chars = sum(len(message.content) for message in body.messages)
+        prompts = await tokenized(
+            num_chars, lambda: engine_prompts(body, [chat_token_ids(body, model)], model, max_tokens)
+        )
         return await respond(request, Responder(body, model, chat=True), prompts)
 
     async def respond(request: Request, responder: Responder, prompts: list[Prompt]) -> Response:
         if draining():
             raise ApiError(503, "the server is shutting down", code="unavailable")
+        if max_queued_requests is not None and len(prompts) > max_queued_requests:
+            raise ApiError(
+                400,
+                f"prompt: {len(prompts)} prompts in one request, more than may wait for admission at once "
+                f"(serve.max_queued_requests={max_queued_requests}); send at most that many a request",
+                "prompt",
+                "too_many_prompts",
+            )
         if max_queued_requests is not None and loop.num_queued() + len(prompts) > max_queued_requests:
             raise ApiError(
                 429,

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.server.engine_loop import Prompt
@@ -101,14 +101,24 @@ class GenerationBody(BaseModel):
         return None
 
 
+def _check_text(value: str) -> str:
+    """JSON's \\u escapes can spell a lone surrogate, which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start : e.end].encode("unicode_escape").decode()
+        raise ValueError(f"holds {bad} at character {e.start}, a lone surrogate, which is not text") from None
+    return value
+
+
 def _check_prompt(value):
     if isinstance(value, str):
-        return value
+        return _check_text(value)
     if isinstance(value, list) and value:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return value
         if all(isinstance(p, str) for p in value):
-            return value
+            return [_check_text(p) for p in value]
         if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in value):
             return value
     raise ValueError("must be a string, a list of token ids, or a non-empty list of strings or of token id lists")
@@ -139,18 +149,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
+    content: Any = Field(None, validate_default=True)  # absent and null alike: empty text
 
     @field_validator("content")
     @classmethod
     def _text(cls, value):
         """A string, or a list of {"type": "text", "text": ...} parts (joined)."""
         if value is None or isinstance(value, str):
-            return value or ""
+            return _check_text(value or "")
         if isinstance(value, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
         ):
-            return "".join(p["text"] for p in value)
+            return _check_text("".join(p["text"] for p in value))
         raise ValueError('must be a string or a list of {"type": "text", "text": "..."} parts')
 
 
@@ -172,8 +182,10 @@ def parse_body(raw: bytes, body_class: type[GenerationBody]) -> GenerationBody:
     """The request body checked against body_class; ApiError 400 naming the culprit otherwise."""
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # bad UTF-8, bad JSON, or an integer of over 4,300 digits
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
