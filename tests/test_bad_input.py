@@ -214,6 +214,18 @@ def test_unknown_setting():
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(graph_prefill_tokens=-1), r"graph_prefill_tokens must be >= 0 \(0: steps with prefill run eagerly;"),
         (dict(graph_prefill_tokens=1.5), "graph_prefill_tokens must be a whole number of tokens or None, got 1.5"),
+        (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization must be in \(0, 1\], got '0.5'"),
+        # a string repeated itself 2**30 times here before failing on its int()
+        (dict(cpu_kv_cache_gib="1"), "cpu_kv_cache_gib must be a positive number of GiB, got '1'"),
+        (dict(cpu_kv_cache_gib=-1), "cpu_kv_cache_gib must be a positive number of GiB, got -1"),
+        (dict(cpu_kv_cache_gib=float("nan")), "cpu_kv_cache_gib must be a positive number of GiB, got nan"),
+        # "false" counted as true
+        (dict(enable_prefix_caching="false"), "enable_prefix_caching must be True or False, got 'false'"),
+        (dict(enforce_eager="no"), "enforce_eager must be True or False, got 'no'"),
+        (dict(compile_at_start=0), "compile_at_start must be True or False, got 0"),
+        (dict(overlap_scheduling="no"), r"overlap_scheduling must be True, False or None \(on where"),
+        (dict(seed="x"), "seed must be an integer >= 0, got 'x'"),
+        (dict(seed=-5), "seed must be an integer >= 0, got -5"),
     ],
 )
 def test_bad_settings(checkpoint, kwargs, match):

@@ -67,7 +67,7 @@ class EngineConfig:
             raise ValueError(
                 f"num_kvcache_blocks must be -1 (size from memory) or >= 1, got {self.num_kvcache_blocks!r}"
             )
-        if not (isinstance(self.tp_step_timeout_s, (int, float)) and 0 < self.tp_step_timeout_s < float("inf")):
+        if not (_is_number(self.tp_step_timeout_s) and 0 < self.tp_step_timeout_s < float("inf")):
             raise ValueError(f"tp_step_timeout_s must be a positive number of seconds, got {self.tp_step_timeout_s!r}")
         graph_tokens = self.graph_prefill_tokens
         if graph_tokens is not None and (not isinstance(graph_tokens, int) or isinstance(graph_tokens, bool)):
@@ -77,8 +77,21 @@ class EngineConfig:
                 f"graph_prefill_tokens must be >= 0 (0: steps with prefill run eagerly; None: sized to the model), "
                 f"got {graph_tokens}"
             )
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not (_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not (_is_number(self.cpu_kv_cache_gib) and 0 < self.cpu_kv_cache_gib < float("inf")):
+            raise ValueError(f"cpu_kv_cache_gib must be a positive number of GiB, got {self.cpu_kv_cache_gib!r}")
+        # a string such as "false" would otherwise count as true
+        for name in ("enforce_eager", "compile_at_start", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.overlap_scheduling is not None and not isinstance(self.overlap_scheduling, bool):
+            raise ValueError(
+                f"overlap_scheduling must be True, False or None (on where the device runs ahead), "
+                f"got {self.overlap_scheduling!r}"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -96,6 +109,10 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine setting(s) {unknown}; allowed: {sorted(names)}")
         return cls(model_path=model_path, **kwargs)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 DTYPES = {"auto", "float32", "float16", "bfloat16"}
