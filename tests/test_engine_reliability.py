@@ -373,8 +373,18 @@ def test_a_closed_engine_refuses_calls_and_a_second_one_serves(path, reference):
     with make_llm(path, num_kvcache_blocks=64) as llm:
         llm.add_request(prompts[0], GREEDY)  # unfinished at close: dropped with the engine
         llm.step()
+        with pytest.raises(TypeError, match=r"output\(\) takes a finished Request .*, got int"):
+            llm.output(0)
+        request = llm.requests[0]
     assert llm.runner.kv_cache is None and llm.runner.model is None  # its memory is handed back
-    for call in (lambda: llm.generate(prompts, GREEDY, use_tqdm=False), llm.step, lambda: llm.add_request([1])):
+    calls = (
+        lambda: llm.generate(prompts, GREEDY, use_tqdm=False),
+        llm.step,
+        lambda: llm.add_request([1]),
+        llm.is_finished,
+        lambda: llm.output(request),
+    )
+    for call in calls:
         with pytest.raises(engine.EngineClosedError, match="closed engine"):
             call()
     llm.close()  # twice is harmless

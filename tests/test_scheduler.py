@@ -189,6 +189,38 @@ def test_a_policy_returning_a_foreign_request_is_an_error():
         scheduler.schedule()
 
 
+class Returning:
+    """Returns whatever it was built with from admission_order."""
+
+    def __init__(self, make_order):
+        self.make_order = make_order
+
+    def admission_order(self, waiting, state):
+        return self.make_order(waiting)
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+
+def test_an_admission_order_that_is_not_a_list_of_views_is_an_error_naming_the_policy():
+    scheduler, _, _ = make(Returning(lambda waiting: None))
+    scheduler.add(request(0, [1, 2]))
+    with pytest.raises(PolicyError, match="scheduler 'test': admission_order returned None, not the waiting"):
+        scheduler.schedule()
+    assert len(scheduler.waiting) == 1 and not scheduler.running
+
+
+def test_a_request_listed_twice_is_an_error_that_says_so_and_leaves_the_queues_consistent():
+    scheduler, _, _ = make(Returning(lambda waiting: [waiting[0], waiting[1], waiting[0]]))
+    for i in range(3):
+        scheduler.add(request(i, [1, 2]))
+    with pytest.raises(PolicyError, match="scheduler 'test': admission_order listed request 0 twice"):
+        scheduler.schedule()
+    # the two admitted before the repeat are running, and no longer waiting
+    assert [r.request_id for r in scheduler.running] == [0, 1]
+    assert [r.request_id for r in scheduler.waiting] == [2]
+
+
 class SmallSteps:
     """A BudgetPolicy: 8 tokens a step, prefill chunks of at most 3."""
 

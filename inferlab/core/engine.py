@@ -374,6 +374,8 @@ class LLMEngine:
             time.sleep(remaining)
 
     def is_finished(self) -> bool:
+        if self.closed:
+            raise EngineClosedError("is_finished() on a closed engine: close() dropped its requests; build a new LLM")
         return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported
 
     def reset_prefix_cache(self) -> None:
@@ -503,6 +505,12 @@ class LLMEngine:
     def output(self, request: Request) -> dict:
         """A finished request's result: its text, token ids, finish_reason and preemptions, and
         "error" (why) when finish_reason is "error"."""
+        if not isinstance(request, Request):
+            raise TypeError(
+                f"output() takes a finished Request (an item of step().finished), got {type(request).__name__}"
+            )
+        if self.closed:
+            raise EngineClosedError("output() on a closed engine: close() released its resources; build a new LLM")
         text = ""
         if request.finish_reason != "error":
             try:
@@ -659,7 +667,9 @@ def per_prompt(what: str, value, kind, prompts) -> list:
         return list(value)
     if not isinstance(value, kind):
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise TypeError(f"{what} must be a {names} or a list of them, one per prompt; got {type(value).__name__}")
+        raise TypeError(
+            f"{what} must be one {names} for all prompts or a list of them, one per prompt; got {type(value).__name__}"
+        )
     return [value] * len(prompts)
 
 

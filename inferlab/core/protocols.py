@@ -94,10 +94,11 @@ class SchedulerPolicy(Protocol):
     (decodes and unfinished prefill chunks, oldest admitted first), then admits waiting ones."""
 
     def admission_order(self, waiting: tuple[RequestView, ...], state: SchedulerState) -> Iterable[RequestView]:
-        """The waiting requests to try admitting this step, first first (waiting is in queue
-        order: arrival, preempted requests in front). The core admits them in this order while
-        the token budget, max_num_seqs and free KV blocks allow, and stops at the first that does
-        not fit. Leaving requests out (all of them, even) declines to admit them this step.
+        """The waiting requests to try admitting this step, first first, each at most once
+        (waiting is in queue order: arrival, preempted requests in front). The core admits them
+        in this order while the token budget, max_num_seqs and free KV blocks allow, and stops at
+        the first that does not fit. Leaving requests out (all of them, even) declines to admit
+        them this step.
         Called only when there are waiting requests and room to admit one (or when the policy is
         a PreemptivePolicy)."""
 

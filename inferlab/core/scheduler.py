@@ -178,12 +178,24 @@ class Scheduler:
         if self._waiting_views is None:
             self._waiting_views = tuple(map(VIEW_OF, self.waiting))
         order = self.policy.admission_order(self._waiting_views, step.state())
+        try:
+            order = iter(order)
+        except TypeError:
+            raise PolicyError(
+                f"scheduler {self.policy_name!r}: admission_order returned {order!r}, not the waiting "
+                f"requests' views to admit (a list, possibly empty, or another iterable)"
+            ) from None
         kv = self.kv
         admitted: list[Request] = []
         try:
             for view in order:
                 if step.budget <= 0:
                     break
+                if isinstance(view, RequestView) and view._request.status is RUNNING and view._request in admitted:
+                    raise PolicyError(
+                        f"scheduler {self.policy_name!r}: admission_order listed request "
+                        f"{view.request_id} twice; each waiting request may appear once"
+                    )
                 request = self._own(view, WAITING, "admission_order")
                 if len(self.running) >= self.max_num_seqs and not self._make_room(view, step, admitted):
                     break
