@@ -75,8 +75,10 @@ def run_workload(
     if not requests:
         raise ValueError("the workload has no requests")
     arrivals = np.asarray([r.arrival_s for r in requests], dtype=np.float64)
-    if arrivals[0] < 0 or np.any(np.diff(arrivals) < 0):
-        raise ValueError("requests must be in arrival order, with arrival_s >= 0")
+    # NaN fails every comparison, so the checks are written to pass only good values: a NaN arrival
+    # was never due and hung the run
+    if not (np.isfinite(arrivals).all() and arrivals[0] >= 0 and np.all(np.diff(arrivals) >= 0)):
+        raise ValueError("requests must be in arrival order, with finite arrival_s >= 0")
     clock = llm.clock
     if wait_until is None:
         wait_until = llm.wait_until

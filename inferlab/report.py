@@ -87,7 +87,11 @@ def load_runs(root: str) -> tuple[list[tuple[str, dict]], list[FailedRun]]:
             except (OSError, json.JSONDecodeError) as e:
                 failed.append(FailedRun(run, overrides, f"unreadable result.json ({e})"))
                 continue
-            if result.get("error"):
+            if not isinstance(result, dict) or not (result.get("error") or isinstance(result.get("choices"), dict)):
+                failed.append(
+                    FailedRun(run, overrides, "result.json is not a bench result (an object with its choices)")
+                )
+            elif result.get("error"):
                 failed.append(FailedRun(run, result.get("overrides") or overrides, str(result["error"])))
             else:
                 results.append((run, result))

@@ -14,6 +14,7 @@ Both read into TraceRequests whose arrivals count seconds from the trace's first
 import csv
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -76,7 +77,14 @@ def read_trace(path: str) -> tuple[str, list[TraceRequest]]:
 
 
 def _length(value, what: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+    # math.isfinite first: int() of an infinity or NaN raises an error that names neither the line nor the field
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+        or value < 0
+    ):
         raise ValueError(f"{where}: {what} must be a non-negative integer, got {value!r}")
     return int(value)
 
@@ -95,14 +103,18 @@ def read_mooncake(path: str) -> list[TraceRequest]:
             if not isinstance(record, dict) or any(key not in record for key in MOONCAKE_KEYS):
                 raise ValueError(f"{where}: a Mooncake record needs {list(MOONCAKE_KEYS)}, got {line.strip()[:120]!r}")
             timestamp = record["timestamp"]
-            if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
-                raise ValueError(f"{where}: timestamp must be non-negative milliseconds, got {timestamp!r}")
+            if (
+                isinstance(timestamp, bool)
+                or not isinstance(timestamp, (int, float))
+                or not 0 <= timestamp < math.inf  # Python's json reads NaN and Infinity
+            ):
+                raise ValueError(f"{where}: timestamp must be finite non-negative milliseconds, got {timestamp!r}")
             hash_ids = record.get("hash_ids")
             if hash_ids is not None and (
                 not isinstance(hash_ids, list)
-                or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)
+                or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64 for h in hash_ids)
             ):
-                raise ValueError(f"{where}: hash_ids must be a list of non-negative integers, got {hash_ids!r}")
+                raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2**64), got {hash_ids!r}")
             requests.append(
                 TraceRequest(
                     arrival_s=timestamp / 1000,
@@ -138,6 +150,8 @@ def read_azure(path: str) -> list[TraceRequest]:
         reader = csv.DictReader(f, skipinitialspace=True)
         for number, row in enumerate(reader, 2):
             where = f"trace {path!r} line {number}"
+            if None in row.values() or None in row:  # DictReader's fill for short rows and key for long ones
+                raise ValueError(f"{where}: a row needs exactly the columns {', '.join(AZURE_COLUMNS)}")
             try:
                 seconds, fraction = parse_azure_timestamp(row["TIMESTAMP"] or "")
                 context, generated = (float(row[column]) for column in AZURE_COLUMNS[1:])

@@ -28,7 +28,24 @@ from inferlab.traces import MOONCAKE_BLOCK_SIZE, detect_trace_format, read_trace
 ARRIVALS = ("burst", "poisson", "gamma", "trace")
 FITS = ("clip", "scale")
 BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
+# Python's generator draws about 2.5 million token ids a second: past this, a generated workload
+# would take longer to draw than any plausible run (1e12 tokens simply hung).
+MAX_DRAWN_TOKENS = 2**28
 PRIORITY_STREAM = 1  # priorities come from numpy's generator seeded with (bench.seed, this)
+
+
+# What a generated workload draws and a trace replaces, with BenchConfig's defaults (a trace run
+# must leave them there, or a sweep over them would vary nothing).
+GENERATED_DEFAULTS = {
+    "num_seqs": 256,
+    "min_len": 100,
+    "max_len": 1024,
+    "min_output_len": None,
+    "max_output_len": None,
+    "shared_prefix_len": 0,
+    "num_prefixes": 1,
+}
+GENERATED_ONLY = tuple(GENERATED_DEFAULTS)
 
 
 class BenchConfigError(ValueError):
@@ -53,16 +70,24 @@ def bench_problems(bench) -> list[str]:
     for name in ("slo_ttft_s", "slo_tpot_s"):
         value = getattr(bench, name)
         check(value is not None and not value > 0, f"bench.{name} must be a positive number of seconds, got {value}")
-    check(not bench.burstiness > 0, f"bench.burstiness must be > 0 (1 is Poisson), got {bench.burstiness}")
-    check(not bench.time_scale > 0, f"bench.time_scale must be > 0 (0.5 replays twice as fast), got {bench.time_scale}")
+    # written so that NaN fails too; an infinite gap or scale made arrivals NaN, which hung the run
+    check(
+        not 0 < bench.burstiness < math.inf,
+        f"bench.burstiness must be a finite number > 0 (1 is Poisson), got {bench.burstiness}",
+    )
+    check(
+        not 0 < bench.time_scale < math.inf,
+        f"bench.time_scale must be a finite number > 0 (0.5 replays twice as fast), got {bench.time_scale}",
+    )
     check(
         bench.max_requests is not None and bench.max_requests < 1,
         f"bench.max_requests must be >= 1 or null, got {bench.max_requests}",
     )
     if arrival in ("poisson", "gamma"):
         check(
-            bench.request_rate is None or not bench.request_rate > 0,
-            f"bench.arrival={arrival} needs bench.request_rate > 0 (requests/s), got {bench.request_rate}",
+            bench.request_rate is None or not 0 < bench.request_rate < math.inf,
+            f"bench.arrival={arrival} needs bench.request_rate, a finite number > 0 (requests/s, or arrival=burst "
+            f"for all at once), got {bench.request_rate}",
         )
     else:
         check(
@@ -76,10 +101,12 @@ def bench_problems(bench) -> list[str]:
         + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
     )
     if arrival == "trace":
-        check(
-            bench.shared_prefix_len != 0,
-            "bench.shared_prefix_len applies to generated workloads: a trace brings its own prefixes",
-        )
+        for name in GENERATED_ONLY:
+            check(
+                getattr(bench, name) != GENERATED_DEFAULTS[name],
+                f"bench.{name} applies to generated workloads (burst, poisson, gamma): a trace brings its own "
+                f"requests and lengths (bench.max_requests takes its first ones)",
+            )
         if bench.trace is None:
             problems.append("bench.arrival=trace needs bench.trace=PATH (a Mooncake .jsonl or Azure .csv trace)")
         elif not os.path.isfile(bench.trace):
@@ -108,6 +135,12 @@ def bench_problems(bench) -> list[str]:
         )
         check(bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}")
         check(bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}")
+        most_tokens = bench.num_seqs * bench.max_len + bench.num_prefixes * max(bench.shared_prefix_len, 0)
+        check(
+            most_tokens > MAX_DRAWN_TOKENS,
+            f"bench draws up to {most_tokens:,} prompt tokens (num_seqs x max_len + num_prefixes x "
+            f"shared_prefix_len), more than the {MAX_DRAWN_TOKENS:,} it can draw in minutes",
+        )
     return problems
 
 
@@ -179,8 +212,13 @@ def arrival_times(
     shape = 1.0 if arrival == "poisson" else burstiness
     if not shape > 0:
         raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if not request_rate * shape > 0:
+        raise ValueError(f"request_rate {request_rate} times burstiness {burstiness} underflows to 0")
     gaps = np.random.default_rng(seed).gamma(shape=shape, scale=1.0 / (request_rate * shape), size=num_requests - 1)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps)])
+    if not np.isfinite(arrivals).all():
+        raise ValueError(f"request_rate {request_rate} with burstiness {burstiness} draws arrivals beyond float range")
+    return arrivals
 
 
 def fit_lengths(
@@ -211,24 +249,35 @@ def fit_lengths(
     return inputs, outputs, scale
 
 
-def _generated_lengths_and_prompts(bench) -> tuple[list[list[int]], list[int]]:
-    """bench.py's draws, in its order: random.seed(seed), prompt lengths and token ids, then each
-    request's output length; shared prefixes are drawn after them, so bench.py's numbers stay."""
+def _generated_lengths_and_prompts(bench, max_model_len: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """(prompts, their drawn lengths, output lengths): bench.py's draws, in its order:
+    random.seed(seed), prompt lengths and token ids, then each request's output length; shared
+    prefixes are drawn after them, so bench.py's numbers stay, whatever the model."""
     min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
     max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
     rng = random.Random(bench.seed)  # the same stream as bench.py's random.seed(seed) + randint
-    prompts = [
-        [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(rng.randint(bench.min_len, bench.max_len))]
-        for _ in range(bench.num_seqs)
-    ]
+    prompts, prompt_lengths = [], []
+    for _ in range(bench.num_seqs):
+        length = rng.randint(bench.min_len, bench.max_len)
+        prompts.append(_drawn_tokens(rng, length, max_model_len))
+        prompt_lengths.append(length)
     output_lengths = [rng.randint(min_out, max_out) for _ in range(bench.num_seqs)]
     if bench.shared_prefix_len:
-        prefixes = [
-            [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(bench.shared_prefix_len)]
-            for _ in range(bench.num_prefixes)
-        ]
+        prefix_len = bench.shared_prefix_len
+        prefixes = [_drawn_tokens(rng, prefix_len, max_model_len) for _ in range(bench.num_prefixes)]
         prompts = [prefixes[rng.randrange(bench.num_prefixes)] + prompt for prompt in prompts]
-    return prompts, output_lengths
+        prompt_lengths = [prefix_len + length for length in prompt_lengths]
+    return prompts, prompt_lengths, output_lengths
+
+
+def _drawn_tokens(rng: random.Random, length: int, max_model_len: int) -> list[int]:
+    """length token ids from rng, of which only the first max_model_len are kept (no fit keeps
+    more): the stream advances as bench.py's does, and a length far beyond the model costs time
+    (bounded by MAX_DRAWN_TOKENS) but no memory."""
+    kept = [rng.randint(0, BENCH_TOKEN_RANGE) for _ in range(min(length, max_model_len))]
+    for _ in range(length - len(kept)):
+        rng.randint(0, BENCH_TOKEN_RANGE)
+    return kept
 
 
 def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
@@ -254,8 +303,8 @@ def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
 
 
 def _generated_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
-    prompts, output_lengths = _generated_lengths_and_prompts(bench)
-    inputs, outputs, scale = fit_lengths([len(p) for p in prompts], output_lengths, max_model_len, bench.fit)
+    prompts, prompt_lengths, output_lengths = _generated_lengths_and_prompts(bench, max_model_len)
+    inputs, outputs, scale = fit_lengths(prompt_lengths, output_lengths, max_model_len, bench.fit)
     arrivals = arrival_times(bench.num_seqs, bench.arrival, bench.request_rate, bench.burstiness, bench.seed)
     requests = [
         WorkloadRequest(
@@ -266,7 +315,7 @@ def _generated_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
         )
         for i in range(bench.num_seqs)
     ]
-    num_fitted = sum((len(p), o) != (i, fo) for p, o, i, fo in zip(prompts, output_lengths, inputs, outputs))
+    num_fitted = sum((n, o) != (i, fo) for n, o, i, fo in zip(prompt_lengths, output_lengths, inputs, outputs))
     return Workload(bench.arrival, requests, num_fitted, scale)
 
 

@@ -71,6 +71,16 @@ def test_requests_are_added_only_once_they_have_arrived(one_torch_thread):
     assert all(step.end_s >= step.start_s for step in run.steps)
 
 
+@pytest.mark.parametrize("arrivals", [[0.0, float("nan")], [float("nan")], [0.0, float("inf")], [1.0, 0.5], [-1.0]])
+def test_arrivals_that_are_not_finite_and_in_order_are_refused_before_anything_runs(arrivals, one_torch_thread):
+    # a NaN arrival passed the old check (every comparison with NaN is false) and was never due: the run hung
+    requests = [WorkloadRequest(i, t, [1, 2, 3], 2) for i, t in enumerate(arrivals)]
+    with LLM(**ENGINE) as llm:
+        with pytest.raises(ValueError, match="in arrival order, with finite arrival_s >= 0"):
+            run_workload(llm, requests, [SamplingParams(max_tokens=2)] * len(requests))
+        assert llm.is_finished()
+
+
 def test_nothing_is_dropped_under_overload(one_torch_thread):
     """A burst of 40 requests on a cache of six 16-token blocks: every request queues in the engine,
     some are preempted, and all finish with their full length."""

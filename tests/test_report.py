@@ -116,6 +116,17 @@ def test_failed_runs_are_listed(rate_sweep, capsys):
     assert "  8  scheduler=lpm bench.request_rate=16.0: RuntimeError: the scheduler stalled" in out
 
 
+def test_a_result_json_that_is_no_bench_result_is_a_failed_run(tmp_path, capsys):
+    write_run(tmp_path, "0", {**BASE, "scheduler": "fcfs"}, ["scheduler=fcfs"], output_tokens_per_s=100.0)
+    for name, content in (("1", "[]"), ("2", "{}")):  # a list raised AttributeError; {} became a row of dashes
+        write_run(tmp_path, name, {}, [f"run={name}"])
+        (tmp_path / name / "result.json").write_text(content)
+    header, rows = report(str(tmp_path))
+    out = capsys.readouterr().out
+    assert len(rows) == 1 and "failed runs (2):" in out
+    assert "  1  run=1: result.json is not a bench result (an object with its choices)" in out
+
+
 def test_a_sweep_of_only_failed_runs_still_reports_them(tmp_path, capsys):
     write_run(tmp_path, "0", {}, ["scheduler=fcfs"])
     header, rows = report(str(tmp_path))

@@ -158,11 +158,22 @@ def test_scaled_blocks_stay_shared():
     [
         ('{"timestamp": 0, "input_length": 5}\n', r"needs Mooncake's keys .*lacks \['output_length'\]"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{not json\n', "line 2 is not JSON"),
-        ('{"timestamp": -1, "input_length": 5, "output_length": 1}\n', "timestamp must be non-negative"),
+        ('{"timestamp": -1, "input_length": 5, "output_length": 1}\n', "timestamp must be finite non-negative"),
         ('{"timestamp": 0, "input_length": 5.5, "output_length": 1}\n', "input_length must be a non-negative integer"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, "x"]}\n', "hash_ids must be"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,1\n", "line 2: 'yesterday' is not a date-time"),
         ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "holds no requests"),
+        # Python's json reads NaN and Infinity: a NaN arrival hung the run, an infinite length raised OverflowError
+        ('{"timestamp": NaN, "input_length": 5, "output_length": 1}\n', "line 1: timestamp must be finite"),
+        ('{"timestamp": 0, "input_length": Infinity, "output_length": 1}\n', "line 1: input_length must be a non"),
+        ('{"timestamp": 0, "input_length": 1e400, "output_length": 1}\n', "line 1: input_length must be a non"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": NaN}\n', "line 1: output_length must be a non"),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [18446744073709551616]}\n',
+            r"\[0, 2\*\*64\)",
+        ),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,inf,1\n", "line 2: ContextTokens must be"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,5\n", "line 2: a row needs exactly the col"),
     ],
 )
 def test_bad_trace_files_name_the_line(tmp_path, content, message):

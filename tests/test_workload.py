@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -128,14 +129,23 @@ def test_trace_workload_scaled_to_a_small_model():
 
 BAD_SETTINGS = [
     (["bench.max_len=10", "bench.min_len=50"], "1 <= min_len <= max_len, got 50, 10"),
-    (["bench.arrival=poisson"], "bench.arrival=poisson needs bench.request_rate > 0"),
-    (["bench.arrival=gamma", "bench.request_rate=0"], "needs bench.request_rate > 0 (requests/s), got 0"),
-    (["bench.arrival=gamma", "bench.request_rate=1", "bench.burstiness=0"], "bench.burstiness must be > 0"),
+    (["bench.arrival=poisson"], "bench.arrival=poisson needs bench.request_rate, a finite number > 0"),
+    (
+        ["bench.arrival=gamma", "bench.request_rate=0"],
+        "needs bench.request_rate, a finite number > 0 (requests/s, or arrival=burst for all at once), got 0",
+    ),
+    (
+        ["bench.arrival=gamma", "bench.request_rate=1", "bench.burstiness=0"],
+        "bench.burstiness must be a finite number > 0",
+    ),
     (["bench.arrival=poisson", "bench.request_rate=1", "bench.burstiness=2"], "applies to arrival=gamma"),
     (["bench.arrival=trace"], "bench.arrival=trace needs bench.trace=PATH"),
     (["bench.arrival=trace", "bench.trace=/no/such/trace.jsonl"], "bench.trace: no file '/no/such/trace.jsonl'"),
     (["bench.arrival=uniform"], "bench.arrival must be one of burst, poisson, gamma, trace; got 'uniform'"),
-    (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.time_scale=0"], "bench.time_scale must be > 0"),
+    (
+        ["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.time_scale=0"],
+        "bench.time_scale must be a finite number > 0",
+    ),
     (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.max_requests=0"], "bench.max_requests must be >= 1"),
     (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.request_rate=2"], "set bench.time_scale"),
     ([f"bench.trace={MOONCAKE}"], "bench.trace is set but bench.arrival=burst"),
@@ -147,6 +157,15 @@ BAD_SETTINGS = [
     (["bench.num_priorities=0"], "bench.num_priorities must be >= 1"),
     (["bench.slo_ttft_s=0"], "bench.slo_ttft_s must be a positive number of seconds"),
     (["bench.slo_tpot_s=-1"], "bench.slo_tpot_s must be a positive number of seconds"),
+    # infinities made arrival times NaN, which were never due: the runs hung
+    (["bench.arrival=gamma", "bench.request_rate=2", "bench.burstiness=inf"], "bench.burstiness must be a finite"),
+    (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.time_scale=inf"], "bench.time_scale must be a finite"),
+    (["bench.arrival=poisson", "bench.request_rate=nan"], "needs bench.request_rate, a finite number > 0"),
+    (["bench.arrival=poisson", "bench.request_rate=inf"], "needs bench.request_rate, a finite number > 0"),
+    # a trace brings its own requests: these would be swept without effect
+    (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.num_seqs=5"], "bench.num_seqs applies to generated"),
+    (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.max_len=64"], "bench.max_len applies to generated"),
+    (["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.shared_prefix_len=8"], "shared_prefix_len applies"),
 ]
 
 
@@ -168,8 +187,36 @@ def test_every_problem_is_named_at_once():
     with pytest.raises(BenchConfigError) as error:
         validate_bench(bench)
     assert str(error.value).count(";") == 2
-    for message in ("request_rate > 0", "burstiness must be > 0", "repeats must be >= 1"):
+    for message in (
+        "request_rate, a finite number > 0",
+        "burstiness must be a finite number > 0",
+        "repeats must be >= 1",
+    ):
         assert message in str(error.value)
+
+
+def test_a_rate_too_small_for_floats_is_an_error_not_a_division_by_zero():
+    with pytest.raises(ValueError, match="underflows to 0"):
+        arrival_times(3, "gamma", request_rate=1e-200, burstiness=1e-200)
+    with pytest.raises(ValueError, match="beyond float range"):
+        arrival_times(3, "poisson", request_rate=1e-320)
+
+
+def test_a_workload_too_large_to_draw_is_refused_at_once():
+    # max_len=10**12 or num_seqs=10**11 drew every token before fitting: the run hung, then ran out of memory
+    for overrides in (["bench.max_len=1000000000000"], ["bench.num_seqs=100000000000"]):
+        start = time.perf_counter()
+        with pytest.raises(BenchConfigError, match=r"bench draws up to [0-9,]+ prompt tokens .* more than the"):
+            compose(["job=bench", *overrides])
+        assert time.perf_counter() - start < 30
+
+
+def test_prompts_longer_than_the_model_keep_only_what_fits_and_the_draws_stay_bench_pys():
+    bench = BenchConfig(num_seqs=4, min_len=50_000, max_len=60_000, min_output_len=1, max_output_len=8)
+    small = build_workload(bench, vocab_size=384, max_model_len=256)
+    large = build_workload(bench, vocab_size=384, max_model_len=100_000)
+    assert [r.prompt_token_ids for r in small.requests] == [r.prompt_token_ids[:255] for r in large.requests]
+    assert [r.output_len for r in small.requests] == [1] * 4
 
 
 def test_valid_latency_settings_compose():
@@ -190,7 +237,7 @@ def test_the_command_names_the_problem_without_a_traceback(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith("inferlab: bench.arrival=poisson needs bench.request_rate > 0")
+    assert proc.stderr.startswith("inferlab: bench.arrival=poisson needs bench.request_rate, a finite number > 0")
     assert "1 <= min_len <= max_len, got 9, 3" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     # the run's result.json records the error, so that a sweep's report lists the run as failed
