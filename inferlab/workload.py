@@ -34,18 +34,17 @@ MAX_DRAWN_TOKENS = 2**28
 PRIORITY_STREAM = 1  # priorities come from numpy's generator seeded with (bench.seed, this)
 
 
-# What a generated workload draws and a trace replaces, with BenchConfig's defaults (a trace run
-# must leave them there, or a sweep over them would vary nothing).
-GENERATED_DEFAULTS = {
-    "num_seqs": 256,
-    "min_len": 100,
-    "max_len": 1024,
-    "min_output_len": None,
-    "max_output_len": None,
-    "shared_prefix_len": 0,
-    "num_prefixes": 1,
-}
-GENERATED_ONLY = tuple(GENERATED_DEFAULTS)
+# What a generated workload draws and a trace replaces: a trace run must leave these at their
+# defaults, or a sweep over them would vary nothing.
+GENERATED_ONLY = (
+    "num_seqs",
+    "min_len",
+    "max_len",
+    "min_output_len",
+    "max_output_len",
+    "shared_prefix_len",
+    "num_prefixes",
+)
 
 
 class BenchConfigError(ValueError):
@@ -101,9 +100,12 @@ def bench_problems(bench) -> list[str]:
         + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
     )
     if arrival == "trace":
+        from inferlab.conf import BenchConfig  # here: the config module imports the engine, this one does not
+
+        defaults = BenchConfig()
         for name in GENERATED_ONLY:
             check(
-                getattr(bench, name) != GENERATED_DEFAULTS[name],
+                getattr(bench, name) != getattr(defaults, name),
                 f"bench.{name} applies to generated workloads (burst, poisson, gamma): a trace brings its own "
                 f"requests and lengths (bench.max_requests takes its first ones)",
             )
