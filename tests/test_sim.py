@@ -2,10 +2,12 @@
 virtual clock with the real policy and KV manager, and the profiling job's measurements."""
 
 import json
+import re
 from time import perf_counter
 
 import numpy as np
 import pytest
+import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.cuda_graphs import prefill_graph_capacity
@@ -254,9 +256,10 @@ def test_roofline_is_the_larger_of_bytes_and_flops():
 
 
 def hand_profile(tmp_path, **extra) -> str:
-    """A measured profile of the embedded model's shape whose steps cost linear_truth."""
+    """A measured profile of the embedded model's shape whose steps cost linear_truth, measured with
+    the torch backend in float32 (extra: fields over these)."""
     llm = LLM(device="cpu", num_kvcache_blocks=8)
-    profile = Profile(
+    fields = dict(
         kind="measured",
         device="hand-written",
         model=model_fields(llm.hf_config),
@@ -267,8 +270,8 @@ def hand_profile(tmp_path, **extra) -> str:
         kv_cache_bytes=10**9,
         graph_batch_limit=512,
         measurements=measured(GRID),
-        **extra,
     )
+    profile = Profile(**{**fields, **extra})
     path = tmp_path / "hand.json"
     profile.save(str(path))
     return str(path)
@@ -369,6 +372,173 @@ def test_a_measured_profile_refuses_another_model(tmp_path, checkpoint):
     profile = hand_profile(tmp_path)
     with pytest.raises(ValueError, match="measured on another model shape"):
         LLM(checkpoint("gqa4-untied"), executor="simulated", executor_options={"profile": profile})
+
+
+def test_a_measured_profile_refuses_another_head_dim(tmp_path, checkpoint):
+    """The embedded model's shape with heads of 32 dimensions instead of 16: attention's cost per
+    token differs, so the profile refuses it as it does another layer count."""
+    profile = hand_profile(tmp_path)
+    LLM(checkpoint({}), executor="simulated", executor_options={"profile": profile})  # the same shape runs
+    with pytest.raises(ValueError, match="measured on another model shape .*head_dim: 16 != 32"):
+        LLM(checkpoint({}, head_dim=32), executor="simulated", executor_options={"profile": profile})
+
+
+@pytest.mark.parametrize(
+    "setting,value,measured_with",
+    [
+        ("dtype", "bfloat16", "dtype=float32"),
+        ("attention", "triton", "attention=torch"),
+        ("kv_cache_dtype", "fp8", "kv_cache_dtype=float32"),
+    ],
+)
+def test_a_measured_profile_refuses_settings_it_was_not_measured_with(tmp_path, setting, value, measured_with):
+    """The hand profile was measured with the torch backend, float32 and a float32 KV cache: another
+    backend, dtype or KV cache dtype would not change its step times, so it is refused, naming the
+    setting, the profile and what the profile was measured with."""
+    profile = hand_profile(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        LLM(executor="simulated", executor_options={"profile": profile}, **{setting: value})
+    message = str(refused.value)
+    assert f"{setting}={value}" in message and profile in message and measured_with in message, message
+
+
+def test_a_measured_profile_runs_its_own_settings_given_or_auto(tmp_path):
+    """The profile's own settings, given or as 'auto', run, and results name them; a profile measured
+    with an fp8 KV cache takes kv_cache_dtype=fp8 (its blocks a byte an element) and refuses 'auto',
+    which is the model's dtype."""
+    from inferlab.bench import resolved_plugins
+
+    profile = hand_profile(tmp_path)
+    for settings in ({}, {"dtype": "float32", "attention": "torch", "kv_cache_dtype": "auto"}):
+        llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16, **settings)
+        assert resolved_plugins(llm)["attention"] == "torch"
+        assert (llm.runner.dtype, llm.runner.kv_cache_dtype) == (torch.float32, torch.float32)
+    fp8 = hand_profile(tmp_path, kv_cache_dtype="float8_e4m3fn")
+    llm = LLM(executor="simulated", executor_options={"profile": fp8}, kvcache_block_size=16, kv_cache_dtype="fp8")
+    model = llm.runner.profile.model
+    assert llm.kv_manager.num_blocks == 10**9 // (
+        2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 16
+    )
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=auto \(float32\).*kv_cache_dtype=float8_e4m3fn"):
+        LLM(executor="simulated", executor_options={"profile": fp8})
+
+
+def test_a_shipped_profile_refuses_an_fp8_kv_cache():
+    """The reproduction from the command line: the 0.6B profile, measured with a bfloat16 cache, no
+    longer sizes and times an fp8 one as if it were bfloat16."""
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=fp8 .*h200-qwen3-0.6b-triton.*kv_cache_dtype=bfloat16"):
+        LLM(executor="simulated", executor_options={"profile": "h200-qwen3-0.6b-triton"}, kv_cache_dtype="fp8")
+
+
+def test_the_roofline_estimate_models_dtypes_and_no_attention_backend():
+    """The roofline estimate counts the dtype's and the KV cache dtype's bytes (an fp8 cache holds
+    twice the blocks and reads half the bytes), and models no attention backend, which results
+    record as 'any' whatever attention says."""
+    from inferlab.bench import resolved_plugins
+
+    bf16 = LLM(executor="simulated", kvcache_block_size=16)
+    fp8 = LLM(executor="simulated", kvcache_block_size=16, kv_cache_dtype="fp8", attention="torch")
+    assert (bf16.runner.dtype, bf16.runner.kv_cache_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert fp8.runner.kv_cache_dtype == torch.float8_e4m3fn
+    assert fp8.runner.cost_model.cost.kv_bytes_per_token * 2 == bf16.runner.cost_model.cost.kv_bytes_per_token
+    assert fp8.kv_manager.num_blocks == pytest.approx(2 * bf16.kv_manager.num_blocks, abs=1)
+    assert resolved_plugins(fp8)["attention"] == "any"
+    f32 = LLM(executor="simulated", kvcache_block_size=16, dtype="float32")
+    assert f32.runner.cost_model.cost.weight_bytes == 2 * bf16.runner.cost_model.cost.weight_bytes
+
+
+@pytest.fixture(scope="module")
+def hand_profile_data(tmp_path_factory) -> dict:
+    return json.loads(open(hand_profile(tmp_path_factory.mktemp("hand"))).read())
+
+
+def _set(path: str, value):
+    """An edit of a profile's data: `value` at `path` (keys and list indices, dot-separated)."""
+
+    def edit(data):
+        *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+        return data
+
+    return edit
+
+
+def _drop_decodes(data):
+    data["measurements"] = [m for m in data["measurements"] if m["prefill_tokens"]]
+    return data
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        (_set("kind", "bogus"), "kind must be one of ['measured', 'roofline'], got 'bogus'"),
+        (_set("measurements.0.seconds", float("nan")), "measurements[0].seconds must be a finite number > 0, got nan"),
+        (_set("measurements.3.seconds", -0.001), "measurements[3].seconds must be a finite number > 0, got -0.001"),
+        (_set("measurements.2.host_seconds", float("inf")), "measurements[2].host_seconds must be a finite number > 0"),
+        (_set("measurements.1.decode_requests", -4), "measurements[1].decode_requests must be a whole number >= 0"),
+        (_set("measurements.1.graph", "yes"), "measurements[1].graph must be true or false"),
+        (_set("measurements", []), "a measured profile needs measurements"),
+        (_drop_decodes, "no decode-only measurements"),
+        (_set("kv_cache_bytes", 0), "kv_cache_bytes must be a whole number > 0, got 0"),
+        (_set("kv_cache_bytes", -5), "kv_cache_bytes must be a whole number > 0, got -5"),
+        (_set("kv_cache_bytes", 1.5e9), "kv_cache_bytes must be a whole number > 0, got 1500000000.0"),
+        (_set("tensor_parallel_size", 0), "tensor_parallel_size must be a whole number > 0"),
+        (_set("dtype", "float64"), "dtype must be one of ['bfloat16', 'float16', 'float32'], got 'float64'"),
+        (_set("kv_cache_dtype", "int8"), "kv_cache_dtype must be one of"),
+        (_set("model.head_dim", 0), "model.head_dim must be a whole number > 0, got 0"),
+        (_set("admission_s_per_request", float("nan")), "admission_s_per_request must be a finite number >= 0"),
+        (_set("graph_batch_limit", -1), "graph_batch_limit must be a whole number >= 0"),
+        (
+            lambda d: {**d, "kind": "roofline", "rates": {"bandwidth": 0.0, "matmul_rate": 1e12}},
+            "rates.bandwidth must be a finite number > 0, got 0.0",
+        ),
+        (lambda d: {**d, "kind": "roofline", "rates": {}}, "rates must hold bandwidth and matmul_rate"),
+    ],
+)
+def test_a_malformed_profile_file_is_refused_naming_the_file_and_the_field(tmp_path, hand_profile_data, text, expected):
+    path = tmp_path / "bad.json"
+    if callable(text):
+        text = json.dumps(text(json.loads(json.dumps(hand_profile_data))))
+    path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        load_profile(str(path))
+    message = str(refused.value)
+    assert str(path) in message and expected in message, message
+
+
+@pytest.mark.parametrize(
+    "option,value,expected",
+    [
+        ("roofline_step_overhead_s", float("nan"), "finite number of seconds >= 0, got nan"),
+        ("roofline_step_overhead_s", float("inf"), "finite number of seconds >= 0, got inf"),
+        ("roofline_step_overhead_s", -0.001, "finite number of seconds >= 0, got -0.001"),
+        ("roofline_step_overhead_s", "0.1", "finite number of seconds >= 0, got '0.1'"),
+        ("real_time", "false", "True or False, got 'false'"),
+        ("roofline_device", "a100", "one of ['h200'], got 'a100'"),
+        ("profile", 3, "got 3"),
+    ],
+)
+def test_bad_executor_options_are_refused_before_the_run(option, value, expected):
+    from inferlab.sim.executor import SimulatedOptions
+
+    with pytest.raises(ValueError, match=f"executor.{option} .*" + re.escape(expected)):
+        SimulatedOptions(**{option: value})
+    with pytest.raises(ValueError, match=f"executor.{option} "):
+        LLM(executor="simulated", executor_options={"profile": "h200-qwen3-0.6b-triton", option: value})
+
+
+def test_a_nan_step_overhead_from_the_command_line_is_refused_when_the_engine_is_built():
+    from inferlab.conf import compose, engine_arguments
+
+    cfg = compose(["job=bench", "executor=simulated", "executor.roofline_step_overhead_s=nan"])
+    model_path, settings = engine_arguments(cfg)
+    with pytest.raises(ValueError, match="executor.roofline_step_overhead_s must be a finite number"):
+        LLM(model_path, **settings)
 
 
 def test_bad_executor_settings_are_errors(tmp_path):

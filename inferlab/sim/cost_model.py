@@ -222,7 +222,7 @@ class HostLaunchModel:
     def __init__(self, measurements: list[dict]):
         self.coefficients = {}
         for graph in (True, False):
-            points = [m for m in measurements if bool(m["graph"]) == graph and m.get("host_seconds")]
+            points = [m for m in measurements if bool(m.get("graph")) == graph and m.get("host_seconds")]
             if points:
                 rows = np.array([self._row(StepShape.from_measurement(m)) for m in points])
                 host = np.array([m["host_seconds"] for m in points])

@@ -20,6 +20,7 @@ measuring the HTTP side on a machine without one (scripts/serve_overhead.py --em
 
 import ctypes
 import logging
+import math
 import sys
 import threading
 import time
@@ -28,9 +29,17 @@ from time import perf_counter
 
 import torch
 
+from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
 from inferlab.sim.cost_model import StepShape
-from inferlab.sim.profile import Profile, load_profile, model_fields, roofline_profile
+from inferlab.sim.profile import (
+    KNOWN_DEVICES,
+    SIZE_FIELDS,
+    Profile,
+    load_profile,
+    model_fields,
+    roofline_profile,
+)
 
 log = logging.getLogger("inferlab")
 
@@ -50,10 +59,22 @@ class SimulatedOptions:
     real_time: bool = False
 
     def __post_init__(self):
-        if not self.profile:
-            raise ValueError("executor profile must name a profile, a profile file or 'roofline'")
-        if self.roofline_step_overhead_s < 0:
-            raise ValueError(f"roofline_step_overhead_s must be >= 0, got {self.roofline_step_overhead_s}")
+        if not isinstance(self.profile, str) or not self.profile:
+            raise ValueError(
+                f"executor.profile must name a shipped profile, a profile file or 'roofline', got {self.profile!r}"
+            )
+        if self.roofline_device not in KNOWN_DEVICES:
+            raise ValueError(
+                f"executor.roofline_device must be one of {sorted(KNOWN_DEVICES)}, got {self.roofline_device!r}"
+            )
+        overhead = self.roofline_step_overhead_s
+        # a NaN would pass a comparison and surface only as a run of zero seconds at its end
+        if not (isinstance(overhead, (int, float)) and not isinstance(overhead, bool) and 0 <= overhead < math.inf):
+            raise ValueError(
+                f"executor.roofline_step_overhead_s must be a finite number of seconds >= 0, got {overhead!r}"
+            )
+        if not isinstance(self.real_time, bool):  # a string such as "false" would otherwise count as true
+            raise ValueError(f"executor.real_time must be True or False, got {self.real_time!r}")
 
 
 def simulated_options(options: dict) -> SimulatedOptions:
@@ -164,7 +185,10 @@ class SimulatedRunner:
     def __init__(self, config, hf_config, profile: Profile, avoid_token: int | None):
         self.config = config
         self.profile = profile
-        self.real_time = simulated_options(config.executor_options).real_time
+        options = simulated_options(config.executor_options)
+        self._check_shape(hf_config, options.profile)
+        self._check_settings(options.profile)
+        self.real_time = options.real_time
         self.clock = RealTimeClock() if self.real_time else VirtualClock()
         self.cost_model = profile.cost_model()
         self.host_launch_model = profile.host_launch_model()
@@ -179,7 +203,6 @@ class SimulatedRunner:
         self.token = 1 if avoid_token != 1 else 2
         self.num_steps = 0
         self.simulated_seconds = 0.0
-        self._check_shape(hf_config)
 
     def _blocks_from_profile(self) -> int:
         model = self.profile.model
@@ -188,32 +211,54 @@ class SimulatedRunner:
         block_bytes *= self.kv_cache_dtype.itemsize
         return max(1, self.profile.kv_cache_bytes // block_bytes)
 
-    def _check_shape(self, hf_config) -> None:
+    def _check_shape(self, hf_config, profile_name: str) -> None:
         """A measured profile predicts only the model it was measured on."""
         if self.profile.kind != "measured":
             return
         mine, theirs = model_fields(hf_config), self.profile.model
-        differ = [
-            k
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "intermediate_size",
-                "vocab_size",
-            )
-            if mine.get(k) != theirs.get(k)
-        ]
+        differ = [k for k in SIZE_FIELDS if mine.get(k) != theirs.get(k)]
         if differ:
             raise ValueError(
-                f"the profile was measured on another model shape ({', '.join(f'{k}: {theirs.get(k)} != {mine.get(k)}' for k in differ)}); "
+                f"the profile {profile_name} was measured on another model shape "
+                f"({', '.join(f'{k}: {theirs.get(k)} != {mine.get(k)}' for k in differ)}); "
                 "use a profile of this model (inferlab job=profile on a GPU) or executor.profile=roofline"
             )
         if self.config.tensor_parallel_size != self.profile.tensor_parallel_size:
             raise ValueError(
                 f"the profile was measured with tensor_parallel_size={self.profile.tensor_parallel_size}, "
                 f"not {self.config.tensor_parallel_size}"
+            )
+
+    def _check_settings(self, profile_name: str) -> None:
+        """A measured profile holds the step times of one attention backend, dtype and KV cache
+        dtype: another would run at other speeds (and an fp8 cache hold twice the blocks), which
+        the profile cannot tell, so it is refused rather than timed as the profile's. 'auto' takes
+        the profile's backend and dtype; kv_cache_dtype 'auto' is the dtype's, as on a device."""
+        profile, config = self.profile, self.config
+        if profile.kind != "measured":
+            return
+        dtype = profile.dtype if config.dtype == "auto" else config.dtype
+        kv_cache_dtype = str(resolve_kv_cache_dtype(config.kv_cache_dtype, getattr(torch, dtype)))
+        asked = {
+            "attention": (config.attention, profile.attention if config.attention == "auto" else config.attention),
+            "dtype": (config.dtype, dtype),
+            "kv_cache_dtype": (config.kv_cache_dtype, kv_cache_dtype.replace("torch.", "")),
+        }
+        differ = [
+            (name, setting, resolved)
+            for name, (setting, resolved) in asked.items()
+            if resolved != getattr(profile, name)
+        ]
+        if differ:
+            settings = ", ".join(
+                f"{name}={setting}" + (f" ({resolved})" if resolved != setting else "")
+                for name, setting, resolved in differ
+            )
+            measured = ", ".join(f"{name}={getattr(profile, name)}" for name, _, _ in differ)
+            raise ValueError(
+                f"{settings} is not what the profile {profile_name} was measured with ({measured}), and a "
+                f"measured profile times only its own settings: set those (or 'auto' where it resolves to them), "
+                "measure a profile with these (inferlab job=profile on a GPU) or use executor.profile=roofline"
             )
 
     def admit(self, request) -> None:

@@ -8,6 +8,7 @@ in `inferlab/sim/profiles/`; give one by name (`h200-qwen3-8b-triton`) or by pat
 """
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,29 @@ MODEL_FIELDS = (
     "tie_word_embeddings",
     "max_position_embeddings",
 )
+# The model fields a profile's costs and KV cache size come from: a measured profile serves only these.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+KINDS = ("measured", "roofline")
+DTYPES = ("bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = (*DTYPES, "float8_e4m3fn")
+# A measurement's step composition (StepShape's fields) and the times measured for it.
+SHAPE_COUNTS = (
+    "prefill_tokens",
+    "prefill_pairs",
+    "prefill_requests",
+    "decode_requests",
+    "decode_context",
+    "graph_tokens",
+)
+MEASURED_TIMES = ("seconds", "host_seconds", "device_seconds")
 
 
 @dataclass
@@ -61,6 +85,84 @@ class Profile:
     # token; on the engine's thread, so a burst's first step waits for all of its admissions.
     admission_s_per_request: float = 0.0
     admission_s_per_token: float = 0.0
+
+    def __post_init__(self):
+        problems = self._problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """What makes the profile unusable, one line a field: each says what is allowed."""
+        problems = []
+
+        def check(name: str, value, ok: bool, allowed: str) -> None:
+            if not ok:
+                problems.append(f"{name} must be {allowed}, got {value!r}")
+
+        check("kind", self.kind, self.kind in KINDS, f"one of {list(KINDS)}")
+        for name in ("device", "attention"):
+            value = getattr(self, name)
+            check(name, value, isinstance(value, str) and value != "", "a name")
+        check("dtype", self.dtype, self.dtype in DTYPES, f"one of {list(DTYPES)}")
+        check(
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"one of {list(KV_CACHE_DTYPES)}",
+        )
+        check(
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            _count(self.tensor_parallel_size, 1),
+            "a whole number > 0",
+        )
+        check("kv_cache_bytes", self.kv_cache_bytes, _count(self.kv_cache_bytes, 1), "a whole number > 0")
+        for name in ("graph_batch_limit", "graph_prefill_tokens", "graph_decode_limit"):
+            check(name, getattr(self, name), _count(getattr(self, name), 0), "a whole number >= 0")
+        for name in ("step_overhead_s", "admission_s_per_request", "admission_s_per_token"):
+            check(name, getattr(self, name), _finite(getattr(self, name), 0.0), "a finite number >= 0")
+        check("source", self.source, isinstance(self.source, dict), "an object")
+        if not isinstance(self.model, dict):
+            problems.append(f"model must be an object of the model's config fields, got {self.model!r}")
+        else:
+            for name in SIZE_FIELDS:
+                check(f"model.{name}", self.model.get(name), _count(self.model.get(name), 1), "a whole number > 0")
+        if self.kind == "measured":
+            problems += self._measurement_problems()
+        elif self.kind == "roofline":
+            if not isinstance(self.rates, dict) or set(self.rates) != {"bandwidth", "matmul_rate"}:
+                problems.append(f"rates must hold bandwidth and matmul_rate (a roofline's), got {self.rates!r}")
+            else:
+                for name, value in self.rates.items():
+                    check(f"rates.{name}", value, _finite(value, 0.0) and value > 0, "a finite number > 0")
+        return problems
+
+    def _measurement_problems(self) -> list[str]:
+        if not isinstance(self.measurements, list) or not self.measurements:
+            return [f"a measured profile needs measurements (a list of measured steps), got {self.measurements!r}"]
+        problems = []
+        for i, m in enumerate(self.measurements):
+            if not isinstance(m, dict):
+                problems.append(f"measurements[{i}] must be an object (a step's shape and times), got {m!r}")
+                continue
+            if "seconds" not in m:
+                problems.append(f"measurements[{i}] has no seconds (the step's measured time)")
+            for name in MEASURED_TIMES:
+                # a step takes time: zero, negative or non-finite times come from a broken file
+                if name in m and not (_finite(m[name], 0.0) and m[name] > 0):
+                    problems.append(f"measurements[{i}].{name} must be a finite number > 0, got {m[name]!r}")
+            for name in SHAPE_COUNTS:
+                if name in m and not _count(m[name], 0):
+                    problems.append(f"measurements[{i}].{name} must be a whole number >= 0, got {m[name]!r}")
+            if "graph" in m and not isinstance(m["graph"], bool):
+                problems.append(f"measurements[{i}].graph must be true or false, got {m['graph']!r}")
+            if not any(_count(m.get(name), 1) for name in ("prefill_tokens", "decode_requests")):
+                problems.append(
+                    f"measurements[{i}] is a step of no work: it needs prefill_tokens or decode_requests > 0"
+                )
+            if len(problems) >= 5:  # a file broken throughout: its first few lines say enough
+                break
+        return problems
 
     def admission_seconds(self, num_prompt_tokens: int) -> float:
         return self.admission_s_per_request + self.admission_s_per_token * num_prompt_tokens
@@ -97,7 +199,8 @@ class Profile:
     def label(self) -> str:
         """How results name the profile: measured ones by their device, roofline ones as such."""
         what = "roofline estimate" if self.kind == "roofline" else "measured"
-        return f"{what}: {self.device}, {self.model.get('model_type', '?')} {self.dtype}, {self.attention}, TP {self.tensor_parallel_size}"
+        dtypes = self.dtype if self.kv_cache_dtype == self.dtype else f"{self.dtype} (KV cache {self.kv_cache_dtype})"
+        return f"{what}: {self.device}, {self.model.get('model_type', '?')} {dtypes}, {self.attention}, TP {self.tensor_parallel_size}"
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -119,6 +222,15 @@ def model_fields(hf_config) -> dict[str, Any]:
     return fields
 
 
+def _count(value, least: int) -> bool:
+    """Whether value is a whole number (not a bool, nor a float such as 1e9) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _finite(value, least: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
+
+
 def shipped_profiles() -> list[str]:
     return sorted(name[: -len(".json")] for name in os.listdir(PROFILE_DIR) if name.endswith(".json"))
 
@@ -126,21 +238,30 @@ def shipped_profiles() -> list[str]:
 def load_profile(name_or_path: str) -> Profile:
     """A shipped profile by name, or a profile file by path."""
     path = name_or_path
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         path = os.path.join(PROFILE_DIR, f"{name_or_path}.json")
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise FileNotFoundError(
             f"no step-time profile {name_or_path!r}: give a profile file's path (from `inferlab job=profile`) "
             f"or a shipped one: {shipped_profiles()}, or 'roofline'"
         )
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except ValueError as e:  # not JSON, or not text
+        raise ValueError(f"{path}: not JSON, so not a step-time profile ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a step-time profile is a JSON object, got a JSON {type(data).__name__}")
     if data.pop("format", None) != FORMAT:
         raise ValueError(f"{path}: not a step-time profile of format {FORMAT}")
     try:
-        return Profile(**data)
-    except TypeError as e:
+        profile = Profile(**data)
+        # fitted here too, so that measurements the cost models cannot use name the file
+        profile.cost_model()
+        profile.host_launch_model()
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: malformed step-time profile: {e}") from None
+    return profile
 
 
 def roofline_profile(
