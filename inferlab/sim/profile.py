@@ -24,19 +24,6 @@ FORMAT = 1
 KNOWN_DEVICES = {
     "h200": {"name": "NVIDIA H200", "bandwidth": 4.18e12, "matmul_rate": 7.65e14, "memory_bytes": 150_000_000_000},
 }
-MODEL_FIELDS = (
-    "architectures",
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "max_position_embeddings",
-)
 # The model fields a profile's costs and KV cache size come from: a measured profile serves only these.
 SIZE_FIELDS = (
     "vocab_size",
@@ -47,6 +34,7 @@ SIZE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
 )
+MODEL_FIELDS = ("architectures", "model_type", *SIZE_FIELDS, "tie_word_embeddings", "max_position_embeddings")
 KINDS = ("measured", "roofline")
 DTYPES = ("bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = (*DTYPES, "float8_e4m3fn")
