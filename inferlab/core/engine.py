@@ -374,8 +374,7 @@ class LLMEngine:
             time.sleep(remaining)
 
     def is_finished(self) -> bool:
-        if self.closed:
-            raise EngineClosedError("is_finished() on a closed engine: close() dropped its requests; build a new LLM")
+        self.refuse_closed("is_finished")
         return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported
 
     def reset_prefix_cache(self) -> None:
@@ -385,11 +384,16 @@ class LLMEngine:
             if isinstance(self.kv_manager, PrefixCacheReset):
                 self.kv_manager.reset_prefix_cache()
 
+    def refuse_closed(self, call: str) -> None:
+        """Raises EngineClosedError once close() has run. Calls the engine makes of itself while
+        it holds its lock (is_finished, output) check only this, not refuse_reentry."""
+        if self.closed:
+            raise EngineClosedError(f"{call}() on a closed engine: close() released its resources; build a new LLM")
+
     def refuse_reentry(self, call: str) -> None:
         """Raises EngineBusyError when this thread is inside a call on this engine already: the
         new call would run in the middle of the other's step (other threads wait for the lock)."""
-        if self.closed:
-            raise EngineClosedError(f"{call}() on a closed engine: close() released its resources; build a new LLM")
+        self.refuse_closed(call)
         if self.lock._is_owned():  # RLock's own record of whether this thread holds it
             raise EngineBusyError(
                 f"{call}() was called while this engine is inside another call in the same thread (from a signal "
@@ -509,8 +513,7 @@ class LLMEngine:
             raise TypeError(
                 f"output() takes a finished Request (an item of step().finished), got {type(request).__name__}"
             )
-        if self.closed:
-            raise EngineClosedError("output() on a closed engine: close() released its resources; build a new LLM")
+        self.refuse_closed("output")
         text = ""
         if request.finish_reason != "error":
             try:
