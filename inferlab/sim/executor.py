@@ -20,7 +20,6 @@ measuring the HTTP side on a machine without one (scripts/serve_overhead.py --em
 
 import ctypes
 import logging
-import math
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from inferlab.sim.profile import (
     KNOWN_DEVICES,
     SIZE_FIELDS,
     Profile,
+    finite_number,
     load_profile,
     model_fields,
     roofline_profile,
@@ -69,7 +69,7 @@ class SimulatedOptions:
             )
         overhead = self.roofline_step_overhead_s
         # a NaN would pass a comparison and surface only as a run of zero seconds at its end
-        if not (isinstance(overhead, (int, float)) and not isinstance(overhead, bool) and 0 <= overhead < math.inf):
+        if not finite_number(overhead, 0.0):
             raise ValueError(
                 f"executor.roofline_step_overhead_s must be a finite number of seconds >= 0, got {overhead!r}"
             )

@@ -108,7 +108,7 @@ class Profile:
         for name in ("graph_batch_limit", "graph_prefill_tokens", "graph_decode_limit"):
             check(name, getattr(self, name), _count(getattr(self, name), 0), "a whole number >= 0")
         for name in ("step_overhead_s", "admission_s_per_request", "admission_s_per_token"):
-            check(name, getattr(self, name), _finite(getattr(self, name), 0.0), "a finite number >= 0")
+            check(name, getattr(self, name), finite_number(getattr(self, name), 0.0), "a finite number >= 0")
         check("source", self.source, isinstance(self.source, dict), "an object")
         if not isinstance(self.model, dict):
             problems.append(f"model must be an object of the model's config fields, got {self.model!r}")
@@ -122,7 +122,7 @@ class Profile:
                 problems.append(f"rates must hold bandwidth and matmul_rate (a roofline's), got {self.rates!r}")
             else:
                 for name, value in self.rates.items():
-                    check(f"rates.{name}", value, _finite(value, 0.0) and value > 0, "a finite number > 0")
+                    check(f"rates.{name}", value, finite_number(value, 0.0) and value > 0, "a finite number > 0")
         return problems
 
     def _measurement_problems(self) -> list[str]:
@@ -137,7 +137,7 @@ class Profile:
                 problems.append(f"measurements[{i}] has no seconds (the step's measured time)")
             for name in MEASURED_TIMES:
                 # a step takes time: zero, negative or non-finite times come from a broken file
-                if name in m and not (_finite(m[name], 0.0) and m[name] > 0):
+                if name in m and not (finite_number(m[name], 0.0) and m[name] > 0):
                     problems.append(f"measurements[{i}].{name} must be a finite number > 0, got {m[name]!r}")
             for name in SHAPE_COUNTS:
                 if name in m and not _count(m[name], 0):
@@ -215,7 +215,8 @@ def _count(value, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _finite(value, least: float) -> bool:
+def finite_number(value, least: float) -> bool:
+    """Whether value is a finite int or float (not a bool) of at least `least`."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
 
 
