@@ -22,8 +22,13 @@ import time
 import hydra
 from omegaconf import DictConfig
 
+import inferlab
 from inferlab.conf import AUTO_CHOICE_KINDS, JobName, engine_arguments, store_configs
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.scheduler import PolicyError, SchedulerStallError
+from inferlab.core.workers import TensorParallelError
+from inferlab.experiment.records import resolved_plugins
 
 
 def main() -> None:
@@ -37,11 +42,11 @@ def main() -> None:
 def run(cfg: DictConfig) -> None:
     try:
         if cfg.job.name == JobName.profile:
-            from inferlab.sim.profiling import run_profile_job
+            from inferlab.experiment.profile_job import run_profile_job
 
             run_profile_job(cfg)
         elif cfg.job.name == JobName.bench:
-            from inferlab.bench import run_bench
+            from inferlab.experiment.bench import run_bench
 
             run_bench(cfg)  # checks the bench settings before it builds anything
         elif cfg.job.name == JobName.serve:
@@ -70,22 +75,16 @@ def run(cfg: DictConfig) -> None:
 def is_user_error(error: Exception) -> bool:
     """Errors whose message says what to change (bad settings, paths, prompts, checkpoints, plugin
     names), and failures the engine explains itself (a tensor-parallel rank, a scheduler policy)."""
-    from inferlab.core.scheduler import PolicyError, SchedulerStallError
-    from inferlab.core.workers import TensorParallelError
-
     explained = (ValueError, TypeError, OSError, LookupError, PolicyError, SchedulerStallError, TensorParallelError)
     return isinstance(error, explained)
 
 
 def generate(cfg: DictConfig) -> None:
-    from inferlab import LLM, SamplingParams
-    from inferlab.bench import resolved_plugins
-
     model_path, settings = engine_arguments(cfg)
     job = cfg.generate
     params = SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, ignore_eos=job.ignore_eos)
     prompts = list(job.prompts)
-    with LLM(model_path, **settings) as llm:
+    with inferlab.LLM(model_path, **settings) as llm:
         plugins = resolved_plugins(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=job.use_tqdm)

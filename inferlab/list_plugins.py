@@ -4,6 +4,7 @@ and its options, then the plugins that failed to load and the names registered t
 import argparse
 import dataclasses
 
+from inferlab.conf import store_configs
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
 
 
@@ -58,8 +59,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferlab-plugins", description=__doc__.split("\n\n")[0])
     parser.parse_args(argv)
     registry = get_registry()
-    from inferlab.conf import store_configs
-
     store_configs(registry)
     print(listing(registry))
 

@@ -265,7 +265,8 @@ def run_one(args) -> dict:
     import torch
 
     from inferlab import LLM, SamplingParams
-    from inferlab.floor import device_rates, model_cost, workload_floor
+    from inferlab.core.model_cost import model_cost
+    from inferlab.experiment.floor import device_rates, workload_floor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     enforce_eager = args.graphs == "eager"

@@ -56,7 +56,7 @@ def report(phase: str) -> None:
 def online_workload(trace: str, vocab_size: int):
     """(requests, SamplingParams) of the online workload (see the module's docstring)."""
     from inferlab.conf import BenchConfig
-    from inferlab.workload import arrival_times, build_workload
+    from inferlab.experiment.workload import arrival_times, build_workload
 
     bench = BenchConfig(arrival="trace", trace=trace, max_requests=600)
     requests = build_workload(bench, vocab_size, 4096).requests
@@ -69,7 +69,7 @@ def online_workload(trace: str, vocab_size: int):
 
 
 def serve_online(llm, requests, params, name: str) -> dict:
-    from inferlab.bench import measure
+    from inferlab.experiment.bench import measure
 
     PHASE[0] = name
     llm.reset_prefix_cache()

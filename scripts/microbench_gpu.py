@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from inferlab.floor import device_rates  # noqa: E402
+from inferlab.experiment.floor import device_rates  # noqa: E402
 from inferlab.kernels.sampling import sample_tokens  # noqa: E402
 from inferlab.plugins.attention.triton_kernels import paged_prefill  # noqa: E402
 

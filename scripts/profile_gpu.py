@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu import QWEN3_0_6B, GcPauses, GpuSampler, build_checkpoint, describe_conditions, workload  # noqa: E402
 
 from inferlab import LLM, SamplingParams  # noqa: E402
-from inferlab.floor import device_rates, model_cost  # noqa: E402
+from inferlab.core.model_cost import model_cost  # noqa: E402
+from inferlab.experiment.floor import device_rates  # noqa: E402
 
 BUCKETS = [(1, 16), (17, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 512)]
 

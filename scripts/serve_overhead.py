@@ -73,13 +73,13 @@ def burst_client(url: str, bodies: list[dict]) -> dict:
 
 
 def stream_client(url: str, body: dict, kept: bool) -> dict:
-    """One streamed completion through the HTTP bench's client (inferlab.server.sse_client): on a
+    """One streamed completion through the HTTP bench's client (inferlab.experiment.sse_client): on a
     new connection (its connect timed with the send), or, when kept, on one a short request
     opened first, as the bench's warm-up does. The times of the send, of the response's headers
     and of every chunk with token ids (perf_counter), and each chunk's token count."""
     import asyncio
 
-    from inferlab.server.sse_client import SSEClient
+    from inferlab.experiment.sse_client import SSEClient
 
     async def stream(client: SSEClient, body: dict) -> tuple[float, float, list]:
         sent = perf_counter()

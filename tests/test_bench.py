@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from inferlab.bench import bench_workload
 from inferlab.conf import BenchConfig
+from inferlab.experiment.workload import bench_workload
 
 
 def bench_py_workload():
@@ -88,8 +88,8 @@ TINY = [
 
 
 def test_repeats_report_mean_and_std(tmp_path, one_torch_thread):
-    from inferlab.bench import run_bench
     from inferlab.conf import compose
+    from inferlab.experiment.bench import run_bench
 
     result = run_bench(compose([*TINY, "bench.repeats=2", "bench.warmup=false"]), output_dir=str(tmp_path))
     saved = json.loads((tmp_path / "result.json").read_text())
@@ -103,8 +103,8 @@ def test_repeats_report_mean_and_std(tmp_path, one_torch_thread):
 
 
 def test_a_failed_run_writes_its_error_into_result_json(tmp_path):
-    from inferlab.bench import run_bench
     from inferlab.conf import compose
+    from inferlab.experiment.bench import run_bench
 
     cfg = compose([*TINY, f"model.path={tmp_path / 'no-such-checkpoint'}"])
     with pytest.raises(Exception) as error:

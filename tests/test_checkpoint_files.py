@@ -151,7 +151,7 @@ def test_the_tokenizer_is_the_one_auto_tokenizer_builds(checkpoint, tmp_path, to
     AutoTokenizer's."""
     from transformers import AutoTokenizer
 
-    from inferlab.core.engine import load_tokenizer
+    from inferlab.core.checkpoint import load_tokenizer
 
     model = copy_of(checkpoint, tmp_path)
     edit_json(model / "tokenizer_config.json", tokenizer_class=tokenizer_class)
@@ -181,7 +181,7 @@ def test_the_config_is_the_one_auto_config_builds(checkpoint, name):
     AutoConfig's hold."""
     from transformers import AutoConfig
 
-    from inferlab.core.engine import load_checkpoint_files
+    from inferlab.core.checkpoint import load_checkpoint_files
     from inferlab.core.model_config import ModelConfig
 
     path = checkpoint(name)

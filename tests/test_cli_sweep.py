@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from inferlab.report import main as report_main
-from inferlab.report import report
+from inferlab.experiment.report import main as report_main
+from inferlab.experiment.report import report
 
 ENGINE = [
     "engine.device=cpu",

@@ -11,13 +11,13 @@ import sys
 import pytest
 
 from inferlab import LLM, SamplingParams
-from inferlab.bench import measure, run_bench
 from inferlab.conf import BenchConfig, compose
 from inferlab.core.plugins import PluginRegistry
-from inferlab.driver import request_record, run_workload
-from inferlab.latency import latency_figures
-from inferlab.traces import MOONCAKE_BLOCK_SIZE
-from inferlab.workload import WorkloadRequest, build_workload
+from inferlab.experiment.bench import measure, run_bench
+from inferlab.experiment.driver import request_record, run_workload
+from inferlab.experiment.latency import latency_figures
+from inferlab.experiment.traces import MOONCAKE_BLOCK_SIZE
+from inferlab.experiment.workload import WorkloadRequest, build_workload
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from inferlab.floor import DeviceRates, device_rates, model_cost, workload_floor
+from inferlab.core.model_cost import DeviceRates, model_cost
+from inferlab.experiment.floor import device_rates, workload_floor
 
 QWEN3_06B = Qwen3Config(
     vocab_size=151936,
@@ -83,7 +84,7 @@ def test_floor_scales_with_bandwidth():
 
 
 def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
-    import inferlab.floor as floor
+    import inferlab.experiment.floor as floor
 
     monkeypatch.setattr(floor, "CACHE_DIR", str(tmp_path))
     calls = []

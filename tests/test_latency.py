@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from inferlab.bench import write_run_records
-from inferlab.latency import (
+from inferlab.experiment.latency import (
     RequestRecord,
     RunRecords,
     StepRecord,
@@ -18,6 +17,7 @@ from inferlab.latency import (
     latency_figures,
     write_requests_jsonl,
 )
+from inferlab.experiment.records import write_run_records
 
 
 def hand_made_records() -> list[RequestRecord]:

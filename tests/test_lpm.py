@@ -6,13 +6,14 @@ from itertools import count
 import pytest
 
 from inferlab import LLM
-from inferlab.bench import build_workload, measure
 from inferlab.conf import compose, engine_arguments
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import PluginError, get_registry
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import Scheduler
+from inferlab.experiment.bench import measure
+from inferlab.experiment.workload import build_workload
 from inferlab.plugins.kv_cache.paged import PagedKVCache
 from inferlab.plugins.schedulers.lpm import LPMOptions, LPMPolicy
 

@@ -7,7 +7,7 @@ import os
 import matplotlib
 import pytest
 
-from inferlab.report import (
+from inferlab.experiment.report import (
     latency_figure,
     latency_series,
     load_runs,

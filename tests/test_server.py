@@ -560,8 +560,8 @@ def test_short_load_test_has_no_errors(server):
 
 
 def test_bench_url_sends_the_workload_and_writes_result_json(server, tmp_path, monkeypatch):
-    from inferlab.bench import run_bench
-    from inferlab.workload import build_workload
+    from inferlab.experiment.bench import run_bench
+    from inferlab.experiment.workload import build_workload
 
     monkeypatch.setenv("INFERLAB_API_KEY", KEY)
     overrides = [
@@ -591,8 +591,8 @@ def test_bench_url_sends_the_workload_and_writes_result_json(server, tmp_path, m
 
 
 def test_bench_url_without_a_server_says_so(tmp_path):
-    from inferlab.bench import run_bench
-    from inferlab.workload import BenchConfigError
+    from inferlab.conf.bench import BenchConfigError
+    from inferlab.experiment.bench import run_bench
 
     cfg = compose(
         ["job=bench", "bench.url=http://127.0.0.1:9", "bench.num_seqs=2", "bench.min_len=4", "bench.max_len=8"]

@@ -11,7 +11,8 @@ import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.core.cuda_graphs import prefill_graph_capacity
-from inferlab.floor import DeviceRates, ModelCost
+from inferlab.core.model_cost import DeviceRates, ModelCost
+from inferlab.core.plugins import PluginError
 from inferlab.sim.cost_model import (
     HostLaunchModel,
     MeasuredCostModel,
@@ -188,10 +189,10 @@ def test_the_host_launch_model_recovers_linear_launch_times(tmp_path):
 def test_launching_a_step_takes_the_host_its_launch_time(graph, launch_ms, token_ms):
     """One request of three tokens under overlap scheduling (prefill, then two decodes)."""
     from inferlab.core.cuda_graphs import GraphLimits
-    from inferlab.driver import run_workload
-    from inferlab.workload import WorkloadRequest
+    from inferlab.experiment.driver import run_workload
+    from inferlab.experiment.workload import WorkloadRequest
 
-    sim = LLM(executor="simulated", executor_options={"profile": "roofline"})
+    sim = LLM(executor="simulated", executor_options={"profile": "roofline"}, num_kvcache_blocks=64)
     sim.runner.cost_model = lambda shape: 0.002
     sim.runner.host_launch_model = lambda shape: launch_ms / 1e3
     sim.runner.graph_limits = GraphLimits(decode_batch=8, prefill_tokens=64) if graph else GraphLimits()
@@ -297,9 +298,9 @@ def test_admitting_requests_takes_the_profiles_host_time(tmp_path):
     """Each added request moves the virtual clock by the profile's admission cost (per request and
     per prompt token) before the step that serves it: the hand computation above, plus both
     requests' admissions; and in a driven burst every request's first token waits for all of them."""
-    from inferlab.bench import simulation
-    from inferlab.driver import run_workload
-    from inferlab.workload import WorkloadRequest
+    from inferlab.experiment.driver import run_workload
+    from inferlab.experiment.records import simulation
+    from inferlab.experiment.workload import WorkloadRequest
 
     profile = hand_profile(tmp_path, admission_s_per_request=1e-3, admission_s_per_token=1e-5)
     llm = LLM(executor="simulated", executor_options={"profile": profile}, kvcache_block_size=16)
@@ -324,8 +325,8 @@ def test_a_real_time_simulation_takes_the_hand_computations_time_on_this_hosts_c
     the GIL free for a server's event loop) while the host's work is a busy loop (all CPU)."""
     import time
 
-    from inferlab.bench import simulation
-    from inferlab.sim.executor import RealTimeClock
+    from inferlab.experiment.records import simulation
+    from inferlab.plugins.executors.simulated import RealTimeClock
 
     profile = hand_profile(tmp_path, admission_s_per_request=1e-3, admission_s_per_token=1e-5)
     options = {"profile": profile, "real_time": True}
@@ -406,7 +407,7 @@ def test_a_measured_profile_runs_its_own_settings_given_or_auto(tmp_path):
     """The profile's own settings, given or as 'auto', run, and results name them; a profile measured
     with an fp8 KV cache takes kv_cache_dtype=fp8 (its blocks a byte an element) and refuses 'auto',
     which is the model's dtype."""
-    from inferlab.bench import resolved_plugins
+    from inferlab.experiment.records import resolved_plugins
 
     profile = hand_profile(tmp_path)
     for settings in ({}, {"dtype": "float32", "attention": "torch", "kv_cache_dtype": "auto"}):
@@ -434,16 +435,18 @@ def test_the_roofline_estimate_models_dtypes_and_no_attention_backend():
     """The roofline estimate counts the dtype's and the KV cache dtype's bytes (an fp8 cache holds
     twice the blocks and reads half the bytes), and models no attention backend, which results
     record as 'any' whatever attention says."""
-    from inferlab.bench import resolved_plugins
+    from inferlab.experiment.records import resolved_plugins
 
-    bf16 = LLM(executor="simulated", kvcache_block_size=16)
-    fp8 = LLM(executor="simulated", kvcache_block_size=16, kv_cache_dtype="fp8", attention="torch")
+    # A thousandth of an H200's memory: the tiny model's blocks would otherwise number tens of millions.
+    small = dict(kvcache_block_size=16, gpu_memory_utilization=0.001)
+    bf16 = LLM(executor="simulated", **small)
+    fp8 = LLM(executor="simulated", **small, kv_cache_dtype="fp8", attention="torch")
     assert (bf16.runner.dtype, bf16.runner.kv_cache_dtype) == (torch.bfloat16, torch.bfloat16)
     assert fp8.runner.kv_cache_dtype == torch.float8_e4m3fn
     assert fp8.runner.cost_model.cost.kv_bytes_per_token * 2 == bf16.runner.cost_model.cost.kv_bytes_per_token
     assert fp8.kv_manager.num_blocks == pytest.approx(2 * bf16.kv_manager.num_blocks, abs=1)
     assert resolved_plugins(fp8)["attention"] == "any"
-    f32 = LLM(executor="simulated", kvcache_block_size=16, dtype="float32")
+    f32 = LLM(executor="simulated", **small, dtype="float32")
     assert f32.runner.cost_model.cost.weight_bytes == 2 * bf16.runner.cost_model.cost.weight_bytes
 
 
@@ -524,11 +527,13 @@ def test_a_malformed_profile_file_is_refused_naming_the_file_and_the_field(tmp_p
     ],
 )
 def test_bad_executor_options_are_refused_before_the_run(option, value, expected):
-    from inferlab.sim.executor import SimulatedOptions
+    from inferlab.plugins.executors.simulated import SimulatedOptions
 
     with pytest.raises(ValueError, match=f"executor.{option} .*" + re.escape(expected)):
         SimulatedOptions(**{option: value})
-    with pytest.raises(ValueError, match=f"executor.{option} "):
+    if (option, value) in (("roofline_step_overhead_s", "0.1"), ("real_time", "false"), ("profile", 3)):
+        return  # LLM's options are typed as the command line types them: "0.1" is 0.1 there, 3 the profile "3"
+    with pytest.raises(PluginError, match=f"executor.{option} "):  # as every plugin's bad options
         LLM(executor="simulated", executor_options={"profile": "h200-qwen3-0.6b-triton", option: value})
 
 
@@ -537,14 +542,14 @@ def test_a_nan_step_overhead_from_the_command_line_is_refused_when_the_engine_is
 
     cfg = compose(["job=bench", "executor=simulated", "executor.roofline_step_overhead_s=nan"])
     model_path, settings = engine_arguments(cfg)
-    with pytest.raises(ValueError, match="executor.roofline_step_overhead_s must be a finite number"):
+    with pytest.raises(PluginError, match="executor.roofline_step_overhead_s must be a finite number"):
         LLM(model_path, **settings)
 
 
 def test_bad_executor_settings_are_errors(tmp_path):
-    with pytest.raises(ValueError, match="executor must be one of"):
+    with pytest.raises(PluginError, match=r"unknown executor 'fast'; available: \[.*'real', 'simulated'"):
         LLM(executor="fast")
-    with pytest.raises(ValueError, match=r"unknown simulated executor option\(s\) \['speed'\]"):
+    with pytest.raises(PluginError, match=r"bad options for executor 'simulated': .*speed"):
         LLM(executor="simulated", executor_options={"speed": 2})
     with pytest.raises(FileNotFoundError, match="no step-time profile 'nope'"):
         load_profile("nope")
@@ -555,7 +560,7 @@ def test_bad_executor_settings_are_errors(tmp_path):
 
 
 def test_the_roofline_profile_serves_any_shape(checkpoint):
-    llm = LLM(checkpoint("gqa4-untied"), executor="simulated", kvcache_block_size=16)
+    llm = LLM(checkpoint("gqa4-untied"), executor="simulated", kvcache_block_size=16, num_kvcache_blocks=64)
     assert "roofline estimate" in llm.runner.profile.label()
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert llm.clock() > 0
@@ -571,7 +576,7 @@ def test_shipped_profiles_load_and_fit(name):
 
 
 def test_the_host_and_device_lines_list_decode_steps_alone():
-    from inferlab.sim.profiling import host_and_device_lines
+    from inferlab.experiment.profile_job import host_and_device_lines
 
     shape = {"prefill_tokens": 0, "decode_requests": 4, "decode_context": 4 * 513, "graph": True}
     measurements = [
@@ -595,7 +600,8 @@ def test_the_host_and_device_lines_list_decode_steps_alone():
 def test_profiling_measures_the_real_engine_and_the_fit_reads_it(tmp_path):
     """job=profile's measurement on the CPU engine (on a GPU it is the same code): every
     composition of the grid that fits becomes a measurement, and the profile loads and fits."""
-    from inferlab.sim.profiling import ProfileConfig, measure, run_profile
+    from inferlab.conf import ProfileConfig
+    from inferlab.experiment.profile_job import measure, run_profile
 
     settings = ProfileConfig(repeats=2, decode_batches=[1, 4], decode_contexts=[16, 64], prefill_tokens=[16, 64])
     with LLM(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
@@ -624,8 +630,9 @@ def test_a_profiled_step_takes_its_device_time_or_its_launch_whichever_is_longer
     """A runner whose launch takes the host `host` seconds and whose step then takes the device
     `device` seconds, on a virtual clock: the profiled step time is the steady interval between
     reads, max(host, device), without the first launch onto the idle device."""
-    from inferlab.sim import profiling
-    from inferlab.sim.executor import VirtualClock
+    from inferlab.conf import ProfileConfig
+    from inferlab.experiment import profile_job as profiling
+    from inferlab.plugins.executors.simulated import VirtualClock
 
     class Step:
         def __init__(self, ends_at):
@@ -650,7 +657,7 @@ def test_a_profiled_step_takes_its_device_time_or_its_launch_whichever_is_longer
     assert measurement["seconds"] == pytest.approx(max(host, device))
     assert measurement["host_seconds"] == pytest.approx(host)
     with pytest.raises(ValueError, match="repeats"):
-        profiling.ProfileConfig(repeats=1)
+        ProfileConfig(repeats=1)
 
 
 class ReplayCost:
@@ -689,10 +696,10 @@ def test_the_same_policy_code_schedules_real_and_simulated_runs_alike(tmp_path):
     does), then a simulated engine whose cost model replays those durations. The policy and the
     KV manager are the same code in both: every step's batch is the same, and so is every
     request's record."""
-    from inferlab.bench import build_workload
     from inferlab.conf import compose
-    from inferlab.driver import run_workload
-    from inferlab.sim.executor import VirtualClock
+    from inferlab.experiment.driver import run_workload
+    from inferlab.experiment.workload import build_workload
+    from inferlab.plugins.executors.simulated import VirtualClock
 
     cfg = compose(
         [
@@ -743,8 +750,8 @@ def test_a_simulated_request_arriving_mid_step_waits_as_on_the_device(overlap):
     a GPU engine's) the step after the running one is launched before a new arrival is seen, so the
     arrival's prefill runs one step later than without overlap; its tokens are read when each step
     ends."""
-    from inferlab.driver import run_workload
-    from inferlab.workload import WorkloadRequest
+    from inferlab.experiment.driver import run_workload
+    from inferlab.experiment.workload import WorkloadRequest
 
     options = {} if overlap else {"overlap_scheduling": False}
     sim = LLM(executor="simulated", executor_options={"profile": "roofline"}, **options)

@@ -1,4 +1,4 @@
-"""The HTTP bench's client (inferlab.server.sse_client) against scripted servers: chunked,
+"""The HTTP bench's client (inferlab.experiment.sse_client) against scripted servers: chunked,
 sized and close-delimited bodies, events split anywhere, kept-alive connections and their loss,
 error statuses, broken responses, and what send_request records of each."""
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from inferlab.server.load import send_request
-from inferlab.server.sse_client import HTTPProtocolError, SSEClient
-from inferlab.workload import WorkloadRequest
+from inferlab.experiment.http_client import send_request
+from inferlab.experiment.sse_client import HTTPProtocolError, SSEClient
+from inferlab.experiment.workload import WorkloadRequest
 
 
 def chunked(*pieces: bytes) -> bytes:

@@ -53,7 +53,7 @@ def test_submitit_local_sweep_then_report(tmp_path):
     assert all(r["num_requests"] == 4 and r["num_output_tokens"] > 0 for r in results)
 
     report = subprocess.run(
-        [sys.executable, "-c", "from inferlab.report import main; main()", str(sweep)],
+        [sys.executable, "-c", "from inferlab.experiment.report import main; main()", str(sweep)],
         capture_output=True,
         text=True,
         timeout=120,

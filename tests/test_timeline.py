@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from inferlab.latency import RequestRecord, StepRecord
-from inferlab.timeline import ENGINE_PID, REQUESTS_PID, STEPS_TID, timeline_events, write_timeline
+from inferlab.experiment.latency import RequestRecord, StepRecord
+from inferlab.experiment.timeline import ENGINE_PID, REQUESTS_PID, STEPS_TID, timeline_events, write_timeline
 
 STEPS = [
     StepRecord(start_s=0.5, end_s=1.0, num_prefill_tokens=10, num_decode_tokens=0, num_seqs=1),

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from inferlab.conf import BenchConfig
-from inferlab.traces import (
+from inferlab.conf.bench import detect_trace_format
+from inferlab.experiment.traces import (
     HEAD_TOKENS,
     MOONCAKE_BLOCK_SIZE,
     RUN_LENGTH,
     TOKEN_ID_RANGE,
-    detect_trace_format,
     parse_azure_timestamp,
     read_trace,
     trace_prompt,
 )
-from inferlab.workload import build_workload
+from inferlab.experiment.workload import build_workload
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")

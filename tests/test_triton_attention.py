@@ -519,7 +519,7 @@ def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
     most a step's tokens."""
     from inferlab.core.cuda_graphs import auto_graph_prefill_tokens
     from inferlab.core.model_config import native_model_config
-    from inferlab.floor import model_cost
+    from inferlab.core.model_cost import model_cost
 
     def flops(shape):  # matmul FLOPs a prefill token (the LM head apart) of a model shape
         cost = model_cost(native_model_config(shape, source="test"), torch.bfloat16)

@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 
 from inferlab.conf import BenchConfig, compose
-from inferlab.workload import (
-    BenchConfigError,
-    arrival_times,
-    build_workload,
-    fit_lengths,
-    validate_bench,
-)
+from inferlab.conf.bench import BenchConfigError, validate_bench
+from inferlab.experiment.workload import arrival_times, build_workload, fit_lengths
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")

@@ -18,14 +18,13 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from inferlab.conf.bench import BenchConfig, validate_bench
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
-from inferlab.sim.executor import SimulatedOptions
-from inferlab.sim.profiling import ProfileConfig
 
 # Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
 AUTO_CHOICE_KINDS = ("attention", "model")
-PLUGIN_FIELDS = {"model_path", *KINDS, *(f"{kind}_options" for kind in KINDS), "executor", "executor_options"}
+PLUGIN_FIELDS = {"model_path", *KINDS, *(f"{kind}_options" for kind in KINDS)}
 PROMPTS = ["Hello, world! How are you today?", "The quick brown fox", "Once upon a time,"]
 
 
@@ -56,7 +55,7 @@ EngineSettings = _engine_settings_class()
 class JobName(Enum):
     generate = "generate"
     bench = "bench"
-    profile = "profile"  # measure step times on a GPU for the simulated executor (inferlab.sim.profiling)
+    profile = "profile"  # measure step times on a GPU for the simulated executor (inferlab.experiment.profile_job)
     serve = "serve"
 
 
@@ -76,45 +75,31 @@ class GenerateConfig:
     use_tqdm: bool = True
 
 
-@dataclass
-class BenchConfig:
-    """`inferlab job=bench`: a workload (nano-vllm's bench.py by default, generated arrivals, or a
-    trace) and what to measure of it. inferlab.workload.validate_bench says which
-    combinations can run; compose() and the command check them before any model loads."""
+# job=profile's default grid (inferlab.experiment.profile_job)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
+# Contexts reach what long-context traces bring (Mooncake's conversations average 14k tokens):
+# attention over them, not the weights, then sets a step's time. Profile with a max_model_len
+# that admits them; compositions longer than it, or than the KV cache holds, are skipped.
+DECODE_CONTEXTS = (128, 512, 1024, 2048, 8192, 16384)
+PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 8192, 16384)
 
-    # Generated workloads (arrival burst, poisson, gamma): bench.py's draws.
-    num_seqs: int = 256
-    min_len: int = 100  # prompt lengths uniform in [min_len, max_len] (bench.py's 100..1024)
-    max_len: int = 1024
-    min_output_len: int | None = None  # None: min_len, as in bench.py
-    max_output_len: int | None = None  # None: max_len
-    seed: int = 0  # prompts, lengths and arrivals (each from its own stream)
-    temperature: float = 0.6
-    ignore_eos: bool = True  # output lengths are exact only with it
-    shared_prefix_len: int = 0  # > 0: each prompt starts with one of num_prefixes random prefixes this long
-    num_prefixes: int = 1
-    warmup: bool = True
-    # When requests arrive: burst (all at t=0), poisson, gamma, or trace.
-    arrival: str = "burst"
-    request_rate: float | None = None  # requests/s, for poisson and gamma
-    burstiness: float = 1.0  # gamma's shape: 1 is Poisson, below 1 burstier, above more regular
-    num_priorities: int = 1  # > 1: each request's priority uniform in 0..num_priorities-1 (lower first)
-    # Traces (arrival=trace): a Mooncake JSONL or Azure CSV file, its format read from its content.
-    trace: str | None = None
-    time_scale: float = 1.0  # multiplies the trace's inter-arrival times: 0.5 replays twice as fast
-    max_requests: int | None = None  # the trace's first requests only; None: all
-    # Every workload: lengths fitted to max_model_len. clip: prompts to max_model_len - 1, then
-    # outputs to what is left; scale: every length times the factor that makes the longest fit.
-    fit: str = "clip"
-    # What to measure: SLOs for slo_attainment and goodput, repeats of the whole workload (mean and
-    # std of every figure), and a Perfetto timeline of the run.
-    slo_ttft_s: float | None = None
-    slo_tpot_s: float | None = None
-    repeats: int = 1
-    timeline: bool = False
-    # A running server (`inferlab job=serve`) to send the workload to over HTTP, e.g.
-    # http://127.0.0.1:8000, instead of building an engine here (inferlab.server.load).
-    url: str | None = None
+
+@dataclass
+class ProfileConfig:
+    """`inferlab job=profile`: where to write the profile and how long to time each step."""
+
+    out: str = "profile.json"
+    repeats: int = 10  # steps read per composition (repeats - 1 intervals timed), after 3 untimed ones
+    decode_batches: list[int] = field(default_factory=lambda: list(DECODE_BATCHES))
+    decode_contexts: list[int] = field(default_factory=lambda: list(DECODE_CONTEXTS))
+    prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
+    commit: str | None = None  # recorded in the profile (default: the checkout's)
+
+    def __post_init__(self):
+        if not isinstance(self.repeats, int) or self.repeats < 2:
+            raise ValueError(
+                f"profile.repeats must be a whole number >= 2 (steps timed a composition), got {self.repeats!r}"
+            )
 
 
 @dataclass
@@ -173,9 +158,6 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
     store.store(name="inferlab_schema", node=InferlabConfig)
     for job in JobName:
         store.store(group="job", name=job.value, node=JobConfig(name=job))
-    # The device, or a step-cost model on a virtual clock standing in for it (inferlab.sim).
-    store.store(group="executor", name="real", node=plugin_node_class("executor", "real"))
-    store.store(group="executor", name="simulated", node=plugin_node_class("executor", "simulated", SimulatedOptions))
     for kind in KINDS:
         names = registry.names(kind) + (["auto"] if kind in AUTO_CHOICE_KINDS else [])
         for name in names:
@@ -185,7 +167,7 @@ def store_configs(registry: PluginRegistry | None = None) -> None:
 
 def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -> DictConfig:
     """The config `inferlab <overrides>` would run, built with Hydra's compose API. Raises
-    inferlab.workload.BenchConfigError for bench settings that cannot run (job=bench)."""
+    inferlab.experiment.workload.BenchConfigError for bench settings that cannot run (job=bench)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
@@ -193,8 +175,6 @@ def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -
     with initialize_config_module("inferlab.conf", version_base="1.3"):
         cfg = hydra_compose("config", overrides=list(overrides))
     if cfg.job.name == JobName.bench:
-        from inferlab.workload import validate_bench
-
         validate_bench(cfg.bench)  # settings that cannot run fail here, before any model loads
     return cfg
 
@@ -209,9 +189,6 @@ def engine_arguments(cfg: DictConfig) -> tuple[str | None, dict]:
         if kind == "model":
             model_path = options.pop("path")
         settings[f"{kind}_options"] = options
-    executor = OmegaConf.to_container(cfg.executor, resolve=True)
-    settings["executor"] = executor.pop("name")
-    settings["executor_options"] = executor
     return model_path, settings
 
 
@@ -219,7 +196,7 @@ def flat_choices(cfg: DictConfig) -> dict[str, Any]:
     """What a run asked for, as the override keys a user types: {"scheduler": "lpm",
     "scheduler.max_sort_waiting": 1024, "engine.max_num_seqs": 512, "bench.num_seqs": 256, ...}."""
     choices = {}
-    for kind in (*KINDS, "executor"):
+    for kind in KINDS:
         node = OmegaConf.to_container(cfg[kind], resolve=True)
         choices[kind] = node.pop("name")
         choices.update({f"{kind}.{key}": value for key, value in node.items()})

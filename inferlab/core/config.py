@@ -47,8 +47,10 @@ class EngineConfig:
     attention_options: dict = field(default_factory=dict)
     model_options: dict = field(default_factory=dict)
     sampler_options: dict = field(default_factory=dict)
-    executor: str = "real"  # "simulated": a step-cost model on a virtual clock stands in for the device
-    executor_options: dict = field(default_factory=dict)  # the simulated executor's (inferlab.sim.executor)
+    # Who runs the steps: "real" (this machine's devices; tensor-parallel when tensor_parallel_size > 1),
+    # "tensor_parallel", or "simulated" (a step-cost model on a virtual clock stands in for the device)
+    executor: str = "real"
+    executor_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in (
@@ -96,8 +98,6 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {list(EXECUTORS)}, got {self.executor!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
@@ -116,4 +116,3 @@ def _is_number(value) -> bool:
 
 
 DTYPES = {"auto", "float32", "float16", "bfloat16"}
-EXECUTORS = ("real", "simulated")

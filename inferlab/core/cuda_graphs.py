@@ -19,6 +19,7 @@ from time import perf_counter
 import torch
 
 from inferlab.core.batch import AttentionInputs, SamplingTensors
+from inferlab.core.protocols import RepresentativeLayers, SplitDecodes
 
 log = logging.getLogger("inferlab")
 
@@ -95,7 +96,9 @@ class CapturedGraphs:
         # A plain run before each capture loads every kernel the capture will launch (loading one
         # while a stream captures aborts the capture) and settles allocations outside it: over the
         # model's first layers alone where later ones repeat their kernels (kernel_variant_layers).
-        plain_layers = getattr(model, "kernel_variant_layers", None) or len(kv_caches)
+        plain_layers = (model.kernel_variant_layers if isinstance(model, RepresentativeLayers) else None) or len(
+            kv_caches
+        )
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its pool
             ids, positions = self.input_ids[:size], self.positions[:size]
             model(ids, positions, kv_caches[:plain_layers], backend.build_metadata(self._inputs(size)))
@@ -377,7 +380,7 @@ class PrefillGraphs(CapturedGraphs):
         self.max_num_seqs = max_num_seqs
         # decodes beside the prompt attend in the prefill kernel here (num_decodes is 0): where the
         # backend would split long ones over their context, those steps stay eager
-        self.max_decode_seq_len = getattr(backend, "mixed_decode_split_len", None)
+        self.max_decode_seq_len = backend.mixed_decode_split_len if isinstance(backend, SplitDecodes) else None
         max_tokens = self.sizes[-1]
         self._allocate_buffers(
             max_tokens, self._seq_rows(max_tokens), max_model_len, block_size, hidden_size, dtype, device

@@ -2,14 +2,11 @@
 runner computes and samples, and the core scheduler finishes what the tokens end; outputs in order."""
 
 import gc
-import json
 import logging
 import math
 import operator
-import os
 import random
 import threading
-import time
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,15 +21,11 @@ from tqdm.auto import tqdm
 from inferlab.core import interrupts
 from inferlab.core.config import EngineConfig
 from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
-from inferlab.core.model_config import DEFAULTS as MODEL_CONFIG_DEFAULTS
-from inferlab.core.model_config import native_model_config
-from inferlab.core.model_runner import ModelRunner
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry, validated_options
-from inferlab.core.protocols import PrefixCacheReset
+from inferlab.core.protocols import AdmissionCost, PrefixCacheReset
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import Scheduler, SchedulerStallError
-from inferlab.core.workers import TensorParallelRunner
 
 log = logging.getLogger("inferlab")
 
@@ -196,32 +189,23 @@ class LLMEngine:
             name = getattr(config, kind)
             if name != "auto":
                 validated_options(self.registry.get(kind, name), getattr(config, f"{kind}_options"))
-        simulated = config.executor == "simulated"
-        if simulated:
-            from inferlab.sim.executor import SimulatedRunner, simulated_checkpoint
-
-            profile, hf_config, self.tokenizer, model_path = simulated_checkpoint(config, model_path)
-        else:
-            if model_path is None:
-                from inferlab.tiny_model import default_model_path
-
-                model_path = default_model_path()
-            reading = perf_counter()
-            hf_config, self.tokenizer = load_checkpoint_files(os.fspath(model_path))
-            log.info("read the model's config and tokenizer in %.1f s", perf_counter() - reading)
-        self.model_path = model_path = os.fspath(model_path)
+        # The executor opens the checkpoint and builds whatever runs the steps (inferlab.core.protocols.Runner).
+        # Its errors (a missing checkpoint, a rank that failed to start) are the engine's own, raised as they are.
+        self.runner = runner = self.registry.create(
+            "executor",
+            config.executor,
+            config,
+            model_path,
+            self.registry,
+            options=config.executor_options,
+            wrap_errors=False,
+        )
+        checkpoint = runner.checkpoint
+        self.model_path, self.hf_config, self.tokenizer = checkpoint.path, checkpoint.hf_config, checkpoint.tokenizer
         self.config = config
-        self.hf_config = hf_config
-        config.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
-        if simulated:
-            self.runner = SimulatedRunner(config, hf_config, profile, self.tokenizer.eos_token_id)
-        elif config.tensor_parallel_size > 1:  # rank 0 runs here, ranks 1..N-1 in worker processes
-            self.runner = TensorParallelRunner(config, hf_config, model_path, self.registry)
-        else:
-            self.runner = ModelRunner(config, hf_config, model_path, self.registry)
         # The time requests and steps are stamped with: the host's, or a simulation's virtual one.
-        self.clock = self.runner.clock if simulated else perf_counter
-        self.simulated = simulated
+        self.clock = runner.clock
+        self.admission_cost = runner.admit if isinstance(runner, AdmissionCost) else None
         try:
             self.kv_manager = self.registry.create(
                 "kv_cache", config.kv_cache, config, self.runner.num_kv_blocks, options=config.kv_cache_options
@@ -244,13 +228,10 @@ class LLMEngine:
         self.next_request_id = 0
         self.stats = EngineStats()
         overlap = config.overlap_scheduling
-        # a simulation stands in for a GPU engine, so it overlaps as that engine would
-        default_overlap = simulated or self.runner.device.type == "cuda"
-        self.overlap = default_overlap if overlap is None else bool(overlap)
+        self.overlap = runner.runs_ahead if overlap is None else bool(overlap)
         self.pending = None  # (tokens advance appended, StepHandle) of the step launched last, under overlap
         self.unreported: list[Request] = []  # finished, for the next step to report (a step that raised could not)
-        if not simulated:
-            log.info("engine ready in %.1f s", perf_counter() - started)
+        log.info("engine ready in %.1f s", perf_counter() - started)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -347,8 +328,8 @@ class LLMEngine:
     def _add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
-        if self.simulated:
-            self.runner.admit(request)
+        if self.admission_cost is not None:
+            self.admission_cost(request)
 
     def abort(self, request_id: int) -> bool:
         """Stops a request (waiting, mid-prefill or decoding) and frees everything it holds; its
@@ -367,11 +348,7 @@ class LLMEngine:
     def wait_until(self, t: float) -> None:
         """Blocks until the engine's clock reads t: the host sleeps; a simulation's virtual clock
         moves there at once. For drivers that feed requests at their arrival times."""
-        if self.simulated:
-            self.clock.advance_to(t)
-            return
-        while (remaining := t - self.clock()) > 0:
-            time.sleep(remaining)
+        self.runner.wait_until(t)
 
     def is_finished(self) -> bool:
         self.refuse_closed("is_finished")
@@ -674,136 +651,3 @@ def per_prompt(what: str, value, kind, prompts) -> list:
             f"{what} must be one {names} for all prompts or a list of them, one per prompt; got {type(value).__name__}"
         )
     return [value] * len(prompts)
-
-
-# Files that hold a tokenizer's vocabulary, in the formats transformers reads without a checkpoint's own code.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-# Config fields the engine divides by or sizes tensors with: each must be a positive integer where present.
-POSITIVE_CONFIG_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "max_position_embeddings",
-)
-
-
-def load_checkpoint_files(path: str):
-    """The HF config and tokenizer of a model directory, with errors that name the file and what
-    is wrong. No code from the directory ever runs (trust_remote_code is always False), and
-    nothing asks on stdin: a checkpoint that needs its own code is refused."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"model directory {path!r} has no config.json ({config_file!r})")
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            fields = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got a {type(fields).__name__}")
-    check_model_type(fields, config_file)
-    check_positive_fields(fields, config_file)
-    hf_config = native_model_config(fields, path, config_file)
-    if hf_config is None:
-        try:
-            hf_config = transformers_config(path, fields["model_type"])
-        except Exception as e:  # transformers' own validation errors are of several kinds
-            raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
-    check_positive_fields({name: getattr(hf_config, name, None) for name in POSITIVE_CONFIG_FIELDS}, config_file)
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"model directory {path!r} has no tokenizer: none of {list(TOKENIZER_FILES)}")
-    try:
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"no usable tokenizer in {path!r}: {e}") from e
-    if len(tokenizer) < 2:
-        raise ValueError(f"the tokenizer in {path!r} has {len(tokenizer)} token(s): its vocabulary files are missing")
-    return hf_config, tokenizer
-
-
-def transformers_config(path: str, model_type: str):
-    """The config AutoConfig would build, for the model types model_config.py does not read
-    itself: the config class transformers maps the model_type to, found by its name without
-    importing the auto classes (see load_tokenizer); AutoConfig where the name is not in that table."""
-    import transformers
-
-    name = transformers_config_names().get(model_type)
-    cls = getattr(transformers, name, None) if name else None
-    if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig):
-        return cls.from_pretrained(path, name_or_path=path)  # AutoConfig records the path too
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
-
-
-def transformers_config_names() -> dict[str, str]:
-    """model_type -> config class name, as transformers' own table lists them (a module of names
-    only: cheap to import); empty where this transformers has no such module."""
-    try:
-        from transformers.models.auto.auto_mappings import CONFIG_MAPPING_NAMES
-    except ImportError:
-        return {}
-    return CONFIG_MAPPING_NAMES
-
-
-def load_tokenizer(path: str):
-    """The tokenizer AutoTokenizer would build (fast where there is one), found by the class name
-    tokenizer_config.json gives, among transformers' own classes: the auto classes' modules import
-    transformers' model machinery, which in some versions is most of the start-up (6-8 s of
-    transformers 5.17's 10-11 s on the H200 machine). Anything else (no name, a name transformers
-    lacks, such as custom code's) goes through AutoTokenizer, which never runs a directory's code."""
-    import transformers
-    from transformers import PreTrainedTokenizerBase
-
-    name = None
-    try:
-        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
-            name = json.load(f).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        pass
-    if isinstance(name, str) and name.isidentifier():
-        for candidate in [name] if name.endswith("Fast") else [f"{name}Fast", name]:
-            try:
-                cls = getattr(transformers, candidate)
-            except (AttributeError, ImportError):
-                continue
-            if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
-                try:
-                    return cls.from_pretrained(path)
-                except ImportError:  # a class whose backend is not installed: AutoTokenizer may find another
-                    break
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
-
-
-def check_positive_fields(fields: dict, config_file: str) -> None:
-    for name in POSITIVE_CONFIG_FIELDS:
-        value = fields.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
-
-
-def check_model_type(fields: dict, config_file: str) -> None:
-    """A config.json must name a model_type that transformers implements itself: one it does not
-    would need Python code from the checkpoint (its auto_map), which inferlab never runs."""
-    model_type = fields.get("model_type")
-    if model_type in MODEL_CONFIG_DEFAULTS:
-        return  # read without transformers' classes (an auto_map beside it is ignored)
-    if isinstance(model_type, str) and model_type in transformers_config_names():
-        return  # transformers' own classes serve it (an auto_map beside it is ignored)
-    from transformers import CONFIG_MAPPING  # the full table (its module imports the auto classes)
-
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-        return
-    if fields.get("auto_map"):
-        raise ValueError(
-            f"{config_file}: model_type {model_type!r} needs the checkpoint's own Python code (auto_map "
-            f"{fields['auto_map']}); inferlab never runs code from a model directory (trust_remote_code is off). "
-            f"Use a checkpoint whose model_type transformers knows"
-        )
-    raise ValueError(f"{config_file}: model_type {model_type!r} is not a model type transformers knows")

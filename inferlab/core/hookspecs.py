@@ -55,3 +55,13 @@ def register_models(register):
 @hookspec
 def register_samplers(register):
     """Samplers. factory(config: EngineConfig, **options) -> Sampler."""
+
+
+@hookspec
+def register_executors(register):
+    """Executors: who runs the steps. factory(config: EngineConfig, model_path: str | None,
+    registry: PluginRegistry, **options) -> Runner (optionally also AdmissionCost, OnDevice,
+    SimulatedDevice). The factory opens the checkpoint (inferlab.core.checkpoint.open_checkpoint
+    reads a directory, the embedded tiny model when model_path is None), so that a runner which
+    needs no weights can serve a model shape from elsewhere; it selects the other plugins by name
+    from the registry. `executor=name` selects one; `real` is the default."""

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import logging
 import os
+import time
 from dataclasses import fields, replace
 from itertools import chain
 from time import perf_counter
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
+from inferlab.core.checkpoint import Checkpoint
 from inferlab.core.config import EngineConfig
 from inferlab.core.cuda_graphs import (
     DecodeGraphs,
@@ -28,10 +30,17 @@ from inferlab.core.cuda_graphs import (
     smallest_size_holding,
 )
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
+from inferlab.core.model_cost import model_cost
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
+from inferlab.core.protocols import (
+    GraphCapturableSampler,
+    PrefillGraphCapture,
+    RepresentativeLayers,
+    SplitDecodes,
+)
+from inferlab.core.request import Request
 from inferlab.core.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
-from inferlab.floor import model_cost
 
 log = logging.getLogger("inferlab")
 
@@ -62,16 +71,31 @@ def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def sleep_until(t: float) -> None:
+    """Returns once perf_counter() reads t: the host's clock, for runners on a real device."""
+    while (remaining := t - perf_counter()) > 0:
+        time.sleep(remaining)
+
+
 class ModelRunner:
+    """The `real` executor's runner (inferlab.core.protocols.Runner, OnDevice): the model, its KV
+    cache and sampler on one device, or one tensor-parallel rank of them."""
+
+    clock = staticmethod(perf_counter)
+    wait_until = staticmethod(sleep_until)
+
     def __init__(
-        self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry, tp_group: TPGroup = SINGLE
+        self, config: EngineConfig, checkpoint: Checkpoint, registry: PluginRegistry, tp_group: TPGroup = SINGLE
     ):
         self.config = config
-        self.hf_config = hf_config
+        self.checkpoint = checkpoint
+        self.hf_config = hf_config = checkpoint.hf_config
+        model_path = checkpoint.path
         self.tp = tp_group
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and tp_group.size > 1:
             self.device = torch.device("cuda", tp_group.rank)
+        self.runs_ahead = self.device.type == "cuda"  # a GPU's stream computes while the host schedules
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.kvcache_block_size
@@ -189,7 +213,11 @@ class ModelRunner:
         """Graphs of decode batches' LM head and sampling, where the sampler allows them. Under
         tensor parallelism they run eagerly: the head's gather would be captured on every rank
         while only rank 0 samples."""
-        if self.decode_graphs is None or self.tp.size > 1 or not getattr(self.sampler, "supports_cuda_graphs", False):
+        if (
+            self.decode_graphs is None
+            or self.tp.size > 1
+            or not (isinstance(self.sampler, GraphCapturableSampler) and self.sampler.supports_cuda_graphs)
+        ):
             return None
         return SamplingGraphs(self.decode_graphs, self.model.compute_logits, self.sampler, self.vocab_size)
 
@@ -207,7 +235,7 @@ class ModelRunner:
         graph_prefill_tokens, sized to the model when None, at most max_num_batched_tokens."""
         if not self.graphs_supported:
             return 0
-        if not getattr(self.backend, "supports_prefill_graphs", False):
+        if not (isinstance(self.backend, PrefillGraphCapture) and self.backend.supports_prefill_graphs):
             log.info(
                 "attention backend %r does not support graphs of steps with prefill: they run eagerly",
                 self.backend.name,
@@ -371,8 +399,9 @@ class ModelRunner:
         kernels compiling inside it."""
         start = perf_counter()
         backend = self.backend
+        split = isinstance(backend, SplitDecodes)
         shapes = warmup_shapes(
-            self.config, getattr(backend, "min_split_len", 256), getattr(backend, "mixed_decode_split_len", None)
+            self.config, backend.min_split_len if split else 256, backend.mixed_decode_split_len if split else None
         )
         # Sequences share the scratch blocks: warm-up values do not matter, only the kernels run.
         num_blocks = min(64, -(-self.config.max_model_len // self.block_size))
@@ -381,7 +410,7 @@ class ModelRunner:
         # Later layers repeat the first ones' kernels and GEMM shapes. Over those alone, the dry run
         # launches fewer kernels through Triton's slow path (a third of a millisecond of Python a
         # launch) and the real run fewer eager launches (an eager step costs the host 12-20 ms).
-        representative = getattr(self.model, "kernel_variant_layers", None)
+        representative = self.model.kernel_variant_layers if isinstance(self.model, RepresentativeLayers) else None
         layers = scratch[:representative] if representative else scratch
 
         def run_steps(caches: list[torch.Tensor]) -> None:
@@ -456,8 +485,6 @@ class ModelRunner:
         through the scratch cache's blocks (values do not matter to a warm-up, only shapes). Their
         ids are negative, each step's its own: the runner caches sampling settings by request ids,
         and the engine's own requests (ids from 0) must never meet a warm-up's settings there."""
-        from inferlab.core.request import Request
-
         params = WARMUP_SAMPLING[kind]
         requests, tables = [], []
         for i, (context, new) in enumerate(parts):

@@ -24,6 +24,7 @@ KINDS: dict[str, tuple[str, type]] = {
     "attention": ("register_attention_backends", protocols.AttentionBackend),
     "model": ("register_models", protocols.Model),
     "sampler": ("register_samplers", protocols.Sampler),
+    "executor": ("register_executors", protocols.Runner),
 }
 
 
@@ -171,10 +172,19 @@ class PluginRegistry:
             raise PluginError(message)
         return entry
 
-    def create(self, kind: str, name: str, *args, options: Mapping[str, Any] | None = None, **kwargs) -> Any:
+    def create(
+        self,
+        kind: str,
+        name: str,
+        *args,
+        options: Mapping[str, Any] | None = None,
+        wrap_errors: bool = True,
+        **kwargs,
+    ) -> Any:
         """Builds the selected plugin from the engine's arguments (args, kwargs) and the user's
         options (checked against the plugin's options class first), and checks the result
-        against its Protocol."""
+        against its Protocol. An exception of the factory becomes a PluginError naming the
+        plugin, unless wrap_errors is False."""
         entry = self.get(kind, name)
         kwargs.update(validated_options(entry, options or {}))
         try:
@@ -182,6 +192,8 @@ class PluginRegistry:
         except (PluginError, ImportError):
             raise  # ImportError: lets attention=auto fall through to the next backend
         except Exception as e:
+            if not wrap_errors:
+                raise
             raise PluginError(
                 f"{kind} {name!r} from plugin {entry.plugin!r} failed to build: {type(e).__name__}: {e}"
             ) from e

@@ -1,5 +1,6 @@
-"""The five plugin kinds, each Protocol the whole contract a plugin must satisfy, and the optional
-capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance."""
+"""The plugin kinds, each Protocol the whole contract a plugin must satisfy, and the optional
+capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance.
+Every member the core reads of a plugin is declared here."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -7,7 +8,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from inferlab.core.batch import AttentionInputs, SamplingTensors
+from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch
+from inferlab.core.checkpoint import Checkpoint
 from inferlab.core.request import Request, RequestView
 
 
@@ -158,21 +160,16 @@ class AttentionBackend(Protocol):
     then do device work only (no host sync, no shapes read from tensor values). When False,
     decode runs eagerly.
 
-    supports_prefill_graphs (optional, False when absent): the runner also captures small steps
-    with prefill (CUDA graphs by token count, up to the engine's graph_prefill_tokens), whose
-    AttentionInputs have static_shapes set: the token and sequence tensors are padded to the
-    graph's capacity (padding sequences: no new tokens, seq_len 0; padding tokens: slot -1),
-    max_query_len is that capacity, and num_decodes is 0. Launch grids must follow the tensors'
-    sizes, never the batch's contents.
-
     auto_priority: where `attention=auto` may choose this backend, a class attribute of its factory
     mapping a device type ("cuda", "cpu") to a priority. On a device auto tries the backends that
     name its type, highest priority first, and takes the first that builds and validates; a
     backend whose auto_priority lacks the device type is never chosen there by auto (`{}`: only
     when selected by name).
 
-    A backend may also implement FusedKVStore, so that a model stores the new K and V itself, and
-    DecodesFromQKV, so that a decode step's attention starts from the QKV projection's output."""
+    A backend may also implement PrefillGraphCapture (steps with prefill replayed from CUDA graphs),
+    SplitDecodes (decode attention split over long contexts), FusedKVStore (a model stores the new
+    K and V itself) and DecodesFromQKV (a decode step's attention starts from the QKV projection's
+    output)."""
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
@@ -198,6 +195,30 @@ class AttentionBackend(Protocol):
         """Stores k, v [T, Hkv, D] into kv_cache (unless both are None: the model stored them, see
         FusedKVStore) and returns attention of q [T, H, D] over each sequence's cached context
         plus its new tokens, causally: [T, H, D]."""
+
+
+@runtime_checkable
+class PrefillGraphCapture(Protocol):
+    """Optional AttentionBackend capability (supports_prefill_graphs True): the runner also captures
+    small steps with prefill (CUDA graphs by token count, up to the engine's graph_prefill_tokens),
+    whose AttentionInputs have static_shapes set: the token and sequence tensors are padded to the
+    graph's capacity (padding sequences: no new tokens, seq_len 0; padding tokens: slot -1),
+    max_query_len is that capacity, and num_decodes is 0. Launch grids must follow the tensors'
+    sizes, never the batch's contents. Without it (or with False), steps with prefill run eagerly."""
+
+    supports_prefill_graphs: bool
+
+
+@runtime_checkable
+class SplitDecodes(Protocol):
+    """Optional AttentionBackend capability: decode attention split over a long context, each part
+    of at least min_split_len keys, then reduced (flash-decoding). The runner's start-up compiles
+    the variants each number of parts selects, and a step with prefill whose decodes reach
+    mixed_decode_split_len tokens of context (which the backend splits apart from the prompt)
+    stays out of the prefill graphs."""
+
+    min_split_len: int
+    mixed_decode_split_len: int
 
 
 @runtime_checkable
@@ -265,11 +286,6 @@ class Model(Protocol):
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads on this rank, head_dim), for sizing the cache."""
 
-    # Optional: `kernel_variant_layers = n` says that forward, given the caches of its first n
-    # layers only, runs those n layers and every kernel variant and GEMM shape the whole model
-    # would; start-up then finds the variants to compile, loads them and runs each step shape, and
-    # loads each graph's kernels before its capture, over n layers instead of all of them.
-
 
 @runtime_checkable
 class Sampler(Protocol):
@@ -278,9 +294,101 @@ class Sampler(Protocol):
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         """Next token ids [N] for logits [N, vocab] (in the model's dtype), on the logits' device."""
 
-    # Optional: `supports_cuda_graphs = True` says that a call launches only device work a CUDA
-    # graph can capture (it never reads a tensor back to the host), chosen from the logits' shape
-    # and the settings' flags alone, and that each row's token depends on its own logits and
-    # settings only. The runner then replays decode batches' LM head and sampling from graphs,
-    # whose padding rows carry stale settings, for all-greedy batches and for sampled ones without
-    # top-k, top-p or min-p.
+
+@runtime_checkable
+class RepresentativeLayers(Protocol):
+    """Optional Model capability: forward, given the caches of its first kernel_variant_layers
+    layers only, runs those layers and every kernel variant and GEMM shape the whole model would.
+    Start-up then finds the variants to compile, loads them and runs each step shape, and loads
+    each graph's kernels before its capture, over those layers instead of all of them."""
+
+    kernel_variant_layers: int
+
+
+@runtime_checkable
+class GraphCapturableSampler(Protocol):
+    """Optional Sampler capability (supports_cuda_graphs True): a call launches only device work a
+    CUDA graph can capture (it never reads a tensor back to the host), chosen from the logits'
+    shape and the settings' flags alone, and each row's token depends on its own logits and
+    settings only. The runner then replays decode batches' LM head and sampling from graphs, whose
+    padding rows carry stale settings, for all-greedy batches and for sampled ones without top-k,
+    top-p or min-p."""
+
+    supports_cuda_graphs: bool
+
+
+@runtime_checkable
+class StepHandle(Protocol):
+    """A step a Runner launched. Under overlap scheduling the engine schedules and launches the next
+    step before it reads this one's tokens, through placeholders that stand for them."""
+
+    def tokens(self) -> list[int | None]:
+        """Each row's sampled token, in the batch's order, once the step has run (this waits for
+        it): None for a row that samples nothing (a prefill chunk short of its prompt's end)."""
+
+    def placeholders(self) -> list[int | None]:
+        """The same rows before the step has run: -(k + 1) for the k-th sampling row, None for the
+        others. The runner reads a placeholder in a later batch as the token it stands for."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """An executor plugin: who runs the steps the core scheduler decides. The real runner computes
+    them on this machine's device (tensor-parallel: over worker processes), the simulated one
+    times them with a step-cost model on a virtual clock; the engine treats them alike.
+
+    checkpoint: the model the engine serves (its config and tokenizer, which the engine reads).
+    num_kv_blocks: how many KV blocks the runner's cache holds, which the KV cache manager hands out.
+    runs_ahead: whether steps run beside the host (a GPU's stream, or a simulated device), so that
+    overlap scheduling is on by default (engine setting overlap_scheduling=None)."""
+
+    checkpoint: Checkpoint
+    num_kv_blocks: int
+    runs_ahead: bool
+
+    def clock(self) -> float:
+        """The time requests and steps are stamped with, in seconds: the host's, or a simulation's
+        virtual time."""
+
+    def wait_until(self, t: float) -> None:
+        """Returns once clock() reads t: the host sleeps; a virtual clock moves there at once."""
+
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Starts computing one step and returns at once with its handle. Steps run in launch
+        order; a batch may hold placeholders of a step launched before it."""
+
+    def close(self) -> None:
+        """Releases what the runner holds (device memory, worker processes); it launches nothing
+        afterwards. Called once, by the engine's close()."""
+
+
+@runtime_checkable
+class AdmissionCost(Protocol):
+    """Optional Runner capability: the host's time to add a request, for a runner whose clock is
+    not the host's (a simulation charges what the real engine's admission costs)."""
+
+    def admit(self, request: Request) -> None:
+        """Called as each request is queued, before any step that may schedule it."""
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """Optional Runner capability: the runner computes on a device, whose rates bound a workload
+    (a bench's hardware floor) and whose name goes into a run's records."""
+
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    backend: AttentionBackend  # the attention backend that runs (attention=auto resolved)
+
+
+@runtime_checkable
+class SimulatedDevice(Protocol):
+    """Optional Runner capability: the runner's steps take modeled time, not measured time. A bench
+    reports what stood in for the device and what the simulation cost the host."""
+
+    num_steps: int
+    attention: str  # the attention backend whose times the model predicts
+
+    def describe(self) -> dict:
+        """What stood in for the device (profile, cost model, ...), as JSON-ready values."""

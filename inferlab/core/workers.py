@@ -25,15 +25,17 @@ import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
+from time import perf_counter
 
 import torch
 import torch.distributed as dist
 
 from inferlab.core.batch import ScheduledBatch, StepInputs
+from inferlab.core.checkpoint import Checkpoint
 from inferlab.core.config import EngineConfig
 from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.core.interrupts import DEFERRED
-from inferlab.core.model_runner import ModelRunner, StepHandle, resolve_device
+from inferlab.core.model_runner import ModelRunner, StepHandle, resolve_device, sleep_until
 from inferlab.core.parallel import TPGroup
 from inferlab.core.plugins import PluginEntry, PluginFailure, PluginRegistry
 
@@ -370,7 +372,12 @@ class TensorParallelRunner:
     copies from rank 0's); close() (or the engine's) stops the workers. After a failure or close()
     it refuses to run steps: its ranks may be out of step."""
 
-    def __init__(self, config: EngineConfig, hf_config, model_path: str, registry: PluginRegistry):
+    clock = staticmethod(perf_counter)
+    wait_until = staticmethod(sleep_until)
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, registry: PluginRegistry):
+        self.checkpoint = checkpoint
+        hf_config, model_path = checkpoint.hf_config, checkpoint.path
         size = config.tensor_parallel_size
         check_heads_divide(hf_config, size)
         device = resolve_device(config.device)
@@ -395,10 +402,11 @@ class TensorParallelRunner:
             self.group = self._join_group(backend, size)
             self.workers.groups.append(self.group)
             # every rank builds its runner (and runs its warm-up) by itself, in step with the others
-            self.model_runner = ModelRunner(config, hf_config, model_path, registry, TPGroup(0, size, self.group))
+            self.model_runner = ModelRunner(config, checkpoint, registry, TPGroup(0, size, self.group))
             # what the engine and the bench read of a runner: rank 0's
             runner = self.model_runner
             self.device, self.dtype, self.kv_cache_dtype = runner.device, runner.dtype, runner.kv_cache_dtype
+            self.runs_ahead = runner.runs_ahead
             self.block_size, self.num_kv_blocks = runner.block_size, runner.num_kv_blocks
             self.backend, self.decode_graphs = runner.backend, runner.decode_graphs
             self.prefill_graphs = runner.prefill_graphs
@@ -591,9 +599,8 @@ def worker_main(
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=TIMEOUT)
         group = make_group(backend, store, rank, size)
-        runner = ModelRunner(
-            config, hf_config, model_path, worker_registry(entries, failures), TPGroup(rank, size, group)
-        )
+        checkpoint = Checkpoint(model_path, hf_config, tokenizer=None)
+        runner = ModelRunner(config, checkpoint, worker_registry(entries, failures), TPGroup(rank, size, group))
         conn.send_bytes(pickle.dumps(("ready", runner.num_kv_blocks)))
         # This process lives for one engine: its start-up objects are frozen for good, so a full
         # garbage collection in the step loop (a pause every rank would wait for; one such pause

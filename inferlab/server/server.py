@@ -19,9 +19,11 @@ import time
 
 import anyio.lowlevel
 import uvicorn
+from omegaconf import OmegaConf
 
-from inferlab.bench import resolved_plugins
-from inferlab.conf import ServeConfig
+import inferlab
+from inferlab.conf import ServeConfig, engine_arguments
+from inferlab.experiment.records import resolved_plugins
 from inferlab.server.app import build_app
 from inferlab.server.engine_loop import EngineLoop
 from inferlab.server.metrics import ServerMetrics
@@ -204,14 +206,9 @@ class InferenceServer:
 
 def run_serve(cfg) -> None:
     """`inferlab job=serve`: builds the engine cfg describes and serves it until SIGINT/SIGTERM."""
-    from omegaconf import OmegaConf
-
-    from inferlab import LLM
-    from inferlab.conf import engine_arguments
-
     config = OmegaConf.to_object(cfg.serve)
     model_path, settings = engine_arguments(cfg)
-    with LLM(model_path, **settings) as engine:
+    with inferlab.LLM(model_path, **settings) as engine:
         server = InferenceServer(engine, config)
         auth = "a bearer token required" if server.api_key else "no API key"
         print(

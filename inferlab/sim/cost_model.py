@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from inferlab.core.cuda_graphs import GraphLimits, prefill_graph_capacity
-from inferlab.floor import DeviceRates, ModelCost
+from inferlab.core.model_cost import DeviceRates, ModelCost
 
 
 @dataclass(frozen=True, slots=True)

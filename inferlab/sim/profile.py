@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferlab.core.cuda_graphs import GraphLimits
-from inferlab.floor import DeviceRates, model_cost
+from inferlab.core.model_cost import DeviceRates, model_cost
 from inferlab.sim.cost_model import HostLaunchModel, MeasuredCostModel, RooflineCostModel
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")

@@ -33,7 +33,7 @@ from inferlab.core.batch import AttentionInputs
 from inferlab.core.config import DTYPES, EngineConfig
 from inferlab.core.kv_cache_dtype import FP8, to_cache_dtype
 from inferlab.core.plugins import get_registry
-from inferlab.core.protocols import DecodesFromQKV, FusedKVStore
+from inferlab.core.protocols import DecodesFromQKV, FusedKVStore, PrefillGraphCapture
 from inferlab.testing.common import ceil_div
 
 MODEL_DTYPES = tuple(getattr(torch, name) for name in sorted(DTYPES - {"auto"}))
@@ -594,7 +594,7 @@ class AttentionBackendSuite:
         pad them (padded_for_prefill_graphs): decodes, a chunk after a cached prefix and a new
         prompt are right, padding stores nothing and its outputs are finite."""
         run = self.make_run(dtype)
-        if not getattr(run.backend, "supports_prefill_graphs", False):
+        if not (isinstance(run.backend, PrefillGraphCapture) and run.backend.supports_prefill_graphs):
             pytest.skip(f"attention {self.attention!r} does not support graphs of steps with prefill")
         bs = run.block_size
         decoding, chunked, prompt = run.new_sequence(), run.new_sequence(), run.new_sequence()
@@ -617,7 +617,9 @@ class AttentionBackendSuite:
         """On CUDA, a step with prefill captured in a CUDA graph over padded static buffers and
         replayed for two different steps (other token counts, sequences and contexts) is right."""
         run = self.make_run(dtype)
-        if run.device.type != "cuda" or not getattr(run.backend, "supports_prefill_graphs", False):
+        if run.device.type != "cuda" or not (
+            isinstance(run.backend, PrefillGraphCapture) and run.backend.supports_prefill_graphs
+        ):
             pytest.skip("captures CUDA graphs: needs a CUDA device and a backend that supports prefill graphs")
         bs, num_tokens, num_rows, max_blocks = run.block_size, 2 * run.block_size, 4, 6
         first, second, third = run.new_sequence(), run.new_sequence(), run.new_sequence()

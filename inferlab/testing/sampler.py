@@ -29,6 +29,7 @@ import torch
 from inferlab.core.batch import SamplingTensors
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
+from inferlab.core.protocols import GraphCapturableSampler
 
 # A distribution whose filters have wide margins (top_p and min_p thresholds sit far from any
 # token's cumulative mass or probability), its tokens out of order.
@@ -368,7 +369,7 @@ class SamplerSuite:
         sampled; on CUDA, also when the call is captured in a CUDA graph and replayed with new
         seeds and steps written into its inputs."""
         sampler = self.make_sampler()
-        if not getattr(sampler, "supports_cuda_graphs", False):
+        if not (isinstance(sampler, GraphCapturableSampler) and sampler.supports_cuda_graphs):
             pytest.skip(f"sampler {self.sampler!r} does not declare supports_cuda_graphs")
         real, padded = 5, 8
         logits = self.random_logits(padded, LARGE_VOCAB, dtype, seed=8)

@@ -6,7 +6,7 @@
 - `gamma`: gamma inter-arrival times with shape `bench.burstiness` and scale
   1 / (request_rate * burstiness), as vLLM's serving benchmark draws them: the same mean rate,
   burstier below 1, more regular above (1 is Poisson);
-- `trace`: the arrivals and lengths of a Mooncake or Azure trace (inferlab.traces), with
+- `trace`: the arrivals and lengths of a Mooncake or Azure trace (inferlab.experiment.traces), with
   `bench.time_scale` stretching time and `bench.max_requests` taking the first requests.
 
 Generated workloads (burst, poisson, gamma) draw the same prompts and output lengths for a seed,
@@ -17,140 +17,18 @@ requests that changed.
 """
 
 import math
-import os
 import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from inferlab.traces import MOONCAKE_BLOCK_SIZE, detect_trace_format, read_trace, trace_prompt
+from inferlab.conf.bench import FITS, BenchConfigError, validate_bench
+from inferlab.core.engine import rarer_young_collections
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.experiment.traces import MOONCAKE_BLOCK_SIZE, read_trace, trace_prompt
 
-ARRIVALS = ("burst", "poisson", "gamma", "trace")
-FITS = ("clip", "scale")
 BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
-# Python's generator draws about 2.5 million token ids a second: past this, a generated workload
-# would take longer to draw than any plausible run (1e12 tokens simply hung).
-MAX_DRAWN_TOKENS = 2**28
 PRIORITY_STREAM = 1  # priorities come from numpy's generator seeded with (bench.seed, this)
-
-
-# What a generated workload draws and a trace replaces: a trace run must leave these at their
-# defaults, or a sweep over them would vary nothing.
-GENERATED_ONLY = (
-    "num_seqs",
-    "min_len",
-    "max_len",
-    "min_output_len",
-    "max_output_len",
-    "shared_prefix_len",
-    "num_prefixes",
-)
-
-
-class BenchConfigError(ValueError):
-    """bench settings that cannot work together; raised before any model loads."""
-
-
-def bench_problems(bench) -> list[str]:
-    """What is wrong with the bench settings (a BenchConfig or its Hydra node), as messages that name
-    the setting and the allowed values; empty when they can run. A setting that the chosen arrival
-    would ignore is a problem too, so that a sweep never varies something that has no effect."""
-    problems = []
-
-    def check(bad: bool, message: str) -> None:
-        if bad:
-            problems.append(message)
-
-    arrival = bench.arrival
-    check(arrival not in ARRIVALS, f"bench.arrival must be one of {', '.join(ARRIVALS)}; got {arrival!r}")
-    check(bench.fit not in FITS, f"bench.fit must be one of {', '.join(FITS)}; got {bench.fit!r}")
-    check(bench.repeats < 1, f"bench.repeats must be >= 1, got {bench.repeats}")
-    check(bench.num_priorities < 1, f"bench.num_priorities must be >= 1, got {bench.num_priorities}")
-    for name in ("slo_ttft_s", "slo_tpot_s"):
-        value = getattr(bench, name)
-        check(value is not None and not value > 0, f"bench.{name} must be a positive number of seconds, got {value}")
-    # written so that NaN fails too; an infinite gap or scale made arrivals NaN, which hung the run
-    check(
-        not 0 < bench.burstiness < math.inf,
-        f"bench.burstiness must be a finite number > 0 (1 is Poisson), got {bench.burstiness}",
-    )
-    check(
-        not 0 < bench.time_scale < math.inf,
-        f"bench.time_scale must be a finite number > 0 (0.5 replays twice as fast), got {bench.time_scale}",
-    )
-    check(
-        bench.max_requests is not None and bench.max_requests < 1,
-        f"bench.max_requests must be >= 1 or null, got {bench.max_requests}",
-    )
-    if arrival in ("poisson", "gamma"):
-        check(
-            bench.request_rate is None or not 0 < bench.request_rate < math.inf,
-            f"bench.arrival={arrival} needs bench.request_rate, a finite number > 0 (requests/s, or arrival=burst "
-            f"for all at once), got {bench.request_rate}",
-        )
-    else:
-        check(
-            bench.request_rate is not None and arrival in ARRIVALS,
-            f"bench.request_rate applies to arrival=poisson or gamma, not {arrival}"
-            + (" (set bench.time_scale to replay a trace faster or slower)" if arrival == "trace" else ""),
-        )
-    check(
-        arrival in ARRIVALS and arrival != "gamma" and bench.burstiness != 1,
-        f"bench.burstiness={bench.burstiness} applies to arrival=gamma, not {arrival}"
-        + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
-    )
-    if arrival == "trace":
-        from inferlab.conf import BenchConfig  # here: the config module imports the engine, this one does not
-
-        defaults = BenchConfig()
-        for name in GENERATED_ONLY:
-            check(
-                getattr(bench, name) != getattr(defaults, name),
-                f"bench.{name} applies to generated workloads (burst, poisson, gamma): a trace brings its own "
-                f"requests and lengths (bench.max_requests takes its first ones)",
-            )
-        if bench.trace is None:
-            problems.append("bench.arrival=trace needs bench.trace=PATH (a Mooncake .jsonl or Azure .csv trace)")
-        elif not os.path.isfile(bench.trace):
-            problems.append(f"bench.trace: no file {bench.trace!r}")
-        else:
-            try:
-                detect_trace_format(bench.trace)
-            except (OSError, ValueError) as e:
-                problems.append(f"bench.trace: {e}")
-    elif arrival in ARRIVALS:
-        check(bench.trace is not None, f"bench.trace is set but bench.arrival={arrival}: use bench.arrival=trace")
-        check(bench.time_scale != 1, f"bench.time_scale applies to arrival=trace, not {arrival}")
-        check(
-            bench.max_requests is not None,
-            "bench.max_requests applies to arrival=trace; a generated workload has bench.num_seqs requests",
-        )
-        min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
-        max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
-        check(bench.num_seqs < 1, f"bench.num_seqs must be >= 1, got {bench.num_seqs}")
-        check(
-            not 1 <= bench.min_len <= bench.max_len,
-            f"bench needs 1 <= min_len <= max_len, got {bench.min_len}, {bench.max_len}",
-        )
-        check(
-            not 1 <= min_out <= max_out, f"bench needs 1 <= min_output_len <= max_output_len, got {min_out}, {max_out}"
-        )
-        check(bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}")
-        check(bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}")
-        most_tokens = bench.num_seqs * bench.max_len + bench.num_prefixes * max(bench.shared_prefix_len, 0)
-        check(
-            most_tokens > MAX_DRAWN_TOKENS,
-            f"bench draws up to {most_tokens:,} prompt tokens (num_seqs x max_len + num_prefixes x "
-            f"shared_prefix_len), more than the {MAX_DRAWN_TOKENS:,} it can draw in minutes",
-        )
-    return problems
-
-
-def validate_bench(bench) -> None:
-    """Raises BenchConfigError listing every problem of the bench settings (see bench_problems)."""
-    problems = bench_problems(bench)
-    if problems:
-        raise BenchConfigError("; ".join(problems))
 
 
 @dataclass(slots=True)
@@ -175,8 +53,6 @@ class Workload:
 
     def sampling_params(self, bench) -> list:
         """Each request's SamplingParams: bench.temperature and bench.ignore_eos, max_tokens = its output length."""
-        from inferlab.core.sampling_params import SamplingParams
-
         temperature, ignore_eos = bench.temperature, bench.ignore_eos  # a config read costs microseconds
         return [
             SamplingParams(temperature=temperature, ignore_eos=ignore_eos, max_tokens=r.output_len)
@@ -286,8 +162,6 @@ def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     """The workload bench describes, with token ids valid for vocab_size (taken modulo it: a no-op
     for real vocabularies, where clipping would make a tiny vocabulary's prompts runs of one token)
     and lengths fitted to max_model_len. Raises BenchConfigError for settings that cannot work."""
-    from inferlab.core.engine import rarer_young_collections  # here: the engine module imports torch
-
     validate_bench(bench)
     with rarer_young_collections():  # a long trace's prompts are millions of ints in lists that live on
         workload = (

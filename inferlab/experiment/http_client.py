@@ -1,12 +1,12 @@
 """The latency bench over HTTP (`inferlab job=bench bench.url=http://127.0.0.1:8000`).
 
-The workload is the one an in-process bench builds (inferlab.workload, from the vocabulary size
+The workload is the one an in-process bench builds (inferlab.experiment.workload, from the vocabulary size
 and max_model_len the server's model card reports): each request is sent at its arrival time as
 a streamed completion of its prompt token ids, with max_tokens = its output length, ignore_eos,
 its priority and metadata, and timed on the client: its first token and every token when the
 chunk carrying it arrives (the server reports each chunk's token ids). The server's queue time,
 cached prompt tokens and preemptions come with each request's last chunk. The records make the
-same requests.jsonl and latency figures as an in-process run (inferlab.latency, bench.write_run_records).
+same requests.jsonl and latency figures as an in-process run (inferlab.experiment.latency, bench.write_run_records).
 
 A request answered with an error counts in num_errors and as a request without output. Repeats
 run one after the other against the same server (its prefix cache is not reset between them).
@@ -19,9 +19,12 @@ from time import perf_counter
 
 import httpx
 
-from inferlab.latency import RequestRecord, RunRecords
-from inferlab.server.sse_client import HTTPProtocolError, SSEClient
-from inferlab.workload import BenchConfigError, Workload, WorkloadRequest, build_workload, validate_bench
+from inferlab.conf import flat_choices
+from inferlab.conf.bench import BenchConfigError, validate_bench
+from inferlab.experiment.latency import RequestRecord, RunRecords, aggregate_repeats, latency_figures
+from inferlab.experiment.records import record_result, start_run_record, write_run_records
+from inferlab.experiment.sse_client import HTTPProtocolError, SSEClient
+from inferlab.experiment.workload import Workload, WorkloadRequest, build_workload
 
 API_KEY_ENV = "INFERLAB_API_KEY"  # sent as the bearer token when set
 MAX_ERRORS_KEPT = 10  # error messages result.json keeps, of however many requests failed
@@ -162,10 +165,6 @@ def run_http_bench(cfg, output_dir: str | None = None) -> dict:
     """`inferlab job=bench bench.url=...`: the bench workload sent to the server at bench.url;
     writes result.json (latency figures, num_errors, the workload, the server's model card and
     plugins, the settings) and requests.jsonl into output_dir (default: the Hydra run's)."""
-    from inferlab.bench import record_result, start_run_record, write_run_records
-    from inferlab.conf import flat_choices
-    from inferlab.latency import aggregate_repeats, latency_figures
-
     bench = cfg.bench
     choices = {k: v for k, v in flat_choices(cfg).items() if k.startswith("bench.")}
     path, context = start_run_record(cfg, output_dir, choices)

@@ -17,10 +17,11 @@ from contextlib import nullcontext
 import numpy as np
 
 from inferlab.core.engine import RequestTooLargeError, older_objects_frozen, rarer_young_collections
+from inferlab.core.protocols import SimulatedDevice
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
-from inferlab.latency import RequestRecord, RunRecords, StepRecord
-from inferlab.workload import WorkloadRequest
+from inferlab.experiment.latency import RequestRecord, RunRecords, StepRecord
+from inferlab.experiment.workload import WorkloadRequest
 
 __all__ = ["request_record", "run_workload"]
 
@@ -87,7 +88,10 @@ def run_workload(
     refused: dict[int, RequestRecord] = {}
     steps: list[StepRecord] = []
     step, is_finished, pending = llm.step, llm.is_finished, llm.requests
-    with older_objects_frozen(), rarer_young_collections() if llm.simulated else nullcontext():
+    with (
+        older_objects_frozen(),
+        rarer_young_collections() if isinstance(llm.runner, SimulatedDevice) else nullcontext(),
+    ):
         start = clock()
         due = (arrivals + start).tolist()  # arrivals on the engine's clock
         next_index = 0

@@ -21,10 +21,10 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
+from inferlab.conf.bench import AZURE_COLUMNS, MOONCAKE_KEYS, detect_trace_format
+
 TRACE_FORMATS = ("mooncake", "azure")
 MOONCAKE_BLOCK_SIZE = 512  # tokens per hash id
-MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
-AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 TOKEN_ID_RANGE = 10001  # ids drawn as bench.py draws them, in [0, 10000], then taken modulo the vocabulary
 
 AZURE_TIMESTAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?\s*(Z|[+-]\d{2}:?\d{2})?")
@@ -36,31 +36,6 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: list[int] | None = None  # Mooncake's 512-token prefix blocks; None: a prompt of its own
-
-
-def detect_trace_format(path: str) -> str:
-    """ "mooncake" or "azure", from the file's first line (a JSON object, or a CSV header); raises
-    ValueError naming the formats when it is neither, and OSError when the file cannot be read."""
-    with open(path, encoding="utf-8") as f:
-        first = next((line.strip() for line in f if line.strip()), "")
-    if first.startswith("{"):
-        try:
-            record = json.loads(first)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"trace {path!r}: line 1 is not JSON ({e})") from None
-        missing = [key for key in MOONCAKE_KEYS if key not in record]
-        if not missing:
-            return "mooncake"
-        raise ValueError(
-            f"trace {path!r}: a JSONL trace needs Mooncake's keys {list(MOONCAKE_KEYS)}; line 1 lacks {missing}"
-        )
-    columns = [column.strip() for column in first.split(",")]
-    if all(column in columns for column in AZURE_COLUMNS):
-        return "azure"
-    raise ValueError(
-        f"trace {path!r} is in no known format: expected Mooncake JSONL (objects with {', '.join(MOONCAKE_KEYS)}, "
-        f"hash_ids) or an Azure CSV (header {','.join(AZURE_COLUMNS)}); its first line is {first[:120]!r}"
-    )
 
 
 def read_trace(path: str) -> tuple[str, list[TraceRequest]]:

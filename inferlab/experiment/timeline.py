@@ -13,7 +13,7 @@ Times are microseconds on the records' clock.
 import json
 from collections.abc import Sequence
 
-from inferlab.latency import RequestRecord, StepRecord
+from inferlab.experiment.latency import RequestRecord, StepRecord
 
 ENGINE_PID, REQUESTS_PID, STEPS_TID = 1, 2, 1
 

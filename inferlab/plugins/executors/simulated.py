@@ -28,6 +28,8 @@ from time import perf_counter
 
 import torch
 
+from inferlab.core.checkpoint import Checkpoint, fit_model_len, load_checkpoint_files, open_checkpoint
+from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
 from inferlab.sim.cost_model import StepShape
@@ -40,6 +42,7 @@ from inferlab.sim.profile import (
     model_fields,
     roofline_profile,
 )
+from inferlab.tiny_model import default_model_path
 
 log = logging.getLogger("inferlab")
 
@@ -75,16 +78,6 @@ class SimulatedOptions:
             )
         if not isinstance(self.real_time, bool):  # a string such as "false" would otherwise count as true
             raise ValueError(f"executor.real_time must be True or False, got {self.real_time!r}")
-
-
-def simulated_options(options: dict) -> SimulatedOptions:
-    from dataclasses import fields
-
-    allowed = [f.name for f in fields(SimulatedOptions)]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown simulated executor option(s) {unknown}; allowed: {allowed}")
-    return SimulatedOptions(**options)
 
 
 class VirtualClock:
@@ -149,21 +142,18 @@ def load_simulated_profile(options: SimulatedOptions, hf_config, config) -> Prof
     )
 
 
-def simulated_checkpoint(config, model_path: str | None):
-    """(profile, HF config, tokenizer, model path) of a simulated engine. With a checkpoint
-    directory, its config.json and tokenizer (no weights are read); without one, a measured
-    profile's own model shape with the embedded model's tokenizer (prompts are token ids)."""
-    from inferlab.core.engine import load_checkpoint_files
-    from inferlab.tiny_model import default_model_path
-
-    options = simulated_options(config.executor_options)
+def simulated_checkpoint(config, model_path: str | None, options: SimulatedOptions) -> tuple[Profile, Checkpoint]:
+    """The profile and checkpoint of a simulated engine. With a checkpoint directory, its
+    config.json and tokenizer (no weights are read); without one, a measured profile's own model
+    shape with the embedded model's tokenizer (prompts are token ids)."""
     if model_path is None and options.profile != "roofline":
         profile = load_profile(options.profile)
         _, tokenizer = load_checkpoint_files(default_model_path(announce=False))
-        return profile, profile_model_config(profile), tokenizer, f"(model shape of profile {options.profile})"
-    model_path = model_path if model_path is not None else default_model_path()
-    hf_config, tokenizer = load_checkpoint_files(str(model_path))
-    return load_simulated_profile(options, hf_config, config), hf_config, tokenizer, model_path
+        hf_config = profile_model_config(profile)
+        fit_model_len(config, hf_config)
+        return profile, Checkpoint(f"(model shape of profile {options.profile})", hf_config, tokenizer)
+    checkpoint = open_checkpoint(config, model_path)
+    return load_simulated_profile(options, checkpoint.hf_config, config), checkpoint
 
 
 def profile_model_config(profile: Profile):
@@ -180,19 +170,23 @@ def profile_model_config(profile: Profile):
 
 
 class SimulatedRunner:
-    """Stands in for ModelRunner: same launch() and handles, no device work."""
+    """The `simulated` executor's runner (inferlab.core.protocols.Runner, AdmissionCost,
+    SimulatedDevice): launch() and handles as the real runner's, no device work."""
 
-    def __init__(self, config, hf_config, profile: Profile, avoid_token: int | None):
+    runs_ahead = True  # it stands in for a GPU engine, so it overlaps as that engine would
+
+    def __init__(self, config, checkpoint: Checkpoint, profile: Profile, options: SimulatedOptions):
         self.config = config
+        self.checkpoint = checkpoint
         self.profile = profile
-        options = simulated_options(config.executor_options)
-        self._check_shape(hf_config, options.profile)
+        self._check_shape(checkpoint.hf_config, options.profile)
         self._check_settings(options.profile)
         self.real_time = options.real_time
         self.clock = RealTimeClock() if self.real_time else VirtualClock()
+        self.wait_until = self.clock.advance_to
+        self.attention = profile.attention  # no backend runs: the one the profile was measured with
         self.cost_model = profile.cost_model()
         self.host_launch_model = profile.host_launch_model()
-        self.device = torch.device("cpu")  # nothing runs anywhere: no CUDA graphs to capture
         self.device_free_at = 0.0  # when the virtual device finishes the steps launched so far
         self.dtype = getattr(torch, profile.dtype)
         self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
@@ -200,7 +194,7 @@ class SimulatedRunner:
         self.graph_limits = profile.graph_limits(config)
         self.num_kv_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else self._blocks_from_profile()
         # a token that ends nothing: sampling rows get it, so lengths come from max_tokens
-        self.token = 1 if avoid_token != 1 else 2
+        self.token = 1 if checkpoint.tokenizer.eos_token_id != 1 else 2
         self.num_steps = 0
         self.simulated_seconds = 0.0
 
@@ -289,6 +283,37 @@ class SimulatedRunner:
             if request.num_computed_tokens + num_tokens == len(request.token_ids)
         ]
         return SimulatedStep(len(batch.requests), sample_rows, self.token, self.clock, self.device_free_at)
+
+    def describe(self) -> dict:
+        """What stood in for the device: the profile and the fitted cost model."""
+        profile = self.profile
+        return {
+            "profile": profile.label(),
+            "profile_kind": profile.kind,
+            "profile_source": profile.source,
+            "cost_model": self.cost_model.describe(),
+            "host_launch": self.host_launch_model.describe() if self.host_launch_model else None,
+            "admission_s": {
+                "per_request": profile.admission_s_per_request,
+                "per_prompt_token": profile.admission_s_per_token,
+            },
+            "num_steps": self.num_steps,
+            "real_time": self.real_time,  # on this host's clock (its wall time), not a virtual one
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the simulation holds no device memory."""
+
+
+def simulated(config, model_path, registry, **options) -> SimulatedRunner:
+    settings = SimulatedOptions(**options)
+    profile, checkpoint = simulated_checkpoint(config, model_path, settings)
+    return SimulatedRunner(config, checkpoint, profile, settings)
+
+
+@hookimpl
+def register_executors(register):
+    register("simulated", simulated, options=SimulatedOptions)
 
 
 class SimulatedStep:

@@ -15,45 +15,25 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+import inferlab
+from inferlab.conf import ProfileConfig, engine_arguments
 from inferlab.core.batch import ScheduledBatch
 from inferlab.core.model_runner import ModelRunner
+from inferlab.core.protocols import OnDevice
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
-from inferlab.sim.cost_model import StepShape
+from inferlab.experiment.records import git_state, resolved_plugins
+from inferlab.sim.cost_model import MeasuredCostModel, StepShape
 from inferlab.sim.profile import Profile, model_fields
 
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
-# Contexts reach what long-context traces bring (Mooncake's conversations average 14k tokens):
-# attention over them, not the weights, then sets a step's time. Profile with a max_model_len
-# that admits them; compositions longer than it, or than the KV cache holds, are skipped.
-DECODE_CONTEXTS = (128, 512, 1024, 2048, 8192, 16384)
 EAGER_BATCHES = (1, 8, 64, 256)
-PREFILL_TOKENS = (16, 64, 256, 1024, 4096, 8192, 16384)
 PREFILL_CONTEXTS = (0, 4096, 16384)
 LONG_DECODE_CONTEXT = 24576
-
-
-@dataclass
-class ProfileConfig:
-    """`inferlab job=profile`: where to write the profile and how long to time each step."""
-
-    out: str = "profile.json"
-    repeats: int = 10  # steps read per composition (repeats - 1 intervals timed), after 3 untimed ones
-    decode_batches: list[int] = field(default_factory=lambda: list(DECODE_BATCHES))
-    decode_contexts: list[int] = field(default_factory=lambda: list(DECODE_CONTEXTS))
-    prefill_tokens: list[int] = field(default_factory=lambda: list(PREFILL_TOKENS))
-    commit: str | None = None  # recorded in the profile (default: the checkout's)
-
-    def __post_init__(self):
-        if not isinstance(self.repeats, int) or self.repeats < 2:
-            raise ValueError(
-                f"profile.repeats must be a whole number >= 2 (steps timed a composition), got {self.repeats!r}"
-            )
 
 
 def synchronize(device: torch.device) -> None:
@@ -217,8 +197,6 @@ def measure_admission(llm, count: int = 64, rounds: int = 5) -> tuple[float, flo
 
 
 def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
-    from inferlab.bench import git_state, resolved_plugins
-
     measurements = measure(llm, settings)
     admission_per_request, admission_per_token = measure_admission(llm)
     runner = llm.runner
@@ -264,16 +242,10 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
 
 def run_profile_job(cfg) -> None:
     """The `job=profile` entry point: the configured engine, measured, written to profile.out."""
-    from omegaconf import OmegaConf
-
-    from inferlab import LLM
-    from inferlab.conf import engine_arguments
-    from inferlab.sim.cost_model import MeasuredCostModel
-
     settings = ProfileConfig(**OmegaConf.to_container(cfg.profile, resolve=True))
     model_path, engine_settings = engine_arguments(cfg)
-    with LLM(model_path, **engine_settings) as llm:
-        if llm.runner.device.type != "cuda":
+    with inferlab.LLM(model_path, **engine_settings) as llm:
+        if not isinstance(llm.runner, OnDevice) or llm.runner.device.type != "cuda":
             raise ValueError("job=profile measures a GPU: run it on a CUDA device (the simulator then runs anywhere)")
         profile = run_profile(llm, settings, " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]))
     profile.save(settings.out)

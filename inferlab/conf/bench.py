@@ -1,0 +1,200 @@
+"""The bench job's settings (`bench.*`) and what makes them unable to run, checked when the config
+is composed, before any model loads; and the trace formats `bench.trace` accepts."""
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+@dataclass
+class BenchConfig:
+    """`inferlab job=bench`: a workload (nano-vllm's bench.py by default, generated arrivals, or a
+    trace) and what to measure of it. validate_bench says which
+    combinations can run; compose() and the command check them before any model loads."""
+
+    # Generated workloads (arrival burst, poisson, gamma): bench.py's draws.
+    num_seqs: int = 256
+    min_len: int = 100  # prompt lengths uniform in [min_len, max_len] (bench.py's 100..1024)
+    max_len: int = 1024
+    min_output_len: int | None = None  # None: min_len, as in bench.py
+    max_output_len: int | None = None  # None: max_len
+    seed: int = 0  # prompts, lengths and arrivals (each from its own stream)
+    temperature: float = 0.6
+    ignore_eos: bool = True  # output lengths are exact only with it
+    shared_prefix_len: int = 0  # > 0: each prompt starts with one of num_prefixes random prefixes this long
+    num_prefixes: int = 1
+    warmup: bool = True
+    # When requests arrive: burst (all at t=0), poisson, gamma, or trace.
+    arrival: str = "burst"
+    request_rate: float | None = None  # requests/s, for poisson and gamma
+    burstiness: float = 1.0  # gamma's shape: 1 is Poisson, below 1 burstier, above more regular
+    num_priorities: int = 1  # > 1: each request's priority uniform in 0..num_priorities-1 (lower first)
+    # Traces (arrival=trace): a Mooncake JSONL or Azure CSV file, its format read from its content.
+    trace: str | None = None
+    time_scale: float = 1.0  # multiplies the trace's inter-arrival times: 0.5 replays twice as fast
+    max_requests: int | None = None  # the trace's first requests only; None: all
+    # Every workload: lengths fitted to max_model_len. clip: prompts to max_model_len - 1, then
+    # outputs to what is left; scale: every length times the factor that makes the longest fit.
+    fit: str = "clip"
+    # What to measure: SLOs for slo_attainment and goodput, repeats of the whole workload (mean and
+    # std of every figure), and a Perfetto timeline of the run.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    repeats: int = 1
+    timeline: bool = False
+    # A running server (`inferlab job=serve`) to send the workload to over HTTP, e.g.
+    # http://127.0.0.1:8000, instead of building an engine here (inferlab.experiment.http_client).
+    url: str | None = None
+
+
+ARRIVALS = ("burst", "poisson", "gamma", "trace")
+FITS = ("clip", "scale")
+# Python's generator draws about 2.5 million token ids a second: past this, a generated workload
+# would take longer to draw than any plausible run (1e12 tokens simply hung).
+MAX_DRAWN_TOKENS = 2**28
+
+
+# What a generated workload draws and a trace replaces: a trace run must leave these at their
+# defaults, or a sweep over them would vary nothing.
+GENERATED_ONLY = (
+    "num_seqs",
+    "min_len",
+    "max_len",
+    "min_output_len",
+    "max_output_len",
+    "shared_prefix_len",
+    "num_prefixes",
+)
+
+
+class BenchConfigError(ValueError):
+    """bench settings that cannot work together; raised before any model loads."""
+
+
+def bench_problems(bench) -> list[str]:
+    """What is wrong with the bench settings (a BenchConfig or its Hydra node), as messages that name
+    the setting and the allowed values; empty when they can run. A setting that the chosen arrival
+    would ignore is a problem too, so that a sweep never varies something that has no effect."""
+    problems = []
+
+    def check(bad: bool, message: str) -> None:
+        if bad:
+            problems.append(message)
+
+    arrival = bench.arrival
+    check(arrival not in ARRIVALS, f"bench.arrival must be one of {', '.join(ARRIVALS)}; got {arrival!r}")
+    check(bench.fit not in FITS, f"bench.fit must be one of {', '.join(FITS)}; got {bench.fit!r}")
+    check(bench.repeats < 1, f"bench.repeats must be >= 1, got {bench.repeats}")
+    check(bench.num_priorities < 1, f"bench.num_priorities must be >= 1, got {bench.num_priorities}")
+    for name in ("slo_ttft_s", "slo_tpot_s"):
+        value = getattr(bench, name)
+        check(value is not None and not value > 0, f"bench.{name} must be a positive number of seconds, got {value}")
+    # written so that NaN fails too; an infinite gap or scale made arrivals NaN, which hung the run
+    check(
+        not 0 < bench.burstiness < math.inf,
+        f"bench.burstiness must be a finite number > 0 (1 is Poisson), got {bench.burstiness}",
+    )
+    check(
+        not 0 < bench.time_scale < math.inf,
+        f"bench.time_scale must be a finite number > 0 (0.5 replays twice as fast), got {bench.time_scale}",
+    )
+    check(
+        bench.max_requests is not None and bench.max_requests < 1,
+        f"bench.max_requests must be >= 1 or null, got {bench.max_requests}",
+    )
+    if arrival in ("poisson", "gamma"):
+        check(
+            bench.request_rate is None or not 0 < bench.request_rate < math.inf,
+            f"bench.arrival={arrival} needs bench.request_rate, a finite number > 0 (requests/s, or arrival=burst "
+            f"for all at once), got {bench.request_rate}",
+        )
+    else:
+        check(
+            bench.request_rate is not None and arrival in ARRIVALS,
+            f"bench.request_rate applies to arrival=poisson or gamma, not {arrival}"
+            + (" (set bench.time_scale to replay a trace faster or slower)" if arrival == "trace" else ""),
+        )
+    check(
+        arrival in ARRIVALS and arrival != "gamma" and bench.burstiness != 1,
+        f"bench.burstiness={bench.burstiness} applies to arrival=gamma, not {arrival}"
+        + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
+    )
+    if arrival == "trace":
+        defaults = BenchConfig()
+        for name in GENERATED_ONLY:
+            check(
+                getattr(bench, name) != getattr(defaults, name),
+                f"bench.{name} applies to generated workloads (burst, poisson, gamma): a trace brings its own "
+                f"requests and lengths (bench.max_requests takes its first ones)",
+            )
+        if bench.trace is None:
+            problems.append("bench.arrival=trace needs bench.trace=PATH (a Mooncake .jsonl or Azure .csv trace)")
+        elif not os.path.isfile(bench.trace):
+            problems.append(f"bench.trace: no file {bench.trace!r}")
+        else:
+            try:
+                detect_trace_format(bench.trace)
+            except (OSError, ValueError) as e:
+                problems.append(f"bench.trace: {e}")
+    elif arrival in ARRIVALS:
+        check(bench.trace is not None, f"bench.trace is set but bench.arrival={arrival}: use bench.arrival=trace")
+        check(bench.time_scale != 1, f"bench.time_scale applies to arrival=trace, not {arrival}")
+        check(
+            bench.max_requests is not None,
+            "bench.max_requests applies to arrival=trace; a generated workload has bench.num_seqs requests",
+        )
+        min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
+        max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
+        check(bench.num_seqs < 1, f"bench.num_seqs must be >= 1, got {bench.num_seqs}")
+        check(
+            not 1 <= bench.min_len <= bench.max_len,
+            f"bench needs 1 <= min_len <= max_len, got {bench.min_len}, {bench.max_len}",
+        )
+        check(
+            not 1 <= min_out <= max_out, f"bench needs 1 <= min_output_len <= max_output_len, got {min_out}, {max_out}"
+        )
+        check(bench.shared_prefix_len < 0, f"bench.shared_prefix_len must be >= 0, got {bench.shared_prefix_len}")
+        check(bench.num_prefixes < 1, f"bench.num_prefixes must be >= 1, got {bench.num_prefixes}")
+        most_tokens = bench.num_seqs * bench.max_len + bench.num_prefixes * max(bench.shared_prefix_len, 0)
+        check(
+            most_tokens > MAX_DRAWN_TOKENS,
+            f"bench draws up to {most_tokens:,} prompt tokens (num_seqs x max_len + num_prefixes x "
+            f"shared_prefix_len), more than the {MAX_DRAWN_TOKENS:,} it can draw in minutes",
+        )
+    return problems
+
+
+def validate_bench(bench) -> None:
+    """Raises BenchConfigError listing every problem of the bench settings (see bench_problems)."""
+    problems = bench_problems(bench)
+    if problems:
+        raise BenchConfigError("; ".join(problems))
+
+
+def detect_trace_format(path: str) -> str:
+    """ "mooncake" or "azure", from the file's first line (a JSON object, or a CSV header); raises
+    ValueError naming the formats when it is neither, and OSError when the file cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        first = next((line.strip() for line in f if line.strip()), "")
+    if first.startswith("{"):
+        try:
+            record = json.loads(first)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"trace {path!r}: line 1 is not JSON ({e})") from None
+        missing = [key for key in MOONCAKE_KEYS if key not in record]
+        if not missing:
+            return "mooncake"
+        raise ValueError(
+            f"trace {path!r}: a JSONL trace needs Mooncake's keys {list(MOONCAKE_KEYS)}; line 1 lacks {missing}"
+        )
+    columns = [column.strip() for column in first.split(",")]
+    if all(column in columns for column in AZURE_COLUMNS):
+        return "azure"
+    raise ValueError(
+        f"trace {path!r} is in no known format: expected Mooncake JSONL (objects with {', '.join(MOONCAKE_KEYS)}, "
+        f"hash_ids) or an Azure CSV (header {','.join(AZURE_COLUMNS)}); its first line is {first[:120]!r}"
+    )
