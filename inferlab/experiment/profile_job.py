@@ -220,6 +220,7 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
         measurements=measurements,
         admission_s_per_request=admission_per_request,
         admission_s_per_token=admission_per_token,
+        model_name=os.path.basename(os.path.normpath(llm.model_path)),
         source={
             "commit": settings.commit or git_state()["git_commit"],
             "date": time.strftime("%Y-%m-%d"),

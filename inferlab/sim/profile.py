@@ -73,6 +73,9 @@ class Profile:
     # token; on the engine's thread, so a burst's first step waits for all of its admissions.
     admission_s_per_request: float = 0.0
     admission_s_per_token: float = 0.0
+    # The measured model's name (its checkpoint directory's), which a simulated server serves
+    # under when given no checkpoint; "" in older profiles.
+    model_name: str = ""
 
     def __post_init__(self):
         problems = self._problems()
@@ -110,6 +113,7 @@ class Profile:
         for name in ("step_overhead_s", "admission_s_per_request", "admission_s_per_token"):
             check(name, getattr(self, name), finite_number(getattr(self, name), 0.0), "a finite number >= 0")
         check("source", self.source, isinstance(self.source, dict), "an object")
+        check("model_name", self.model_name, isinstance(self.model_name, str), "a string")
         if not isinstance(self.model, dict):
             problems.append(f"model must be an object of the model's config fields, got {self.model!r}")
         else:

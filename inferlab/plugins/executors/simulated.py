@@ -7,8 +7,9 @@ the virtual clock to its end (launching a step moves the clock by the host's tim
 and each added request by the host's time to admit it).
 So under overlap scheduling (on by default, as on a GPU) the next step is scheduled and launched
 while one runs, and a request that arrives meanwhile waits for both, as on the device. Every
-sampling row gets a synthetic token (never EOS), so output lengths come from max_tokens (the
-workloads use ignore_eos). The KV cache holds as
+sampling row gets a synthetic token, never EOS or another special token, so output lengths come
+from max_tokens (the workloads use ignore_eos) and streams carry visible text: the steps' tokens
+spell SYNTHETIC_TEXT over and over. The KV cache holds as
 many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
 eviction happen as on the device.
 
@@ -20,6 +21,7 @@ measuring the HTTP side on a machine without one (scripts/serve_overhead.py --em
 
 import ctypes
 import logging
+import os
 import sys
 import threading
 import time
@@ -45,6 +47,10 @@ from inferlab.sim.profile import (
 from inferlab.tiny_model import default_model_path
 
 log = logging.getLogger("inferlab")
+
+# What the synthetic tokens spell, so that a simulated server's streams carry text (clients time
+# tokens by the text they see): ordinary words, nothing a stop string or EOS would end.
+SYNTHETIC_TEXT = " the quick brown fox jumps over the lazy dog"
 
 
 @dataclass
@@ -151,7 +157,9 @@ def simulated_checkpoint(config, model_path: str | None, options: SimulatedOptio
         _, tokenizer = load_checkpoint_files(default_model_path(announce=False))
         hf_config = profile_model_config(profile)
         fit_model_len(config, hf_config)
-        return profile, Checkpoint(f"(model shape of profile {options.profile})", hf_config, tokenizer)
+        # the "path" a server names the model by: the profiled model's name (older profiles lack one)
+        name = profile.model_name or os.path.splitext(os.path.basename(options.profile))[0]
+        return profile, Checkpoint(name, hf_config, tokenizer)
     checkpoint = open_checkpoint(config, model_path)
     return load_simulated_profile(options, checkpoint.hf_config, config), checkpoint
 
@@ -193,8 +201,7 @@ class SimulatedRunner:
         self.block_size = config.kvcache_block_size
         self.graph_limits = profile.graph_limits(config)
         self.num_kv_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else self._blocks_from_profile()
-        # a token that ends nothing: sampling rows get it, so lengths come from max_tokens
-        self.token = 1 if checkpoint.tokenizer.eos_token_id != 1 else 2
+        self.tokens = synthetic_tokens(checkpoint.tokenizer, checkpoint.hf_config.vocab_size)
         self.num_steps = 0
         self.simulated_seconds = 0.0
 
@@ -282,7 +289,8 @@ class SimulatedRunner:
             for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
             if request.num_computed_tokens + num_tokens == len(request.token_ids)
         ]
-        return SimulatedStep(len(batch.requests), sample_rows, self.token, self.clock, self.device_free_at)
+        token = self.tokens[self.num_steps % len(self.tokens)]  # every row of a step samples the same one
+        return SimulatedStep(len(batch.requests), sample_rows, token, self.clock, self.device_free_at)
 
     def describe(self) -> dict:
         """What stood in for the device: the profile and the fitted cost model."""
@@ -303,6 +311,16 @@ class SimulatedRunner:
 
     def close(self) -> None:
         """Nothing to release: the simulation holds no device memory."""
+
+
+def synthetic_tokens(tokenizer, vocab_size: int) -> list[int]:
+    """The ids the steps sample in turn: SYNTHETIC_TEXT's, less any special token (EOS ends
+    requests; the others decode to nothing). A tokenizer that spells it only with special tokens
+    gets id 1 (or 2 where 1 is EOS), as before there was text."""
+    special = set(tokenizer.all_special_ids) | {tokenizer.eos_token_id}
+    tokens = [t for t in tokenizer.encode(SYNTHETIC_TEXT, add_special_tokens=False) if t not in special]
+    tokens = [t for t in tokens if 0 <= t < vocab_size]
+    return tokens or [1 if tokenizer.eos_token_id != 1 else 2]
 
 
 def simulated(config, model_path, registry, **options) -> SimulatedRunner:
