@@ -3,6 +3,7 @@
 engine_loop   the thread that owns the engine: requests in through a queue, tokens out per step
 text          incremental detokenization and stop strings across chunks
 protocol      the request bodies, their checks, OpenAI's error JSON
+tokenization  vLLM's /tokenize and /detokenize
 app           the FastAPI endpoints and the server-sent events
 metrics       the Prometheus metrics of one server
 server        InferenceServer (uvicorn, signals, orderly shutdown) and the job's entry point

@@ -1,7 +1,8 @@
 """The HTTP endpoints: OpenAI's completions and chat completions (streamed as server-sent events
-or whole), the model card, health and Prometheus metrics. Handlers parse and check a request,
-tokenize it, and hand its prompts to the engine loop; the text comes back as the loop's steps
-produce tokens. docs/serving.md describes the fields, errors and metrics."""
+or whole), the model cards, vLLM's tokenize and detokenize, health, version, Prometheus metrics
+and FastAPI's OpenAPI schema and docs. Handlers parse and check a request, tokenize it, and hand
+its prompts to the engine loop; the text comes back as the loop's steps produce tokens.
+docs/serving.md describes the fields, errors and metrics."""
 
 import asyncio
 import hmac
@@ -13,9 +14,12 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+import inferlab
 from inferlab.server.engine_loop import ACCEPTED, EngineLoop, Finish, Prompt, RequestStream
 from inferlab.server.metrics import ServerMetrics
 from inferlab.server.protocol import (
@@ -29,9 +33,11 @@ from inferlab.server.protocol import (
     check_model,
     completion_token_ids,
     engine_prompts,
+    model_not_found,
     parse_body,
 )
 from inferlab.server.text import TextStream
+from inferlab.server.tokenization import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 
 class Delta:
@@ -69,8 +75,12 @@ class Generation:
     engine refuses them), iterating yields each batch of updates as Deltas, close() aborts what
     has not finished."""
 
-    def __init__(self, loop: EngineLoop, prompts: list[Prompt], tokenizer):
+    def __init__(self, loop: EngineLoop, prompts: list[Prompt], tokenizer, received: float | None = None):
+        """received: when the HTTP server received the request (perf_counter), where the
+        metrics' TTFT and e2e start (None: when the Generation is made)."""
         self.loop = loop
+        self.metrics = loop.metrics
+        self.received = time.perf_counter() if received is None else received
         self.stream = RequestStream()
         self.prompts = prompts
         self.texts = [TextStream(tokenizer, p.token_ids, p.params.stop) for p in prompts]
@@ -104,17 +114,23 @@ class Generation:
     def _delta(self, index: int, token_ids: list[int], finish: Finish | None) -> Delta | None:
         if self.finishes[index] is not None:  # ended by a stop string before the engine saw it
             return None
+        metrics = self.metrics
+        if metrics is not None and token_ids and not self.num_output_tokens[index]:
+            # here, as where vLLM's frontend processes the engine's output: what the client waits for
+            metrics.observe_first_token(len(self.prompts[index].token_ids), time.perf_counter() - self.received)
         self.num_output_tokens[index] += len(token_ids)
         text, stopped = self.texts[index].push(token_ids, last=finish is not None)
         if stopped:
             if finish is None:
-                self.loop.abort(self.stream, index)
+                self.loop.abort(self.stream, index, reason="stop")
                 finish = Finish("stop")
             elif finish.reason == "length":
                 finish.reason = "stop"
         if finish is not None:
             self.finishes[index] = finish
             self.num_open -= 1
+            if metrics is not None:
+                metrics.observe_e2e(time.perf_counter() - self.received)
         return Delta(index, text, token_ids, finish)
 
     def close(self) -> None:
@@ -237,19 +253,24 @@ class Responder:
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         """The server-sent events: a chunk per choice per update (empty text skipped unless token
         ids were asked for), the usage when stream_options.include_usage, then [DONE]."""
+        options = self.body.stream_options
+        continuous = options is not None and options.continuous_usage_stats
+
+        def chunk(choice: dict) -> str:
+            return sse(self._chunk([choice], usage=generation.usage()) if continuous else self._chunk([choice]))
+
         try:
             if self.chat:
                 for index in range(len(generation.prompts)):
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                    yield sse(self._chunk([{**first, "finish_reason": None}]))
+                    yield chunk({**first, "finish_reason": None})
             want_ids = self.body.return_token_ids
             async for deltas in generation:
                 for delta in deltas:
                     if delta.finish is not None and delta.finish.reason == "error":
                         yield sse(error_of(delta.finish))
                     elif delta.text or delta.finish is not None or (want_ids and delta.token_ids):
-                        yield sse(self._chunk([self._choice(delta, stream=True)]))
-            options = self.body.stream_options
+                        yield chunk(self._choice(delta, stream=True))
             if options is not None and options.include_usage:
                 yield sse(self._chunk([], usage=generation.usage()))
             yield "data: [DONE]\n\n"
@@ -277,6 +298,52 @@ class Responder:
                 "choices": choices, "usage": generation.usage()}  # fmt: skip
 
 
+# Seconds a client refused with 429 is told to wait (Retry-After): about a batch's worth of decode
+# steps, time enough for some running requests to finish and waiting ones to be admitted.
+RETRY_AFTER_S = 1
+
+# The request bodies the POST endpoints read themselves (to answer bad input with OpenAI's errors),
+# declared for the OpenAPI schema, which cannot see them in the handlers' signatures.
+REQUEST_BODIES: tuple[type[BaseModel], ...] = (CompletionBody, ChatBody, TokenizeBody, DetokenizeBody)
+
+
+def body_schema(body_class: type[BaseModel]) -> dict:
+    """openapi_extra for a route whose handler reads body_class (one of REQUEST_BODIES) itself."""
+    schema = {"$ref": f"#/components/schemas/{body_class.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def add_body_schemas(app: FastAPI) -> None:
+    """Puts the JSON schemas of REQUEST_BODIES (and the models they use) among the OpenAPI
+    document's components, where the routes' openapi_extra refers to them."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = build()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for body_class in REQUEST_BODIES:
+            schema = body_class.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[body_class.__name__] = schema
+        return document
+
+    app.openapi = openapi
+
+
+def model_card(model: ServedModel) -> dict:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "inferlab",
+        "max_model_len": model.max_model_len,
+        "vocab_size": model.vocab_size,
+        "plugins": model.plugins,
+    }
+
+
 def build_app(
     loop: EngineLoop,
     model: ServedModel,
@@ -290,7 +357,7 @@ def build_app(
     """The FastAPI application over an engine loop. api_key: the bearer token /v1/ requires
     (None: none); max_queued_requests: past it, 429; draining: whether the server is shutting
     down (then 503 for new work)."""
-    app = FastAPI(title="inferlab", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="inferlab", version=inferlab.__version__, lifespan=lifespan)
     expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     def authorize(request: Request) -> None:
@@ -304,12 +371,21 @@ def build_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        metrics.http_errors.labels(str(error.status)).inc()
-        return JSONResponse(error.body(), status_code=error.status)
+        metrics.count_http_error(error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return await api_error(request, ApiError(error.status_code, str(error.detail)))
+        """Starlette's own errors: 404 for an unknown path, 405 for a method no route of the path
+        takes (Allow lists those of every route of the path: Starlette's names only its first's)."""
+        headers = error.headers
+        if error.status_code == 405:
+            path = request.url.path
+            methods = {m for r in app.routes if isinstance(r, APIRoute) and r.path_regex.match(path) for m in r.methods}
+            allow = ", ".join(sorted(methods))
+            message = f"{request.method} is not allowed on {path}; allowed: {allow}"
+            return await api_error(request, ApiError(405, message, headers={**(headers or {}), "Allow": allow}))
+        return await api_error(request, ApiError(error.status_code, str(error.detail), headers=headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
@@ -325,22 +401,43 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    # HEAD as well: monitors and load testers (aiperf) probe with it first. A route of its own, kept
+    # out of the schema, where one route of two methods would give both operations one id.
+    for path, handler in (("/health", health), ("/metrics", prometheus_metrics)):
+        app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": inferlab.__version__})
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         authorize(request)
-        card = {
-            "id": model.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "inferlab",
-            "max_model_len": model.max_model_len,
-            "vocab_size": model.vocab_size,
-            "plugins": model.plugins,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card(model)]})
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
+        authorize(request)
+        if model_id != model.name:
+            raise model_not_found(model_id, model)
+        return JSONResponse(model_card(model))
+
+    @app.post("/tokenize", openapi_extra=body_schema(TokenizeBody))
+    async def tokenize_endpoint(request: Request) -> JSONResponse:
+        body = parse_body(await request.body(), TokenizeBody)
+        check_model(body, model)
+        num_chars = len(body.prompt or "") + sum(len(message.content) for message in body.messages or ())
+        return JSONResponse(await tokenized(num_chars, lambda: tokenize(body, model)))
+
+    @app.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
+    async def detokenize_endpoint(request: Request) -> JSONResponse:
+        body = parse_body(await request.body(), DetokenizeBody)
+        check_model(body, model)
+        return JSONResponse(detokenize(body, model))
+
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionBody))
     async def completions(request: Request) -> Response:
+        received = time.perf_counter()  # TTFT and e2e start here, before the body is read and tokenized
         authorize(request)
         body = parse_body(await request.body(), CompletionBody)
         check_model(body, model)
@@ -350,10 +447,11 @@ def build_app(
         prompts = await tokenized(
             num_chars, lambda: engine_prompts(body, completion_token_ids(body, model), model, max_tokens)
         )
-        return await respond(request, Responder(body, model, chat=False), prompts)
+        return await respond(request, Responder(body, model, chat=False), prompts, received)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatBody))
     async def chat_completions(request: Request) -> Response:
+        received = time.perf_counter()
         authorize(request)
         body = parse_body(await request.body(), ChatBody)
         check_model(body, model)
@@ -362,9 +460,9 @@ def build_app(
         prompts = await tokenized(
             num_chars, lambda: engine_prompts(body, [chat_token_ids(body, model)], model, max_tokens)
         )
-        return await respond(request, Responder(body, model, chat=True), prompts)
+        return await respond(request, Responder(body, model, chat=True), prompts, received)
 
-    async def respond(request: Request, responder: Responder, prompts: list[Prompt]) -> Response:
+    async def respond(request: Request, responder: Responder, prompts: list[Prompt], received: float) -> Response:
         if draining():
             raise ApiError(503, "the server is shutting down", code="unavailable")
         if max_queued_requests is not None and len(prompts) > max_queued_requests:
@@ -380,8 +478,9 @@ def build_app(
                 429,
                 f"too many requests are waiting (serve.max_queued_requests={max_queued_requests}); retry later",
                 code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        generation = Generation(loop, prompts, model.tokenizer)
+        generation = Generation(loop, prompts, model.tokenizer, received)
         await generation.start()
         if responder.body.stream:
             return EventStream(responder.stream(generation))
@@ -398,4 +497,5 @@ def build_app(
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(whole.result())
 
+    add_body_schemas(app)
     return app

@@ -137,10 +137,11 @@ class EngineLoop:
             self.num_unread_adds += len(prompts)
         self.inbox.put((stream, prompts))
 
-    def abort(self, stream: RequestStream, index: int | None = None) -> None:
+    def abort(self, stream: RequestStream, index: int | None = None, reason: str = "abort") -> None:
         """Aborts the stream's unfinished requests (only choice `index` when given), freeing
-        their KV blocks; no further updates for them."""
-        self.inbox.put((stream, index))
+        their KV blocks; no further updates for them. reason: how the metrics count them ("stop"
+        when a stop string ended the text)."""
+        self.inbox.put((stream, (index, reason)))
 
     def num_queued(self) -> int:
         """Requests waiting for admission: in the inbox, or in the scheduler's waiting queue."""
@@ -186,8 +187,10 @@ class EngineLoop:
             self._abort_all(updates, Finish("abort"))
         if not engine.is_finished():
             output = engine.step()
-            self._fan_out(output.finished, updates)
+            num_generated = self._fan_out(output.finished, updates)
             self._take_snapshot()
+            if self.metrics is not None:
+                self.metrics.observe_step(output.num_prefill_tokens + output.num_decode_tokens, num_generated)
 
     def _post(self, updates: list) -> None:
         """Hands updates to the event loop. It is woken only when it has taken every earlier
@@ -231,7 +234,7 @@ class EngineLoop:
                 num_adds += len(what)
                 self._add(stream, what, updates)
             else:
-                self._abort(stream, what, updates)
+                self._abort(stream, *what, updates)
         self._take_snapshot()
         with self.unread_lock:  # after the snapshot counts them as waiting
             self.num_unread_adds -= num_adds
@@ -256,15 +259,13 @@ class EngineLoop:
             self.follows[request_id] = _Follow(engine.requests[request_id], stream, index)
         self.stream_requests[stream] = request_ids
         updates.append((stream, ACCEPTED))
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(sum(len(p.token_ids) for p in prompts))
 
-    def _abort(self, stream: RequestStream, index: int | None, updates: list) -> None:
+    def _abort(self, stream: RequestStream, index: int | None, reason: str, updates: list) -> None:
         for request_id in self.stream_requests.get(stream, ()):
             follow = self.follows.get(request_id)
             if follow is not None and (index is None or follow.index == index):
                 self.engine.abort(request_id)
-                self._unfollow(follow, Finish("abort"), updates, send=False)
+                self._unfollow(follow, Finish(reason), updates, send=False)
 
     def _abort_all(self, updates: list, finish: Finish) -> None:
         for request_id, follow in list(self.follows.items()):
@@ -274,8 +275,9 @@ class EngineLoop:
                 log.exception("aborting request %d failed", request_id)
             self._unfollow(follow, finish, updates, send=True)
 
-    def _fan_out(self, finished: list[Request], updates: list) -> None:
-        """Sends the tokens each running or just-finished request gained in the step."""
+    def _fan_out(self, finished: list[Request], updates: list) -> int:
+        """Sends the tokens each running or just-finished request gained in the step; returns
+        how many there were."""
         follows = self.follows
         num_new_tokens = 0
         for requests in (self.engine.scheduler.running, finished):
@@ -298,8 +300,7 @@ class EngineLoop:
         if len(follows) > len(self.engine.requests):  # the engine dropped a request without reporting it
             for follow in [f for id_, f in follows.items() if id_ not in self.engine.requests]:
                 self._unfollow(follow, self._finish(follow.request), updates, send=True)
-        if self.metrics is not None and num_new_tokens:
-            self.metrics.generation_tokens.inc(num_new_tokens)
+        return num_new_tokens
 
     @staticmethod
     def _finish(request: Request) -> Finish:

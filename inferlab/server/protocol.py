@@ -28,12 +28,20 @@ ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "serve
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the error: Allow on a 405, Retry-After on a 429
 
     def body(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "invalid_request_error")
@@ -55,6 +63,7 @@ class ServedModel:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class GenerationBody(BaseModel):
@@ -89,7 +98,7 @@ class GenerationBody(BaseModel):
         """The first field set to something the engine cannot do, or None."""
         if self.n not in (None, 1):
             return "n"
-        if self.logprobs not in (None, False):
+        if self.logprobs is not None and self.logprobs is not False:  # 0 asks for the sampled token's logprob
             return "logprobs"
         if self.top_logprobs not in (None, 0):
             return "top_logprobs"
@@ -178,6 +187,47 @@ class ChatBody(GenerationBody):
         return super().unsupported()
 
 
+# Fields of vLLM's and OpenAI's APIs that this server does not implement (and does not declare), with
+# the values that ask for nothing: a body that sets one otherwise is refused rather than served as
+# if the field were not there. Other unknown fields are ignored, as OpenAI's clients send some.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+}
+NOT_IMPLEMENTED_BY_BODY: dict[type, dict[str, tuple]] = {
+    CompletionBody: {"add_special_tokens": (True,), "prompt_embeds": (None,)},
+    ChatBody: {
+        "add_special_tokens": (False,),
+        "add_generation_prompt": (True,),
+        "continue_final_message": (False,),
+        "chat_template": (None,),
+        "chat_template_kwargs": (None, {}),
+        "documents": (None, []),
+        "tool_choice": (None, "none", "auto"),
+    },
+}
+
+
+def not_implemented(data: dict, body_class: type) -> str | None:
+    """The first field of NOT_IMPLEMENTED (or body_class's own) that data sets to something."""
+    if body_class not in NOT_IMPLEMENTED_BY_BODY:
+        return None
+    for name, idle in (NOT_IMPLEMENTED | NOT_IMPLEMENTED_BY_BODY[body_class]).items():
+        if name in data and not any(type(data[name]) is type(v) and data[name] == v for v in idle):
+            return name
+    return None
+
+
 def parse_body(raw: bytes, body_class: type[GenerationBody]) -> GenerationBody:
     """The request body checked against body_class; ApiError 400 naming the culprit otherwise."""
     try:
@@ -200,17 +250,22 @@ def parse_body(raw: bytes, body_class: type[GenerationBody]) -> GenerationBody:
         raise ApiError(
             400, f"{field}={getattr(body, field)!r} is not supported by this server", param=field, code="unsupported"
         )
+    field = not_implemented(data, body_class)
+    if field is not None:
+        raise ApiError(400, f"{field}={data[field]!r} is not supported by this server", param=field, code="unsupported")
     return body
 
 
 def check_model(body: GenerationBody, model: ServedModel) -> None:
+    """A body naming another model than the one served: 404 model_not_found, as OpenAI answers."""
     if body.model is not None and body.model != model.name:
-        raise ApiError(
-            400,
-            f"model {body.model!r} is not served here; this server serves {model.name!r}",
-            "model",
-            "model_not_found",
-        )
+        raise model_not_found(body.model, model)
+
+
+def model_not_found(name: str, model: ServedModel) -> ApiError:
+    return ApiError(
+        404, f"the model {name!r} does not exist: this server serves {model.name!r}", "model", "model_not_found"
+    )
 
 
 def completion_token_ids(body: CompletionBody, model: ServedModel) -> list[list[int]]:
@@ -231,8 +286,16 @@ def completion_token_ids(body: CompletionBody, model: ServedModel) -> list[list[
     return prompts
 
 
-def chat_token_ids(body: ChatBody, model: ServedModel) -> list[int]:
-    """The conversation through the tokenizer's chat template, ending in the assistant's turn."""
+def chat_token_ids(
+    body: ChatBody,
+    model: ServedModel,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The conversation (body.messages) through the tokenizer's chat template, ending in the
+    assistant's turn (or, with continue_final_message, inside the last message)."""
     tokenizer = model.tokenizer
     if not body.messages:
         raise ApiError(400, "messages is empty: give at least one message", "messages")
@@ -240,10 +303,15 @@ def chat_token_ids(body: ChatBody, model: ServedModel) -> list[int]:
         raise ApiError(400, f"model {model.name!r} has no chat template: use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
     except Exception as e:  # the template's own checks (roles in order, ...)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def engine_prompts(

@@ -114,7 +114,12 @@ class InferenceServer:
             resolved_plugins(engine),
         )
         self.engine_loop = EngineLoop(engine)
-        self.metrics = ServerMetrics(lambda: self.engine_loop.snapshot)
+        cache_config = {
+            "block_size": str(kv.block_size),
+            "num_gpu_blocks": str(kv.num_blocks),
+            "cache_dtype": str(engine.config.kv_cache_dtype),
+        }
+        self.metrics = ServerMetrics(lambda: self.engine_loop.snapshot, name, self.model.max_model_len, cache_config)
         self.engine_loop.metrics = self.metrics
         self.draining = False
         self.app = build_app(
