@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from inferlab import LLM
+from inferlab import LLM, SamplingParams
 
 # Python that a checkpoint ships for transformers' auto_map: importing it leaves a mark.
 PAYLOAD = """
@@ -183,9 +183,10 @@ def test_the_config_is_the_one_auto_config_builds(checkpoint, name):
 
     from inferlab.core.checkpoint import load_checkpoint_files
     from inferlab.core.model_config import ModelConfig
+    from inferlab.core.plugins import PluginRegistry
 
     path = checkpoint(name)
-    ours, _ = load_checkpoint_files(path)
+    ours, _ = load_checkpoint_files(path, PluginRegistry().model_config_defaults())
     assert isinstance(ours, ModelConfig) and ours._name_or_path == path
     assert_same_config(ours, AutoConfig.from_pretrained(path, trust_remote_code=False))
 
@@ -215,7 +216,52 @@ CONFIG_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama", "mistral"])
+BUILT_IN_NATIVE_TYPES = ["qwen3", "qwen2", "llama", "mistral"]
+
+
+def test_the_model_plugins_declare_the_config_defaults():
+    """The defaults config.json is read over come from the model plugins (ConfigDefaults on the
+    factory), one plugin a model type, and the core names none of them."""
+    import inferlab.core.model_config
+    from inferlab.core.plugins import PluginRegistry
+    from inferlab.core.protocols import ConfigDefaults
+
+    registry = PluginRegistry()
+    declared = {
+        name: sorted(registry.get("model", name).factory.config_defaults)
+        for name in registry.names("model")
+        if isinstance(registry.get("model", name).factory, ConfigDefaults)
+    }
+    assert declared == {"llama": ["llama", "mistral"], "qwen2": ["qwen2"], "qwen3": ["qwen3"]}
+    assert sorted(registry.model_config_defaults()) == sorted(BUILT_IN_NATIVE_TYPES)
+    assert not hasattr(inferlab.core.model_config, "DEFAULTS")
+
+
+def test_a_plugin_declaring_defaults_serves_a_model_type_transformers_lacks(checkpoint, tmp_path, plugin_module):
+    """A third-party model plugin that declares the defaults of its own model_type makes such a
+    config.json readable without transformers, which does not know the type."""
+    from inferlab.core.plugins import PluginRegistry
+    from inferlab.plugins.models.qwen3 import Qwen3ForCausalLM
+
+    class Qwen3Renamed(Qwen3ForCausalLM):
+        architectures = ("RenamedForCausalLM",)
+        config_defaults = {"renamed-qwen3": Qwen3ForCausalLM.config_defaults["qwen3"]}
+
+    model = copy_of(checkpoint, tmp_path)
+    edit_json(model / "config.json", model_type="renamed-qwen3", architectures=["RenamedForCausalLM"])
+    with pytest.raises(ValueError, match="model_type 'renamed-qwen3' is not a model type transformers knows"):
+        LLM(str(model), device="cpu")
+    registry = PluginRegistry()
+    registry.register(plugin_module("renamed", register_models=lambda register: register("renamed", Qwen3Renamed)))
+    llm = LLM(str(model), registry=registry, device="cpu", num_kvcache_blocks=16, kvcache_block_size=16)
+    assert type(llm.runner.model) is Qwen3Renamed
+    assert llm.runner.hf_config.model_type == "renamed-qwen3"
+    reference = LLM(checkpoint("gqa2-tied"), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    assert llm.generate([[5, 6, 7]], params)[0]["token_ids"] == reference.generate([[5, 6, 7]], params)[0]["token_ids"]
+
+
+@pytest.mark.parametrize("model_type", BUILT_IN_NATIVE_TYPES)
 @pytest.mark.parametrize("variant", range(len(CONFIG_VARIANTS)))
 def test_native_configs_match_transformers_defaults_and_derivations(tmp_path, model_type, variant):
     """For each model type read without transformers' classes: defaults, and what the classes
@@ -224,6 +270,7 @@ def test_native_configs_match_transformers_defaults_and_derivations(tmp_path, mo
     from transformers import AutoConfig
 
     from inferlab.core.model_config import native_model_config
+    from inferlab.core.plugins import PluginRegistry
     from inferlab.plugins.models.decoder import head_dim_of, rope_settings, sliding_window_of
 
     fields = {"model_type": model_type, "architectures": ["X"], **CONFIG_VARIANTS[variant]}
@@ -236,7 +283,7 @@ def test_native_configs_match_transformers_defaults_and_derivations(tmp_path, mo
         theirs = AutoConfig.from_pretrained(str(tmp_path), trust_remote_code=False)
     except Exception as e:  # its strict fields: a null that Qwen3Config or MistralConfig does not allow
         pytest.skip(f"transformers refuses it (the native config derives the field): {e}")
-    ours = native_model_config(fields, str(tmp_path))
+    ours = native_model_config(fields, PluginRegistry().model_config_defaults(), str(tmp_path))
     assert_same_config(ours, theirs)
     for reading in (head_dim_of, rope_settings, sliding_window_of):
         assert reading(ours) == reading(theirs)

@@ -520,9 +520,10 @@ def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
     from inferlab.core.cuda_graphs import auto_graph_prefill_tokens
     from inferlab.core.model_config import native_model_config
     from inferlab.core.model_cost import model_cost
+    from inferlab.plugins.models.qwen3 import Qwen3ForCausalLM
 
     def flops(shape):  # matmul FLOPs a prefill token (the LM head apart) of a model shape
-        cost = model_cost(native_model_config(shape, source="test"), torch.bfloat16)
+        cost = model_cost(native_model_config(shape, Qwen3ForCausalLM.config_defaults, source="test"), torch.bfloat16)
         return cost.flops_per_token - cost.head_flops_per_token
 
     qwen3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, tie_word_embeddings=False, rms_norm_eps=1e-6)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
-from inferlab.core.model_config import DEFAULTS as MODEL_CONFIG_DEFAULTS
 from inferlab.core.model_config import native_model_config
 from inferlab.tiny_model import default_model_path
 
@@ -25,12 +24,13 @@ class Checkpoint:
     tokenizer: Any  # None in tensor-parallel worker processes, which never tokenize
 
 
-def open_checkpoint(config, model_path: str | None) -> Checkpoint:
+def open_checkpoint(config, model_path: str | None, registry) -> Checkpoint:
     """The checkpoint at model_path (the embedded tiny model when None), with the engine's
-    max_model_len cut to what the model's positions allow."""
+    max_model_len cut to what the model's positions allow. registry (a PluginRegistry) gives the
+    model plugins' config defaults (ConfigDefaults)."""
     path = os.fspath(default_model_path() if model_path is None else model_path)
     reading = perf_counter()
-    hf_config, tokenizer = load_checkpoint_files(path)
+    hf_config, tokenizer = load_checkpoint_files(path, registry.model_config_defaults())
     log.info("read the model's config and tokenizer in %.1f s", perf_counter() - reading)
     fit_model_len(config, hf_config)
     return Checkpoint(path, hf_config, tokenizer)
@@ -55,10 +55,12 @@ POSITIVE_CONFIG_FIELDS = (
 )
 
 
-def load_checkpoint_files(path: str):
+def load_checkpoint_files(path: str, config_defaults: dict[str, dict]):
     """The HF config and tokenizer of a model directory, with errors that name the file and what
     is wrong. No code from the directory ever runs (trust_remote_code is always False), and
-    nothing asks on stdin: a checkpoint that needs its own code is refused."""
+    nothing asks on stdin: a checkpoint that needs its own code is refused. config_defaults
+    (model_type -> the defaults of transformers' config class, PluginRegistry.model_config_defaults)
+    lists the model types read without transformers' config classes."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     config_file = os.path.join(path, "config.json")
@@ -71,9 +73,9 @@ def load_checkpoint_files(path: str):
         raise ValueError(f"{config_file} is not valid JSON: {e}") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got a {type(fields).__name__}")
-    check_model_type(fields, config_file)
+    check_model_type(fields, config_file, config_defaults)
     check_positive_fields(fields, config_file)
-    hf_config = native_model_config(fields, path, config_file)
+    hf_config = native_model_config(fields, config_defaults, path, config_file)
     if hf_config is None:
         try:
             hf_config = transformers_config(path, fields["model_type"])
@@ -92,8 +94,7 @@ def load_checkpoint_files(path: str):
 
 
 def transformers_config(path: str, model_type: str):
-    """The config AutoConfig would build, for the model types model_config.py does not read
-    itself: the config class transformers maps the model_type to, found by its name without
+    """The config AutoConfig would build, for the model types no plugin declares defaults for: the config class transformers maps the model_type to, found by its name without
     importing the auto classes (see load_tokenizer); AutoConfig where the name is not in that table."""
     import transformers
 
@@ -154,11 +155,12 @@ def check_positive_fields(fields: dict, config_file: str) -> None:
             raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
 
 
-def check_model_type(fields: dict, config_file: str) -> None:
-    """A config.json must name a model_type that transformers implements itself: one it does not
-    would need Python code from the checkpoint (its auto_map), which inferlab never runs."""
+def check_model_type(fields: dict, config_file: str, config_defaults: dict[str, dict]) -> None:
+    """A config.json must name a model_type that a model plugin declares defaults for or that
+    transformers implements itself: any other would need Python code from the checkpoint (its
+    auto_map), which inferlab never runs."""
     model_type = fields.get("model_type")
-    if model_type in MODEL_CONFIG_DEFAULTS:
+    if model_type in config_defaults:
         return  # read without transformers' classes (an auto_map beside it is ignored)
     if isinstance(model_type, str) and model_type in transformers_config_names():
         return  # transformers' own classes serve it (an auto_map beside it is ignored)

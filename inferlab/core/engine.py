@@ -628,9 +628,9 @@ class LLMEngine:
         with self.lock:
             self.closed = True
             self.pending = None  # its placeholders point at samples that are about to be freed
-            close = getattr(getattr(self, "runner", None), "close", None)
-            if close is not None:
-                close()
+            runner = getattr(self, "runner", None)  # absent when start-up failed before the executor was built
+            if runner is not None:
+                runner.close()
 
     def __enter__(self):
         return self

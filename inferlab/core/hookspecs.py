@@ -16,6 +16,10 @@ selected, with the arguments listed under each hook plus the checked options as 
 arguments, and must return an object satisfying the kind's Protocol in `inferlab.core.protocols`;
 one that does not is rejected, naming what it lacks. A plugin registered without options takes
 none.
+
+Each hook lists the optional capabilities of its kind: small Protocols in `inferlab.core.protocols`
+that the factory or the object it builds may also satisfy, checked with isinstance; without one,
+the engine does without what it offers.
 """
 
 import pluggy
@@ -26,42 +30,58 @@ hookimpl = pluggy.HookimplMarker("inferlab")
 
 @hookspec
 def register_schedulers(register):
-    """Scheduler policies. factory(**options) -> SchedulerPolicy (optionally also a
-    PreemptivePolicy and a BudgetPolicy). A policy only decides; the core scheduler carries its
-    decisions out. Called once when the plugin registry loads."""
+    """Scheduler policies. factory(**options) -> SchedulerPolicy. A policy only decides; the core
+    scheduler carries its decisions out. Called once when the plugin registry loads.
+    Optional capabilities of the policy: PreemptivePolicy (a waiting request displaces a
+    running one), BudgetPolicy (the step's token budget and chunk sizes), ObservingPolicy (sees each
+    step's work)."""
 
 
 @hookspec
 def register_kv_caches(register):
     """KV cache managers. factory(config: EngineConfig, num_blocks: int, **options) -> KVCacheManager.
-    num_blocks is what the runner allocated; the block size is config.kvcache_block_size."""
+    num_blocks is what the runner allocated; the block size is config.kvcache_block_size.
+    Optional capabilities of the manager: PrefixCacheStats (prefix hits in a run's
+    records), PrefixCacheReset (a bench's timed pass starts with an empty prefix cache)."""
 
 
 @hookspec
 def register_attention_backends(register):
     """Attention backends. factory(config: EngineConfig, **options) -> AttentionBackend. Import
     heavy or optional libraries inside the factory, so that they load only when selected; raise
-    ImportError when they are missing and `attention=auto` falls through to the next backend."""
+    ImportError when they are missing and `attention=auto` falls through to the next backend.
+    Optional capabilities of the factory: AutoPriority (`attention=auto` may choose it).
+    Of the backend: PrefillGraphCapture (steps with prefill replayed from CUDA graphs), SplitDecodes
+    (decode attention split over long contexts); and, for models: FusedKVStore (a model stores the
+    new K and V itself), DecodesFromQKV (decode attention starts from the QKV projection)."""
 
 
 @hookspec
 def register_models(register):
     """Model implementations. factory(hf_config, *, backend: AttentionBackend, tp_group: TPGroup,
     dtype: torch.dtype, device: torch.device, max_model_len: int, **options) -> Model, where
-    max_model_len is the longest sequence the engine will run. The factory's `architectures`
-    attribute lists the HF architectures it serves, for `model=auto`."""
+    max_model_len is the longest sequence the engine will run.
+    Optional capabilities of the factory: ServesArchitectures (the HF architectures it
+    serves, for `model=auto`), ConfigDefaults (the defaults of transformers' config class for its
+    model types, so that their config.json is read without transformers). Of the model:
+    RepresentativeLayers (start-up compiles and warms over a few layers)."""
 
 
 @hookspec
 def register_samplers(register):
-    """Samplers. factory(config: EngineConfig, **options) -> Sampler."""
+    """Samplers. factory(config: EngineConfig, **options) -> Sampler.
+    Optional capability of the sampler: GraphCapturableSampler (decode steps' LM head
+    and sampling replayed from CUDA graphs)."""
 
 
 @hookspec
 def register_executors(register):
     """Executors: who runs the steps. factory(config: EngineConfig, model_path: str | None,
-    registry: PluginRegistry, **options) -> Runner (optionally also AdmissionCost, OnDevice,
-    SimulatedDevice). The factory opens the checkpoint (inferlab.core.checkpoint.open_checkpoint
-    reads a directory, the embedded tiny model when model_path is None), so that a runner which
-    needs no weights can serve a model shape from elsewhere; it selects the other plugins by name
-    from the registry. `executor=name` selects one; `real` is the default."""
+    registry: PluginRegistry, **options) -> Runner. The factory opens the checkpoint
+    (inferlab.core.checkpoint.open_checkpoint(config, model_path, registry) reads a directory, the
+    embedded tiny model when model_path is None), so that a runner which needs no weights can serve
+    a model shape from elsewhere; it selects the other plugins by name from the registry.
+    `executor=name` selects one; `real` is the default.
+    Optional capabilities of the runner: AdmissionCost (the host's time to add a request,
+    on a clock not the host's), OnDevice (the device, dtypes and attention backend a bench records
+    and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device)."""

@@ -1,79 +1,18 @@
 """A checkpoint's config.json as the config object the models read, built without transformers'
-config classes for the model types the built-in decoder serves.
+config classes for the model types whose defaults a model plugin declares (ConfigDefaults).
 
-Loading any of those classes costs seconds: in transformers 5.17 the docstring decorator on each
-config class imports the model auto-classes, 7 s of a 9.6 s start-up phase on the H200 machine
-(where Python writes no bytecode cache). The object built here holds every field of config.json,
-the default transformers' class gives each field the file leaves out, and what that class derives
-from them (num_key_value_heads, head_dim, layer_types, rope_parameters, dtype, sliding_window);
-tests compare it with the installed transformers' config for every model type listed here. Model
-types not listed go through transformers (engine.transformers_config)."""
+Loading any of those classes is slow: in transformers 5.x the docstring decorator on each config
+class imports the model auto-classes, most of the config-and-tokenizer phase of start-up. The
+object built here holds every field of config.json, the default transformers' class gives each
+field the file leaves out (the plugin's config_defaults), and what that class derives from them
+(num_key_value_heads, head_dim, layer_types, rope_parameters, dtype, sliding_window); tests compare
+it with the installed transformers' config for every model type a built-in plugin declares. Other
+model types go through transformers (checkpoint.transformers_config)."""
 
 from __future__ import annotations
 
 import torch
 
-# The defaults of transformers' config classes (5.x) for the fields a causal LM of each type reads.
-_QWEN = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=22016,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    hidden_act="silu",
-    max_position_embeddings=32768,
-    initializer_range=0.02,
-    rms_norm_eps=1e-6,
-    use_cache=True,
-    tie_word_embeddings=False,
-    rope_parameters=None,
-    use_sliding_window=False,
-    sliding_window=4096,
-    max_window_layers=28,
-    layer_types=None,
-    attention_dropout=0.0,
-    pad_token_id=None,
-    bos_token_id=None,
-    eos_token_id=None,
-)
-_LLAMA_LIKE = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    head_dim=None,
-    hidden_act="silu",
-    initializer_range=0.02,
-    rms_norm_eps=1e-6,
-    use_cache=True,
-    pad_token_id=None,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-    rope_parameters=None,
-    attention_dropout=0.0,
-)
-DEFAULTS: dict[str, dict] = {
-    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
-    "qwen2": _QWEN,
-    "llama": {
-        **_LLAMA_LIKE,
-        "intermediate_size": 11008,
-        "num_key_value_heads": None,
-        "max_position_embeddings": 2048,
-        "pretraining_tp": 1,
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
-    "mistral": {
-        **_LLAMA_LIKE,
-        "intermediate_size": 14336,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 131072,
-        "sliding_window": 4096,
-    },
-}
 # Rotary types whose scaling is relative to the length the model was trained at.
 _ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
@@ -94,10 +33,14 @@ class ModelConfig:
         return f"ModelConfig({self.__dict__!r})"
 
 
-def native_model_config(fields: dict, path: str = "", source: str = "config.json") -> ModelConfig | None:
-    """The config of a config.json's fields, or None where its model_type is not one of DEFAULTS.
-    Raises ValueError, naming source, for a field whose type is not the one its default has."""
-    defaults = DEFAULTS.get(fields.get("model_type"))
+def native_model_config(
+    fields: dict, config_defaults: dict[str, dict], path: str = "", source: str = "config.json"
+) -> ModelConfig | None:
+    """The config of a config.json's fields, or None where its model_type is not one of
+    config_defaults (model_type -> the defaults of transformers' config class: what the model
+    plugins declare, see ConfigDefaults). Raises ValueError, naming source, for a field whose type
+    is not the one its default has."""
+    defaults = config_defaults.get(fields.get("model_type"))
     if defaults is None:
         return None
     check_field_types(fields, defaults, source)

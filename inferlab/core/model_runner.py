@@ -34,9 +34,11 @@ from inferlab.core.model_cost import model_cost
 from inferlab.core.parallel import SINGLE, TPGroup
 from inferlab.core.plugins import PluginError, PluginRegistry
 from inferlab.core.protocols import (
+    AutoPriority,
     GraphCapturableSampler,
     PrefillGraphCapture,
     RepresentativeLayers,
+    ServesArchitectures,
     SplitDecodes,
 )
 from inferlab.core.request import Request
@@ -298,7 +300,9 @@ class ModelRunner:
         AttentionBackend); ties in name order."""
         device = self.device.type
         priorities = {
-            name: getattr(entry.factory, "auto_priority", {}) for name, entry in registry.entries["attention"].items()
+            name: entry.factory.auto_priority
+            for name, entry in registry.entries["attention"].items()
+            if isinstance(entry.factory, AutoPriority)
         }
         candidates = [name for name, priority in priorities.items() if device in priority]
         return sorted(candidates, key=lambda name: (-priorities[name][device], name))
@@ -306,14 +310,15 @@ class ModelRunner:
     @staticmethod
     def _model_for(registry: PluginRegistry, hf_config) -> str:
         architectures = list(getattr(hf_config, "architectures", None) or [])
-        for name in registry.names("model"):
-            served = getattr(registry.entries["model"][name].factory, "architectures", ())
-            if any(a in served for a in architectures):
-                return name
-        available = {
-            n: list(getattr(registry.entries["model"][n].factory, "architectures", ())) for n in registry.names("model")
+        served = {
+            name: list(registry.entries["model"][name].factory.architectures)
+            for name in registry.names("model")
+            if isinstance(registry.entries["model"][name].factory, ServesArchitectures)
         }
-        raise PluginError(f"no model plugin serves architectures {architectures}; available: {available}")
+        for name, names in served.items():
+            if any(a in names for a in architectures):
+                return name
+        raise PluginError(f"no model plugin serves architectures {architectures}; available: {served}")
 
     def _kv_block_bytes(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()

@@ -153,6 +153,18 @@ class PluginRegistry:
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])
 
+    def model_config_defaults(self) -> dict[str, dict]:
+        """model_type -> the defaults of transformers' config class for it, as the model plugins
+        declare them (ConfigDefaults on the factory), for reading config.json without transformers'
+        config classes. Where two plugins declare one model_type, the first in name order counts."""
+        defaults: dict[str, dict] = {}
+        for name in self.names("model"):
+            factory = self.entries["model"][name].factory
+            if isinstance(factory, protocols.ConfigDefaults):
+                for model_type, fields in factory.config_defaults.items():
+                    defaults.setdefault(model_type, fields)
+        return defaults
+
     def get(self, kind: str, name: str) -> PluginEntry:
         if kind not in KINDS:
             raise PluginError(f"unknown plugin kind {kind!r}; kinds: {sorted(KINDS)}")

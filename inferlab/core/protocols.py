@@ -160,20 +160,13 @@ class AttentionBackend(Protocol):
     then do device work only (no host sync, no shapes read from tensor values). When False,
     decode runs eagerly.
 
-    auto_priority: where `attention=auto` may choose this backend, a class attribute of its factory
-    mapping a device type ("cuda", "cpu") to a priority. On a device auto tries the backends that
-    name its type, highest priority first, and takes the first that builds and validates; a
-    backend whose auto_priority lacks the device type is never chosen there by auto (`{}`: only
-    when selected by name).
-
-    A backend may also implement PrefillGraphCapture (steps with prefill replayed from CUDA graphs),
-    SplitDecodes (decode attention split over long contexts), FusedKVStore (a model stores the new
-    K and V itself) and DecodesFromQKV (a decode step's attention starts from the QKV projection's
-    output)."""
+    A backend's factory may implement AutoPriority (`attention=auto` may choose it). A backend may
+    also implement PrefillGraphCapture (steps with prefill replayed from CUDA graphs), SplitDecodes
+    (decode attention split over long contexts), FusedKVStore (a model stores the new K and V
+    itself) and DecodesFromQKV (a decode step's attention starts from the QKV projection's output)."""
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool]
-    auto_priority: ClassVar[dict[str, int]]
 
     @classmethod
     def validate(
@@ -195,6 +188,17 @@ class AttentionBackend(Protocol):
         """Stores k, v [T, Hkv, D] into kv_cache (unless both are None: the model stored them, see
         FusedKVStore) and returns attention of q [T, H, D] over each sequence's cached context
         plus its new tokens, causally: [T, H, D]."""
+
+
+@runtime_checkable
+class AutoPriority(Protocol):
+    """Optional capability of an AttentionBackend's factory: where `attention=auto` may choose the
+    backend, read before any backend is built. auto_priority maps a device type ("cuda", "cpu") to a
+    priority; on a device auto tries the backends that name its type, highest priority first, and
+    takes the first that builds and validates. A backend whose factory lacks it, or whose
+    auto_priority lacks the device type (`{}`), is used only when selected by name."""
+
+    auto_priority: ClassVar[dict[str, int]]
 
 
 @runtime_checkable
@@ -268,9 +272,11 @@ class DecodesFromQKV(Protocol):
 
 @runtime_checkable
 class Model(Protocol):
-    """A causal LM as an nn.Module built from a HF config; attention layers call the backend."""
+    """A causal LM as an nn.Module built from a HF config; attention layers call the backend.
 
-    architectures: ClassVar[tuple[str, ...]]
+    A model's factory may implement ServesArchitectures (`model=auto` may choose it) and
+    ConfigDefaults (config.json read without transformers' config classes); the model itself may
+    implement RepresentativeLayers."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_metadata: Any
@@ -285,6 +291,34 @@ class Model(Protocol):
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads on this rank, head_dim), for sizing the cache."""
+
+    def eval(self) -> Any:
+        """Puts the model in inference mode (nn.Module's); called once, after load_weights. The runner
+        then calls the model itself, which runs forward, as an nn.Module does."""
+
+
+@runtime_checkable
+class ServesArchitectures(Protocol):
+    """Optional capability of a Model's factory: the HF architectures (config.json's
+    `architectures`) it serves, read before any model is built. `model=auto` takes the first model
+    plugin, in name order, serving one of the checkpoint's; a plugin whose factory lacks it is used
+    only when selected by name."""
+
+    architectures: ClassVar[tuple[str, ...]]
+
+
+@runtime_checkable
+class ConfigDefaults(Protocol):
+    """Optional capability of a Model's factory: the defaults of transformers' config class for
+    each model_type the plugin reads (model_type -> {field: default}), with every field a model of
+    that type reads. A checkpoint whose config.json names one of those model types is read without
+    importing transformers' config classes, which is slow: its fields over these defaults, plus
+    what transformers derives from them, which the core computes (num_key_value_heads, head_dim
+    where its default is None, layer_types and sliding_window where use_sliding_window is a field,
+    rope_parameters, dtype). Each field whose default is an integer, number, boolean or string
+    must hold one in config.json (token ids aside). Other model types go through transformers."""
+
+    config_defaults: ClassVar[dict[str, dict[str, Any]]]
 
 
 @runtime_checkable

@@ -12,12 +12,12 @@ def real(config, model_path, registry):
     size alone (the default executor) runs it."""
     if config.tensor_parallel_size > 1:
         return tensor_parallel(config, model_path, registry)
-    return ModelRunner(config, open_checkpoint(config, model_path), registry)
+    return ModelRunner(config, open_checkpoint(config, model_path, registry), registry)
 
 
 def tensor_parallel(config, model_path, registry):
     """Rank 0 here, ranks 1..tensor_parallel_size-1 in worker processes (inferlab.core.workers)."""
-    return TensorParallelRunner(config, open_checkpoint(config, model_path), registry)
+    return TensorParallelRunner(config, open_checkpoint(config, model_path, registry), registry)
 
 
 @hookimpl

@@ -148,27 +148,30 @@ def load_simulated_profile(options: SimulatedOptions, hf_config, config) -> Prof
     )
 
 
-def simulated_checkpoint(config, model_path: str | None, options: SimulatedOptions) -> tuple[Profile, Checkpoint]:
+def simulated_checkpoint(
+    config, model_path: str | None, options: SimulatedOptions, registry
+) -> tuple[Profile, Checkpoint]:
     """The profile and checkpoint of a simulated engine. With a checkpoint directory, its
     config.json and tokenizer (no weights are read); without one, a measured profile's own model
     shape with the embedded model's tokenizer (prompts are token ids)."""
     if model_path is None and options.profile != "roofline":
         profile = load_profile(options.profile)
-        _, tokenizer = load_checkpoint_files(default_model_path(announce=False))
-        hf_config = profile_model_config(profile)
+        config_defaults = registry.model_config_defaults()
+        _, tokenizer = load_checkpoint_files(default_model_path(announce=False), config_defaults)
+        hf_config = profile_model_config(profile, config_defaults)
         fit_model_len(config, hf_config)
         # the "path" a server names the model by: the profiled model's name (older profiles lack one)
         name = profile.model_name or os.path.splitext(os.path.basename(options.profile))[0]
         return profile, Checkpoint(name, hf_config, tokenizer)
-    checkpoint = open_checkpoint(config, model_path)
+    checkpoint = open_checkpoint(config, model_path, registry)
     return load_simulated_profile(options, checkpoint.hf_config, config), checkpoint
 
 
-def profile_model_config(profile: Profile):
+def profile_model_config(profile: Profile, config_defaults: dict[str, dict]):
     """The model config of the profile's model shape, for an engine given no checkpoint."""
     fields = {k: v for k, v in profile.model.items() if v is not None}
     fields["model_type"] = fields.get("model_type") or "qwen3"
-    config = native_model_config(fields, source="the profile's model fields")
+    config = native_model_config(fields, config_defaults, source="the profile's model fields")
     if config is None:
         from transformers import AutoConfig
 
@@ -325,7 +328,7 @@ def synthetic_tokens(tokenizer, vocab_size: int) -> list[int]:
 
 def simulated(config, model_path, registry, **options) -> SimulatedRunner:
     settings = SimulatedOptions(**options)
-    profile, checkpoint = simulated_checkpoint(config, model_path, settings)
+    profile, checkpoint = simulated_checkpoint(config, model_path, settings, registry)
     return SimulatedRunner(config, checkpoint, profile, settings)
 
 

@@ -282,12 +282,14 @@ class DecoderOptions:
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder-only causal LM from its HF config. Subclasses set architectures, qk_norm and,
-    where they differ from the config's attention_bias and mlp_bias, biases."""
+    """A decoder-only causal LM from its HF config. Subclasses set architectures (ServesArchitectures),
+    config_defaults (ConfigDefaults), qk_norm and, where they differ from the config's attention_bias
+    and mlp_bias, biases."""
 
     architectures: ClassVar[tuple[str, ...]] = ()
+    config_defaults: ClassVar[dict[str, dict]] = {}
     qk_norm: ClassVar[bool] = False  # a per-head RMSNorm of q and k before the rotary
-    # forward runs one layer per KV cache it is given (see the Model protocol). The first layer
+    # forward runs one layer per KV cache it is given (RepresentativeLayers). The first layer
     # norms its input alone, the others add the residual first; every later layer launches the
     # second's kernels on the same shapes.
     kernel_variant_layers: ClassVar[int] = 2
