@@ -16,7 +16,7 @@ eviction happen as on the device.
 With `real_time` the same runner keeps this host's clock instead: the host's times are spent in a
 busy loop that holds the GIL and the device's pass while reading tokens sleeps without it, so
 the engine serves (and loads a server's event loop) as one on the profiled GPU would, for
-measuring the HTTP side on a machine without one (scripts/serve_overhead.py --emulate).
+measuring the HTTP side on a machine without one.
 """
 
 import ctypes
