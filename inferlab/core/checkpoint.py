@@ -120,8 +120,8 @@ def transformers_config_names() -> dict[str, str]:
 def load_tokenizer(path: str):
     """The tokenizer AutoTokenizer would build (fast where there is one), found by the class name
     tokenizer_config.json gives, among transformers' own classes: the auto classes' modules import
-    transformers' model machinery, which in some versions is most of the start-up (6-8 s of
-    transformers 5.17's 10-11 s on the H200 machine). Anything else (no name, a name transformers
+    transformers' model machinery, which in some versions is most of the start-up's config and
+    tokenizer phase (BENCHMARKS.md, "Start-up and the first pass"). Anything else (no name, a name transformers
     lacks, such as custom code's) goes through AutoTokenizer, which never runs a directory's code."""
     import transformers
     from transformers import PreTrainedTokenizerBase

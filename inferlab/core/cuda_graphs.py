@@ -227,8 +227,8 @@ class SamplingGraphs:
     """The LM head and the sampler of decode batches, captured per decode graph batch size and
     kind of rows (SAMPLING_GRAPH_KINDS), over the decode graphs' hidden-state buffer: replayed
     right after the decode graph, they take the place of the head's and the sampler's eager
-    launches, which on an H200's host took 0.2-0.4 ms a one-sequence step against the device's
-    0.09. Each graph samples into the static `tokens` buffer; the rows' settings are copied into
+    launches, which take the host longer than the device takes to run them in a one-sequence step
+    (BENCHMARKS.md, "One sequence"). Each graph samples into the static `tokens` buffer; the rows' settings are copied into
     static buffers when the batch's rows change, and the index of the token each row samples is
     its position plus one (a decode row samples the token after the one it computes). Only for a
     sampler whose calls a graph can capture (Sampler.supports_cuda_graphs)."""
@@ -310,10 +310,8 @@ class SamplingGraphs:
 
 
 # graph_prefill_tokens=None captures steps with prefill up to this much matmul work a rank: up to
-# there, launching the step eagerly can take the host longer than the device takes to run it. On an
-# H200 with Qwen3-0.6B shapes a 16k-token eager step's launch took the host 18-40 ms (35-40 in a
-# process's first burst) against 31 ms of device work, which its graph replays in 31.4 ms; 4,096
-# tokens of 32 prompts took 18.3 ms eagerly and 7.7 replayed.
+# there, launching the step eagerly can take the host longer than the device takes to run it, above
+# all in a process's first burst (BENCHMARKS.md, "Where the time goes").
 AUTO_GRAPH_PREFILL_FLOPS = 16e12
 
 
@@ -355,8 +353,8 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
 class PrefillGraphs(CapturedGraphs):
     """Captured graphs of steps with prefill (prompts, chunks, and the decodes beside them), one per
     token capacity (prefill_graph_sizes), each for up to min(capacity, max_num_seqs) sequences.
-    Run eagerly, such a step costs the host a launch per kernel and more (13 ms for 16 tokens of
-    Qwen3-0.6B on an H200, where the device works 0.9 ms): every prompt's first token waits for
+    Run eagerly, such a step costs the host a launch per kernel and more, many times the device's
+    work for a short prompt (BENCHMARKS.md, "Where the time goes"): every prompt's first token waits for
     it, and so does every running request in a step that takes in a prompt. A step is copied into
     the static buffers with its tokens and sequences padded to the capacity (padding tokens store
     nothing, padding sequences have no new tokens) and replayed. The attention backend must launch

@@ -146,8 +146,8 @@ def rarer_young_collections(threshold: int = 100_000):
 @contextmanager
 def older_objects_frozen():
     """Freezes every object the garbage collector tracks for the length of the block, unfreezing
-    them after. A full collection walks every tracked object (torch, Triton, compiled graphs: about
-    250 ms on the bench's host) while the GPU idles, and one came every few bench runs. Inside the
+    them after. A full collection walks every tracked object (torch, Triton, compiled graphs), a
+    pause long against a step, while the GPU idles, and one came every few bench runs. Inside the
     block, collections walk only what the block creates. Unfrozen after, so cyclic garbage older
     than the block waits for its end, no longer. A caller's own freeze is theirs to manage."""
     if gc.get_freeze_count() > FROZEN_AT_IMPORT:

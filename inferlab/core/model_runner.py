@@ -130,15 +130,14 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
         self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
         # The LM head runs over a step's sampling rows padded to one of these counts
-        # (graph_batch_sizes, as the decode graphs' batches), each run once at start-up: on an H200
-        # the head's GEMM took the host 37 ms at each row count new to the process (cuBLAS), which
-        # made a fresh process's first burst of prompts host-bound (launches of 40 ms a step
-        # against 6-10 later).
+        # (graph_batch_sizes, as the decode graphs' batches), each run once at start-up: cuBLAS costs
+        # the host a plan search at each row count new to the process, which made a fresh process's
+        # first burst of prompts host-bound (BENCHMARKS.md, "Where the time goes").
         self.logits_sizes = graph_batch_sizes(config.max_num_seqs)
         # Step inputs go up, and samples come down, on streams of their own beside the compute
         # stream: with overlap scheduling a step's inputs are sent while the previous step
-        # computes, so the copies leave the compute stream's path (on it they took 1.5-2.5 µs
-        # each, four a step). Two streams, since a download waits for its step's compute and an
+        # computes, so the copies leave the compute stream's path, where each would delay the step's
+        # kernels. Two streams, since a download waits for its step's compute and an
         # upload queued behind it would wait too.
         cuda = self.device.type == "cuda"
         self.upload_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -399,9 +398,8 @@ class ModelRunner:
         device, cuBLAS and the allocator settle), and the LM head once at each of logits_sizes.
         Both runs go over the model's kernel_variant_layers only, where it names them. Every rank of a
         tensor-parallel engine runs the same steps in the same order, as their collectives need.
-        Measured on an H200 (Qwen3-0.6B shapes, a fresh machine): nano-vllm's bench then compiles
-        nothing, and its first pass runs at 98% of a warm one, where it ran at 72% with the
-        kernels compiling inside it."""
+        So nano-vllm's bench compiles nothing in its first pass, which runs as fast as a warm one
+        (BENCHMARKS.md, "Start-up and the first pass")."""
         start = perf_counter()
         backend = self.backend
         split = isinstance(backend, SplitDecodes)
@@ -413,8 +411,8 @@ class ModelRunner:
         scratch = list(self._new_kv_cache(num_blocks).unbind(0))
         batches = [self._scratch_batch(i, parts, num_blocks, kind) for i, (parts, kind) in enumerate(shapes)]
         # Later layers repeat the first ones' kernels and GEMM shapes. Over those alone, the dry run
-        # launches fewer kernels through Triton's slow path (a third of a millisecond of Python a
-        # launch) and the real run fewer eager launches (an eager step costs the host 12-20 ms).
+        # launches fewer kernels through Triton's slow Python launch path, and the real run fewer
+        # eager launches, which cost the host far more than the device.
         representative = self.model.kernel_variant_layers if isinstance(self.model, RepresentativeLayers) else None
         layers = scratch[:representative] if representative else scratch
 
@@ -712,8 +710,8 @@ class ModelRunner:
 class PinnedStaging:
     """Pinned host buffers that a step's inputs pass through on their way to the device, reused in
     turn. A fresh pin_memory() for every upload asked the caching host allocator for a new pinned
-    block whenever the previous one's copy was not yet seen to finish: 1-5 ms of host time in a
-    16k-token step on an H200. A buffer is refilled only after the copy from it has finished (an
+    block whenever the previous one's copy was not yet seen to finish, which stalled the host in
+    large steps (BENCHMARKS.md, "Why the defaults are what they are"). A buffer is refilled only after the copy from it has finished (an
     event each, long done by its turn: a step makes one to three uploads)."""
 
     SLOTS = 16

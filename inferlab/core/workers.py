@@ -603,8 +603,8 @@ def worker_main(
         runner = ModelRunner(config, checkpoint, worker_registry(entries, failures), TPGroup(rank, size, group))
         conn.send_bytes(pickle.dumps(("ready", runner.num_kv_blocks)))
         # This process lives for one engine: its start-up objects are frozen for good, so a full
-        # garbage collection in the step loop (a pause every rank would wait for; one such pause
-        # took 245 ms of a bench run on an H200) walks only what came after
+        # garbage collection in the step loop (a pause every rank would wait for) walks only what
+        # came after
         gc.collect()
         gc.freeze()
         while (payload := conn.recv_bytes()) != STOP:

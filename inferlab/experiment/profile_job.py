@@ -118,7 +118,7 @@ class StepTimer:
         (kernels and the gaps between them), not the host's launch and scheduling time."""
         runner = self.llm.runner
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # 2e9 cycles a second (an H200 runs at up to 1.98 GHz): twice the steps' time and 10 ms more,
+        # 2e9 cycles a second, no less than these GPUs' clocks: twice the steps' time and 10 ms more,
         # at most a quarter second (no step's host work comes near that)
         torch.cuda._sleep(int(2e9 * min(0.25, 2 * step_seconds * self.repeats + 0.01)))
         start.record()

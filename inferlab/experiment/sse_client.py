@@ -2,10 +2,8 @@
 connections, and server-sent events handed over as they arrive with the time they arrived.
 
 A bench over HTTP is only as good as its client's timing, and at hundreds of concurrent streams
-httpx's per-chunk work (its connection pool, h11, line decoding) made the client the bottleneck:
-against one emulated server, 256 streams measured 42,800-43,800 tok/s and TTFT p50 286-365 ms
-through httpx, 47,600-50,200 and 140-187 ms through this client, and about 52,000 and 130 ms
-through a bare socket (BENCHMARKS.md, "Serving over HTTP"). This client does what the bench needs
+httpx's per-chunk work (its connection pool, h11, line decoding) made the client the bottleneck,
+and its figures the client's, not the server's (BENCHMARKS.md, "Serving over HTTP"). This client does what the bench needs
 and no more: one POST a stream, a status line, headers, and a chunked, sized or close-delimited
 body cut into events.
 """

@@ -2,9 +2,9 @@
 projection folded into its reads: the decode step of a single sequence.
 
 At one token the Triton GEMM (split_k_gemm.py) pads the row to a 16-row tensor-core tile and
-streams each K step through shared memory; a decode layer's four GEMMs then add about 4 µs each
-to the step where their weights stream in 1-3 µs, and the RMSNorm, SiLU*mul kernels between them
-1-3 µs each (BENCHMARKS.md, "One sequence"). Here a program holds a [BLOCK_N, K_BLOCK] slab of
+streams each K step through shared memory; a decode layer's four GEMMs then take longer than
+their weights take to stream, and the RMSNorm, SiLU*mul kernels between them add launches of their
+own (BENCHMARKS.md, "One sequence"). Here a program holds a [BLOCK_N, K_BLOCK] slab of
 the weight in registers, multiplies it by the row in float32 and sums along K; the slab covers a
 whole slice of K (K_SPLIT, the grid's second axis) or, with more rows a program, a slab-wide part
 of it at a time (tiling):
@@ -18,14 +18,11 @@ x may be float32 split-K partials [S, 1, K] (summed as read), as the o_proj and 
 leave them with a split; the output is then such partials too. A whole slice of K that is no power
 of two (Qwen3-4B's rows of 2,560) sits in a tile of the next power of two, masked past it.
 
-On an H200 the batch-1 decode graph took 649-651 µs against 854-858 for the Triton GEMMs with
-Qwen3-0.6B shapes, and one sequence ran 1,274-1,279 tok/s against 1,018-1,028; at 8 warps 684 µs,
-reading after the wait 743 and keeping the norm and SiLU*mul kernels 762. Qwen3-8B's whole rows are
-four times a slab: split into whole-row slabs (two rows a program), o_proj and down_proj streamed
-their weights at 3.5-3.7 TB/s where 8 rows a program, 1,024 columns at a time, reached 3.9-4.1
-(scripts/gemv_bandwidth_gpu.py), and unsplit they leave the next fused norm one row in the model
-dtype instead of three float32 partials: 3,743 µs with the norms inside against 3,976-4,000 with
-them in kernels of their own, 4,176 for the Triton GEMMs.
+So one sequence's decode step is shorter than with the Triton GEMMs, and shorter again for each of
+these choices (BENCHMARKS.md, "One sequence", with the settings tried and not taken). Qwen3-8B's
+whole rows are four times a slab: 8 rows a program, 1,024 columns at a time, stream o_proj's and
+down_proj's weights faster than whole-row slabs of two rows, and, unsplit, leave the next fused
+norm one row in the model dtype instead of three float32 partials.
 
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
@@ -38,14 +35,12 @@ from inferlab.kernels.silu_mul import silu_times_up
 
 # The row the slab multiplies: x itself, RMSNorm of x, RMSNorm of x + residual, SiLU(gate) * up.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
-# A program's weight slab, in elements (16 KB of bf16: 64 registers a thread at 4 warps). On an
-# H200 with Qwen3-0.6B's shapes, half as large was slower at 4 warps (684 against 669 µs) and as
-# fast at 8, twice as large slower; four times as large was slower with Qwen3-8B's shapes as the
-# model runs them (the norm kernels kept).
+# A program's weight slab, in elements (16 KB of bf16: 64 registers a thread at 4 warps): half as
+# large and twice as large were slower (BENCHMARKS.md, "One sequence", tried and not taken).
 SLAB = 8192
-# Rows a program of an unsplit o_proj or down_proj takes, reading K a slab at a time (unsplit_rows).
-# On an H200 with Qwen3-8B's shapes the batch-1 decode graph took 3,743 µs with 8 (the norms inside
-# the GEMVs), 3,828 with 4 and 3,963 with 16, against 3,976-4,000 split into whole-row slabs.
+# Rows a program of an unsplit o_proj or down_proj takes, reading K a slab at a time (unsplit_rows):
+# with 4 or 16, and split into whole-row slabs, Qwen3-8B's decode step was slower (BENCHMARKS.md,
+# "One sequence").
 LOOP_ROWS = 8
 
 
@@ -182,7 +177,7 @@ def unsplit_rows(n: int, k: int, slab: int = SLAB) -> int | None:
 
 def splits_for(n: int, k: int, slab: int = SLAB, rows: int | None = None) -> int | None:
     """The split of K for a [n, k] weight: the least that gives 256 programs or more (two a
-    multiprocessor of an H100 or H200), else the one that gives the most; splits into power-of-two
+    multiprocessor of a Hopper GPU), else the one that gives the most; splits into power-of-two
     slices first, whose tiles have no masked columns, then any (a tile of 2,560 is 4,096 wide).
     None where none fits."""
     for whole_tiles in (True, False):
@@ -263,8 +258,8 @@ def gemv(
         PROLOGUE=prologue,
         BLOCK_N=block_n,
         PRELOAD=preload,
-        # on an H200, 8 warps instead of 4 made the batch-1 decode graph 2.2% slower with Qwen3-0.6B's
-        # shapes (16 warps 6%) and 0.5% faster with Qwen3-8B's (2.3% slower with their norms inside)
+        # 8 or 16 warps made the batch-1 decode graph slower with the norms inside the GEMVs
+        # (BENCHMARKS.md, "One sequence", tried and not taken)
         num_warps=4,
         **pdl.launch_options(x.device),
     )

@@ -2,9 +2,9 @@
 
 Copied in with torch, a decode step's inputs took a dozen small kernels before the graph replay:
 one copy a buffer, the padding rows' fills, and five elementwise ops that swap the placeholder ids
-(-(k + 1): the previous step's k-th sample, not yet on the host) for the samples. Each is a
-kernel of 1-2.5 µs on a GPU that has nothing else to do then: about 16 µs a step at batch 256 on
-an H200, where this kernel takes 2.5. Here one program a row does all of it: the batch's rows get
+(-(k + 1): the previous step's k-th sample, not yet on the host) for the samples, each a launch
+on a GPU that has nothing else to do then, which together took several times what one kernel
+takes (BENCHMARKS.md, "Why the defaults are what they are"). Here one program a row does all of it: the batch's rows get
 their token (placeholders resolved), position, slot, lengths and block table; padding rows up to
 the graph's batch get no keys and no slot.
 

@@ -1,12 +1,10 @@
 """RMSNorm over the hidden size, with or without the residual add before it, as one Triton kernel.
 
 A decode step runs two of these a layer on a few hundred kilobytes each, so their cost is launch
-and latency; torch.compile's kernel for the same code takes about 2 µs at 256 tokens and reads a
-16k-token prefill chunk at about half the bandwidth (scripts/microbench_gpu.py). One program
-normalizes one row, with a warp for every 128 values of its width (4 to 16): at one sequence the
-step waits on that single program's loads, and on an H200 8 warps instead of 4 made the decode
-graphs 1.4-2.2% faster with Qwen3-0.6B shapes (1,024 wide), 16 by 1.7-2.0% with Qwen3-8B's
-(4,096); 2 warps were slower.
+and latency, and torch.compile's kernel for the same code is slower at both and reads a large
+prefill chunk well below the bandwidth. One program normalizes one row, with a warp for every 128
+values of its width (4 to 16): at one sequence the step waits on that single program's loads, which
+more warps issue sooner (BENCHMARKS.md, "Why the defaults are what they are").
 
 The rounding follows layers.rms_norm and layers.add_rms_norm: the sum x + residual is kept in
 float32 for the norm and rounded to the model dtype as the new residual; the normalized values are

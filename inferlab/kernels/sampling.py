@@ -10,8 +10,8 @@
    vocabulary) for the token where the running sum crosses.
 
 The Gumbel-max kernel it replaced drew a hashed uniform and took two logarithms an element and
-was bound by arithmetic: 49 against 32 µs for 256 rows of 151,936 on an H200, where reading the
-logits takes 18.
+was bound by arithmetic rather than by reading the logits (BENCHMARKS.md, "Why the defaults are
+what they are").
 
 The token depends on float32 sums, so it may differ from the float64 reference (the default
 sampler's inverse_transform_reference) where u lands within rounding of a boundary between two

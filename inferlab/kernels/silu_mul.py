@@ -1,9 +1,8 @@
 """SiLU(gate) * up over the fused gate/up projection's output, as one Triton kernel.
 
 torch.compile's kernel for the same expression (compiled with dynamic shapes, so the split point
-of x is symbolic) reads at about a third of the bandwidth on an H200: 196 µs where 72 µs would
-do for a 16k-token prefill, 4.2 µs for a 256-sequence decode step (scripts/microbench_gpu.py).
-Here each program covers one contiguous span of one row, so loads and stores vectorize.
+of x is symbolic) reads far below the bandwidth (BENCHMARKS.md, "Why the defaults are what they
+are"). Here each program covers one contiguous span of one row, so loads and stores vectorize.
 
 The rounding follows F.silu(gate) * up in the model dtype: SiLU is rounded before the product.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""

@@ -6,16 +6,15 @@ only a few dozen column blocks, so a few dozen of the GPU's 132 multiprocessors 
 Splitting K fills the others, but the partial sums then need adding, and a separate reduction
 kernel costs what the split saves (cuBLAS adds one of its own at these sizes). Here each program
 stores its fp32 partial [BLOCK_M, BLOCK_N] tile into partials[split], and the add + RMSNorm kernel
-that reads the projection's output anyway (rms_norm.py) sums them as it loads.
-Measured on an H200: with cold weights at 8 to 64 tokens, 4.2-6.0 µs for the partials against
-cuBLAS's 6.0-8.1 µs; in the model, up to 256 tokens, the 28-layer decoder stack 1.2% (256
-sequences) to 6.6% (30) faster, and the bench 3.3%.
+that reads the projection's output anyway (rms_norm.py) sums them as it loads, which is faster
+than cuBLAS at these sizes, for the decoder stack and for the bench (BENCHMARKS.md, "Why the
+defaults are what they are").
 
 A wide projection (Qwen3-8B's o_proj and down_proj: 4,096 outputs, 128 column blocks) fills the
 GPU with one program a multiprocessor, each streaming a deep slice of K; at up to 64 tokens a split
 in two gives each multiprocessor two programs, half as deep, and its partials replace cuBLAS's
-split-K GEMM and reduction kernel: on an H200 the decode graphs of 1-32 sequences were 2.5-4.0%
-faster and one sequence 2-4%, at 64 sequences 1.3-2.0%; splits of 3, 4 and 8 were slower.
+split-K GEMM and reduction kernel, which shortens small decode batches' graphs; splits of 3, 4 and
+8 were slower.
 
 The sum of the partials is the product in float32, rounded once by the norm kernel, where cuBLAS
 rounds the product to the model dtype before the residual add: both are the projection to within
@@ -23,8 +22,8 @@ one rounding.
 
 Unsplit, the same kernel serves the wide projections (qkv_proj, gate_up_proj) of batches of up to
 64 tokens (`linear`): there it gains nothing from its tiling but from its PDL launch, which lets
-it start while the kernel before it drains; the decoder stack is 1.8% faster at 30 and 63
-sequences, and it loses to cuBLAS above 64.
+it start while the kernel before it drains, which makes the decoder stack faster up to 64 tokens;
+above, cuBLAS is faster.
 Imported only where it runs: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
 
 from typing import NamedTuple
@@ -52,9 +51,9 @@ MIN_DEEP_SPLIT = 2048
 def plan(n: int, k: int, num_tokens: int = 1) -> SplitKPlan | None:
     """The tiling for num_tokens rows against a [n, k] weight, in whole 128-wide K steps: 32 columns
     and a split of 4 (or 2) for up to 64 rows, 64 columns and a split of 2 above 128 (the fastest
-    of 32/64 columns, 128/256-wide K steps and splits of 1, 2, 4 at 8, 64 and 256 rows on an H200);
+    of 32/64 columns, 128/256-wide K steps and splits of 1, 2, 4 at 8, 64 and 256 rows);
     between them 32 columns and a split of 2, which gives 65-128 rows (two row blocks) as many
-    programs as 256 rows get and made the decoder stack 1.1-1.7% faster at 71-126 sequences. A
+    programs as 256 rows get, and made the decoder stack faster there. A
     weight wide enough to fill the GPU with column blocks is split in two up to 64 rows where K is
     deep (see the module's docstring), and not above. None where a split does not pay or does not
     divide (then use a plain GEMM)."""
@@ -130,7 +129,7 @@ def _split_k_kernel(
 def wide_plan(n: int, k: int) -> SplitKPlan | None:
     """The tiling of the same kernel unsplit, for a weight too wide to gain from a split (qkv_proj,
     gate_up_proj): 32 columns a program up to 4,096 outputs, 64 above, 128-wide K steps (the
-    fastest tilings at 8 and 64 tokens on an H200). None where they do not divide."""
+    fastest tilings at 8 and 64 tokens). None where they do not divide."""
     block_n = 32 if n <= 4096 else 64
     if n % block_n or k % 128:
         return None

@@ -193,7 +193,7 @@ async def disconnected(receive) -> None:
         pass
 
 
-# Tokenizers take about 0.7 us a character and release the GIL: past this many characters a
+# Tokenizing takes time in proportion to the text and releases the GIL: past this many characters a
 # request is tokenized on a worker thread, so that one huge prompt does not stall every other
 # stream for seconds; below it the hand-over to a thread would cost more than the work.
 TOKENIZE_ON_THREAD_CHARS = 8192

@@ -65,7 +65,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """A socket listening on host:port (port 0: any free one), made as socket.create_server makes
     one but with TCP's protocol number instead of 0: asyncio turns Nagle's algorithm off only on
     the connections of such a socket, and with it on a stream's first chunk after the headers
-    waited for the client's delayed ACK (about 40 ms)."""
+    waited for the client's delayed ACK."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
@@ -153,9 +153,8 @@ class InferenceServer:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        # anyio loads its asyncio backend on first use, which would be the first streamed
-        # response's: on the CPU a fresh server's first request got its first chunk 28-39 ms after
-        # sending it, 15-18 ms with the backend loaded here (later requests 5-8 ms)
+        # anyio loads its asyncio backend on first use, which would otherwise delay a fresh server's
+        # first streamed response
         await anyio.lowlevel.checkpoint()
         self.engine_loop.start(asyncio.get_running_loop())
         try:

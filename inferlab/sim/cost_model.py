@@ -113,8 +113,8 @@ class MeasuredCostModel:
         self.host_floor_s, self.prefill_coefficients = fit_with_floor(rows, context, np.array([t for _, t in mixed]))
         # Replayed from a CUDA graph, the same terms (per token: the graph's size, padding included)
         # with coefficients of their own and no host floor (the eager fit's device part where the
-        # profile measured too few such steps), fitted to relative errors: these steps take 1-20 ms,
-        # and the small ones are the common ones.
+        # profile measured too few such steps), fitted to relative errors: these steps' times span
+        # more than a decade, and the small ones are the common ones.
         graphed = [(s, t) for s, t in shapes if s.prefill_tokens and s.graph]
         self.graph_prefill_coefficients = self.prefill_coefficients
         if len(graphed) >= MIN_GRAPH_PREFILL_MEASUREMENTS:

@@ -19,8 +19,8 @@ from inferlab.sim.cost_model import HostLaunchModel, MeasuredCostModel, Roofline
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 FORMAT = 1
-# Devices a roofline profile can be made for without measuring: rates measured on the lent H200
-# (BENCHMARKS.md, "The floor"), the middle of the machines' range, and its memory.
+# Devices a roofline profile can be made for without measuring: the middle of the measured machines'
+# rates (BENCHMARKS.md, "The floor") and the card's memory.
 KNOWN_DEVICES = {
     "h200": {"name": "NVIDIA H200", "bandwidth": 4.18e12, "matmul_rate": 7.65e14, "memory_bytes": 150_000_000_000},
 }

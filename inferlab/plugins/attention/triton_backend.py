@@ -33,17 +33,17 @@ def import_kernels():
 @dataclass
 class TritonOptions:
     """The backend's tuning knobs, typed for Hydra (`attention=triton attention.decode_block_n=64`).
-    Tile sizes left at None take 32 tokens x 32 keys (prefill: 9-12% faster than 64 x 64 on a
-    bench prefill chunk on an H200) and 128 keys (decode), or 16 in Triton's interpreter;
+    Tile sizes left at None take 32 tokens x 32 keys (prefill: faster than 64 x 64 on a bench
+    prefill chunk) and 128 keys (decode), or 16 in Triton's interpreter;
     min_split_len None takes 256 (16 in the interpreter)."""
 
     block_m: int | None = None
     block_n: int | None = None
     decode_block_n: int | None = None
     min_split_len: int | None = None
-    # Defaults from scripts/microbench_gpu.py over the bench workload's decode batches on an H200:
-    # 128-key tiles, 3 stages and 4 warps were the fastest of 60 configurations; with the
-    # sequence-major grid and longest-first order, 8 programs per SM reach 95% of the K/V floor.
+    # The fastest of the configurations tried over the bench workload's decode batches (BENCHMARKS.md,
+    # "Why the defaults are what they are"): 128-key tiles, 3 stages, 4 warps, and 8 programs per SM
+    # with the sequence-major grid and longest-first order.
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     decode_programs_per_sm: int = 8
@@ -51,10 +51,10 @@ class TritonOptions:
     # last wave holds short programs) or "batch" (the batch's order).
     decode_order: str = "longest_first"
     # In a step with prefill, the decodes run through the split decode kernel when the longest holds
-    # at least this many tokens; shorter ones stay in the prefill kernel. On an H200 (0.6B shapes) the
-    # split saved 2-16 ms a step beside 16k-24k-token decodes, and cost 2-5 ms of host time where
-    # decodes of 1k tokens rode along a prompt (two more launches a layer; such steps are bound by
-    # the host's launches, and the prefill kernel takes a 1k-token decode in 32 tiles).
+    # at least this many tokens; shorter ones stay in the prefill kernel. The split pays beside long
+    # decodes, which the prefill kernel walks in one program each, and costs host time where short
+    # ones ride along a prompt (two more launches a layer, in steps bound by the host's launches;
+    # the prefill kernel takes a 1k-token decode in 32 tiles).
     mixed_decode_split_len: int | None = None  # None takes 8192 (16 in the interpreter)
     # Decode steps start from the QKV projection's output where the model hands it over
     # (DecodesFromQKV; inferlab's decoder does after its one-token GEMVs): the split decode kernel
@@ -93,9 +93,8 @@ class TritonBackend:
     name = "triton"
     supports_cuda_graphs = True
     supports_prefill_graphs = True  # the prefill kernel's flat grid follows the buffers' sizes
-    # First on CUDA: over the bench workload's decode batches on an H200 its decode reads K/V at 95%
-    # of the memory bandwidth where flash-attn's reaches 82%. Never auto on CPU, where Triton runs
-    # only in its interpreter.
+    # First on CUDA: its decode reads K/V nearer the memory bandwidth than flash-attn's over the
+    # bench workload's decode batches. Never auto on CPU, where Triton runs only in its interpreter.
     auto_priority = {"cuda": 30}
 
     def __init__(

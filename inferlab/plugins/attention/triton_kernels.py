@@ -480,7 +480,7 @@ def _decode_reduce_kernel(
     partial = partial_out_ptr + seq * partial_stride_seq + head * partial_stride_head
     dims = tl.arange(0, HEAD_DIM)
     # Each branch loads and sums the weights itself: hoisted above the branch, ahead of the parts'
-    # load, they made 16 sequences' split decode 0.5% slower on an H200 (benchmarks/reduce-merge-24a28e0.log).
+    # load, they made the split decode of mid-sized batches slower (BENCHMARKS.md, tried and not taken).
     if SPLITS_POW2 <= CHUNK:  # the weights and the parts in one round trip
         splits = tl.arange(0, SPLITS_POW2)
         mask = splits < used

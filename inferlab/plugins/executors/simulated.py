@@ -119,7 +119,8 @@ class RealTimeClock:
     def advance_to(self, t: float) -> None:
         thread = threading.get_ident()
         if thread not in self.precise_sleeps and sys.platform == "linux":
-            # Linux lets a thread's sleep end up to 50 us late, about a tenth of a small decode step.
+            # Linux lets a thread's sleep end up to its timer slack late (50 us unless set), a visible
+            # share of a small decode step.
             ctypes.CDLL(None).prctl(self.PR_SET_TIMERSLACK, 1000, 0, 0, 0)
             self.precise_sleeps.add(thread)
         remaining = t - perf_counter()

@@ -16,8 +16,8 @@ NO_BLOCKS: list[int] = []  # the table of a request holding none; never changed
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
-    # Python's tuple hash (xxHash's mixing, over ints that hash to themselves) in C, three times
-    # faster than packing the tokens for the xxhash package; it needs only spread, since a hit is
+    # Python's tuple hash (xxHash's mixing, over ints that hash to themselves) in C, without the
+    # tokens' packing the xxhash package would need; it needs only spread, since a hit is
     # confirmed on the tokens themselves.
     return hash((parent, *tokens))
 

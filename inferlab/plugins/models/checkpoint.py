@@ -115,8 +115,8 @@ class CheckedSlice:
                 f"weights must be one of {[str(d).replace('torch.', '') for d in FLOAT_DTYPES]}"
             )
         value = value.to(device=self.device, dtype=self.dtype)
-        # A NaN or infinity makes the sum non-finite; one summing pass is 30x faster on CPU than
-        # isfinite(value).all(). Only a sum that is not finite is checked element by element, as
+        # A NaN or infinity makes the sum non-finite; one summing pass is far cheaper on CPU than
+        # isfinite(value).all(), which builds a mask the size of the weight. Only a sum that is not finite is checked element by element, as
         # finite values may also overflow it.
         if not torch.isfinite(value.sum()):
             count = int((~torch.isfinite(value)).sum())

@@ -85,10 +85,10 @@ class Attention(nn.Module):
     def attend(self, positions, qkv, kv_cache, rotary, attn_metadata, after_gemv=False):
         """Attention over the QKV projection's output: [T, heads * head_dim], o_proj's input.
         after_gemv: the projection ran as a GEMV (one token), and the backend may then take its
-        rows as they are (DecodesFromQKV): on an H200 the batch-1 decode graph took 648 against
-        666 µs with the q/k kernel (Qwen3-0.6B shapes). Not after the GEMMs of larger batches,
-        where the decode graphs of 8-64 sequences were 5-16% slower (the attention kernel,
-        launched early under PDL, likely held multiprocessors the GEMM's later waves needed)."""
+        rows as they are (DecodesFromQKV), one kernel fewer than the q/k kernel's path. Not after
+        the GEMMs of larger batches, whose decode graphs it made slower (the attention kernel,
+        launched early under PDL, likely held multiprocessors the GEMM's later waves needed;
+        BENCHMARKS.md, "One sequence")."""
         if after_gemv and self.decodes_from_qkv and self.backend.decodes_qkv(attn_metadata):
             norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             out = self.backend.decode_qkv(
@@ -257,25 +257,23 @@ class DecoderOptions:
     # Batches of at most this many tokens run o_proj and down_proj as split-K Triton GEMMs whose
     # partial sums the next RMSNorm kernel adds up (kernels/split_k_gemm.py), on one GPU, with the
     # Triton kernels, where the projection's shape gains (narrow ones up to 256 tokens, wide and
-    # deep ones such as Qwen3-8B's up to 64). 0: cuBLAS always. On an H200 the bench (0.6B) ran
-    # 3.3% faster with 256 (every decode step) than with 0, and 1.5% with 64.
+    # deep ones such as Qwen3-8B's up to 64). 0: cuBLAS always. 256 (every decode step of the bench)
+    # made the bench faster than 64 or 0 (BENCHMARKS.md, "Why the defaults are what they are").
     split_k_tokens: int = 256
     # Batches of at most this many tokens run qkv_proj and gate_up_proj through our Triton GEMM
     # (kernels/split_k_gemm.py's linear, launched with PDL) instead of cuBLAS, with the Triton
-    # kernels. 0: never. On an H200 64 made the decoder stack 1.8% faster at 30 and 63 sequences
-    # and the bench 0.4%, within its noise; 128 was 1.8% slower at 126.
+    # kernels. 0: never. Above 64, cuBLAS is faster (BENCHMARKS.md, "Why the defaults are what they
+    # are").
     triton_gemm_tokens: int = 64
     # A single token (one sequence's decode step) runs each layer's projections as GEMVs
     # (kernels/gemv.py, DecoderLayer.forward_gemv) where it can: on one GPU, with the Triton
     # kernels, no projection with a bias. gemv_fused: the norms and SiLU*mul formed inside the GEMVs
     # instead of kernels of their own; None: where the row that every program then reads (the
     # previous projection's output, the residual and the norm's weight) is no larger than two of
-    # its weight slabs. On an H200 the batch-1 decode graph took 649-651 µs against 855 for the
-    # Triton GEMMs with Qwen3-0.6B shapes (fused: a 16 KB row), and 3,743 with Qwen3-8B's (fused:
-    # o_proj and down_proj unsplit, a 24 KB row) against 3,976 not fused and 4,176 fused with
-    # down_proj split 3 ways (a 64 KB row; the Triton GEMMs also took 4,176). gemv_preload=false
-    # reads the weights after the PDL wait. With 0.6B shapes at 8 warps, 684 µs; not fused 762,
-    # reading after the wait 743.
+    # its weight slabs (Qwen3-0.6B's 16 KB row; Qwen3-8B's 24 KB with o_proj and down_proj unsplit,
+    # where down_proj split 3 ways left a 64 KB row that made fusing slower). gemv_preload=false
+    # reads the weights after the PDL wait. Each default was the fastest form of one sequence's
+    # decode step (BENCHMARKS.md, "One sequence").
     gemv_decode: bool = True
     gemv_fused: bool | None = None
     gemv_preload: bool = True
