@@ -391,8 +391,6 @@ def compiled_variants() -> dict[str, int]:
     """How many variants of each of inferlab's Triton kernels are compiled so far, and how many
     graphs torch.compile has built: a count that grows inside a timed run means the run paid for a
     compilation that its warm-up did not cover."""
-    import sys
-
     counts = {}
     for module_name, module in list(sys.modules.items()):
         if not module_name.startswith("inferlab.") or module is None:
@@ -559,16 +557,12 @@ def print_table(records: list[dict]) -> None:
 
 
 def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
+    except OSError:
         return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def main(argv=None):
