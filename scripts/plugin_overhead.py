@@ -35,6 +35,9 @@ class StubHandle:
     def placeholders(self):
         return self.tokens()
 
+    def logprobs(self):
+        return None
+
 
 def stub_forward(llm: LLM) -> LLM:
     llm.runner.launch = StubHandle

@@ -370,7 +370,7 @@ def test_a_bearer_token_is_required_when_a_key_is_set(server):
         ("/v1/completions", {"prompt": "x", "top_k": 0}, "top_k"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
@@ -706,11 +706,11 @@ def test_updates_of_several_steps_reach_a_stream_as_one_chunk_per_choice(server)
         generation = Generation(Loop(), [Prompt(prompt, params), Prompt(prompt, params)], tokenizer)
         await generation.start()
         generation.stream.items += [
-            (1, output[:1], None),
-            (0, output[:2], None),
-            (0, output[2:5], None),
-            (1, output[1:], Finish("length")),
-            (0, output[5:], Finish("length")),
+            (1, output[:1], None, None, None),
+            (0, output[:2], None, None, None),
+            (0, output[2:5], None, None, None),
+            (1, output[1:], Finish("length"), None, None),
+            (0, output[5:], Finish("length"), None, None),
         ]
         generation.stream.ready.set()
         return [deltas async for deltas in generation]

@@ -192,7 +192,6 @@ def test_405_names_the_allowed_methods(server, method, path, allow):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        ("/v1/completions", "logprobs", 0),  # 0 asks for the sampled token's logprob: not "no logprobs"
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "skip_special_tokens", False),
         ("/v1/completions", "include_stop_str_in_output", True),

@@ -95,6 +95,27 @@ def test_seeded_sampling_equals_one_rank(engine, request):
     assert llm.generate(prompts, params, use_tqdm=False) == one_rank.generate(prompts, params, use_tqdm=False)
 
 
+def test_logprobs_and_penalties_on_two_ranks_equal_one_rank(untied):
+    """Chunked prompts whose first chunks only score prompt tokens (no row samples: rank 0 then
+    broadcasts nothing), logprobs of the sampled distribution, penalties and logit_bias."""
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2, presence_penalty=0.5,
+        logit_bias={5: 2.0},
+    )  # fmt: skip
+    prompts = prompts_of([50, 9], start=3)
+    outputs = untied.generate(prompts, params, use_tqdm=False)
+    one_rank = LLM(untied.model_path, **{**SETTINGS, "max_num_batched_tokens": 24}).generate(
+        prompts, params, use_tqdm=False
+    )
+    for got, expected in zip(outputs, one_rank):
+        assert got["token_ids"] == expected["token_ids"]
+        for key in ("logprobs", "prompt_logprobs"):
+            for a, b in zip(got[key], expected[key]):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+
+
 def test_an_fp8_cache_on_two_ranks_equals_one_rank(checkpoint):
     """Each rank holds its KV heads' share of the cache in fp8, rounded as on one rank."""
     fp8 = {**SETTINGS, "kv_cache_dtype": "fp8"}

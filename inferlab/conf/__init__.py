@@ -111,6 +111,7 @@ class ServeConfig:
     api_key: str | None = None  # the bearer token /v1/ requires; None: $INFERLAB_API_KEY, or none
     model_name: str | None = None  # the name clients send as `model`; None: the checkpoint directory's name
     max_queued_requests: int | None = 1024  # requests waiting for admission; past it, 429; None: no limit
+    max_n: int = 16  # the most choices (n) one request may ask for; more: 400
     shutdown_timeout_s: float = 10.0  # after SIGINT/SIGTERM, streams may finish for this long, then are aborted
     log_level: str = "info"  # uvicorn's
     # Python's GIL switch interval while serving (its default is 5 ms): the longest the engine's

@@ -42,8 +42,9 @@ class StepInputs:
     small enough to send to the workers each step. T new tokens of B sequences, S of which sample;
     block tables W wide."""
 
-    # int64: input ids [T], positions [T], slot mapping [T], logits indices [S], and the sampling
-    # sequences' lengths [S] (the index of the token each samples)
+    # int64: input ids [T], positions [T], slot mapping [T], logits indices [S + Q], the sampling
+    # sequences' lengths [S] (the index of the token each samples), then the prompt tokens the Q
+    # prompt rows score [Q]
     longs: np.ndarray
     ints: np.ndarray  # int32: query start [B+1], seq lens [B], context lens [B], block tables [B*W]
     num_tokens: int  # T
@@ -56,6 +57,11 @@ class StepInputs:
     max_decode_seq_len: int
     is_decode: bool
     has_placeholders: bool  # some input ids stand for the previous step's samples
+    # Prompt tokens whose log-probabilities this step computes (requests asking for
+    # prompt_logprobs): Q more rows of logits indices after the S sampling ones, and for each such
+    # request (its index in the batch, the position of the first prompt token it scores, how many)
+    num_prompt_rows: int = 0
+    prompt_spans: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -107,3 +113,25 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    adjustments: "LogitsAdjustments | None" = None  # None: no row's logits change before sampling
+
+
+@dataclass(slots=True)
+class LogitsAdjustments:
+    """Changes to some rows' logits before temperature and filters (SamplingParams' penalties,
+    logit_bias, min_tokens and grammar constraints), as flat index tensors over those R rows, so
+    that a sampler applies them in a few vectorized operations. Positions in `rows` index the
+    other tensors; a flat index is position * vocab + token id."""
+
+    rows: torch.Tensor  # int64 [R]: the batch rows these concern
+    presence: torch.Tensor  # float32 [R]: presence_penalty
+    frequency: torch.Tensor  # float32 [R]: frequency_penalty
+    repetition: torch.Tensor  # float32 [R]: repetition_penalty (1: none)
+    output_tokens: torch.Tensor  # int64: flat indices of every generated token, repeated as often as generated
+    prompt_tokens: torch.Tensor  # int64: flat indices of prompt tokens (repetition_penalty counts them as seen)
+    bias_index: torch.Tensor  # int64: flat indices that logit_bias moves
+    bias: torch.Tensor  # float32: by how much
+    banned: torch.Tensor  # int64: flat indices set to -inf (EOS and stop ids before min_tokens)
+    allowed_rows: torch.Tensor | None = None  # int64 [C]: positions (in `rows`) of constrained rows
+    allowed: torch.Tensor | None = None  # int32 [C, ceil(vocab / 32)]: bit t % 32 of word t // 32 set if allowed
+    any_penalty: bool = True  # some row has a presence, frequency or repetition penalty

@@ -51,6 +51,10 @@ class EngineConfig:
     # "tensor_parallel", or "simulated" (a step-cost model on a virtual clock stands in for the device)
     executor: str = "real"
     executor_options: dict = field(default_factory=dict)
+    # Which values SamplingParams.logprobs reports, as vLLM's logprobs_mode: the log-probabilities or
+    # logits of the distribution each token was drawn from ("processed_*": after penalties, logit
+    # bias, constraints, temperature and filters) or of the model's own ("raw_*").
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self):
         for name in (
@@ -98,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
@@ -116,3 +122,4 @@ def _is_number(value) -> bool:
 
 
 DTYPES = {"auto", "float32", "float16", "bfloat16"}
+LOGPROBS_MODES = ("processed_logprobs", "processed_logits", "raw_logprobs", "raw_logits")

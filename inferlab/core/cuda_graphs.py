@@ -215,7 +215,10 @@ SAMPLING_GRAPH_KINDS = ("greedy", "sampled")
 
 
 def sampling_graph_kind(params: SamplingTensors) -> str | None:
-    """Which of SAMPLING_GRAPH_KINDS a batch with these settings replays, or None (eager)."""
+    """Which of SAMPLING_GRAPH_KINDS a batch with these settings replays, or None (eager): rows
+    whose logits are adjusted (penalties, logit_bias, min_tokens, constraints) sample eagerly."""
+    if params.adjustments is not None:
+        return None
     if params.all_greedy:
         return "greedy"
     if params.any_top_k or params.any_top_p or params.any_min_p:

@@ -22,9 +22,17 @@ from inferlab.core import interrupts
 from inferlab.core.config import EngineConfig
 from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry, validated_options
-from inferlab.core.protocols import AdmissionCost, PrefixCacheReset
-from inferlab.core.request import Request
-from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.protocols import (
+    AdmissionCost,
+    LogitsProcessingSampler,
+    LogprobsSampler,
+    PrefixCacheReset,
+    SamplesLogits,
+    StructuredOutputSampler,
+    TokenConstraint,
+)
+from inferlab.core.request import Request, RequestStatus
+from inferlab.core.sampling_params import SEED_LIMIT, SamplingParams
 from inferlab.core.scheduler import Scheduler, SchedulerStallError
 
 log = logging.getLogger("inferlab")
@@ -231,6 +239,17 @@ class LLMEngine:
         self.overlap = runner.runs_ahead if overlap is None else bool(overlap)
         self.pending = None  # (tokens advance appended, StepHandle) of the step launched last, under overlap
         self.unreported: list[Request] = []  # finished, for the next step to report (a step that raised could not)
+        # Leaders of n > 1 choices whose prompt is not computed yet: their other choices wait here, out
+        # of the scheduler, so that they reuse its prefill through the prefix cache.
+        self.held: list[Request] = []
+        # Pending requests with a TokenConstraint: while there are any, each step's tokens are read
+        # before the next is scheduled (the next mask needs them), so steps do not overlap.
+        self.constrained: set[int] = set()
+        # the sampler whose capabilities decide what requests may ask beyond plain sampling (None: the
+        # runner computes no logits)
+        samples = isinstance(runner, SamplesLogits)
+        self.sampler = runner.sampler if samples else None
+        self.reads_logprobs = samples  # its handles are LogprobsStepHandles
         log.info("engine ready in %.1f s", perf_counter() - started)
 
     # -- requests -----------------------------------------------------------------------------
@@ -278,19 +297,68 @@ class LLMEngine:
         # Drawn before the cache check, so other requests' seeds do not depend on the cache size.
         seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(32)
         self.check_fits_cache(len(token_ids), params)
-        request_id = self.next_request_id
-        self.next_request_id += 1
-        return Request(
-            request_id,
-            token_ids,
-            params,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            priority=priority,
-            metadata=metadata,
-            eos_token_id=self.eos_token_id,
-            max_model_len=max_len,
-            seed=seed,
-        )
+        new_constraint = self.constraint_factory(params)
+        arrival_time = self.clock() if arrival_time is None else arrival_time
+        choices = []
+        for index in range(params.n):
+            request = Request(
+                self.next_request_id + index,
+                token_ids,
+                params,
+                arrival_time=arrival_time,
+                priority=priority,
+                metadata=metadata,
+                eos_token_id=self.eos_token_id,
+                max_model_len=max_len,
+                seed=(seed + index) % SEED_LIMIT,
+            )
+            request.index = index
+            if params.logprobs is not None:
+                request.logprobs = []
+            if new_constraint is not None:
+                request.constraint = new_constraint()
+            choices.append(request)
+        self.next_request_id += params.n
+        leader = choices[0]
+        if params.prompt_logprobs is not None:  # the first choice's: the others take its prefill from the cache
+            leader.prompt_logprobs = [None]
+        if params.n > 1:
+            leader.choices = choices
+            for choice in choices[1:]:
+                choice.leader = leader
+        return leader
+
+    def constraint_factory(self, params: SamplingParams):
+        """Checks that the sampler can do what params ask beyond plain sampling (ValueError naming
+        what it lacks), and returns the factory of each choice's TokenConstraint, or None."""
+        sampler, name = self.sampler, self.config.sampler
+        wants_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        if sampler is None and (wants_logprobs or params.penalized or params.constrained):
+            raise ValueError(
+                f"executor {self.config.executor!r} computes no logits: logprobs, penalties, logit_bias, min_tokens "
+                f"and constraints are not available with it"
+            )
+        lacking = None
+        if params.logprobs is not None and not isinstance(sampler, LogprobsSampler):
+            lacking = "logprobs (it does not implement LogprobsSampler)"
+        elif (params.penalized or params.constrained) and not isinstance(sampler, LogitsProcessingSampler):
+            lacking = (
+                "penalties, logit_bias, min_tokens and constraints (it does not implement LogitsProcessingSampler)"
+            )
+        elif params.structured_outputs is not None and not isinstance(sampler, StructuredOutputSampler):
+            lacking = "structured_outputs (it does not implement StructuredOutputSampler)"
+        if lacking is not None:
+            raise ValueError(f"sampler {name!r} does not support {lacking}")
+        vocab = self.hf_config.vocab_size
+        if params.logit_bias is not None and max(params.logit_bias) >= vocab:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)[:10]
+            raise ValueError(f"logit_bias: token ids {bad} are outside the vocabulary: ids must be in [0, {vocab})")
+        if params.structured_outputs is not None:
+            return sampler.compile_constraint(params.structured_outputs, self.tokenizer, vocab)
+        if params.constraint is not None:
+            made = params.constraint
+            return lambda: checked_constraint(made())
+        return None
 
     def check_fits_cache(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raises RequestTooLargeError when the request alone would need more KV than the whole
@@ -326,10 +394,32 @@ class LLMEngine:
         return request.request_id
 
     def _add(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        """Queues a request made by make_request: its first choice, while the others wait for its
+        prefill (held)."""
+        for choice in request.choices or (request,):
+            self.requests[choice.request_id] = choice
+            if choice.constraint is not None:
+                self.constrained.add(choice.request_id)
         self.scheduler.add(request)
         if self.admission_cost is not None:
             self.admission_cost(request)
+        if request.choices:
+            self.held.append(request)
+
+    def _release_choices(self) -> None:
+        """Queues, in front, the other choices of leaders whose prompt is computed (their full
+        blocks are in the prefix cache now) or that finished."""
+        held = []
+        for leader in self.held:
+            if leader.num_computed_tokens < leader.num_prompt_tokens and not leader.is_finished:
+                held.append(leader)
+                continue
+            for choice in reversed(leader.choices[1:]):
+                if not choice.is_finished:  # an aborted one was never queued
+                    self.scheduler.add(choice, front=True)
+                    if self.admission_cost is not None:
+                        self.admission_cost(choice)
+        self.held = held
 
     def abort(self, request_id: int) -> bool:
         """Stops a request (waiting, mid-prefill or decoding) and frees everything it holds; its
@@ -340,7 +430,14 @@ class LLMEngine:
 
     def _abort(self, request_id: int) -> bool:
         request = self.requests.pop(request_id, None)
-        if request is None or not self.scheduler.abort(request):
+        self.constrained.discard(request_id)
+        if request is None:
+            return False
+        if request.view is None and request.leader is not None:  # a choice still held back: never queued
+            if request.is_finished:
+                return False
+            request.status, request.finish_reason, request.finish_time = RequestStatus.FINISHED, "abort", self.clock()
+        elif not self.scheduler.abort(request):
             return False
         self.stats.num_aborted_requests += 1
         return True
@@ -352,7 +449,7 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         self.refuse_closed("is_finished")
-        return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported
+        return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported and not self.held
 
     def reset_prefix_cache(self) -> None:
         """Drops the prefix cache's unreferenced blocks, where the KV manager can."""
@@ -403,6 +500,12 @@ class LLMEngine:
 
     def _step(self) -> StepOutput:
         scheduler = self.scheduler
+        if self.constrained and self.pending is not None:
+            self.constrained &= self.requests.keys()  # some may have left without being reported
+            if self.constrained:
+                self._collect(self._resolve_pending())
+        if self.held:
+            self._release_choices()
         batch = scheduler.schedule()
         self.stats.num_preemptions = scheduler.num_preemptions
         if not batch.requests and self.pending is None:
@@ -426,13 +529,13 @@ class LLMEngine:
                 tokens = self._wait(waited) if waited is not None else None
             finished = []
             if pending is not None:
-                finished = scheduler.resolve(pending[0], tokens)
+                finished = self._resolve(pending[0], tokens, pending[1])
                 self.pending = None
             if handle is not None:
                 if self.overlap:
                     self.pending = (scheduler.advance(batch, handle.placeholders()), handle)
                 else:
-                    finished = scheduler.resolve(scheduler.advance(batch, tokens), tokens)
+                    finished = self._resolve(scheduler.advance(batch, tokens), tokens, handle)
         except BaseException:
             # This launch may have replaced the samples that the pending step's placeholders stand
             # for: read that step's tokens now, so that no placeholder outlives the step.
@@ -458,8 +561,30 @@ class LLMEngine:
         if self.pending is None:
             return []
         appended, handle = self.pending
-        finished = self.scheduler.resolve(appended, self._wait(handle))
+        finished = self._resolve(appended, self._wait(handle), handle)
         self.pending = None
+        return finished
+
+    def _resolve(self, appended: list, tokens: list[int | None], handle) -> list[Request]:
+        """scheduler.resolve, then the step's logprobs recorded and its tokens given to the
+        constraints (a constraint that completes ends its sequence with "stop")."""
+        finished = self.scheduler.resolve(appended, tokens)
+        step_logprobs = handle.logprobs() if self.reads_logprobs else None
+        if step_logprobs is not None:
+            record_logprobs(appended, step_logprobs)
+        if self.constrained:
+            for request, _, position in appended:
+                constraint = request.constraint
+                if constraint is None or request.finish_reason in ("abort", "error"):
+                    continue
+                done = advance_constraint(request, request.token_ids[position])
+                if done is None:
+                    continue
+                if not request.is_finished:
+                    self.scheduler.finish(request, done)
+                    finished.append(request)
+                elif done == "error" or request.finish_reason == "length":
+                    request.finish_reason = done  # finished at max_tokens by the token that completes it
         return finished
 
     def _collect(self, finished: list[Request]) -> None:
@@ -474,6 +599,7 @@ class LLMEngine:
         finished = self.unreported
         for request in finished:
             self.requests.pop(request.request_id, None)
+            self.constrained.discard(request.request_id)
         self.unreported = []
         return finished
 
@@ -511,6 +637,16 @@ class LLMEngine:
         }
         if request.finish_reason == "error":
             output["error"] = request.error
+        if request.logprobs is not None:
+            output["logprobs"] = [by_token_id(request.token_ids[request.num_prompt_tokens + i], entry)
+                                  for i, entry in enumerate(request.logprobs)]  # fmt: skip
+        scored = request if request.leader is None else request.leader  # the first choice computed the prompt's
+        if scored.prompt_logprobs is not None:
+            prompt = request.token_ids[: request.num_prompt_tokens]
+            output["prompt_logprobs"] = [
+                None if entry is None else by_token_id(prompt[i], entry)
+                for i, entry in enumerate(scored.prompt_logprobs)
+            ]
         return output
 
     @staticmethod
@@ -563,12 +699,13 @@ class LLMEngine:
         self.stats.num_failed_requests += len(results) - len(requests)
         for request in requests:
             self._add(request)
-        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        choices = [choice for r in requests for choice in (r.choices or (r,))]
+        bar = tqdm(total=len(choices), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         # A request's output (its text decoded) is built when it finishes, while the device still
         # computes the others' tokens, not all at the end with the device idle.
         outputs: dict[int, dict] = {}
-        mine = {r.request_id for r in requests}
+        mine = {r.request_id for r in choices}
         unreported = set(mine)
         others: list[Request] = []  # queued through add_request: the next step() reports them
         try:
@@ -590,7 +727,7 @@ class LLMEngine:
                     bar.set_postfix({"Prefill": f"{int(prefill_rate)}tok/s", "Decode": f"{int(decode_rate)}tok/s"})
                     bar.update(len(finished))
         except BaseException:
-            for request in requests:  # leave the engine usable: drop what this call queued
+            for request in choices:  # leave the engine usable: drop what this call queued
                 if not self._abort(request.request_id):
                     self.requests.pop(request.request_id, None)  # finished in the interrupted step
             self.unreported = [r for r in self.unreported if r.request_id not in mine]
@@ -598,10 +735,16 @@ class LLMEngine:
         finally:
             self.unreported[:0] = others
             bar.close()
-        return [
-            self.error_output(r) if not isinstance(r, Request) else outputs.get(r.request_id) or self.output(r)
-            for r in results
-        ]
+        for request in choices:
+            if request.request_id not in outputs:
+                outputs[request.request_id] = self.output(request)
+        for request in requests:
+            if request.choices:  # n > 1: the first choice's fields, and every choice's
+                outputs[request.request_id] = {
+                    **outputs[request.request_id],
+                    "choices": [outputs[c.request_id] for c in request.choices],
+                }
+        return [self.error_output(r) if not isinstance(r, Request) else outputs[r.request_id] for r in results]
 
     def _request_or_error(self, index: int, args: tuple, raise_on_error: bool) -> Request | str:
         """make_request, with the prompt's index in its error; a request too large for the whole
@@ -637,6 +780,57 @@ class LLMEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def record_logprobs(appended: list, step_logprobs) -> None:
+    """Appends a step's logprobs to its requests: each new output token's (those appended at
+    `position`), and the prompt tokens' scored in it that the request does not hold yet (a
+    preempted request computes its prompt again)."""
+    by_row = step_logprobs.sampled()
+    for request, row, position in appended:
+        entry = by_row.get(row)
+        held = request.logprobs
+        if entry is not None and held is not None and len(held) == position - request.num_prompt_tokens:
+            k = request.params.logprobs
+            held.append((entry[0], entry[1][:k], entry[2][:k]))
+    for request, first, entries in step_logprobs.prompt():
+        held = request.prompt_logprobs
+        skip = -1 if held is None else len(held) - first
+        if 0 <= skip < len(entries):
+            k = request.params.prompt_logprobs
+            held.extend((value, ids[:k], values[:k]) for value, ids, values in entries[skip:])
+
+
+def advance_constraint(request: Request, token: int) -> str | None:
+    """Tells request's constraint the token drawn: "stop" when that completes it, "error" (with
+    request.error saying why) when it refuses the token, raises or failed to fill its mask (a
+    fault of one constraint fails its own request alone), else None."""
+    if request.error is None:
+        try:
+            if not request.constraint.accept_token(token):
+                request.error = f"its constraint refused token {token}"
+            elif request.constraint.is_terminated():
+                return "stop"
+        except Exception as e:
+            request.error = f"its constraint raised {type(e).__name__}: {e}"
+    return None if request.error is None else "error"
+
+
+def by_token_id(token_id: int, entry: tuple[float, list[int], list[float]]) -> dict[int, float]:
+    """One token's logprobs as the library returns them (vLLM's layout): {token id: logprob} of the
+    token itself, then of the top ones in order."""
+    value, top_ids, top_values = entry
+    return {token_id: value, **{i: v for i, v in zip(top_ids, top_values) if i != token_id}}
+
+
+def checked_constraint(constraint) -> TokenConstraint:
+    """What a SamplingParams.constraint factory returned, checked to be a TokenConstraint."""
+    if not isinstance(constraint, TokenConstraint):
+        raise TypeError(
+            f"SamplingParams.constraint returned {type(constraint).__name__}, which is not a TokenConstraint "
+            f"(fill_bitmask, accept_token, is_terminated: see inferlab.core.protocols)"
+        )
+    return constraint
 
 
 def per_prompt(what: str, value, kind, prompts) -> list:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch, StepInputs
+from inferlab.core.batch import AttentionInputs, LogitsAdjustments, SamplingTensors, ScheduledBatch, StepInputs
 from inferlab.core.checkpoint import Checkpoint
 from inferlab.core.config import EngineConfig
 from inferlab.core.cuda_graphs import (
@@ -45,6 +45,10 @@ from inferlab.core.request import Request
 from inferlab.core.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 log = logging.getLogger("inferlab")
+
+# Prompt tokens whose logprobs one LM head call computes: 2,048 rows of a 151,936-token vocabulary
+# take 1.2 GiB of float32 logits.
+PROMPT_LOGITS_ROWS = 2048
 
 # The sampling paths a warm-up step takes (warmup_shapes): argmax, the sampling kernels, and
 # top-k/top-p/min-p filtering before them.
@@ -128,7 +132,10 @@ class ModelRunner:
         log.info("built the model and loaded its weights in %.1f s", perf_counter() - built)
         self.sampler = registry.create("sampler", config.sampler, config, options=config.sampler_options)
         self.last_sampled: torch.Tensor | None = None  # the latest launch's samples, for placeholders
-        self._sampling_cache = None  # (seq ids, SamplingTensors) of the last sampling rows
+        self._sampling_cache = None  # (seq ids, SamplingTensors, logprob rows, adjusted rows) of the last sampling rows
+        # Penalized rows' tokens as int64 arrays, by request id: (prompt, generated tokens known so
+        # far), converted from Python ints once each rather than every step
+        self._penalty_tokens: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # The LM head runs over a step's sampling rows padded to one of these counts
         # (graph_batch_sizes, as the decode graphs' batches), each run once at start-up: cuBLAS costs
         # the host a plan search at each row count new to the process, which made a fresh process's
@@ -512,29 +519,95 @@ class ModelRunner:
         if hidden is None:
             return StepHandle(len(batch), step.sample_rows, None)
         rows = [batch.requests[i] for i in step.sample_rows]
-        params = self.sampling_tensors(rows, uploaded[-1])
-        graphs = self.sampling_graphs
-        replayed = graphs is not None and graphs.sampler is self.sampler and graphs.run(hidden, params)
-        sampled = graphs.tokens[: len(rows)] if replayed else self.sampler(self.logits(hidden), params)
-        self.last_sampled = self.tp.broadcast(sampled.long())  # other ranks' placeholders stand for rank 0's samples
-        handle = StepHandle(len(batch), step.sample_rows, sampled, self.download_stream)
+        num_rows = len(rows)
+        logits = None
+        sampled = logprobs = None
+        replayed = False
+        if rows:
+            params, wanted = self.sampling_tensors(rows, uploaded[-1][:num_rows])
+            graphs = self.sampling_graphs
+            replayed = (
+                graphs is not None
+                and graphs.sampler is self.sampler
+                and wanted is None
+                and not step.num_prompt_rows
+                and graphs.run(hidden, params)
+            )
+            if replayed:
+                sampled = graphs.tokens[:num_rows]
+            else:
+                logits = self.logits(hidden[:num_rows])
+                if wanted is None:
+                    sampled = self.sampler(logits, params)
+                else:
+                    sampled, processed = self.sampler.sample_with_logits(logits, params)
+                    logprobs = self._sample_logprobs(logits, processed, sampled, wanted)
+            # other ranks' placeholders stand for rank 0's samples
+            self.last_sampled = self.tp.broadcast(sampled.long())
+        prompt = None
+        if step.num_prompt_rows:
+            prompt = self._prompt_logprobs(hidden[num_rows:], uploaded[-1][num_rows:], step, batch)
+        extras = None
+        if logprobs is not None or prompt is not None:
+            extras = StepLogprobs(step.sample_rows, logprobs, prompt)
+        handle = StepHandle(len(batch), step.sample_rows, sampled, self.download_stream, extras)
         if replayed:
             graphs.tokens_copied = handle.ready  # the next replay overwrites the samples once they are copied
         return handle
 
+    def _sample_logprobs(self, raw: torch.Tensor, processed: torch.Tensor, sampled: torch.Tensor, wanted) -> tuple:
+        """The sampling rows' logprobs as logprobs_mode says, for the rows that asked: (rows, the
+        sampled tokens' values [m], the top k values [m, k] and their ids [m, k])."""
+        rows, k = wanted
+        mode = self.config.logprobs_mode
+        values = (raw if mode.startswith("raw") else processed)[rows].float()
+        if mode.endswith("logprobs"):
+            values = values.log_softmax(dim=-1)
+        chosen = values.gather(1, sampled[rows].long()[:, None])[:, 0]
+        top_values, top_ids = values.topk(k, dim=-1) if k else (values[:, :0], sampled[rows, None][:, :0].long())
+        return rows, chosen, top_values, top_ids
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, step: StepInputs, batch) -> tuple:
+        """The raw logprobs of the prompt tokens this step scores (hidden: their rows; each scores
+        its next token, `targets`), with the top k of the most any request in the step asked for:
+        (spans as (request, first position, count), values [q], top values [q, k], top ids [q, k])."""
+        spans = [(batch.requests[i], first, count) for i, first, count in step.prompt_spans]
+        k = max(request.params.prompt_logprobs for request, _, _ in spans)
+        parts = []
+        for start, logits in self.prompt_logits(hidden):
+            values = logits.float().log_softmax(dim=-1)
+            chosen = values.gather(1, targets[start : start + len(values), None])[:, 0]
+            parts.append((chosen, *values.topk(k, dim=-1)))
+        chosen, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
+        return spans, chosen, top_values, top_ids
+
+    def prompt_logits(self, hidden: torch.Tensor):
+        """(first row, logits) of hidden's rows, PROMPT_LOGITS_ROWS at a time: a long prompt's
+        logits at once would take gigabytes. Every tensor-parallel rank runs the same chunks."""
+        for start in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
+            yield start, self.logits(hidden[start : start + PROMPT_LOGITS_ROWS])
+
     @torch.inference_mode()
     def follow(self, step: StepInputs) -> None:
-        """A worker rank's part of a step that rank 0 launches: the forward pass, then rank 0's
-        samples, which the next step's placeholders stand for."""
-        if self.forward_logits(step) is not None:
-            sampled = torch.empty(len(step.sample_rows), dtype=torch.int64, device=self.device)
+        """A worker rank's part of a step that rank 0 launches, in rank 0's order (the LM head
+        gathers across ranks): the forward pass, the sampling rows' logits and rank 0's samples
+        (which the next step's placeholders stand for), then the prompt-logprob rows' logits."""
+        hidden = self.forward(step)
+        if hidden is None:
+            return
+        num_rows = len(step.sample_rows)
+        if num_rows:  # a step may score prompt tokens alone: then rank 0 samples and broadcasts nothing
+            self.logits(hidden[:num_rows])
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=self.device)
             self.last_sampled = self.tp.broadcast(sampled)
+        for _ in self.prompt_logits(hidden[num_rows:]):
+            pass
 
     def forward_logits(self, step: StepInputs) -> torch.Tensor | None:
-        """The forward pass of one step and the logits of its sampling rows (None when none samples),
-        as a worker rank runs it."""
+        """The forward pass of one step and the logits of its sampling rows (None when none samples)."""
         hidden = self.forward(step)
-        return None if hidden is None else self.logits(hidden)
+        num_rows = len(step.sample_rows)
+        return None if hidden is None or not num_rows else self.logits(hidden[:num_rows])
 
     def forward(
         self, step: StepInputs, kv_caches: list[torch.Tensor] | None = None, uploaded: tuple | None = None
@@ -554,7 +627,7 @@ class ModelRunner:
             if sampled is not None:
                 input_ids = torch.where(input_ids < 0, sampled[(-input_ids - 1).clamp(min=0)], input_ids)
             hidden = self.model(input_ids, positions, kv_caches, self.backend.build_metadata(inputs))
-        if not step.sample_rows:
+        if not step.sample_rows and not step.num_prompt_rows:
             return None
         # a decode step samples every row, in order: no gather needed
         return hidden if step.is_decode else hidden[logits_indices]
@@ -610,6 +683,10 @@ class ModelRunner:
         samples = np.flatnonzero(ends == totals)  # layout positions of the sequences that sample
         logits_indices = query_start[1:][samples] - 1  # each sampling sequence's last new token
         sample_steps = totals[samples]
+        # prompt tokens are computed only in steps with more tokens than sequences or some not sampling
+        spans, prompt_rows = (), None
+        if num_tokens > n or len(samples) < n:
+            spans, prompt_rows = prompt_logprob_rows(seqs, starts, ends, query_start, layout)
         if layout is not None:  # samples go back in batch order
             by_batch = np.argsort(layout[samples], kind="stable")
             samples, logits_indices, sample_steps = (
@@ -617,6 +694,9 @@ class ModelRunner:
                 logits_indices[by_batch],
                 sample_steps[by_batch],
             )
+        if prompt_rows is not None:  # their rows join the logits indices, the tokens they score go last
+            logits_indices = np.concatenate([logits_indices, prompt_rows[: len(prompt_rows) // 2]])
+            sample_steps = np.concatenate([sample_steps, prompt_rows[len(prompt_rows) // 2 :]])
         return StepInputs(
             longs=np.concatenate([input_ids, positions, slot_mapping, logits_indices, sample_steps]),
             ints=np.concatenate([query_start, ends, starts, block_tables.ravel()]).astype(np.int32),
@@ -630,6 +710,8 @@ class ModelRunner:
             max_decode_seq_len=int(ends[:num_decodes].max()) if num_decodes else 0,
             is_decode=num_tokens == n and len(samples) == n,
             has_placeholders=bool(input_ids.size) and int(input_ids.min()) < 0,
+            num_prompt_rows=0 if prompt_rows is None else len(prompt_rows) // 2,
+            prompt_spans=spans,
         )
 
     def upload(self, step: StepInputs):
@@ -640,7 +722,9 @@ class ModelRunner:
         split = step.longs.nbytes
         packed = self._to_device(np.concatenate([step.longs.view(np.uint8), step.ints.view(np.uint8)]), torch.uint8)
         longs, ints = packed[:split].view(torch.int64), packed[split:].view(torch.int32)
-        input_ids, positions, slot_mapping, logits_indices, sample_steps = longs.split([t, t, t, s, s])
+        q = step.num_prompt_rows
+        # sample_steps carries, after the S sampling rows' steps, the Q prompt tokens the prompt rows score
+        input_ids, positions, slot_mapping, logits_indices, sample_steps = longs.split([t, t, t, s + q, s + q])
         query_start, seq_lens, context_lens, block_tables = ints.split([n + 1, n, n, n * step.table_width])
         inputs = AttentionInputs(
             query_start_loc=query_start,
@@ -669,13 +753,24 @@ class ModelRunner:
         on_device.record_stream(compute)  # its memory is not reused before the compute stream is done with it
         return on_device
 
-    def sampling_tensors(self, seqs, steps: torch.Tensor) -> SamplingTensors:
-        """Per-row settings; rebuilt only when the rows change (decode repeats the same batch).
+    def sampling_tensors(self, seqs, steps: torch.Tensor) -> tuple[SamplingTensors, tuple | None]:
+        """Per-row settings, and (rows, k) of the rows that want logprobs (k: the most top logprobs
+        any asks for) or None; rebuilt only when the rows change (decode repeats the same batch),
+        except the adjustments of rows with penalties or constraints, which change every step.
         steps: the index of the token each row samples, on the device (upload sends it each step)."""
         key = [s.request_id for s in seqs]
         cached = self._sampling_cache
-        if cached is not None and cached[0] == key:
-            return replace(cached[1], steps=steps)
+        if cached is None or cached[0] != key:
+            cached = self._sampling_cache = (key, *self._new_sampling_tensors(seqs))
+            if self._penalty_tokens:  # forget rows that left
+                alive = set(key)
+                self._penalty_tokens = {i: v for i, v in self._penalty_tokens.items() if i in alive}
+        _, tensors, wanted, adjusted = cached
+        if adjusted:
+            return replace(tensors, steps=steps, adjustments=self._adjustments(seqs, adjusted)), wanted
+        return replace(tensors, steps=steps), wanted
+
+    def _new_sampling_tensors(self, seqs) -> tuple[SamplingTensors, tuple | None, list[int]]:
         params = [s.params for s in seqs]
         vocab = self.vocab_size
         floats = np.array(
@@ -697,14 +792,166 @@ class ModelRunner:
             min_p=float_t[2],
             top_k=int_t[0],
             seeds=int_t[1],
-            steps=steps,
+            steps=None,  # set by sampling_tensors each step
             all_greedy=not floats[0].any(),
             any_top_k=bool((ints[0] < self.vocab_size).any()),
             any_top_p=bool((floats[1] < 1).any()),
             any_min_p=bool((floats[2] > 0).any()),
         )
-        self._sampling_cache = (key, tensors)
-        return tensors
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        wanted = None
+        if logprob_rows:
+            k = max(params[i].logprobs for i in logprob_rows)
+            wanted = (torch.tensor(logprob_rows, dtype=torch.int64, device=self.device), k)
+        adjusted = [i for i, s in enumerate(seqs) if s.params.penalized or s.constraint is not None]
+        return tensors, wanted, adjusted
+
+    def _tokens_of(self, seq) -> tuple[np.ndarray, np.ndarray]:
+        """seq's prompt and generated tokens as int64 arrays; only tokens new since the last step
+        are converted (the newest may be a placeholder: converted again next step)."""
+        cached = self._penalty_tokens.get(seq.request_id)
+        start = seq.num_prompt_tokens
+        if cached is None or len(cached[1]) > len(seq.token_ids) - start:  # new, or recomputed after preemption
+            cached = (np.array(seq.token_ids[:start], dtype=np.int64), np.zeros(0, dtype=np.int64))
+        prompt, known = cached
+        new = np.array(seq.token_ids[start + len(known) :], dtype=np.int64)
+        generated = np.concatenate([known, new]) if len(new) else known
+        settled = len(generated) - int(len(new) > 0 and new[-1] < 0)  # a placeholder is not kept
+        self._penalty_tokens[seq.request_id] = (prompt, generated[:settled])
+        return prompt, generated
+
+    def _adjustments(self, seqs, adjusted: list[int]) -> LogitsAdjustments:
+        """The penalties, biases, bans and allowed-token masks of rows `adjusted` for this step, from
+        the tokens each has now (an output token may be a placeholder for the previous step's
+        sample: swapped for it on the device)."""
+        vocab = self.vocab_size
+        empty = np.zeros(0, dtype=np.int64)
+        outputs, output_rows, prompts, bias_index, bias, banned = [], [], [], [], [], []
+        settings = np.ones((3, len(adjusted)), dtype=np.float32)
+        constrained = []
+        for position, row in enumerate(adjusted):
+            seq = seqs[row]
+            p = seq.params
+            base = position * vocab
+            settings[:, position] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1:
+                prompt, generated = self._tokens_of(seq)
+                outputs.append(generated)
+                output_rows.append(np.full(len(generated), base, dtype=np.int64))
+                if p.repetition_penalty != 1:
+                    prompts.append(base + prompt)
+            if p.logit_bias:
+                bias_index.append(base + np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias)))
+                bias.append(np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias)))
+            if len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([seq.eos_token_id] if seq.eos_token_id is not None else [])
+                banned.append(base + np.array(stops, dtype=np.int64))
+            if seq.constraint is not None:
+                constrained.append(position)
+        any_penalty = bool(outputs)
+        longs = [
+            np.concatenate(part) if part else empty for part in (outputs, output_rows, prompts, bias_index, banned)
+        ] + [np.array(adjusted, dtype=np.int64), np.array(constrained, dtype=np.int64)]
+        sizes = [len(part) for part in longs]
+        on_device = self._to_device(np.concatenate(longs), torch.int64).split(sizes)
+        generated, generated_rows, prompt_index, bias_index_t, banned_t, rows_t, constrained_t = on_device
+        if self.last_sampled is not None and generated.numel():
+            placeholders = generated < 0
+            generated = torch.where(
+                placeholders,
+                self.last_sampled[(-generated - 1).clamp(min=0, max=len(self.last_sampled) - 1)],
+                generated,
+            )
+        floats = self._to_device(np.concatenate([settings.ravel(), *bias]) if bias else settings.ravel(), torch.float32)
+        allowed = None
+        if constrained:
+            allowed = torch.full((len(constrained), -(-vocab // 32)), -1, dtype=torch.int32)
+            for k, position in enumerate(constrained):
+                seq = seqs[adjusted[position]]
+                try:
+                    seq.constraint.fill_bitmask(allowed, k)
+                except Exception as e:  # its request ends with this error once the step's token is known
+                    seq.error = f"its constraint's fill_bitmask raised {type(e).__name__}: {e}"
+            allowed = allowed.to(self.device, non_blocking=True)
+        count = len(adjusted)
+        return LogitsAdjustments(
+            rows=rows_t,
+            presence=floats[:count],
+            frequency=floats[count : 2 * count],
+            repetition=floats[2 * count : 3 * count],
+            output_tokens=generated_rows + generated,
+            prompt_tokens=prompt_index,
+            bias_index=bias_index_t,
+            bias=floats[3 * count :],
+            banned=banned_t,
+            allowed_rows=constrained_t if constrained else None,
+            allowed=allowed,
+            any_penalty=any_penalty,
+        )
+
+
+def prompt_logprob_rows(seqs, starts, ends, query_start, layout) -> tuple[tuple, np.ndarray | None]:
+    """The rows of a step's tokens whose logits score a prompt token of a request asking for
+    prompt_logprobs (row p scores token p + 1; the prompt's last row samples instead), and the
+    spans (batch index, first scored position, count); ((), None) when none asks."""
+    wanting = [i for i, s in enumerate(seqs) if s.prompt_logprobs is not None]
+    spans, rows, targets = [], [], []
+    for i in wanting:
+        start, end = int(starts[i]), min(int(ends[i]), seqs[i].num_prompt_tokens - 1)
+        if end > start:
+            spans.append((int(layout[i]) if layout is not None else i, start + 1, end - start))
+            rows.append(np.arange(query_start[i], query_start[i] + end - start))
+            targets.append(np.array(seqs[i].token_ids[start + 1 : end + 1], dtype=np.int64))
+    if not rows:
+        return (), None
+    return tuple(spans), np.concatenate(rows + targets)
+
+
+class StepLogprobs:
+    """A step's log-probabilities, on their way to the host beside its samples: those of the
+    sampling rows that asked (rows: positions among the sampling rows) and of the prompt tokens
+    it scored. Read with sampled() and prompt() once the step's tokens are known."""
+
+    def __init__(self, sample_rows: list[int], sample: tuple | None, prompt: tuple | None):
+        self.sample_rows = sample_rows
+        self.rows: list[int] = []
+        self.spans: list = []
+        parts = []
+        if sample is not None:
+            rows, chosen, top_values, top_ids = sample
+            self.rows = rows.tolist()
+            parts.append((chosen, top_values, top_ids))
+        if prompt is not None:
+            self.spans, chosen, top_values, top_ids = prompt
+            parts.append((chosen, top_values, top_ids))
+        self.parts = parts
+        self.host: list | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part]
+
+    def read(self, host: list[torch.Tensor]) -> None:
+        self.host = [t.tolist() for t in host]
+
+    def _entries(self, part: int) -> list[tuple[float, list[int], list[float]]]:
+        chosen, top_values, top_ids = self.host[3 * part : 3 * part + 3]
+        return list(zip(chosen, top_ids, top_values))
+
+    def sampled(self) -> dict[int, tuple[float, list[int], list[float]]]:
+        """Batch row -> (the sampled token's value, the top ids, their values)."""
+        if not self.rows:
+            return {}
+        return {self.sample_rows[row]: entry for row, entry in zip(self.rows, self._entries(0))}
+
+    def prompt(self):
+        """(request, first scored position, [(value, top ids, top values)] a prompt token)."""
+        if not self.spans:
+            return
+        entries = self._entries(1 if self.rows else 0)
+        offset = 0
+        for request, first, count in self.spans:
+            yield request, first, entries[offset : offset + count]
+            offset += count
 
 
 class PinnedStaging:
@@ -794,21 +1041,32 @@ class StepHandle:
         sample_rows: list[int],
         sampled: torch.Tensor | None,
         copy_stream: torch.cuda.Stream | None = None,
+        extras: StepLogprobs | None = None,
     ):
         """copy_stream: for samples on a CUDA device, the stream they go to the host on, so the
-        compute stream moves on to the next step without waiting for the copy."""
+        compute stream moves on to the next step without waiting for the copy. extras: the step's
+        logprobs, which travel with the samples."""
         self.num_seqs = num_seqs
         self.sample_rows = sample_rows
         self.sampled = sampled
+        self.extras = extras
         self.host = None
-        if sampled is not None and sampled.is_cuda:
-            self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            copy_stream.wait_stream(torch.cuda.current_stream(sampled.device))  # the samples are written
+        self.extras_host: list[torch.Tensor] | None = None
+        device_tensors = extras.tensors() if extras is not None else []
+        on_cuda = (sampled is not None and sampled.is_cuda) or any(t.is_cuda for t in device_tensors)
+        if on_cuda:
+            device = (sampled if sampled is not None else device_tensors[0]).device
+            copy_stream.wait_stream(torch.cuda.current_stream(device))  # the samples are written
             with torch.cuda.stream(copy_stream):
-                self.host.copy_(sampled, non_blocking=True)
+                if sampled is not None:
+                    self.host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                    self.host.copy_(sampled, non_blocking=True)
+                self.extras_host = [t.to("cpu", non_blocking=True) for t in device_tensors]
                 self.ready = torch.cuda.Event()
                 self.ready.record()
-            sampled.record_stream(copy_stream)
+            for tensor in [sampled, *device_tensors]:
+                if tensor is not None:
+                    tensor.record_stream(copy_stream)
 
     def placeholders(self) -> list[int | None]:
         """-(k + 1) for the k-th sampling row: the runner swaps these ids for the samples on device."""
@@ -819,6 +1077,10 @@ class StepHandle:
 
     def tokens(self) -> list[int | None]:
         out: list[int | None] = [None] * self.num_seqs
+        if self.extras is not None and self.extras.host is None:
+            if self.extras_host is not None:
+                self.ready.synchronize()
+            self.extras.read(self.extras_host if self.extras_host is not None else self.extras.tensors())
         if self.sampled is None:
             return out
         if self.host is not None:
@@ -829,3 +1091,7 @@ class StepHandle:
         for row, token in zip(self.sample_rows, values):
             out[row] = token
         return out
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The step's logprobs (once tokens() has returned), or None when nothing asked for them."""
+        return self.extras

@@ -2,7 +2,7 @@
 capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance.
 Every member the core reads of a plugin is declared here."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -426,3 +426,78 @@ class SimulatedDevice(Protocol):
 
     def describe(self) -> dict:
         """What stood in for the device (profile, cost model, ...), as JSON-ready values."""
+
+
+@runtime_checkable
+class SamplesLogits(Protocol):
+    """Optional Runner capability: the runner computes logits and draws from them with a sampler
+    plugin (the real runners; a simulated one does not), whose capabilities below decide what a
+    request may ask beyond plain sampling (logprobs, penalties, constraints). Its launch returns
+    LogprobsStepHandles."""
+
+    sampler: "Sampler"
+
+
+@runtime_checkable
+class LogprobsStepHandle(StepHandle, Protocol):
+    """The step handle of a runner that SamplesLogits: the step's logprobs beside its tokens."""
+
+    def logprobs(self) -> Any:
+        """Once tokens() has returned: the step's logprobs (inferlab.core.model_runner.StepLogprobs:
+        its sampled() and prompt()), or None when no request of the step asked for any."""
+
+
+@runtime_checkable
+class LogprobsSampler(Protocol):
+    """Optional sampler capability: the logits each row was drawn from, so that the engine can
+    report log-probabilities of the distribution actually sampled (SamplingParams.logprobs,
+    EngineConfig.logprobs_mode). Requests asking for logprobs are refused with a sampler that
+    lacks it."""
+
+    def sample_with_logits(self, logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [N], as __call__ draws them; float32 logits [N, vocab] whose softmax each row
+        was drawn from: after params.adjustments, temperature (1 on greedy rows) and top-k, top-p
+        and min-p, excluded tokens at -inf)."""
+
+
+@runtime_checkable
+class LogitsProcessingSampler(Protocol):
+    """Optional sampler capability: honouring SamplingTensors.adjustments (presence, frequency
+    and repetition penalties, logit_bias, min_tokens, and the allowed-token bitmask of grammars
+    and TokenConstraints) in __call__ and, where it has it, sample_with_logits. Requests that need
+    them are refused with a sampler that lacks it."""
+
+    def adjust_logits(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        """The logits [N, vocab] with params.adjustments applied (float32; the rows without
+        adjustments unchanged); logits itself when params.adjustments is None."""
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """One generated sequence's constraint on which token may come next: a compiled grammar
+    (SamplingParams.structured_outputs) or a user's own (SamplingParams.constraint returns one).
+    The engine asks it for the allowed tokens before each sampling step of its sequence and tells
+    it each token drawn; it runs on the host, once per token of the sequences that have one."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the tokens allowed next into row `row` of bitmask (int32 [rows, ceil(vocab / 32)]
+        on the CPU, all bits set beforehand): bit t % 32 of word t // 32 set means token t is allowed."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances past token_id, which the sampler drew from the allowed ones; False if it
+        cannot (the sequence then ends with an error)."""
+
+    def is_terminated(self) -> bool:
+        """Whether the sequence is complete (the grammar accepted its end): it then stops."""
+
+
+@runtime_checkable
+class StructuredOutputSampler(Protocol):
+    """Optional sampler capability: compiling SamplingParams.structured_outputs (JSON schema,
+    JSON object, regex, choice, grammar) into TokenConstraints through a grammar library.
+    Requests with structured_outputs are refused with a sampler that lacks it."""
+
+    def compile_constraint(self, spec: Any, tokenizer: Any, vocab_size: int) -> Callable[[], TokenConstraint]:
+        """A factory of fresh TokenConstraints (one per generated sequence) for spec (a
+        StructuredOutputs) over the tokenizer's vocabulary, padded to vocab_size (the model's
+        logits width). Raises ValueError naming what the library rejects in spec."""

@@ -47,6 +47,12 @@ class Request:
         "token_times",
         "finish_time",
         "view",
+        "leader",
+        "index",
+        "choices",
+        "logprobs",
+        "prompt_logprobs",
+        "constraint",
     )
 
     def __init__(
@@ -82,6 +88,16 @@ class Request:
         self.token_times: list[float] = []
         self.finish_time: float | None = None
         self.view: RequestView | None = None  # set by the core scheduler, which knows the KV manager
+        # With params.n > 1 the engine makes n requests of one prompt: choice `index` (0 for the
+        # first), and the first one (`leader`, None for itself), whose prefill the others reuse.
+        self.leader: Request | None = None
+        self.index = 0
+        self.choices: list[Request] | None = None  # the leader's: all n requests, itself first
+        # With params.logprobs: per output token known, (its logprob, the top ids, their logprobs)
+        self.logprobs: list[tuple[float, list[int], list[float]]] | None = None
+        # With params.prompt_logprobs: the same for prompt tokens, None for the first
+        self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+        self.constraint = None  # the TokenConstraint deciding which token may come next, if any
 
     def __repr__(self):
         return (

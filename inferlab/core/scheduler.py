@@ -69,10 +69,14 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, front: bool = False) -> None:
+        """Queues a request: at the back, or in front (choices of a prompt whose first choice ran)."""
         request.status = WAITING
         request.view = RequestView(request, self.kv)
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
         self._waiting_views = None
 
     def has_unfinished(self) -> bool:
@@ -200,7 +204,8 @@ class Scheduler:
                 if len(self.running) >= self.max_num_seqs and not self._make_room(view, step, admitted):
                     break
                 while True:
-                    cached = kv.num_cached_prefix_tokens(request)
+                    # prompt logprobs need every prompt token's logits: computed, not taken from the cache
+                    cached = kv.num_cached_prefix_tokens(request) if request.prompt_logprobs is None else 0
                     num_tokens = self._num_new_tokens(request, cached, step.budget)
                     if kv.allocate(request, num_tokens, cached):
                         break

@@ -452,6 +452,11 @@ class TensorParallelRunner:
     def graph_limits(self) -> GraphLimits:
         return self.model_runner.graph_limits()
 
+    @property
+    def sampler(self):
+        """Rank 0's sampler, which draws every rank's tokens (SamplesLogits)."""
+        return self.model_runner.sampler
+
     def launch(self, batch: ScheduledBatch) -> "TensorParallelStep":
         """Sends the step to the workers, launches rank 0's part and waits for theirs to be launched.
         A Ctrl-C meanwhile is held back until every rank is done with the step (deferred): rank 0
@@ -516,6 +521,10 @@ class TensorParallelStep:
 
     def placeholders(self) -> list[int | None]:
         return self.handle.placeholders()
+
+    def logprobs(self):
+        """Rank 0's logprobs of the step (StepHandle.logprobs)."""
+        return self.handle.logprobs()
 
     def tokens(self) -> list[int | None]:
         """Rank 0's samples. Every rank has launched the step already, so a Ctrl-C while waiting

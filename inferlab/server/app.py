@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 import inferlab
 from inferlab.server.engine_loop import ACCEPTED, EngineLoop, Finish, Prompt, RequestStream
+from inferlab.server.logprobs import LogprobsFormatter
 from inferlab.server.metrics import ServerMetrics
 from inferlab.server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -41,15 +42,20 @@ from inferlab.server.tokenization import DetokenizeBody, TokenizeBody, detokeniz
 
 
 class Delta:
-    """What one choice gained in one update: its new text and token ids, and how it finished."""
+    """What one choice gained in one update: its new text and token ids, how it finished, and
+    the logprobs of those tokens and of the prompt (when asked for, else None)."""
 
-    __slots__ = ("index", "text", "token_ids", "finish")
+    __slots__ = ("index", "text", "token_ids", "finish", "logprobs", "prompt_logprobs")
 
-    def __init__(self, index: int, text: str, token_ids: list[int], finish: Finish | None):
+    def __init__(
+        self, index: int, text: str, token_ids: list[int], finish: Finish | None, logprobs=None, prompt_logprobs=None
+    ):
         self.index = index
         self.text = text
         self.token_ids = token_ids
         self.finish = finish
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
 
 
 def per_choice(updates: list) -> list:
@@ -60,13 +66,22 @@ def per_choice(updates: list) -> list:
     if len(updates) == 1:
         return updates
     joined: dict[int, list] = {}
-    for index, token_ids, finish in updates:
+    for index, token_ids, finish, logprobs, prompt_logprobs in updates:
         update = joined.get(index)
         if update is None:
-            joined[index] = [index, list(token_ids), finish]
+            joined[index] = [
+                index,
+                list(token_ids),
+                finish,
+                None if logprobs is None else list(logprobs),
+                prompt_logprobs,
+            ]
         else:
             update[1] += token_ids
             update[2] = finish  # a choice's finish comes with its last update
+            if logprobs is not None:
+                update[3] = (update[3] or []) + logprobs
+            update[4] = update[4] or prompt_logprobs
     return list(joined.values())
 
 
@@ -83,10 +98,11 @@ class Generation:
         self.received = time.perf_counter() if received is None else received
         self.stream = RequestStream()
         self.prompts = prompts
-        self.texts = [TextStream(tokenizer, p.token_ids, p.params.stop) for p in prompts]
-        self.num_output_tokens = [0] * len(prompts)
-        self.finishes: list[Finish | None] = [None] * len(prompts)
-        self.num_open = len(prompts)
+        self.choices = [p for p in prompts for _ in range(p.params.n)]  # the prompt of each choice index
+        self.texts = [TextStream(tokenizer, p.token_ids, p.params.stop) for p in self.choices]
+        self.num_output_tokens = [0] * len(self.choices)
+        self.finishes: list[Finish | None] = [None] * len(self.choices)
+        self.num_open = len(self.choices)
         self.backlog: list = []
 
     async def start(self) -> None:
@@ -111,13 +127,15 @@ class Generation:
             if deltas:
                 yield deltas
 
-    def _delta(self, index: int, token_ids: list[int], finish: Finish | None) -> Delta | None:
+    def _delta(
+        self, index: int, token_ids: list[int], finish: Finish | None, logprobs, prompt_logprobs
+    ) -> Delta | None:
         if self.finishes[index] is not None:  # ended by a stop string before the engine saw it
             return None
         metrics = self.metrics
         if metrics is not None and token_ids and not self.num_output_tokens[index]:
             # here, as where vLLM's frontend processes the engine's output: what the client waits for
-            metrics.observe_first_token(len(self.prompts[index].token_ids), time.perf_counter() - self.received)
+            metrics.observe_first_token(len(self.choices[index].token_ids), time.perf_counter() - self.received)
         self.num_output_tokens[index] += len(token_ids)
         text, stopped = self.texts[index].push(token_ids, last=finish is not None)
         if stopped:
@@ -131,7 +149,7 @@ class Generation:
             self.num_open -= 1
             if metrics is not None:
                 metrics.observe_e2e(time.perf_counter() - self.received)
-        return Delta(index, text, token_ids, finish)
+        return Delta(index, text, token_ids, finish, logprobs, prompt_logprobs)
 
     def close(self) -> None:
         if self.num_open:
@@ -139,7 +157,7 @@ class Generation:
             self.loop.abort(self.stream)
 
     def usage(self) -> dict:
-        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)  # once a prompt, whatever its n
         completion_tokens = sum(self.num_output_tokens)
         cached = sum(f.num_cached_tokens for f in self.finishes if f is not None)
         return {
@@ -207,6 +225,16 @@ async def tokenized(num_chars: int, prepare: Callable[[], list[Prompt]]) -> list
     return await anyio.to_thread.run_sync(prepare)
 
 
+def mean_logprob(entries: list) -> float:
+    """The mean logprob of a completion's tokens (best_of's ranking); -inf for none."""
+    return sum(entry[0] for entry in entries) / len(entries) if entries else float("-inf")
+
+
+def prompt_text(tokenizer, prompt: Prompt) -> str:
+    """A completion prompt's text, as echo returns it."""
+    return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -221,18 +249,44 @@ class Responder:
         self.created = int(time.time())
         self.model = model.name
         self.object = "chat.completion" if chat else "text_completion"
+        self.tokenizer = model.tokenizer
+        self.echo = not chat and body.echo
+        self.formatter = LogprobsFormatter(model.tokenizer) if body.num_logprobs() is not None else None
+        self.n = body.n or 1
+        generated = self.n if chat else body.num_generated()
+        self.best_of = generated if generated != self.n else None  # then the best n of each prompt's are returned
+        self.text_offsets: dict[int, int] = {}  # a streamed completion choice's text offset so far
+        self.echoed: set[int] = set()  # streamed choices whose prompt was sent
 
-    def _choice(self, delta: Delta, stream: bool) -> dict:
+    def _logprobs(self, delta: Delta, prompt: Prompt | None):
+        """The choice's logprobs object for the delta's tokens (and the prompt's, when echoed)."""
+        if self.formatter is None or delta.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": self.formatter.chat(delta.token_ids, delta.logprobs)}
+        token_ids, entries = delta.token_ids, delta.logprobs
+        if prompt is not None:
+            prompt_entries = delta.prompt_logprobs or [None] * len(prompt.token_ids)
+            token_ids, entries = prompt.token_ids + token_ids, prompt_entries + entries
+        body, self.text_offsets[delta.index] = self.formatter.completion(
+            token_ids, entries, self.text_offsets.get(delta.index, 0)
+        )
+        return body
+
+    def _choice(self, delta: Delta, stream: bool, prompt: Prompt | None = None) -> dict:
+        """One choice of a chunk or of the whole response; prompt: the choice's prompt, to echo."""
         finish = delta.finish
         reason = None if finish is None else finish.reason
+        logprobs = self._logprobs(delta, prompt)
         if not self.chat:
-            choice = {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": reason}
+            text = delta.text if prompt is None else prompt_text(self.tokenizer, prompt) + delta.text
+            choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         elif stream:
             content = {"content": delta.text} if delta.text or finish is None else {}
-            choice = {"index": delta.index, "delta": content, "logprobs": None, "finish_reason": reason}
+            choice = {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
         else:
             message = {"role": "assistant", "content": delta.text}
-            choice = {"index": delta.index, "message": message, "logprobs": None, "finish_reason": reason}
+            choice = {"index": delta.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         if self.body.return_token_ids:
             choice["token_ids"] = delta.token_ids
         if finish is not None:
@@ -261,7 +315,7 @@ class Responder:
 
         try:
             if self.chat:
-                for index in range(len(generation.prompts)):
+                for index in range(len(generation.choices)):
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
                     yield chunk({**first, "finish_reason": None})
             want_ids = self.body.return_token_ids
@@ -269,8 +323,18 @@ class Responder:
                 for delta in deltas:
                     if delta.finish is not None and delta.finish.reason == "error":
                         yield sse(error_of(delta.finish))
-                    elif delta.text or delta.finish is not None or (want_ids and delta.token_ids):
-                        yield chunk(self._choice(delta, stream=True))
+                    elif (
+                        delta.text
+                        or delta.finish is not None
+                        or (want_ids and delta.token_ids)
+                        or delta.logprobs
+                        or (self.echo and delta.index not in self.echoed)
+                    ):
+                        prompt = None
+                        if self.echo and delta.index not in self.echoed:
+                            self.echoed.add(delta.index)
+                            prompt = generation.choices[delta.index]
+                        yield chunk(self._choice(delta, stream=True, prompt=prompt))
             if options is not None and options.include_usage:
                 yield sse(self._chunk([], usage=generation.usage()))
             yield "data: [DONE]\n\n"
@@ -279,20 +343,45 @@ class Responder:
 
     async def whole(self, generation: Generation) -> dict:
         """The complete response, once every choice has finished."""
-        texts = [[] for _ in generation.prompts]
-        token_ids = [[] for _ in generation.prompts]
-        finishes: list[Finish | None] = [None] * len(texts)
+        num_choices = len(generation.choices)
+        texts = [[] for _ in range(num_choices)]
+        token_ids = [[] for _ in range(num_choices)]
+        wanted = self.formatter is not None or self.best_of is not None
+        logprobs = [[] if wanted else None for _ in range(num_choices)]
+        prompt_logprobs = [None] * num_choices
+        finishes: list[Finish | None] = [None] * num_choices
         async for deltas in generation:
             for delta in deltas:
                 texts[delta.index].append(delta.text)
                 token_ids[delta.index] += delta.token_ids
                 finishes[delta.index] = delta.finish
+                if delta.logprobs is not None and logprobs[delta.index] is not None:
+                    logprobs[delta.index] += delta.logprobs
+                prompt_logprobs[delta.index] = prompt_logprobs[delta.index] or delta.prompt_logprobs
         for finish in finishes:
             if finish is not None and finish.reason == "error":
                 raise ApiError(500, finish.error or "the request failed", code="engine_error")
+        order = list(range(num_choices))
+        if self.best_of is not None:  # each prompt's n completions of highest mean logprob, best first
+            order = [
+                i
+                for start in range(0, num_choices, self.best_of)
+                for i in sorted(range(start, start + self.best_of), key=lambda i: -mean_logprob(logprobs[i]))[: self.n]
+            ]
         choices = [
-            self._choice(Delta(i, "".join(parts), ids, finish), stream=False)
-            for i, (parts, ids, finish) in enumerate(zip(texts, token_ids, finishes))
+            self._choice(
+                Delta(
+                    index,
+                    "".join(texts[i]),
+                    token_ids[i],
+                    finishes[i],
+                    logprobs[i] if self.formatter is not None else None,
+                    prompt_logprobs[i],
+                ),
+                stream=False,
+                prompt=generation.choices[i] if self.echo else None,
+            )
+            for index, i in enumerate(order)
         ]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": generation.usage()}  # fmt: skip

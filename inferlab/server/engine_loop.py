@@ -60,7 +60,10 @@ ACCEPTED = "accepted"  # the first update of a stream whose prompts were all add
 
 class RequestStream:
     """What one HTTP request receives from the loop, on the event loop's thread: first ACCEPTED
-    or Refused, then (choice index, new token ids, Finish or None) updates in step order."""
+    or Refused, then (choice index, new token ids, Finish or None, their logprobs or None, the
+    prompt's logprobs or None) updates in step order. A prompt with params.n choices has n
+    consecutive choice indices; logprobs entries are (logprob, top ids, top logprobs), and the
+    prompt's (with a None first) come once, with the choice's first update."""
 
     __slots__ = ("items", "ready")
 
@@ -255,9 +258,13 @@ class EngineLoop:
                 engine.abort(request_id)
             updates.append((stream, Refused(e)))
             return
-        for index, request_id in enumerate(request_ids):
-            self.follows[request_id] = _Follow(engine.requests[request_id], stream, index)
-        self.stream_requests[stream] = request_ids
+        followed = []
+        for request_id in request_ids:
+            leader = engine.requests[request_id]
+            for choice in leader.choices or (leader,):
+                self.follows[choice.request_id] = _Follow(choice, stream, len(followed))
+                followed.append(choice.request_id)
+        self.stream_requests[stream] = followed
         updates.append((stream, ACCEPTED))
 
     def _abort(self, stream: RequestStream, index: int | None, reason: str, updates: list) -> None:
@@ -291,12 +298,18 @@ class EngineLoop:
                     continue
                 start = request.num_prompt_tokens
                 tokens = request.token_ids[start + follow.num_sent : start + known]
+                logprobs = prompt_logprobs = None
+                if request.logprobs is not None:
+                    logprobs = request.logprobs[follow.num_sent : known]
+                if follow.num_sent == 0:
+                    # the first choice computed the prompt's: the others, released after it, show them too
+                    prompt_logprobs = (request if request.leader is None else request.leader).prompt_logprobs
                 num_new_tokens += known - follow.num_sent
                 follow.num_sent = known
                 if done:
-                    self._unfollow(follow, self._finish(request), updates, send=False, tokens=tokens)
+                    self._unfollow(follow, self._finish(request), updates, False, tokens, logprobs, prompt_logprobs)
                 else:
-                    updates.append((follow.stream, (follow.index, tokens, None)))
+                    updates.append((follow.stream, (follow.index, tokens, None, logprobs, prompt_logprobs)))
         if len(follows) > len(self.engine.requests):  # the engine dropped a request without reporting it
             for follow in [f for id_, f in follows.items() if id_ not in self.engine.requests]:
                 self._unfollow(follow, self._finish(follow.request), updates, send=True)
@@ -312,17 +325,21 @@ class EngineLoop:
             request.num_preemptions,
         )
 
-    def _unfollow(self, follow: _Follow, finish: Finish, updates: list, send: bool, tokens=None) -> None:
-        """Stops following a request and sends its last update with finish: its tokens not
-        yet sent when send, else `tokens`."""
+    def _unfollow(
+        self, follow: _Follow, finish: Finish, updates: list, send: bool, tokens=None, logprobs=None, prompt=None
+    ) -> None:
+        """Stops following a request and sends its last update with finish: its tokens (and
+        logprobs) not yet sent when send, else `tokens`, `logprobs` and `prompt` (logprobs)."""
         request = follow.request
         del self.follows[request.request_id]
         if send:
             known = len(request.token_times)
             start = request.num_prompt_tokens
             tokens = request.token_ids[start + follow.num_sent : start + known]
+            if request.logprobs is not None:
+                logprobs = request.logprobs[follow.num_sent : known]
             follow.num_sent = known
-        updates.append((follow.stream, (follow.index, tokens or [], finish)))
+        updates.append((follow.stream, (follow.index, tokens or [], finish, logprobs, prompt)))
         siblings = self.stream_requests.get(follow.stream)
         if siblings is not None and not any(i in self.follows for i in siblings):
             del self.stream_requests[follow.stream]

@@ -2,11 +2,13 @@
 JSON for what it refuses.
 
 Fields are strictly typed (a string is not a number). Besides OpenAI's sampling fields
-(max_tokens, temperature, top_p, seed, stop) a body may carry top_k, min_p, ignore_eos,
-stop_token_ids, priority and metadata (for the scheduler policy), and return_token_ids (each
-choice also lists the token ids it generated). Fields OpenAI defines that the engine cannot
-honour are refused unless left at their defaults; unknown fields are ignored, as OpenAI's
-clients send some (user, store, ...).
+(max_tokens, temperature, top_p, seed, stop, n, logprobs, echo, penalties, logit_bias,
+response_format) a body may carry vLLM's top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids and structured outputs (guided_json, guided_regex, guided_choice,
+guided_grammar, structured_outputs), priority and metadata (for the scheduler policy), and
+return_token_ids (each choice also lists the token ids it generated). Fields OpenAI defines that
+the engine cannot honour are refused unless left at their defaults; unknown fields are ignored, as
+OpenAI's clients send some (user, store, ...).
 """
 
 import json
@@ -15,8 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from inferlab.server.engine_loop import Prompt
+from inferlab.server.structured import FieldError, structured_outputs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -58,6 +61,7 @@ class ServedModel:
     tokenizer: Any
     num_cache_tokens: int  # what the whole KV cache holds: a default max_tokens must fit in it
     plugins: dict = field(default_factory=dict)  # the plugin serving each kind, for the model card
+    max_n: int = 16  # serve.max_n: the most choices one request may ask for
 
 
 class StreamOptions(BaseModel):
@@ -86,28 +90,27 @@ class GenerationBody(BaseModel):
     priority: int = 0
     metadata: dict[str, Any] | None = None
     return_token_ids: bool = False
-    # OpenAI's fields the engine cannot honour: accepted only at these defaults.
     n: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something the engine cannot do, or None."""
-        if self.n not in (None, 1):
-            return "n"
-        if self.logprobs is not None and self.logprobs is not False:  # 0 asks for the sampled token's logprob
-            return "logprobs"
-        if self.top_logprobs not in (None, 0):
-            return "top_logprobs"
-        if self.logit_bias:
-            return "logit_bias"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name
         return None
+
+    def num_logprobs(self) -> int | None:
+        """The top logprobs asked for each generated token, or None when no logprobs are."""
+        raise NotImplementedError
 
 
 def _check_text(value: str) -> str:
@@ -136,6 +139,7 @@ def _check_prompt(value):
 class CompletionBody(GenerationBody):
     prompt: Any
     echo: bool = False
+    logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -145,13 +149,26 @@ class CompletionBody(GenerationBody):
         return _check_prompt(value)
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
-        if self.best_of not in (None, 1):
-            return "best_of"
         if self.suffix:
             return "suffix"
         return super().unsupported()
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def num_generated(self) -> int:
+        """Completions generated a prompt: best_of when it asks for more than n (the best n are
+        returned), else n."""
+        n = 1 if self.n is None else self.n
+        if self.best_of is None or self.best_of == n:
+            return n
+        if self.best_of < n:
+            raise ApiError(400, f"best_of ({self.best_of}) must be at least n ({n})", "best_of", "invalid_value")
+        if self.stream:
+            raise ApiError(
+                400, "best_of cannot be used with stream (the best are known at the end)", "best_of", "invalid_value"
+            )
+        return self.best_of
 
 
 class ChatMessage(BaseModel):
@@ -176,15 +193,19 @@ class ChatMessage(BaseModel):
 class ChatBody(GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: Any = None
-    response_format: Any = None
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         return super().unsupported()
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # Fields of vLLM's and OpenAI's APIs that this server does not implement (and does not declare), with
@@ -246,6 +267,13 @@ def parse_body(raw: bytes, body_class: type[GenerationBody]) -> GenerationBody:
         message = error["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{param}: {message}", param=param, code="invalid_type") from None
     field = body.unsupported()
+    if field == "tools":
+        raise ApiError(
+            400,
+            "tools: tool calling is not supported by this server; send the request without tools",
+            param=field,
+            code="unsupported",
+        )
     if field is not None:
         raise ApiError(
             400, f"{field}={getattr(body, field)!r} is not supported by this server", param=field, code="unsupported"
@@ -321,11 +349,26 @@ def engine_prompts(
     many as fit in max_model_len and the KV cache. Each prompt plus its max_tokens must fit
     max_model_len."""
     limit = model.max_model_len
+    n = generated(body)
+    name = "n" if n == (body.n or 1) else "best_of"
+    if not 1 <= n <= model.max_n:
+        raise ApiError(400, f"{name} must be in [1, {model.max_n}] (serve.max_n), got {n}", name, "invalid_value")
     # The last token is sampled, never cached: a request fits the cache with one token more than it holds.
     room = min(limit, model.num_cache_tokens + 1)
     result = []
     for token_ids in prompts:
         num_tokens = max_tokens if max_tokens is not None else max(1, room - len(token_ids))
+        if max_tokens is None and n > 1:  # what fits, shared by the n choices
+            num_tokens = max(1, min(num_tokens, (model.num_cache_tokens - len(token_ids)) // n))
+        if n > 1 and len(token_ids) + n * num_tokens > model.num_cache_tokens:
+            raise ApiError(
+                400,
+                f"{name}: {n} choices of up to {num_tokens} tokens each after a {len(token_ids)}-token prompt need "
+                f"{len(token_ids) + n * num_tokens} tokens of KV cache, more than its {model.num_cache_tokens}; "
+                f"lower {name} or max_tokens",
+                name,
+                "invalid_value",
+            )
         if len(token_ids) >= limit or len(token_ids) + num_tokens > limit:
             raise ApiError(
                 400,
@@ -334,12 +377,27 @@ def engine_prompts(
                 "max_tokens" if max_tokens is not None and len(token_ids) < limit else "prompt",
                 "context_length_exceeded",
             )
-        result.append(Prompt(token_ids, sampling_params(body, num_tokens), body.priority, body.metadata))
+        result.append(Prompt(token_ids, sampling_params(body, num_tokens, model), body.priority, body.metadata))
     return result
 
 
-def sampling_params(body: GenerationBody, max_tokens: int) -> SamplingParams:
+def sampling_params(body: GenerationBody, max_tokens: int, model: ServedModel) -> SamplingParams:
+    num_logprobs = body.num_logprobs()
+    field = "top_logprobs" if isinstance(body, ChatBody) else "logprobs"
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"{field} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}", field, "invalid_value")
+    echo = isinstance(body, CompletionBody) and body.echo
     settings = {
+        "n": generated(body),
+        # best_of ranks the completions by their mean logprob
+        "logprobs": 0 if num_logprobs is None and generated(body) != (body.n or 1) else num_logprobs,
+        "prompt_logprobs": num_logprobs if echo else None,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "logit_bias": logit_bias(body.logit_bias, model.vocab_size),
+        "min_tokens": body.min_tokens or 0,
+        "structured_outputs": structured(body),
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
@@ -353,5 +411,38 @@ def sampling_params(body: GenerationBody, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**settings)
     except ValueError as e:  # SamplingParams' messages start with the field's name
-        field = str(e).split()[0]
+        field = str(e).split()[0].split("[")[0]
         raise ApiError(400, str(e), field if field in settings else None, "invalid_value") from None
+
+
+def generated(body: GenerationBody) -> int:
+    """Completions generated per prompt (n, or a completions body's best_of)."""
+    return body.num_generated() if isinstance(body, CompletionBody) else (1 if body.n is None else body.n)
+
+
+def structured(body: GenerationBody):
+    try:
+        return structured_outputs(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.param, "invalid_value") from None
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}) with its ids checked against the vocabulary."""
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias", "invalid_value") from None
+        if not 0 <= token_id < vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+                "invalid_value",
+            )
+        parsed[token_id] = value
+    return parsed

@@ -112,6 +112,7 @@ class InferenceServer:
             engine.tokenizer,
             kv.num_blocks * kv.block_size,
             resolved_plugins(engine),
+            config.max_n,
         )
         self.engine_loop = EngineLoop(engine)
         cache_config = {

@@ -17,7 +17,10 @@ draws across seeds and steps); that a seeded row draws the same token for the sa
 whatever shares its batch, and other tokens at other steps; and mixed batches of greedy, sampled
 and filtered rows. A sampler that declares supports_cuda_graphs is checked beside padding rows
 and (on CUDA) replayed from a graph. A sampler that reshapes the distribution on purpose (banning
-tokens, penalties) overrides expected_logits to say how.
+tokens, penalties) overrides expected_logits to say how. A sampler with the LogprobsSampler
+capability is checked to return, with the tokens __call__ draws, the logits of the distribution
+it drew from; one with LogitsProcessingSampler, to apply a logit_bias and a ban through
+SamplingTensors.adjustments to the rows they name only.
 """
 
 import math
@@ -26,10 +29,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from inferlab.core.batch import SamplingTensors
+from inferlab.core.batch import LogitsAdjustments, SamplingTensors
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
-from inferlab.core.protocols import GraphCapturableSampler
+from inferlab.core.protocols import GraphCapturableSampler, LogitsProcessingSampler, LogprobsSampler
 
 # A distribution whose filters have wide margins (top_p and min_p thresholds sit far from any
 # token's cumulative mass or probability), its tokens out of order.
@@ -399,3 +402,60 @@ class SamplerSuite:
             assert torch.equal(tokens[:real].cpu(), expected), (
                 f"temperatures {temperature}: the replay drew other tokens"
             )
+
+    def test_sample_with_logits_returns_the_distribution_drawn_from(self, dtype):
+        """For a LogprobsSampler: the tokens __call__ draws, and float32 logits whose softmax is
+        softmax(logits / T) over the filters' support (T taken as 1 on greedy rows)."""
+        sampler = self.make_sampler()
+        if not isinstance(sampler, LogprobsSampler):
+            pytest.skip(f"sampler {self.sampler!r} does not implement LogprobsSampler")
+        logits = self.random_logits(6, 300, dtype, seed=9)
+        settings = dict(
+            temperature=[0.0, 0.7, 1.0, 1.3, 0.0, 0.9],
+            top_k=[0, 5, 0, 0, 3, 0],
+            top_p=[1.0, 1.0, 0.8, 1.0, 1.0, 1.0],
+            min_p=[0.0, 0.0, 0.0, 0.1, 0.0, 0.0],
+            seeds=list(range(6)),
+            steps=3,
+        )
+        params = sampling_tensors(300, device=logits.device, **settings)
+        with torch.inference_mode():
+            tokens, drawn_from = sampler.sample_with_logits(logits, params)
+        assert torch.equal(tokens.cpu(), self.sample(sampler, logits, **settings)), "the tokens __call__ draws"
+        assert drawn_from.dtype == torch.float32 and tuple(drawn_from.shape) == tuple(logits.shape)
+        expected_logits = self.expected_logits(logits.cpu().float())
+        for row in range(6):
+            temperature = settings["temperature"][row] or 1.0
+            filters = (settings["top_k"][row], settings["top_p"][row], settings["min_p"][row])
+            target = target_distribution(expected_logits[row : row + 1], temperature, *filters)[0]
+            got = drawn_from[row].cpu().double().softmax(-1)
+            assert torch.allclose(got, target, atol=1e-5), f"row {row}: softmax of the returned logits"
+
+    def test_adjustments_change_the_rows_they_name_only(self, dtype):
+        """For a LogitsProcessingSampler: a +100 logit_bias makes a greedy row take its token, a
+        ban keeps a row from its argmax, and the other rows draw what they draw without them."""
+        sampler = self.make_sampler()
+        if not isinstance(sampler, LogitsProcessingSampler):
+            pytest.skip(f"sampler {self.sampler!r} does not implement LogitsProcessingSampler")
+        vocab = 200
+        logits = self.random_logits(4, vocab, dtype, seed=10)
+        plain = self.sample(sampler, logits, temperature=0.0)
+        params = sampling_tensors(vocab, 0.0, device=logits.device)
+        device = logits.device
+        params.adjustments = LogitsAdjustments(
+            rows=torch.tensor([1, 3], device=device),
+            presence=torch.zeros(2, device=device),
+            frequency=torch.zeros(2, device=device),
+            repetition=torch.ones(2, device=device),
+            output_tokens=torch.zeros(0, dtype=torch.int64, device=device),
+            prompt_tokens=torch.zeros(0, dtype=torch.int64, device=device),
+            bias_index=torch.tensor([0 * vocab + 17], device=device),
+            bias=torch.tensor([100.0], device=device),
+            banned=torch.tensor([1 * vocab + int(plain[3])], device=device),
+            any_penalty=False,
+        )
+        with torch.inference_mode():
+            got = sampler(logits, params).cpu()
+        assert got[1] == 17, "logit_bias +100 on row 1's token 17"
+        assert got[3] != plain[3], "row 3's argmax is banned"
+        assert got[0] == plain[0] and got[2] == plain[2], "rows without adjustments are unchanged"

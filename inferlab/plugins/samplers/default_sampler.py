@@ -1,10 +1,15 @@
 """Greedy, temperature, top-k, top-p and min-p sampling, vectorized over the batch: each row's
 token is drawn from softmax(filtered logits / T) by the inverse transform of one uniform, hashed
-from the request's seed and the step, so no per-row loop and no torch generator state."""
+from the request's seed and the step, so no per-row loop and no torch generator state.
+
+Its capabilities (inferlab.core.protocols): the logits each row was drawn from, for logprobs
+(LogprobsSampler); penalties, logit_bias, min_tokens and allowed-token masks applied before
+temperature (LogitsProcessingSampler); and grammars compiled by xgrammar (StructuredOutputSampler,
+in grammar.py, imported when a request first asks for one)."""
 
 import torch
 
-from inferlab.core.batch import SamplingTensors
+from inferlab.core.batch import LogitsAdjustments, SamplingTensors
 from inferlab.core.hookspecs import hookimpl
 
 MASK32 = 0xFFFFFFFF
@@ -57,22 +62,75 @@ class DefaultSampler:
     def __init__(self, config=None, **options):
         if options:
             raise TypeError(f"the default sampler takes no options, got {sorted(options)}")
+        self.grammars = None  # the grammar compiler, made when a request first asks for structured outputs
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        if params.all_greedy:
-            return logits.argmax(dim=-1)
+        return self._sample(logits, params, with_logits=False)[0]
+
+    def sample_with_logits(self, logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sample(logits, params, with_logits=True)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingTensors, with_logits: bool):
+        logits = self.adjust_logits(logits, params)
+        if params.all_greedy and not with_logits:
+            return logits.argmax(dim=-1), None
         temperatures = params.temperatures
-        if params.any_top_k or params.any_top_p or params.any_min_p:
-            inverse = 1.0 / torch.where(temperatures > 0, temperatures, 1.0)
-            excluded = filter_logits(logits.float() * inverse[:, None], params) == float("-inf")
+        filtered = params.any_top_k or params.any_top_p or params.any_min_p
+        scaled = None
+        if filtered or with_logits:  # greedy rows are scaled by 1
+            scaled = logits.float() * (1.0 / torch.where(temperatures > 0, temperatures, 1.0))[:, None]
+        if filtered:
+            excluded = filter_logits(scaled, params) == float("-inf")
             # the filters only exclude tokens: the rest keep their logits and are drawn as without
             # filters, so a row's draw never depends on whether other rows of its batch filter
             logits = logits.masked_fill(excluded, float("-inf"))
+            scaled = scaled.masked_fill(excluded, float("-inf")) if with_logits else None
+        if params.all_greedy:
+            return logits.argmax(dim=-1), scaled
         if logits.is_cuda:
             from inferlab.kernels.sampling import sample_tokens
 
-            return sample_tokens(logits, temperatures, params.seeds, params.steps)
-        return inverse_transform_reference(logits, temperatures, params.seeds, params.steps)
+            return sample_tokens(logits, temperatures, params.seeds, params.steps), scaled
+        return inverse_transform_reference(logits, temperatures, params.seeds, params.steps), scaled
+
+    def adjust_logits(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        adjustments = params.adjustments
+        return logits if adjustments is None else adjusted_logits(logits, adjustments)
+
+    def compile_constraint(self, spec, tokenizer, vocab_size: int):
+        if self.grammars is None:
+            from inferlab.plugins.samplers.grammar import GrammarCompiler
+
+            self.grammars = GrammarCompiler()
+        return self.grammars.compile(spec, tokenizer, vocab_size)
+
+
+def adjusted_logits(logits: torch.Tensor, a: LogitsAdjustments) -> torch.Tensor:
+    """logits (as float32) with a's rows penalized, biased, banned and masked, vectorized over
+    those rows: repetition_penalty divides positive and multiplies negative logits of every token
+    seen in the prompt or output, then frequency_penalty times each token's count in the output
+    and presence_penalty once for each token in it are subtracted (vLLM's order)."""
+    num_rows, vocab = a.rows.shape[0], logits.shape[-1]
+    rows = logits[a.rows].float()
+    if a.any_penalty:
+        counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=logits.device)
+        counts.index_add_(0, a.output_tokens, torch.ones_like(a.output_tokens, dtype=torch.float32))
+        seen = (counts > 0).index_fill_(0, a.prompt_tokens, True).view(num_rows, vocab)
+        counts = counts.view(num_rows, vocab)
+        repetition = a.repetition[:, None]
+        rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
+        rows = rows - a.frequency[:, None] * counts - a.presence[:, None] * (counts > 0)
+    flat = rows.reshape(-1)
+    flat.index_add_(0, a.bias_index, a.bias)
+    flat.index_fill_(0, a.banned, float("-inf"))
+    rows = flat.view(num_rows, vocab)
+    if a.allowed is not None:
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        bits = ((a.allowed[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+        rows[a.allowed_rows] = rows[a.allowed_rows].masked_fill(~bits, float("-inf"))
+    out = logits.to(torch.float32, copy=True)  # the caller keeps its logits (raw logprobs read them)
+    out[a.rows] = rows
+    return out
 
 
 def relative_mass(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
