@@ -70,8 +70,11 @@ def register_models(register):
 @hookspec
 def register_samplers(register):
     """Samplers. factory(config: EngineConfig, **options) -> Sampler.
-    Optional capability of the sampler: GraphCapturableSampler (decode steps' LM head
-    and sampling replayed from CUDA graphs)."""
+    Optional capabilities of the sampler: GraphCapturableSampler (decode steps' LM head
+    and sampling replayed from CUDA graphs), LogprobsSampler (the logits each row was drawn from,
+    for logprobs), LogitsProcessingSampler (penalties, logit_bias, min_tokens and allowed-token
+    masks applied), StructuredOutputSampler (grammars compiled into TokenConstraint objects, the
+    per-sequence rule a user's own constraint also implements)."""
 
 
 @hookspec
@@ -84,4 +87,6 @@ def register_executors(register):
     `executor=name` selects one; `real` is the default.
     Optional capabilities of the runner: AdmissionCost (the host's time to add a request,
     on a clock not the host's), OnDevice (the device, dtypes and attention backend a bench records
-    and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device)."""
+    and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device),
+    SamplesLogits (its sampler, whose capabilities decide what requests may ask beyond plain
+    sampling; its launch then returns a LogprobsStepHandle, whose logprobs() the engine reads)."""
