@@ -3,7 +3,7 @@ its fused Triton kernel (kernels/qk_norm_rope.py) computes together with the K/V
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.plugins.models.decoder import DecoderForCausalLM, DecoderOptions
-from inferlab.plugins.models.qwen2 import QWEN2_CONFIG_DEFAULTS
+from inferlab.plugins.models.qwen_config import QWEN2_CONFIG_DEFAULTS
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
