@@ -427,6 +427,9 @@ class SimulatedDevice(Protocol):
     def describe(self) -> dict:
         """What stood in for the device (profile, cost model, ...), as JSON-ready values."""
 
+    def reseed(self, seed: int) -> None:
+        """Restarts the modeled times' random draws (step-time noise) from seed, so that a bench's
+        repeats each draw their own, reproducibly."""
 
 @runtime_checkable
 class SamplesLogits(Protocol):

@@ -7,8 +7,15 @@ mixed with decodes of short and long contexts) is built as requests holding real
 launched back to back as the engine does under overlap scheduling (the next launch before the
 previous tokens are read), so a step's time, the steady interval between two reads, is what a run
 pays for it: the device's work or, where it is longer, the host's launch. Each measurement also
-gives `host_seconds`, the host's time in launching it, and on a GPU `device_seconds`, the
-device's own time for the step: where `seconds` is well above it, the host bounds the step.
+gives `host_seconds`, the host's time in launching it, `seconds_std`, the spread of the timed
+intervals (the simulator's step-time noise), and on a GPU `device_seconds`, the device's own time
+for the step: where `seconds` is well above it, the host bounds the step.
+
+Besides the steps, the job measures the host's other costs that a run pays and relaunching one
+batch does not: admitting a request (`measure_admission`), the engine's own work on a step with
+the device's work stubbed out (`measure_step_host`: scheduling, KV book-keeping, finishing), the
+runner's rebuild of per-row sampling settings when a batch's sampling rows change
+(`measure_sampling_setup`), and a step launched onto an engine that idled (`measure_idle_wake`).
 """
 
 import json
@@ -23,12 +30,13 @@ from omegaconf import OmegaConf
 import inferlab
 from inferlab.conf import ProfileConfig, engine_arguments
 from inferlab.core.batch import ScheduledBatch
+from inferlab.core.engine import EngineStats
 from inferlab.core.model_runner import ModelRunner
 from inferlab.core.protocols import OnDevice
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.experiment.records import git_state, resolved_plugins
-from inferlab.sim.cost_model import MeasuredCostModel, StepShape
+from inferlab.sim.cost_model import MeasuredCostModel, StepShape, nonnegative_least_squares
 from inferlab.sim.profile import Profile, model_fields
 
 EAGER_BATCHES = (1, 8, 64, 256)
@@ -96,6 +104,7 @@ class StepTimer:
             previous.tokens()
             synchronize(runner.device)
             seconds = (read[-1] - read[0]) / (len(read) - 1)
+            intervals = np.diff(read)
             device_seconds = self._device_seconds(batch, seconds) if runner.device.type == "cuda" else None
         finally:
             runner.decode_graphs, runner.prefill_graphs = saved
@@ -108,6 +117,8 @@ class StepTimer:
             "seconds": seconds,
             "host_seconds": launching / (self.repeats + 1),
         }
+        if len(intervals) >= 2:  # the spread of the step's time between reads, for simulated noise
+            measurement["seconds_std"] = float(intervals.std(ddof=1))
         if device_seconds is not None:
             measurement["device_seconds"] = device_seconds
         return measurement
@@ -196,9 +207,160 @@ def measure_admission(llm, count: int = 64, rounds: int = 5) -> tuple[float, flo
     return max(0.0, per_request[0] - per_token * lengths[0]), per_token
 
 
+class _ReadyStep:
+    """The handle of a step whose device work is stubbed out: its tokens are known at once."""
+
+    def __init__(self, num_rows: int, sample_rows: list[int]):
+        self.num_rows, self.sample_rows = num_rows, sample_rows
+
+    def tokens(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_rows
+        for row in self.sample_rows:
+            out[row] = 1
+        return out
+
+    def placeholders(self) -> list[int | None]:
+        out: list[int | None] = [None] * self.num_rows
+        for k, row in enumerate(self.sample_rows):
+            out[row] = -(k + 1)
+        return out
+
+
+def _stub_launch(batch) -> _ReadyStep:
+    rows = [
+        row
+        for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
+        if request.num_computed_tokens + num_tokens == len(request.token_ids)
+    ]
+    return _ReadyStep(len(batch.requests), rows)
+
+
+def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), rounds: int = 5):
+    """The engine's own host work on a step besides launching it (llm.step() with the runner's
+    launch stubbed out: scheduling, KV book-keeping, finishing), as (per step, per request in the
+    batch, per prefill token), fitted to decode steps of `batches` requests and to steps admitting
+    one prompt of each of `prompts` tokens (fresh tokens, so no cache hits), the fastest of
+    `rounds` each, all within the engine's limits. The engine's requests, cache and counters are
+    left as they were."""
+    config, runner = llm.config, llm.runner
+    vocab = min(llm.hf_config.vocab_size, 10_000)
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    rows, seconds = [], []
+    saved_stats, llm.stats = llm.stats, EngineStats()
+    runner.launch = _stub_launch  # an instance attribute over the method, removed below
+    try:
+        for size in batches:
+            if size > config.max_num_seqs or size > llm.kv_manager.num_free_blocks:
+                continue
+            ids = [llm.add_request(rng.integers(0, vocab, 8).tolist(), params) for _ in range(size)]
+            for _ in range(3):  # admitted, then decoding
+                llm.step()
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                llm.step()
+                best = min(best, time.perf_counter() - start)
+            rows.append([1.0, size, 0.0])
+            seconds.append(best)
+            for request_id in ids:
+                llm.abort(request_id)
+            while not llm.is_finished():
+                llm.step()
+        for length in prompts:
+            length = min(length, config.max_model_len - 1, config.max_num_batched_tokens)
+            if -(-length // llm.kv_manager.block_size) > llm.kv_manager.num_free_blocks:
+                continue
+            best = float("inf")
+            for _ in range(rounds):
+                request_id = llm.add_request(rng.integers(0, vocab, length).tolist(), params)
+                start = time.perf_counter()
+                llm.step()
+                best = min(best, time.perf_counter() - start)
+                llm.abort(request_id)
+                while not llm.is_finished():
+                    llm.step()
+            rows.append([1.0, 1.0, float(length)])
+            seconds.append(best)
+    finally:
+        del runner.launch
+        llm.stats = saved_stats
+        llm.reset_prefix_cache()
+    rows, seconds = np.array(rows), np.array(seconds)
+    return tuple(nonnegative_least_squares(rows / seconds[:, None], np.ones_like(seconds)))
+
+
+def measure_sampling_setup(llm, sizes=(1, 16, 128, 512), rounds: int = 5) -> tuple[float, float]:
+    """The runner's rebuild of its per-row sampling settings for rows it has not just sampled
+    (ModelRunner.sampling_tensors with its cache cleared), as (per launch, per row): the fastest of
+    `rounds` for each of `sizes` rows, a line through them. (0, 0) for a runner without them."""
+    runner = llm.runner
+    if not isinstance(runner, ModelRunner):
+        return 0.0, 0.0
+    params = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)
+    points = []
+    for size in sizes:
+        size = min(size, llm.config.max_num_seqs)
+        requests = [Request(-1 - i, [1], params) for i in range(size)]  # ids no engine request has
+        steps = torch.zeros(size, dtype=torch.int64, device=runner.device)
+        best = float("inf")
+        for _ in range(rounds):
+            runner._sampling_cache = None
+            start = time.perf_counter()
+            runner.sampling_tensors(requests, steps)
+            best = min(best, time.perf_counter() - start)
+        points.append((size, best))
+    runner._sampling_cache = None
+    sizes_, seconds = map(np.array, zip(*points))
+    per_step, per_row = nonnegative_least_squares(np.stack([np.ones_like(seconds), sizes_], 1), seconds)
+    return per_step, per_row
+
+
+IDLE_GAPS = (0.002, 0.02, 0.2)  # seconds the engine idles before a step, as arrivals leave it
+
+
+def measure_idle_wake(llm, gaps=IDLE_GAPS, rounds: int = 5, prompt_tokens: int = 256) -> list[list[float]]:
+    """What a step launched onto an idle engine costs beyond the same step launched right after
+    another: one prompt of `prompt_tokens` launched and read, with fresh sampling rows each time,
+    after each idle gap and back to back; [gap, median extra seconds >= 0] for each gap."""
+    runner = llm.runner
+    tokens = min(prompt_tokens, llm.config.max_num_batched_tokens, llm.config.max_model_len - 1)
+    timer = StepTimer(llm, repeats=2, seed=3)
+    if not timer.fits([(0, tokens)]):
+        return []
+    request = timer._request(0, tokens)
+    batch = ScheduledBatch([request], [tokens], [llm.kv_manager.block_table(request)])
+
+    def once() -> float:
+        if isinstance(runner, ModelRunner):
+            runner._sampling_cache = None
+        start = time.perf_counter()
+        runner.launch(batch).tokens()
+        return time.perf_counter() - start
+
+    try:
+        for _ in range(3):
+            once()
+        synchronize(runner.device)
+        back_to_back = float(np.median([once() for _ in range(rounds)]))
+        points = []
+        for gap in gaps:
+            times = []
+            for _ in range(rounds):
+                time.sleep(gap)
+                times.append(once())
+            points.append([gap, max(0.0, float(np.median(times)) - back_to_back)])
+    finally:
+        llm.kv_manager.free(request)
+    return points
+
+
 def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
     measurements = measure(llm, settings)
     admission_per_request, admission_per_token = measure_admission(llm)
+    step_host = measure_step_host(llm)
+    sampling_setup = measure_sampling_setup(llm)
+    idle_wake = measure_idle_wake(llm)
     runner = llm.runner
     model = model_fields(llm.hf_config)
     kv_heads = max(1, model["num_key_value_heads"] // llm.config.tensor_parallel_size)
@@ -221,6 +383,12 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
         admission_s_per_request=admission_per_request,
         admission_s_per_token=admission_per_token,
         model_name=os.path.basename(os.path.normpath(llm.model_path)),
+        step_host_s_per_step=step_host[0],
+        step_host_s_per_request=step_host[1],
+        step_host_s_per_prefill_token=step_host[2],
+        sampling_setup_s_per_step=sampling_setup[0],
+        sampling_setup_s_per_row=sampling_setup[1],
+        idle_wake=idle_wake,
         source={
             "commit": settings.commit or git_state()["git_commit"],
             "date": time.strftime("%Y-%m-%d"),
@@ -253,10 +421,8 @@ def run_profile_job(cfg) -> None:
     model = MeasuredCostModel(profile.measurements)
     errors = [abs(model(StepShape.from_measurement(m)) / m["seconds"] - 1) for m in profile.measurements]
     print(f"{len(profile.measurements)} step compositions measured -> {settings.out}")
-    print(
-        f"admitting a request takes the host {1e6 * profile.admission_s_per_request:.1f} us and "
-        f"{1e9 * profile.admission_s_per_token:.1f} ns a prompt token"
-    )
+    for line in host_cost_lines(profile):
+        print(line)
     print(
         f"the fitted model on its own measurements: median error {100 * sorted(errors)[len(errors) // 2]:.1f}%, "
         f"worst {100 * max(errors):.1f}%"
@@ -264,6 +430,23 @@ def run_profile_job(cfg) -> None:
     for line in host_and_device_lines(profile.measurements):
         print(line)
     print(json.dumps(model.describe(), indent=1))
+
+
+def host_cost_lines(profile: Profile) -> list[str]:
+    """The host's costs the profile measured besides its steps, one line each."""
+    lines = [
+        f"admitting a request takes the host {1e6 * profile.admission_s_per_request:.1f} us and "
+        f"{1e9 * profile.admission_s_per_token:.1f} ns a prompt token",
+        f"the engine's own work on a step: {1e6 * profile.step_host_s_per_step:.1f} us, "
+        f"{1e6 * profile.step_host_s_per_request:.2f} us a request and "
+        f"{1e9 * profile.step_host_s_per_prefill_token:.1f} ns a prefill token",
+        f"rebuilding the sampling settings of new rows: {1e6 * profile.sampling_setup_s_per_step:.1f} us and "
+        f"{1e6 * profile.sampling_setup_s_per_row:.2f} us a row",
+    ]
+    if profile.idle_wake:
+        wake = ", ".join(f"{1e6 * extra:.0f} us after {1e3 * gap:g} ms" for gap, extra in profile.idle_wake)
+        lines.append(f"a step launched onto an idle engine takes longer by {wake}")
+    return lines
 
 
 def host_and_device_lines(measurements: list[dict], context: int = 512) -> list[str]:

@@ -20,9 +20,13 @@ and whether it replays a CUDA graph. Two models predict a step's seconds from th
 - `RooflineCostModel`, from a device's memory bandwidth and matmul rate alone: the larger of the
   step's bytes over the bandwidth and its FLOPs over the matmul rate, plus a per-step overhead.
   It serves any model shape and device, as a floor rather than a prediction.
+- `StepNoise`, from the spread of a profile's repeated measurements (`seconds_std`): a seeded draw
+  around a step's predicted time, so that simulated repeats vary as measured ones do.
 """
 
 import bisect
+import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,6 +251,74 @@ class HostLaunchModel:
     def describe(self) -> dict:
         names = ("base_s", "with_prefill_s", "per_request_s", "per_prefill_token_s", "per_decode_context_token_s")
         return {("graph" if g else "eager"): dict(zip(names, c)) for g, c in self.coefficients.items()}
+
+
+class StepNoise:
+    """A step's time as a draw around its predicted time: the prediction times a lognormal factor
+    of mean 1 whose coefficient of variation is `scale` times that measured for the nearest
+    composition of the same kind (decode-only or with prefill, replayed from a CUDA graph or
+    eager; nearest in decode requests, or in prefill tokens, on a log scale). Measurements without
+    `seconds_std` (profiles older than it) give no spread; scale 0 gives none at all."""
+
+    def __init__(self, measurements: list[dict], scale: float, seed: int = 0):
+        self.scale = scale
+        self.spreads: dict[tuple[bool, bool], tuple[list[float], list[float]]] = {}
+        points: dict[tuple[bool, bool], dict[float, list[float]]] = {}
+        for m in measurements:
+            if m.get("seconds_std") is None:
+                continue
+            shape = StepShape.from_measurement(m)
+            points.setdefault(self._kind(shape), {}).setdefault(self._size(shape), []).append(
+                m["seconds_std"] / m["seconds"]
+            )
+        for kind, by_size in points.items():
+            sizes = sorted(by_size)
+            self.spreads[kind] = (sizes, [float(np.median(by_size[s])) for s in sizes])
+        self._cv_cache: dict[tuple[bool, bool, float], float] = {}
+        self.rng = random.Random(seed)
+
+    @property
+    def active(self) -> bool:
+        return self.scale > 0 and bool(self.spreads)
+
+    def reseed(self, seed: int) -> None:
+        self.rng.seed(seed)
+
+    @staticmethod
+    def _kind(shape: StepShape) -> tuple[bool, bool]:
+        return bool(shape.prefill_tokens), bool(shape.graph)
+
+    @staticmethod
+    def _size(shape: StepShape) -> float:
+        return math.log(max(1, shape.prefill_tokens if shape.prefill_tokens else shape.decode_requests))
+
+    def cv(self, shape: StepShape) -> float:
+        """The coefficient of variation of the step's time (before `scale`)."""
+        kind, size = self._kind(shape), self._size(shape)
+        key = (*kind, size)
+        cached = self._cv_cache.get(key)
+        if cached is not None:
+            return cached
+        sizes, spreads = self.spreads.get(kind) or self.spreads.get((kind[0], not kind[1])) or ([0.0], [0.0])
+        i = bisect.bisect_left(sizes, size)
+        nearest = min((j for j in (i - 1, i) if 0 <= j < len(sizes)), key=lambda j: abs(sizes[j] - size))
+        self._cv_cache[key] = spreads[nearest]
+        return spreads[nearest]
+
+    def __call__(self, shape: StepShape, seconds: float) -> float:
+        cv = self.scale * self.cv(shape)
+        if cv <= 0:
+            return seconds
+        sigma = math.sqrt(math.log1p(cv * cv))
+        return seconds * self.rng.lognormvariate(-sigma * sigma / 2, sigma)
+
+    def describe(self) -> dict:
+        names = {(False, True): "decode_graph", (False, False): "decode_eager"}
+        names.update({(True, True): "prefill_graph", (True, False): "prefill_eager"})
+        return {
+            "scale": self.scale,
+            "median_cv": {names[k]: float(np.median(v[1])) for k, v in self.spreads.items()},
+        }
 
 
 class RooflineCostModel:

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.core.model_cost import DeviceRates, model_cost
 from inferlab.sim.cost_model import HostLaunchModel, MeasuredCostModel, RooflineCostModel
@@ -48,6 +50,17 @@ SHAPE_COUNTS = (
     "graph_tokens",
 )
 MEASURED_TIMES = ("seconds", "host_seconds", "device_seconds")
+# The host's costs a profile may carry besides its step times: each a finite number of seconds >= 0,
+# absent (0) in profiles measured before they were.
+HOST_COSTS = (
+    "admission_s_per_request",
+    "admission_s_per_token",
+    "step_host_s_per_step",
+    "step_host_s_per_request",
+    "step_host_s_per_prefill_token",
+    "sampling_setup_s_per_step",
+    "sampling_setup_s_per_row",
+)
 
 
 @dataclass
@@ -76,6 +89,18 @@ class Profile:
     # The measured model's name (its checkpoint directory's), which a simulated server serves
     # under when given no checkpoint; "" in older profiles.
     model_name: str = ""
+    # The engine's own host work for a step besides launching it (scheduling, KV book-keeping,
+    # finishing requests), per step, per request in the batch and per prefill token (hashing blocks).
+    step_host_s_per_step: float = 0.0
+    step_host_s_per_request: float = 0.0
+    step_host_s_per_prefill_token: float = 0.0
+    # The runner's rebuild of its per-row sampling settings, paid by a launch whose sampling rows
+    # are not the previous launch's (a request joined or left), per launch and per row.
+    sampling_setup_s_per_step: float = 0.0
+    sampling_setup_s_per_row: float = 0.0
+    # What a step launched onto an idle engine costs beyond one launched after another step:
+    # [idle seconds, extra seconds] pairs, by increasing idle time (a host and a device waking up).
+    idle_wake: list = field(default_factory=list)
 
     def __post_init__(self):
         problems = self._problems()
@@ -110,8 +135,19 @@ class Profile:
         check("kv_cache_bytes", self.kv_cache_bytes, _count(self.kv_cache_bytes, 1), "a whole number > 0")
         for name in ("graph_batch_limit", "graph_prefill_tokens", "graph_decode_limit"):
             check(name, getattr(self, name), _count(getattr(self, name), 0), "a whole number >= 0")
-        for name in ("step_overhead_s", "admission_s_per_request", "admission_s_per_token"):
+        for name in ("step_overhead_s", *HOST_COSTS):
             check(name, getattr(self, name), finite_number(getattr(self, name), 0.0), "a finite number >= 0")
+        check(
+            "idle_wake",
+            self.idle_wake,
+            isinstance(self.idle_wake, list)
+            and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(finite_number(x, 0.0) for x in p)
+                for p in self.idle_wake
+            )
+            and all(a[0] < b[0] for a, b in zip(self.idle_wake, self.idle_wake[1:])),
+            "a list of [idle seconds, extra seconds] pairs of finite numbers >= 0, by increasing idle seconds",
+        )
         check("source", self.source, isinstance(self.source, dict), "an object")
         check("model_name", self.model_name, isinstance(self.model_name, str), "a string")
         if not isinstance(self.model, dict):
@@ -143,6 +179,8 @@ class Profile:
                 # a step takes time: zero, negative or non-finite times come from a broken file
                 if name in m and not (finite_number(m[name], 0.0) and m[name] > 0):
                     problems.append(f"measurements[{i}].{name} must be a finite number > 0, got {m[name]!r}")
+            if "seconds_std" in m and not finite_number(m["seconds_std"], 0.0):
+                problems.append(f"measurements[{i}].seconds_std must be a finite number >= 0, got {m['seconds_std']!r}")
             for name in SHAPE_COUNTS:
                 if name in m and not _count(m[name], 0):
                     problems.append(f"measurements[{i}].{name} must be a whole number >= 0, got {m[name]!r}")
@@ -158,6 +196,28 @@ class Profile:
 
     def admission_seconds(self, num_prompt_tokens: int) -> float:
         return self.admission_s_per_request + self.admission_s_per_token * num_prompt_tokens
+
+    def step_host_seconds(self, num_requests: int, num_prefill_tokens: int) -> float:
+        """The engine's host work for a step of num_requests requests and num_prefill_tokens
+        prefill tokens, besides its launch."""
+        return (
+            self.step_host_s_per_step
+            + self.step_host_s_per_request * num_requests
+            + self.step_host_s_per_prefill_token * num_prefill_tokens
+        )
+
+    def sampling_setup_seconds(self, num_rows: int) -> float:
+        return self.sampling_setup_s_per_step + self.sampling_setup_s_per_row * num_rows
+
+    def idle_wake_seconds(self, idle_s: float) -> float:
+        """The extra time of a step launched after the engine idled idle_s seconds: linear between
+        the measured idle times (from nothing at no idle time), the last one's beyond them."""
+        points = self.idle_wake
+        if not points or idle_s <= 0:
+            return 0.0
+        idle = [0.0] + [p[0] for p in points]
+        extra = [0.0] + [p[1] for p in points]
+        return float(np.interp(idle_s, idle, extra))
 
     def graph_limits(self, config) -> GraphLimits:
         """Which steps an engine of `config` (its settings) replays from CUDA graphs on this profile's device."""

@@ -4,14 +4,17 @@ The scheduler policy, the KV cache manager and the engine loop run as they do on
 forward pass and sampling are replaced: each launched step occupies a virtual device for the time
 the cost model predicts for it, after the steps launched before it, and reading its tokens moves
 the virtual clock to its end (launching a step moves the clock by the host's time to launch it,
-and each added request by the host's time to admit it).
+and by the engine's own host work for the step, and each added request by the host's time to
+admit it; a launch whose sampling rows changed pays the runner's rebuild of their settings, and a
+launch onto an idle engine pays its waking up, where the profile measured these).
 So under overlap scheduling (on by default, as on a GPU) the next step is scheduled and launched
 while one runs, and a request that arrives meanwhile waits for both, as on the device. Every
 sampling row gets a synthetic token, never EOS or another special token, so output lengths come
 from max_tokens (the workloads use ignore_eos) and streams carry visible text: the steps' tokens
 spell SYNTHETIC_TEXT over and over. The KV cache holds as
 many blocks as the profiled engine had (or `num_kvcache_blocks`), so preemption and prefix-cache
-eviction happen as on the device.
+eviction happen as on the device. With `noise` (the default), each step's time is a seeded draw
+around its prediction with the spread the profile measured for it (inferlab.sim.cost_model.StepNoise).
 
 With `real_time` the same runner keeps this host's clock instead: the host's times are spent in a
 busy loop that holds the GIL and the device's pass while reading tokens sleeps without it, so
@@ -19,12 +22,8 @@ the engine serves (and loads a server's event loop) as one on the profiled GPU w
 measuring the HTTP side on a machine without one.
 """
 
-import ctypes
 import logging
 import os
-import sys
-import threading
-import time
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -34,7 +33,8 @@ from inferlab.core.checkpoint import Checkpoint, fit_model_len, load_checkpoint_
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
-from inferlab.sim.cost_model import StepShape
+from inferlab.core.model_runner import sleep_until
+from inferlab.sim.cost_model import StepNoise, StepShape
 from inferlab.sim.profile import (
     KNOWN_DEVICES,
     SIZE_FIELDS,
@@ -66,6 +66,9 @@ class SimulatedOptions:
     # the GIL (busy), its device times pass while reading tokens sleeps. A stand-in for the GPU
     # that serves, and loads the HTTP server and its clients, as a GPU-backed engine would.
     real_time: bool = False
+    # Times the spread the profile measured for each step composition: each step's time is a draw
+    # around its prediction (seeded by engine.seed; a bench's repeat i by bench.seed + i). 0: none.
+    noise: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.profile, str) or not self.profile:
@@ -84,6 +87,11 @@ class SimulatedOptions:
             )
         if not isinstance(self.real_time, bool):  # a string such as "false" would otherwise count as true
             raise ValueError(f"executor.real_time must be True or False, got {self.real_time!r}")
+        if not finite_number(self.noise, 0.0):
+            raise ValueError(
+                f"executor.noise must be a finite number >= 0 (1: the profile's measured spread, 0: none), "
+                f"got {self.noise!r}"
+            )
 
 
 class VirtualClock:
@@ -105,27 +113,13 @@ class VirtualClock:
 
 class RealTimeClock:
     """perf_counter's seconds, for a simulation in real time: waiting for the device sleeps
-    (releasing the GIL, as waiting for a GPU does) and the host's work is a busy loop (holding
-    it, as launching does)."""
-
-    PR_SET_TIMERSLACK = 29  # Linux prctl: how late a sleep may end
-
-    def __init__(self):
-        self.precise_sleeps: set[int] = set()  # the threads whose sleeps end within 1 us
+    (releasing the GIL, as waiting for a GPU does; as precisely as the real runner's) and the
+    host's work is a busy loop (holding it, as launching does)."""
 
     def __call__(self) -> float:
         return perf_counter()
 
-    def advance_to(self, t: float) -> None:
-        thread = threading.get_ident()
-        if thread not in self.precise_sleeps and sys.platform == "linux":
-            # Linux lets a thread's sleep end up to its timer slack late (50 us unless set), a visible
-            # share of a small decode step.
-            ctypes.CDLL(None).prctl(self.PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-            self.precise_sleeps.add(thread)
-        remaining = t - perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+    advance_to = staticmethod(sleep_until)
 
     def spend(self, seconds: float) -> None:
         end = perf_counter() + seconds
@@ -199,7 +193,9 @@ class SimulatedRunner:
         self.attention = profile.attention  # no backend runs: the one the profile was measured with
         self.cost_model = profile.cost_model()
         self.host_launch_model = profile.host_launch_model()
+        self.noise = StepNoise(profile.measurements, options.noise, config.seed)
         self.device_free_at = 0.0  # when the virtual device finishes the steps launched so far
+        self.sampling_rows: list[int] | None = None  # the request ids the last launch sampled, as the runner keys them
         self.dtype = getattr(torch, profile.dtype)
         self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
         self.block_size = config.kvcache_block_size
@@ -271,30 +267,53 @@ class SimulatedRunner:
         costs): the engine does it between steps, so it delays the next one."""
         self.clock.spend(self.profile.admission_seconds(request.num_prompt_tokens))
 
+    def reseed(self, seed: int) -> None:
+        """Restarts the step-time noise's draws from seed (a bench's repeat draws from its own)."""
+        self.noise.reseed(seed)
+
     def launch(self, batch) -> "SimulatedStep":
-        """Queues the step on the virtual device; its tokens are ready when it ends. Launching
-        takes the host the profile's launch time for the step, on the clock: a CUDA graph runs
-        once launched; an eager step's kernels run as they are launched, so it starts at once but
-        ends no earlier than its launch. Back to back, a device step longer than the next launch
-        hides that launch; a step onto an idle device waits for its own."""
+        """Queues the step on the virtual device; its tokens are ready when it ends. Before the
+        launch, the host pays on the clock for waking up when the engine was idle and, on the
+        virtual clock, for the engine's own work on the step (scheduling and book-keeping, which
+        run here in no virtual time). Launching then takes the host the profile's launch time for
+        the step, plus the rebuild of the sampling settings when the sampling rows are not the last
+        launch's (the real runner keeps them while they stay): a CUDA graph runs once launched; an
+        eager step's kernels run as they are launched, so it starts at once but ends no earlier
+        than its launch. Back to back, a device step longer than the next launch hides that
+        launch; a step onto an idle device waits for its own."""
         shape = StepShape.of(batch, self.graph_limits)
         seconds = self.cost_model(shape)
-        start = self.clock()
-        self.clock.spend(self.host_launch_model(shape) if self.host_launch_model else 0.0)
-        launched = self.clock()
+        if self.noise.active:
+            seconds = self.noise(shape, seconds)
+        clock, profile = self.clock, self.profile
+        idle = clock() - self.device_free_at
+        if idle > 0 and profile.idle_wake:
+            clock.spend(profile.idle_wake_seconds(idle))
+        if not self.real_time:  # in real time the engine's own work takes this host's time already
+            clock.spend(profile.step_host_seconds(len(batch.requests), shape.prefill_tokens))
+        start = clock()
+        requests = batch.requests
+        sample_rows = [
+            row
+            for row, (request, num_tokens) in enumerate(zip(requests, batch.num_scheduled_tokens))
+            if request.num_computed_tokens + num_tokens == len(request.token_ids)
+        ]
+        host = self.host_launch_model(shape) if self.host_launch_model else 0.0
+        if sample_rows:
+            rows = [requests[row].request_id for row in sample_rows]
+            if rows != self.sampling_rows:
+                host += profile.sampling_setup_seconds(len(rows))
+                self.sampling_rows = rows
+        clock.spend(host)
+        launched = clock()
         if shape.graph:
             self.device_free_at = max(self.device_free_at, launched) + seconds
         else:
             self.device_free_at = max(max(self.device_free_at, start) + seconds, launched)
         self.simulated_seconds += seconds
         self.num_steps += 1
-        sample_rows = [
-            row
-            for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
-            if request.num_computed_tokens + num_tokens == len(request.token_ids)
-        ]
         token = self.tokens[self.num_steps % len(self.tokens)]  # every row of a step samples the same one
-        return SimulatedStep(len(batch.requests), sample_rows, token, self.clock, self.device_free_at)
+        return SimulatedStep(len(requests), sample_rows, token, clock, self.device_free_at)
 
     def describe(self) -> dict:
         """What stood in for the device: the profile and the fitted cost model."""
@@ -309,6 +328,17 @@ class SimulatedRunner:
                 "per_request": profile.admission_s_per_request,
                 "per_prompt_token": profile.admission_s_per_token,
             },
+            "step_host_s": {
+                "per_step": profile.step_host_s_per_step,
+                "per_request": profile.step_host_s_per_request,
+                "per_prefill_token": profile.step_host_s_per_prefill_token,
+            },
+            "sampling_setup_s": {
+                "per_step": profile.sampling_setup_s_per_step,
+                "per_row": profile.sampling_setup_s_per_row,
+            },
+            "idle_wake": profile.idle_wake,
+            "noise": self.noise.describe(),
             "num_steps": self.num_steps,
             "real_time": self.real_time,  # on this host's clock (its wall time), not a virtual one
         }
