@@ -124,6 +124,29 @@ def test_the_sampling_setup_costs_its_rows(tmp_path):
     assert costs == pytest.approx([1e-3 + 2e-4, 0.0])
 
 
+def test_launching_in_a_run_costs_the_profiles_factor_over_relaunching(tmp_path):
+    """A profile whose host launches take 1 ms, measured to take 1.5 times that in a run: each
+    launch of the sim moves the clock by 1.5 ms, the sampling setup included in what it scales."""
+    from inferlab.core.batch import ScheduledBatch
+    from inferlab.core.request import Request
+
+    profile = hand_profile(tmp_path, launch_in_run_factor=1.5, sampling_setup_s_per_step=1e-3)
+    llm = simulated(profile, kvcache_block_size=16, overlap_scheduling=False)
+    runner = llm.runner
+    runner.host_launch_model = lambda shape: 1e-3
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    request = Request(0, [1, 2, 3], params)
+    request.num_computed_tokens = 2
+    batch = ScheduledBatch([request], [1], [[0]])
+    costs = []
+    for _ in range(2):
+        before = runner.clock()
+        runner.launch(batch)
+        costs.append(runner.clock() - before)
+    assert costs == pytest.approx([1.5 * 2e-3, 1.5e-3])
+    assert load_profile(profile).launch_in_run_factor == 1.5
+
+
 def test_a_launch_onto_an_idle_engine_pays_its_wake_up(tmp_path):
     """The profile's wake-up costs, linear between its idle times: a request arriving 55 ms after
     the device finished the last step gets its first token 1 + (4 - 1) x 45 / 90 ms later than on
@@ -212,6 +235,7 @@ def test_profiles_measured_before_the_host_costs_load_without_them(name):
         ("sampling_setup_s_per_row", float("nan"), "sampling_setup_s_per_row must be a finite number >= 0"),
         ("idle_wake", [[0.1, 0.001], [0.01, 0.002]], "idle_wake must be a list of [idle seconds, extra seconds]"),
         ("idle_wake", [[0.1]], "idle_wake must be a list"),
+        ("launch_in_run_factor", 0, "launch_in_run_factor must be a finite number > 0"),
     ],
 )
 def test_bad_host_costs_are_refused_naming_the_field(tmp_path, field, value, expected):
@@ -241,6 +265,7 @@ def test_profiling_measures_the_host_costs_and_the_spread(tmp_path):
     assert profile.sampling_setup_s_per_step + profile.sampling_setup_s_per_row > 0
     assert [gap for gap, _ in profile.idle_wake] == [0.002, 0.02, 0.2]
     assert all(extra >= 0 for _, extra in profile.idle_wake)
+    assert 0 < profile.launch_in_run_factor < 100
     path = tmp_path / "cpu.json"
     profile.save(str(path))
     assert load_profile(str(path)).step_host_s_per_step == profile.step_host_s_per_step

@@ -12,8 +12,9 @@ intervals (the simulator's step-time noise), and on a GPU `device_seconds`, the 
 for the step: where `seconds` is well above it, the host bounds the step.
 
 Besides the steps, the job measures the host's other costs that a run pays and relaunching one
-batch does not: admitting a request (`measure_admission`), the engine's own work on a step with
-the device's work stubbed out (`measure_step_host`: scheduling, KV book-keeping, finishing), the
+batch does not: admitting a request (`measure_admission`), the engine's own work on a step besides
+launching it and waiting for its tokens (`measure_step_host`: scheduling, KV book-keeping,
+finishing), the
 runner's rebuild of per-row sampling settings when a batch's sampling rows change
 (`measure_sampling_setup`), and a step launched onto an engine that idled (`measure_idle_wake`).
 """
@@ -30,13 +31,16 @@ from omegaconf import OmegaConf
 import inferlab
 from inferlab.conf import ProfileConfig, engine_arguments
 from inferlab.core.batch import ScheduledBatch
+from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.core.engine import EngineStats
 from inferlab.core.model_runner import ModelRunner
 from inferlab.core.protocols import OnDevice
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
+from inferlab.experiment.driver import run_workload
 from inferlab.experiment.records import git_state, resolved_plugins
-from inferlab.sim.cost_model import MeasuredCostModel, StepShape, nonnegative_least_squares
+from inferlab.experiment.workload import WorkloadRequest
+from inferlab.sim.cost_model import HostLaunchModel, MeasuredCostModel, StepShape, nonnegative_least_squares
 from inferlab.sim.profile import Profile, model_fields
 
 EAGER_BATCHES = (1, 8, 64, 256)
@@ -207,48 +211,82 @@ def measure_admission(llm, count: int = 64, rounds: int = 5) -> tuple[float, flo
     return max(0.0, per_request[0] - per_token * lengths[0]), per_token
 
 
-class _ReadyStep:
-    """The handle of a step whose device work is stubbed out: its tokens are known at once."""
+class _TimedSteps:
+    """Times the parts of an engine's steps: runner.launch is wrapped (an instance attribute over the
+    method, removed by close()) so that each step's launch and its wait for tokens (under overlap,
+    the previous step's) are measured apart from the rest, the engine's own work. With `shapes`
+    (the runner's graph limits), each launch is also recorded as (StepShape, launch seconds, the
+    rows whose sampling settings it rebuilt: 0 where it kept them)."""
 
-    def __init__(self, num_rows: int, sample_rows: list[int]):
-        self.num_rows, self.sample_rows = num_rows, sample_rows
+    def __init__(self, llm, shapes: GraphLimits | None = None):
+        self.llm, self.runner, self.shapes = llm, llm.runner, shapes
+        self.launch, self.sampling = self.runner.launch, getattr(self.runner, "sampling_tensors", None)
+        self.runner.launch = self._launch
+        if shapes is not None and self.sampling is not None:
+            self.runner.sampling_tensors = self._sampling_tensors
+        self.launch_s = self.wait_s = 0.0
+        self.launches: list[tuple[StepShape, float, int]] = []
+        self.rebuilt = 0
 
-    def tokens(self) -> list[int | None]:
-        out: list[int | None] = [None] * self.num_rows
-        for row in self.sample_rows:
-            out[row] = 1
-        return out
+    def _sampling_tensors(self, rows, steps):
+        cached = self.runner._sampling_cache
+        tensors = self.sampling(rows, steps)
+        self.rebuilt = len(rows) if self.runner._sampling_cache is not cached else 0
+        return tensors
 
-    def placeholders(self) -> list[int | None]:
-        out: list[int | None] = [None] * self.num_rows
-        for k, row in enumerate(self.sample_rows):
-            out[row] = -(k + 1)
-        return out
+    def _launch(self, batch):
+        self.rebuilt = 0
+        start = time.perf_counter()
+        handle = self.launch(batch)
+        seconds = time.perf_counter() - start
+        self.launch_s += seconds
+        if self.shapes is not None:  # read after the launch, which changes no request
+            self.launches.append((StepShape.of(batch, self.shapes), seconds, self.rebuilt))
+        return _TimedHandle(handle, self)
+
+    def engine_seconds(self) -> float:
+        """One llm.step(), less its launch and its wait for tokens."""
+        self.launch_s = self.wait_s = 0.0
+        start = time.perf_counter()
+        self.llm.step()
+        return time.perf_counter() - start - self.launch_s - self.wait_s
+
+    def close(self) -> None:
+        del self.runner.launch
+        if "sampling_tensors" in vars(self.runner):
+            del self.runner.sampling_tensors
 
 
-def _stub_launch(batch) -> _ReadyStep:
-    rows = [
-        row
-        for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens))
-        if request.num_computed_tokens + num_tokens == len(request.token_ids)
-    ]
-    return _ReadyStep(len(batch.requests), rows)
+class _TimedHandle:
+    def __init__(self, handle, steps: _TimedSteps):
+        self.handle, self.steps = handle, steps
+
+    def tokens(self):
+        start = time.perf_counter()
+        tokens = self.handle.tokens()
+        self.steps.wait_s += time.perf_counter() - start
+        return tokens
+
+    def placeholders(self):
+        return self.handle.placeholders()
 
 
 def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), rounds: int = 5):
-    """The engine's own host work on a step besides launching it (llm.step() with the runner's
-    launch stubbed out: scheduling, KV book-keeping, finishing), as (per step, per request in the
-    batch, per prefill token), fitted to decode steps of `batches` requests and to steps admitting
-    one prompt of each of `prompts` tokens (fresh tokens, so no cache hits), the fastest of
-    `rounds` each, all within the engine's limits. The engine's requests, cache and counters are
-    left as they were."""
-    config, runner = llm.config, llm.runner
+    """The engine's own host work on a step besides launching it and waiting for tokens
+    (scheduling, KV book-keeping, finishing), as (per step, per request in the batch, per prefill
+    token): real steps, each less its launch and its wait, so that the host runs the engine's code
+    as cold as in a run (between launches that fill its caches with the runner's work), fitted to
+    decode steps of `batches` requests and to steps admitting one prompt of each of `prompts`
+    tokens (fresh tokens, so no cache hits); the median of `rounds` each (every step pays it, so
+    its typical cost, not its best), all within the engine's limits. The engine's requests, cache
+    and counters are left as they were."""
+    config = llm.config
     vocab = min(llm.hf_config.vocab_size, 10_000)
     rng = np.random.default_rng(2)
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
     rows, seconds = [], []
     saved_stats, llm.stats = llm.stats, EngineStats()
-    runner.launch = _stub_launch  # an instance attribute over the method, removed below
+    steps = _TimedSteps(llm)
     try:
         for size in batches:
             if size > config.max_num_seqs or size > llm.kv_manager.num_free_blocks:
@@ -256,13 +294,8 @@ def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), r
             ids = [llm.add_request(rng.integers(0, vocab, 8).tolist(), params) for _ in range(size)]
             for _ in range(3):  # admitted, then decoding
                 llm.step()
-            best = float("inf")
-            for _ in range(rounds):
-                start = time.perf_counter()
-                llm.step()
-                best = min(best, time.perf_counter() - start)
             rows.append([1.0, size, 0.0])
-            seconds.append(best)
+            seconds.append(float(np.median([steps.engine_seconds() for _ in range(rounds)])))
             for request_id in ids:
                 llm.abort(request_id)
             while not llm.is_finished():
@@ -271,19 +304,17 @@ def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), r
             length = min(length, config.max_model_len - 1, config.max_num_batched_tokens)
             if -(-length // llm.kv_manager.block_size) > llm.kv_manager.num_free_blocks:
                 continue
-            best = float("inf")
+            times = []
             for _ in range(rounds):
                 request_id = llm.add_request(rng.integers(0, vocab, length).tolist(), params)
-                start = time.perf_counter()
-                llm.step()
-                best = min(best, time.perf_counter() - start)
+                times.append(steps.engine_seconds())
                 llm.abort(request_id)
                 while not llm.is_finished():
                     llm.step()
             rows.append([1.0, 1.0, float(length)])
-            seconds.append(best)
+            seconds.append(float(np.median(times)))
     finally:
-        del runner.launch
+        steps.close()
         llm.stats = saved_stats
         llm.reset_prefix_cache()
     rows, seconds = np.array(rows), np.array(seconds)
@@ -292,7 +323,7 @@ def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), r
 
 def measure_sampling_setup(llm, sizes=(1, 16, 128, 512), rounds: int = 5) -> tuple[float, float]:
     """The runner's rebuild of its per-row sampling settings for rows it has not just sampled
-    (ModelRunner.sampling_tensors with its cache cleared), as (per launch, per row): the fastest of
+    (ModelRunner.sampling_tensors with its cache cleared), as (per launch, per row): the median of
     `rounds` for each of `sizes` rows, a line through them. (0, 0) for a runner without them."""
     runner = llm.runner
     if not isinstance(runner, ModelRunner):
@@ -303,13 +334,13 @@ def measure_sampling_setup(llm, sizes=(1, 16, 128, 512), rounds: int = 5) -> tup
         size = min(size, llm.config.max_num_seqs)
         requests = [Request(-1 - i, [1], params) for i in range(size)]  # ids no engine request has
         steps = torch.zeros(size, dtype=torch.int64, device=runner.device)
-        best = float("inf")
+        times = []
         for _ in range(rounds):
             runner._sampling_cache = None
             start = time.perf_counter()
             runner.sampling_tensors(requests, steps)
-            best = min(best, time.perf_counter() - start)
-        points.append((size, best))
+            times.append(time.perf_counter() - start)
+        points.append((size, float(np.median(times))))
     runner._sampling_cache = None
     sizes_, seconds = map(np.array, zip(*points))
     per_step, per_row = nonnegative_least_squares(np.stack([np.ones_like(seconds), sizes_], 1), seconds)
@@ -319,7 +350,7 @@ def measure_sampling_setup(llm, sizes=(1, 16, 128, 512), rounds: int = 5) -> tup
 IDLE_GAPS = (0.002, 0.02, 0.2)  # seconds the engine idles before a step, as arrivals leave it
 
 
-def measure_idle_wake(llm, gaps=IDLE_GAPS, rounds: int = 5, prompt_tokens: int = 256) -> list[list[float]]:
+def measure_idle_wake(llm, gaps=IDLE_GAPS, rounds: int = 9, prompt_tokens: int = 256) -> list[list[float]]:
     """What a step launched onto an idle engine costs beyond the same step launched right after
     another: one prompt of `prompt_tokens` launched and read, with fresh sampling rows each time,
     after each idle gap and back to back; [gap, median extra seconds >= 0] for each gap."""
@@ -355,12 +386,50 @@ def measure_idle_wake(llm, gaps=IDLE_GAPS, rounds: int = 5, prompt_tokens: int =
     return points
 
 
+def measure_launch_in_run(
+    llm, measurements: list[dict], sampling_setup: tuple[float, float], num_requests: int = 48, seed: int = 4
+) -> float:
+    """How much longer the host takes to launch a step in a run than the grid's relaunches of one
+    batch say (between a run's launches the engine's own work cools the host's caches): the median,
+    over the launches of a short run through the driver (num_requests prompts of 64 to 1,024
+    tokens, 8 to 64 output tokens, one every 4 ms), of each launch's time over the host launch
+    model's (plus the sampling setup where it rebuilt its rows). 1 where the profile has no host
+    times."""
+    if not any(m.get("host_seconds") for m in measurements):
+        return 1.0
+    model = HostLaunchModel(measurements)
+    config = llm.config
+    rng = np.random.default_rng(seed)
+    vocab = min(llm.hf_config.vocab_size, 10_000)
+    longest = max(2, min(1024, config.max_model_len // 2, config.max_num_batched_tokens))
+    requests, params = [], []
+    for i in range(num_requests):
+        length = int(rng.integers(min(64, longest - 1), longest))
+        requests.append(WorkloadRequest(i, 0.004 * i, rng.integers(0, vocab, length).tolist(), 0))
+        params.append(SamplingParams(max_tokens=int(rng.integers(8, 65)), ignore_eos=True, temperature=0.6))
+    saved_stats, llm.stats = llm.stats, EngineStats()
+    steps = _TimedSteps(llm, llm.runner.graph_limits())
+    try:
+        run_workload(llm, requests, params)
+    finally:
+        steps.close()
+        llm.stats = saved_stats
+        llm.reset_prefix_cache()
+    per_step, per_row = sampling_setup
+    ratios = [
+        seconds / (model(shape) + (per_step + per_row * rows if rows else 0.0))
+        for shape, seconds, rows in steps.launches
+    ]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
 def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
     measurements = measure(llm, settings)
     admission_per_request, admission_per_token = measure_admission(llm)
     step_host = measure_step_host(llm)
     sampling_setup = measure_sampling_setup(llm)
     idle_wake = measure_idle_wake(llm)
+    launch_in_run = measure_launch_in_run(llm, measurements, sampling_setup)
     runner = llm.runner
     model = model_fields(llm.hf_config)
     kv_heads = max(1, model["num_key_value_heads"] // llm.config.tensor_parallel_size)
@@ -389,6 +458,7 @@ def run_profile(llm, settings: ProfileConfig, command: str) -> Profile:
         sampling_setup_s_per_step=sampling_setup[0],
         sampling_setup_s_per_row=sampling_setup[1],
         idle_wake=idle_wake,
+        launch_in_run_factor=launch_in_run,
         source={
             "commit": settings.commit or git_state()["git_commit"],
             "date": time.strftime("%Y-%m-%d"),
@@ -443,6 +513,9 @@ def host_cost_lines(profile: Profile) -> list[str]:
         f"rebuilding the sampling settings of new rows: {1e6 * profile.sampling_setup_s_per_step:.1f} us and "
         f"{1e6 * profile.sampling_setup_s_per_row:.2f} us a row",
     ]
+    lines.append(
+        f"launching a step in a run takes the host {profile.launch_in_run_factor:.2f}x what relaunching one batch does"
+    )
     if profile.idle_wake:
         wake = ", ".join(f"{1e6 * extra:.0f} us after {1e3 * gap:g} ms" for gap, extra in profile.idle_wake)
         lines.append(f"a step launched onto an idle engine takes longer by {wake}")

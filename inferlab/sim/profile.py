@@ -98,6 +98,9 @@ class Profile:
     # are not the previous launch's (a request joined or left), per launch and per row.
     sampling_setup_s_per_step: float = 0.0
     sampling_setup_s_per_row: float = 0.0
+    # The host's launch time in a run over what relaunching one batch back to back (the grid's
+    # host_seconds) says: between a run's launches the engine's other work cools the host's caches.
+    launch_in_run_factor: float = 1.0
     # What a step launched onto an idle engine costs beyond one launched after another step:
     # [idle seconds, extra seconds] pairs, by increasing idle time (a host and a device waking up).
     idle_wake: list = field(default_factory=list)
@@ -137,6 +140,12 @@ class Profile:
             check(name, getattr(self, name), _count(getattr(self, name), 0), "a whole number >= 0")
         for name in ("step_overhead_s", *HOST_COSTS):
             check(name, getattr(self, name), finite_number(getattr(self, name), 0.0), "a finite number >= 0")
+        check(
+            "launch_in_run_factor",
+            self.launch_in_run_factor,
+            finite_number(self.launch_in_run_factor, 0.0) and self.launch_in_run_factor > 0,
+            "a finite number > 0",
+        )
         check(
             "idle_wake",
             self.idle_wake,

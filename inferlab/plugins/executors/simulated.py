@@ -277,7 +277,8 @@ class SimulatedRunner:
         virtual clock, for the engine's own work on the step (scheduling and book-keeping, which
         run here in no virtual time). Launching then takes the host the profile's launch time for
         the step, plus the rebuild of the sampling settings when the sampling rows are not the last
-        launch's (the real runner keeps them while they stay): a CUDA graph runs once launched; an
+        launch's (the real runner keeps them while they stay), both times the profile's factor for
+        launching in a run rather than relaunching one batch: a CUDA graph runs once launched; an
         eager step's kernels run as they are launched, so it starts at once but ends no earlier
         than its launch. Back to back, a device step longer than the next launch hides that
         launch; a step onto an idle device waits for its own."""
@@ -304,7 +305,7 @@ class SimulatedRunner:
             if rows != self.sampling_rows:
                 host += profile.sampling_setup_seconds(len(rows))
                 self.sampling_rows = rows
-        clock.spend(host)
+        clock.spend(host * profile.launch_in_run_factor)
         launched = clock()
         if shape.graph:
             self.device_free_at = max(self.device_free_at, launched) + seconds
@@ -338,6 +339,7 @@ class SimulatedRunner:
                 "per_row": profile.sampling_setup_s_per_row,
             },
             "idle_wake": profile.idle_wake,
+            "launch_in_run_factor": profile.launch_in_run_factor,
             "noise": self.noise.describe(),
             "num_steps": self.num_steps,
             "real_time": self.real_time,  # on this host's clock (its wall time), not a virtual one
