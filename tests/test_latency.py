@@ -99,10 +99,26 @@ def test_figures_of_a_hand_made_timeline():
         "0": {"num_requests": 2, "ttft_s": summary(1.5, 1.5, 1.9, 1.99), "e2e_s": summary(2.5, 2.5, 2.9, 2.99)},
         "1": {"num_requests": 1, "ttft_s": summary(0.5, 0.5, 0.5, 0.5), "e2e_s": summary(0.5, 0.5, 0.5, 0.5)},
     }
+    # service: a's r1 (10 + 4 tokens) and r3 (8 + 2) over 0..5 s with requests in the system,
+    # b's r2 (6 + 1) over 1..1.5 s
     assert figures["per_tenant"] == {
-        "a": {"num_requests": 2, "ttft_s": summary(1.5, 1.5, 1.9, 1.99), "e2e_s": summary(2.5, 2.5, 2.9, 2.99)},
-        "b": {"num_requests": 1, "ttft_s": summary(0.5, 0.5, 0.5, 0.5), "e2e_s": summary(0.5, 0.5, 0.5, 0.5)},
+        "a": {
+            "num_requests": 2,
+            "ttft_s": summary(1.5, 1.5, 1.9, 1.99),
+            "e2e_s": summary(2.5, 2.5, 2.9, 2.99),
+            "service_tokens": 24,
+            "service_rate": pytest.approx(24 / 5),
+        },
+        "b": {
+            "num_requests": 1,
+            "ttft_s": summary(0.5, 0.5, 0.5, 0.5),
+            "e2e_s": summary(0.5, 0.5, 0.5, 0.5),
+            "service_tokens": 7,
+            "service_rate": pytest.approx(7 / 0.5),
+        },
     }
+    assert figures["tenant_fairness"] == pytest.approx((4.8 + 14) ** 2 / (2 * (4.8**2 + 14**2)))
+    assert "classes" not in figures  # no request has a class
     json.dumps(figures)  # result.json holds them as they are
 
 
@@ -182,11 +198,17 @@ def test_repeats_aggregate_to_mean_and_sample_std():
     result = aggregate_repeats([first, second])
     assert result["output_tokens_per_s"] == pytest.approx(12.0)
     assert result["std"]["output_tokens_per_s"] == pytest.approx(math.sqrt(((10 - 12) ** 2 + (14 - 12) ** 2) / 1))
-    assert result["ttft_s"] == {"mean": pytest.approx(2.0), "p50": 2.0}
+    # the means, each with the half-width of its 95% interval: t(1) = 12.706 times std / sqrt(2)
+    assert result["ttft_s"] == {
+        "mean": pytest.approx(2.0),
+        "p50": 2.0,
+        "ci95": {"mean": pytest.approx(12.7062 * math.sqrt(2) / math.sqrt(2)), "p50": 0.0},
+    }
+    assert result["ci95"] == {"output_tokens_per_s": pytest.approx(12.7062 * math.sqrt(8) / math.sqrt(2))}
     assert result["std"]["ttft_s"] == {"mean": pytest.approx(math.sqrt(2)), "p50": 0.0}
     assert result["num_requests"] == 3 and isinstance(result["num_requests"], int)
     assert result["tpot_s"] is None and "tpot_s" not in result["std"]
-    assert result["num_repeats"] == 2 and result["per_repeat"] == [first, second]
+    assert result["num_repeats"] == 2 and result["repeats"] == [first, second]
     assert aggregate_repeats([first]) == first  # one run keeps its shape
 
 

@@ -4,10 +4,32 @@ is composed, before any model loads; and the trace formats `bench.trace` accepts
 import json
 import math
 import os
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+# What a trace line may say of its request beyond Mooncake's keys; each wins over its class's.
+TRACE_REQUEST_KEYS = ("class", "priority", "slo_ttft_s", "slo_tpot_s", "tenant")
+
+
+@dataclass
+class RequestClass:
+    """One class of requests (`bench.classes`): its share of a workload's requests (weight), the
+    SLOs its requests are held to, the priority they get and metadata every policy sees (tenant,
+    deadline, ...)."""
+
+    name: str = ""
+    weight: float = 1.0
+    slo_ttft_s: float | None = None  # None: bench.slo_ttft_s
+    slo_tpot_s: float | None = None  # None: bench.slo_tpot_s
+    priority: int = 0  # lower is served first by policies that use it
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+CLASS_FIELDS = tuple(f.name for f in fields(RequestClass))
 
 
 @dataclass
@@ -44,6 +66,11 @@ class BenchConfig:
     # std of every figure), and a Perfetto timeline of the run.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # Classes of requests, each with its weight, SLOs, priority and metadata (RequestClass): each
+    # request is assigned one by weight (seeded), unless its trace line names its own.
+    classes: list[RequestClass] = field(default_factory=list)
+    # Runs of the workload: repeat i draws arrivals, lengths, sampling seeds and classes from
+    # seed + i (a trace keeps its timestamps and lengths); figures are their means, with ci95.
     repeats: int = 1
     timeline: bool = False
     # A running server (`inferlab job=serve`) to send the workload to over HTTP, e.g.
@@ -88,7 +115,10 @@ def bench_problems(bench) -> list[str]:
     arrival = bench.arrival
     check(arrival not in ARRIVALS, f"bench.arrival must be one of {', '.join(ARRIVALS)}; got {arrival!r}")
     check(bench.fit not in FITS, f"bench.fit must be one of {', '.join(FITS)}; got {bench.fit!r}")
-    check(bench.repeats < 1, f"bench.repeats must be >= 1, got {bench.repeats}")
+    check(
+        not isinstance(bench.repeats, int) or bench.repeats < 1,
+        f"bench.repeats must be >= 1 (a whole number of runs of the workload), got {bench.repeats!r}",
+    )
     check(bench.num_priorities < 1, f"bench.num_priorities must be >= 1, got {bench.num_priorities}")
     for name in ("slo_ttft_s", "slo_tpot_s"):
         value = getattr(bench, name)
@@ -123,6 +153,13 @@ def bench_problems(bench) -> list[str]:
         f"bench.burstiness={bench.burstiness} applies to arrival=gamma, not {arrival}"
         + (" (poisson is gamma with burstiness 1)" if arrival == "poisson" else ""),
     )
+    class_names, class_problems = class_settings(bench.classes)
+    problems += class_problems
+    check(
+        bool(class_names) and bench.num_priorities > 1,
+        "bench.num_priorities draws each request's priority, and bench.classes gives each class its own: "
+        "use one or the other",
+    )
     if arrival == "trace":
         defaults = BenchConfig()
         for name in GENERATED_ONLY:
@@ -138,6 +175,7 @@ def bench_problems(bench) -> list[str]:
         else:
             try:
                 detect_trace_format(bench.trace)
+                problems += [f"bench.trace: {p}" for p in trace_class_problems(bench.trace, class_names)]
             except (OSError, ValueError) as e:
                 problems.append(f"bench.trace: {e}")
     elif arrival in ARRIVALS:
@@ -165,6 +203,86 @@ def bench_problems(bench) -> list[str]:
             f"bench draws up to {most_tokens:,} prompt tokens (num_seqs x max_len + num_prefixes x "
             f"shared_prefix_len), more than the {MAX_DRAWN_TOKENS:,} it can draw in minutes",
         )
+    return problems
+
+
+def class_settings(classes) -> tuple[list[str], list[str]]:
+    """(the class names, what is wrong with them) of bench.classes: a list of RequestClass, or of
+    mappings of its fields (from Python or the command line)."""
+    if classes is None:
+        return [], []
+    if isinstance(classes, (str, bytes, Mapping)) or not hasattr(classes, "__iter__"):
+        return [], [f"bench.classes must be a list of classes (each with {', '.join(CLASS_FIELDS)}), got {classes!r}"]
+    names, problems = [], []
+    total_weight = 0.0
+    for i, spec in enumerate(classes):
+        where = f"bench.classes[{i}]"
+        if isinstance(spec, RequestClass):
+            values = {f: getattr(spec, f) for f in CLASS_FIELDS}
+        elif isinstance(spec, Mapping) or hasattr(spec, "items"):
+            values = dict(spec.items())
+            unknown = [k for k in values if k not in CLASS_FIELDS]
+            if unknown:
+                problems.append(
+                    f"{where}: unknown field {', '.join(map(repr, unknown))}; a class has {', '.join(CLASS_FIELDS)}"
+                )
+                continue
+            values = {**{f.name: getattr(RequestClass(), f.name) for f in fields(RequestClass)}, **values}
+        else:
+            problems.append(f"{where} must be a class (a mapping of {', '.join(CLASS_FIELDS)}), got {spec!r}")
+            continue
+        name = values["name"]
+        if not isinstance(name, str) or not name:
+            problems.append(f"{where}.name must be a non-empty name, got {name!r}")
+        elif name in names:
+            problems.append(f"{where}.name {name!r} is given twice: class names must differ")
+        else:
+            names.append(name)
+        weight = values["weight"]
+        if not _number(weight) or not 0 <= weight < math.inf:
+            problems.append(f"{where}.weight must be a finite number >= 0 (its share of requests), got {weight!r}")
+        else:
+            total_weight += weight
+        for slo in ("slo_ttft_s", "slo_tpot_s"):
+            value = values[slo]
+            if value is not None and not (_number(value) and 0 < value < math.inf):
+                problems.append(f"{where}.{slo} must be a positive number of seconds (or null), got {value!r}")
+        if not isinstance(values["priority"], int) or isinstance(values["priority"], bool):
+            problems.append(f"{where}.priority must be an integer (lower is served first), got {values['priority']!r}")
+        if not isinstance(values["metadata"], Mapping) and not hasattr(values["metadata"], "items"):
+            problems.append(f"{where}.metadata must be a mapping (tenant, deadline, ...), got {values['metadata']!r}")
+    weights_ok = not any(".weight" in p for p in problems)
+    if names and weights_ok and not total_weight > 0:
+        problems.append(f"bench.classes: the weights must sum to a positive number, got {total_weight:g}")
+    return names, problems
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+CLASS_IN_LINE = re.compile(r'"class"\s*:')
+
+
+def trace_class_problems(path: str, class_names: list[str]) -> list[str]:
+    """The lines of a Mooncake trace naming a class that bench.classes does not define (the first
+    few), read before anything runs."""
+    if detect_trace_format(path) != "mooncake":
+        return []
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not CLASS_IN_LINE.search(line):
+                continue
+            try:
+                name = json.loads(line).get("class")
+            except (json.JSONDecodeError, AttributeError):
+                continue  # reading the trace names the line
+            if name is not None and name not in class_names:
+                defined = f"defined: {', '.join(class_names)}" if class_names else "none is defined"
+                problems.append(f"line {number}: class {name!r} is not defined in bench.classes ({defined})")
+                if len(problems) >= 3:
+                    break
     return problems
 
 

@@ -155,12 +155,29 @@ def summary_lines(result: dict, path: str) -> str:
         bounds = [
             f"{name} <= {_seconds(result['bench'][key])}"
             for name, key in (("TTFT", "slo_ttft_s"), ("TPOT", "slo_tpot_s"))
-            if result["bench"][key] is not None
+            if result["bench"].get(key) is not None
         ]
+        if result["bench"].get("classes"):
+            bounds.append("each class's own")
         lines.append(
             f"SLOs ({', '.join(bounds)}): {100 * result['slo_attainment']:.1f}% of requests attained them, "
             f"goodput {result['goodput']:.3g} req/s"
         )
+    for name, figures in (result.get("classes") or {}).items():
+        if figures is None:
+            continue
+        attained = figures.get("slo_attainment")
+        lines.append(
+            f"class {name}: {figures['num_requests']:g} requests, TTFT p50 {_seconds(figures['ttft_s']['p50'])}, "
+            f"p99 {_seconds(figures['ttft_s']['p99'])}"
+            + (
+                f"; {100 * attained:.1f}% attained its SLOs, goodput {figures['goodput']:.3g} req/s"
+                if attained is not None
+                else ""
+            )
+        )
+    if result.get("tenant_fairness") is not None:
+        lines.append(f"Jain's fairness over the tenants' service rates: {result['tenant_fairness']:.3f}")
     if result["num_failed_requests"] or result["num_aborted_requests"]:
         lines.append(
             f"not served: {result['num_failed_requests']} refused with an error, {result['num_aborted_requests']} "
@@ -183,28 +200,37 @@ def summary_lines(result: dict, path: str) -> str:
 
 
 def _bench_figures(cfg: DictConfig, output_dir: str) -> dict:
-    """Builds the engine, warms it up, runs the workload bench.repeats times (each on a fresh
-    prefix cache), writes the records beside result.json and returns the figures with what ran
-    and where."""
+    """Builds the engine, warms it up, runs the workload bench.repeats times (each drawn from
+    bench.seed + its index, on a fresh prefix cache, a simulation's noise reseeded likewise),
+    writes the records beside result.json and returns the figures with what ran and where."""
     bench = cfg.bench
     model_path, settings = engine_arguments(cfg)
     with inferlab.LLM(model_path, **settings) as llm:  # read at call time, so that a test can stand in for it
-        workload = build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
-        params = workload.sampling_params(bench)
+        first = build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
         if bench.warmup:
             warm_up(llm)
         figures, runs = [], []
-        for _ in range(bench.repeats):
+        for repeat in range(bench.repeats):
+            workload = (
+                first
+                if repeat == 0
+                else build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len, repeat)
+            )
             llm.reset_prefix_cache()
-            repeat_figures, run = measure(llm, workload.requests, params, bench.slo_ttft_s, bench.slo_tpot_s)
+            if isinstance(llm.runner, SimulatedDevice):
+                llm.runner.reseed(workload.seed)
+            repeat_figures, run = measure(
+                llm, workload.requests, workload.sampling_params(bench), bench.slo_ttft_s, bench.slo_tpot_s
+            )
             figures.append(repeat_figures)
             runs.append(run)
+            del workload  # a long trace's prompts: one repeat's at a time
         timeline_files = write_run_records(output_dir, runs, bench.timeline)
         return {
             **aggregate_repeats(figures),
             "requests_file": "requests.jsonl",
             **({"timeline_files": timeline_files} if timeline_files else {}),
-            "workload": workload.summary(),
+            "workload": first.summary(),
             "plugins": resolved_plugins(llm),
             "plugin_options": {
                 kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")

@@ -9,7 +9,8 @@ cached prompt tokens and preemptions come with each request's last chunk. The re
 same requests.jsonl and latency figures as an in-process run (inferlab.experiment.latency, bench.write_run_records).
 
 A request answered with an error counts in num_errors and as a request without output. Repeats
-run one after the other against the same server (its prefix cache is not reset between them).
+run one after the other against the same server (its prefix cache is not reset between them),
+repeat i's workload drawn from bench.seed + i as in process.
 """
 
 import asyncio
@@ -133,21 +134,21 @@ def auth_headers() -> dict:
 
 
 async def run_workload(
-    url: str, model: str, workload: Workload, temperature: float, ignore_eos: bool, repeats: int, warmup: bool
+    url: str, model: str, workloads: list[Workload], temperature: float, ignore_eos: bool, warmup: bool
 ) -> tuple[list[RunRecords], list[str]]:
-    """Runs the workload `repeats` times (after one short warm-up request when warmup); returns
-    each run's records and the errors of every failed request."""
+    """Runs each workload in turn, one repeat each (after one short warm-up request when warmup);
+    returns each run's records and the errors of every failed request."""
     runs, errors = [], []
     # No connection limit (a burst opens one connection per request) and no timeout.
     client = SSEClient(url, auth_headers())
     try:
         if warmup:
-            first = workload.requests[0]
+            first = workloads[0].requests[0]
             warm = WorkloadRequest(-1, 0.0, first.prompt_token_ids[:8], 4)
             _, error = await send_request(client, request_body(model, warm, temperature, True), warm, perf_counter())
             if error is not None:
                 errors.append(f"warm-up: {error}")
-        for _ in range(repeats):
+        for workload in workloads:
             bodies = [request_body(model, r, temperature, ignore_eos) for r in workload.requests]
             start = perf_counter()
             sent = await asyncio.gather(
@@ -175,10 +176,13 @@ def run_http_bench(cfg, output_dir: str | None = None) -> dict:
         with httpx.Client(headers=auth_headers(), timeout=30) as client:
             card = model_card(client, url)
         context["choices"].update(card.get("plugins", {}))  # what served: the server's plugins
-        workload = build_workload(bench, card["vocab_size"], card["max_model_len"])
+        workloads = [
+            build_workload(bench, card["vocab_size"], card["max_model_len"], repeat) for repeat in range(bench.repeats)
+        ]
         runs, errors = asyncio.run(
-            run_workload(url, card["id"], workload, bench.temperature, bench.ignore_eos, bench.repeats, bench.warmup)
+            run_workload(url, card["id"], workloads, bench.temperature, bench.ignore_eos, bench.warmup)
         )
+        workload = workloads[0]
         write_run_records(os.path.dirname(path), runs, timeline=False)
         return {
             **aggregate_repeats(

@@ -13,14 +13,25 @@ nearest ranks (numpy's default, as vLLM's benchmark computes them).
 
 Run figures: request_throughput = completed requests (finished by length or a stop, not aborted
 or refused with an error) / wall_time_s, output_tokens_per_s = output tokens / wall_time_s;
-num_failed_requests and num_aborted_requests count the others. With SLOs (bench.slo_ttft_s, bench.slo_tpot_s), a request attains them when its TTFT
-and TPOT are at most the given bounds (one without TPOT meets any TPOT bound; one that produced no
-token misses all); slo_attainment is the fraction that does and goodput the number that does per
+num_failed_requests and num_aborted_requests count the others. With SLOs, a request attains them
+when its TTFT and TPOT are at most its bounds (one without TPOT meets any TPOT bound; one that
+produced no token misses all): a request's own bounds are its metadata's "slo_ttft_s" and
+"slo_tpot_s" (from its class or its trace line), else the run's (bench.slo_ttft_s,
+bench.slo_tpot_s); slo_attainment is the fraction that does and goodput the number that does per
 second of the run (DistServe's goodput, as vLLM's serving benchmark computes it). jain_fairness is
 Jain's index (sum x)^2 / (n sum x^2) over the requests' normalized latencies: 1 when every request
 waits the same time per output token, towards 1/n when one request bears all the waiting.
 When requests carry more than one priority, per_priority holds each priority's count, TTFT and
-E2E, and with a request metadata key "tenant", per_tenant holds each tenant's.
+E2E. With a request metadata key "tenant", per_tenant holds each tenant's, with its service (the
+prompt and output tokens its requests were served) and service rate (its service over the time it
+had requests in the system), and tenant_fairness is Jain's index over the tenants' service rates:
+1 when every tenant with work waiting was served at the same rate. With a metadata key "class"
+(bench.classes), classes holds each class's num_requests, TTFT, TPOT, slo_attainment and goodput.
+
+Over repeats (aggregate_repeats) every figure is the mean of the repeats', and the statistics a
+reader compares carry `ci95`: the half-width of a 95% confidence interval of that mean (Student's
+t over the repeats), inside each distribution (`ttft_s["ci95"]["p99"]`) and, for the rates,
+under the result's own `ci95` (`ci95["output_tokens_per_s"]`).
 """
 
 import json
@@ -33,6 +44,21 @@ import numpy as np
 PERCENTILES = (50, 90, 99)
 UNSERVED = ("error", "abort")  # finish reasons of requests that did not complete
 DISTRIBUTIONS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "normalized_latency_s")
+# The figures whose mean over repeats gets a 95% confidence interval (ci95): distributions carry
+# theirs inside, the rates and attainment under their dict's "ci95".
+CI_DISTRIBUTIONS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
+CI_RATES = (
+    "output_tokens_per_s",
+    "request_throughput",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "goodput",
+    "slo_attainment",
+)
+# Student's t at 0.975 for 1..30 degrees of freedom; beyond, its expansion in 1/df
+T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
+        2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
+        2.0518, 2.0484, 2.0452, 2.0423)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -128,14 +154,30 @@ def distribution(values: Iterable[float]) -> dict:
     return {"mean": float(array.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, percentiles)}}
 
 
+def request_slos(record: RequestRecord, slo_ttft_s: float | None, slo_tpot_s: float | None) -> tuple:
+    """(TTFT bound, TPOT bound) of a request: its metadata's own, else the run's."""
+    metadata = record.metadata
+    return metadata.get("slo_ttft_s", slo_ttft_s), metadata.get("slo_tpot_s", slo_tpot_s)
+
+
 def meets_slo(record: RequestRecord, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> bool:
-    """Whether the request attained every SLO given (see the module's docstring)."""
+    """Whether the request attained every SLO it has: its own (metadata "slo_ttft_s",
+    "slo_tpot_s"), else the ones given (see the module's docstring)."""
     if record.first_token_s is None:
         return False
+    slo_ttft_s, slo_tpot_s = request_slos(record, slo_ttft_s, slo_tpot_s)
     if slo_ttft_s is not None and record.ttft_s > slo_ttft_s:
         return False
     tpot = record.tpot_s
     return slo_tpot_s is None or tpot is None or tpot <= slo_tpot_s
+
+
+def has_slos(records: Sequence[RequestRecord], slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
+    return (
+        slo_ttft_s is not None
+        or slo_tpot_s is not None
+        or any("slo_ttft_s" in r.metadata or "slo_tpot_s" in r.metadata for r in records)
+    )
 
 
 def jain_index(values: Sequence[float]) -> float | None:
@@ -183,19 +225,28 @@ def latency_figures(
         "normalized_latency_s": distribution(normalized),
         "jain_fairness": jain_index(normalized),
     }
-    if slo_ttft_s is not None or slo_tpot_s is not None:
+    slos = has_slos(records, slo_ttft_s, slo_tpot_s)
+    if slos:
         good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records)
         figures["slo_attainment"] = good / len(records)
         figures["goodput"] = good / wall_time_s
-    priorities, tenants = {}, {}
+    priorities, tenants, classes = {}, {}, {}
     for record in records:
         priorities.setdefault(str(record.priority), []).append(record)
         if "tenant" in record.metadata:
             tenants.setdefault(str(record.metadata["tenant"]), []).append(record)
+        if "class" in record.metadata:
+            classes.setdefault(str(record.metadata["class"]), []).append(record)
     if len(priorities) > 1:
         figures["per_priority"] = {p: _group_figures(priorities[p]) for p in sorted(priorities, key=int)}
     if tenants:
-        figures["per_tenant"] = {tenant: _group_figures(group) for tenant, group in sorted(tenants.items())}
+        figures["per_tenant"] = {tenant: _tenant_figures(group) for tenant, group in sorted(tenants.items())}
+        figures["tenant_fairness"] = jain_index([t["service_rate"] for t in figures["per_tenant"].values()])
+    if classes:
+        figures["classes"] = {
+            name: _class_figures(group, wall_time_s, slo_ttft_s, slo_tpot_s, slos)
+            for name, group in sorted(classes.items())
+        }
     return figures
 
 
@@ -204,6 +255,43 @@ def _group_figures(group: list[RequestRecord]) -> dict:
         "num_requests": len(group),
         "ttft_s": distribution(r.ttft_s for r in group if r.ttft_s is not None),
         "e2e_s": distribution(r.e2e_s for r in group),
+    }
+
+
+def service_tokens(record: RequestRecord) -> int:
+    """The tokens a request was served: its prompt, if a step ever computed it, and its outputs."""
+    return (record.num_prompt_tokens if record.first_scheduled_s is not None else 0) + record.num_output_tokens
+
+
+def backlogged_seconds(group: list[RequestRecord]) -> float:
+    """The time some request of group was in the system (the union of arrival-to-finish spans)."""
+    total, end = 0.0, -np.inf
+    for record in sorted(group, key=lambda r: r.arrival_s):
+        start = max(record.arrival_s, end)
+        if record.finish_s > start:
+            total += record.finish_s - start
+        end = max(end, record.finish_s)
+    return total
+
+
+def _tenant_figures(group: list[RequestRecord]) -> dict:
+    service = sum(service_tokens(r) for r in group)
+    backlogged = backlogged_seconds(group)
+    return {
+        **_group_figures(group),
+        "service_tokens": service,
+        "service_rate": service / backlogged if backlogged > 0 else 0.0,
+    }
+
+
+def _class_figures(group, wall_time_s: float, slo_ttft_s, slo_tpot_s, slos: bool) -> dict:
+    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in group)
+    return {
+        "num_requests": len(group),
+        "ttft_s": distribution(r.ttft_s for r in group if r.ttft_s is not None),
+        "tpot_s": distribution(r.tpot_s for r in group if r.tpot_s is not None),
+        "slo_attainment": good / len(group) if slos else None,
+        "goodput": good / wall_time_s if slos else None,
     }
 
 
@@ -230,18 +318,64 @@ def _mean_and_std(values: list):
     raise ValueError(f"repeats disagree on a figure that is not a number: {values!r}")
 
 
+def t_975(degrees_of_freedom: int) -> float:
+    """Student's t quantile at 0.975: the factor of a two-sided 95% interval's half-width."""
+    if degrees_of_freedom <= len(T975):
+        return T975[degrees_of_freedom - 1]
+    z, df = 1.959964, degrees_of_freedom
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def ci95(values: list) -> float | None:
+    """The half-width of a 95% confidence interval of the mean of values (one per repeat): None
+    when any is missing or there is only one."""
+    if len(values) < 2 or not all(_is_number(v) for v in values):
+        return None
+    array = np.asarray(values, dtype=np.float64)
+    return float(t_975(len(array) - 1) * array.std(ddof=1) / np.sqrt(len(array)))
+
+
+def _with_ci95(means: dict, figures_per_repeat: Sequence[dict], distributions, rates) -> dict:
+    """means with the ci95 of the named distributions (inside each) and rates (under "ci95")."""
+    result = dict(means)
+    for name in distributions:
+        if isinstance(result.get(name), dict):
+            stats = [k for k in result[name] if k != "ci95"]
+            result[name] = {
+                **result[name],
+                "ci95": {k: ci95([(f.get(name) or {}).get(k) for f in figures_per_repeat]) for k in stats},
+            }
+    intervals = {name: ci95([f.get(name) for f in figures_per_repeat]) for name in rates if name in result}
+    if intervals:
+        result["ci95"] = intervals
+    return result
+
+
 def aggregate_repeats(figures_per_repeat: Sequence[dict]) -> dict:
     """One result from the figures of several runs of the same workload. Each figure keeps its
     single-run place and shape and holds its mean over repeats (today's keys such as
-    output_tokens_per_s stay top-level numbers); "std" mirrors that shape with the sample standard
-    deviation (ddof=1) of every numeric figure; "num_repeats" counts the runs and "per_repeat" keeps
-    each run's figures. One run's figures come back unchanged."""
+    output_tokens_per_s stay top-level numbers); the distributions of CI_DISTRIBUTIONS and the
+    rates of CI_RATES carry a ci95 (see the module's docstring), at the top and in each class;
+    "std" mirrors the result's shape with the sample standard deviation (ddof=1) of every numeric
+    figure; "num_repeats" counts the runs and "repeats" lists each run's own figures. One run's
+    figures come back unchanged."""
     if not figures_per_repeat:
         raise ValueError("no repeats to aggregate")
     if len(figures_per_repeat) == 1:
         return dict(figures_per_repeat[0])
     means, stds = _mean_and_std(list(figures_per_repeat))
-    return {**means, "std": stds, "num_repeats": len(figures_per_repeat), "per_repeat": list(figures_per_repeat)}
+    result = _with_ci95(means, figures_per_repeat, CI_DISTRIBUTIONS, CI_RATES)
+    if isinstance(result.get("classes"), dict):
+        result["classes"] = {
+            name: _with_ci95(
+                figures,
+                [(f.get("classes") or {}).get(name) or {} for f in figures_per_repeat],
+                ("ttft_s", "tpot_s"),
+                ("slo_attainment", "goodput"),
+            )
+            for name, figures in result["classes"].items()
+        }
+    return {**result, "std": stds, "num_repeats": len(figures_per_repeat), "repeats": list(figures_per_repeat)}
 
 
 def request_line(record: RequestRecord, repeat: int) -> dict:

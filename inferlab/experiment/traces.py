@@ -8,6 +8,9 @@ Azure LLM inference trace (CSV, Azure/AzurePublicDataset): header `TIMESTAMP,Con
 GeneratedTokens`, timestamps as date-times such as `2023-11-16 18:15:46.6805900` (100 ns ticks;
 the 2024 release appends a UTC offset). It has no prefix information: every prompt is its own.
 
+A Mooncake line may also say its request's `class` (one of bench.classes), `priority`,
+`slo_ttft_s`, `slo_tpot_s` and `tenant`; each wins over what its class says.
+
 Both read into TraceRequests whose arrivals count seconds from the trace's first request.
 """
 
@@ -21,7 +24,7 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
-from inferlab.conf.bench import AZURE_COLUMNS, MOONCAKE_KEYS, detect_trace_format
+from inferlab.conf.bench import AZURE_COLUMNS, MOONCAKE_KEYS, TRACE_REQUEST_KEYS, detect_trace_format
 
 TRACE_FORMATS = ("mooncake", "azure")
 MOONCAKE_BLOCK_SIZE = 512  # tokens per hash id
@@ -36,6 +39,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: list[int] | None = None  # Mooncake's 512-token prefix blocks; None: a prompt of its own
+    # What the line says of its request (TRACE_REQUEST_KEYS), those it gives: class, priority, SLOs, tenant
+    own: dict | None = None
 
 
 def read_trace(path: str) -> tuple[str, list[TraceRequest]]:
@@ -96,9 +101,33 @@ def read_mooncake(path: str) -> list[TraceRequest]:
                     input_length=_length(record["input_length"], "input_length", where),
                     output_length=_length(record["output_length"], "output_length", where),
                     hash_ids=hash_ids,
+                    own=_own_settings(record, where),
                 )
             )
     return requests
+
+
+def _own_settings(record: dict, where: str) -> dict | None:
+    """The TRACE_REQUEST_KEYS a Mooncake line gives, checked."""
+    own = {key: record[key] for key in TRACE_REQUEST_KEYS if record.get(key) is not None}
+    if not own:
+        return None
+    if "class" in own and (not isinstance(own["class"], str) or not own["class"]):
+        raise ValueError(f"{where}: class must be the name of one of bench.classes, got {own['class']!r}")
+    priority = own.get("priority")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise ValueError(f"{where}: priority must be an integer (lower is served first), got {priority!r}")
+    for key in ("slo_ttft_s", "slo_tpot_s"):
+        value = own.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+        ):
+            raise ValueError(f"{where}: {key} must be a positive number of seconds, got {value!r}")
+    if "tenant" in own:
+        if not isinstance(own["tenant"], (str, int)) or isinstance(own["tenant"], bool):
+            raise ValueError(f"{where}: tenant must be a name (a string or an integer), got {own['tenant']!r}")
+        own["tenant"] = str(own["tenant"])
+    return own
 
 
 def parse_azure_timestamp(text: str) -> tuple[int, float]:

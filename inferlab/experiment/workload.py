@@ -12,8 +12,14 @@
 Generated workloads (burst, poisson, gamma) draw the same prompts and output lengths for a seed,
 so the arrival process is the only difference between them; arrivals come from a stream of
 their own. With `bench.num_priorities` above 1 every request gets a priority drawn uniformly from
-0 .. num_priorities - 1 (lower is served first by the priority policy), from a stream of its own. Every workload is fitted to the model (`bench.fit`), and the workload says how many
-requests that changed.
+0 .. num_priorities - 1 (lower is served first by the priority policy), from a stream of its own.
+With `bench.classes` every request is assigned a class by weight, from a stream of its own (a
+trace line naming its class keeps it): the class's priority, and its metadata with the class's
+name and SLOs, which policies see. Every workload is fitted to the model (`bench.fit`), and the
+workload says how many requests that changed.
+
+The seed is `bench.seed` plus the repeat: repeat i of a bench draws all of the above (and each
+request's sampling seed) anew from bench.seed + i; a trace keeps its timestamps and lengths.
 """
 
 import math
@@ -22,13 +28,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from inferlab.conf.bench import FITS, BenchConfigError, validate_bench
+from inferlab.conf.bench import CLASS_FIELDS, FITS, BenchConfigError, RequestClass, validate_bench
 from inferlab.core.engine import rarer_young_collections
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.experiment.traces import MOONCAKE_BLOCK_SIZE, read_trace, trace_prompt
 
 BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
-PRIORITY_STREAM = 1  # priorities come from numpy's generator seeded with (bench.seed, this)
+# Streams of numpy's generator seeded with (the workload's seed, this), one for each draw that
+# must not move the others: priorities, classes, sampling seeds.
+PRIORITY_STREAM = 1
+CLASS_STREAM = 2
+SAMPLING_SEED_STREAM = 3
 
 
 @dataclass(slots=True)
@@ -41,6 +51,7 @@ class WorkloadRequest:
     output_len: int  # max_tokens; with ignore_eos, the exact number of output tokens
     priority: int = 0  # for the engine's scheduler: lower is served first
     metadata: dict = field(default_factory=dict)  # passed to the engine with the request
+    own: dict | None = None  # what its trace line says of it (class, priority, SLOs, tenant)
 
 
 @dataclass
@@ -50,21 +61,30 @@ class Workload:
     num_fitted: int  # requests whose lengths bench.fit changed to fit max_model_len
     length_scale: float = 1.0  # bench.fit=scale's factor on every length (1: nothing scaled)
     trace_format: str | None = None
+    seed: int = 0  # what it was drawn from: bench.seed + the repeat
 
     def sampling_params(self, bench) -> list:
-        """Each request's SamplingParams: bench.temperature and bench.ignore_eos, max_tokens = its output length."""
+        """Each request's SamplingParams: bench.temperature and bench.ignore_eos, max_tokens = its
+        output length, and a sampling seed of its own drawn from the workload's seed."""
         temperature, ignore_eos = bench.temperature, bench.ignore_eos  # a config read costs microseconds
+        seeds = np.random.default_rng([self.seed, SAMPLING_SEED_STREAM]).integers(0, 2**32, len(self.requests))
         return [
-            SamplingParams(temperature=temperature, ignore_eos=ignore_eos, max_tokens=r.output_len)
-            for r in self.requests
+            SamplingParams(temperature=temperature, ignore_eos=ignore_eos, max_tokens=r.output_len, seed=seed)
+            for r, seed in zip(self.requests, seeds.tolist())
         ]
 
     def summary(self) -> dict:
         """What result.json records of the workload. offered_request_rate is the arrival rate the
         workload asks for: requests after the first over the span of arrivals (None for a burst)."""
         span = self.requests[-1].arrival_s - self.requests[0].arrival_s
+        classes = {}
+        for request in self.requests:
+            name = request.metadata.get("class")
+            if name is not None:
+                classes[name] = classes.get(name, 0) + 1
         return {
             "arrival": self.arrival,
+            "seed": self.seed,
             "trace_format": self.trace_format,
             "num_requests": len(self.requests),
             "num_fitted": self.num_fitted,
@@ -73,6 +93,7 @@ class Workload:
             "num_output_tokens": sum(r.output_len for r in self.requests),
             "arrival_span_s": span,
             "offered_request_rate": (len(self.requests) - 1) / span if span > 0 else None,
+            **({"classes": classes} if classes else {}),
         }
 
 
@@ -127,13 +148,15 @@ def fit_lengths(
     return inputs, outputs, scale
 
 
-def _generated_lengths_and_prompts(bench, max_model_len: int) -> tuple[list[list[int]], list[int], list[int]]:
+def _generated_lengths_and_prompts(
+    bench, max_model_len: int, seed: int
+) -> tuple[list[list[int]], list[int], list[int]]:
     """(prompts, their drawn lengths, output lengths): bench.py's draws, in its order:
     random.seed(seed), prompt lengths and token ids, then each request's output length; shared
     prefixes are drawn after them, so bench.py's numbers stay, whatever the model."""
     min_out = bench.min_len if bench.min_output_len is None else bench.min_output_len
     max_out = bench.max_len if bench.max_output_len is None else bench.max_output_len
-    rng = random.Random(bench.seed)  # the same stream as bench.py's random.seed(seed) + randint
+    rng = random.Random(seed)  # the same stream as bench.py's random.seed(seed) + randint
     prompts, prompt_lengths = [], []
     for _ in range(bench.num_seqs):
         length = rng.randint(bench.min_len, bench.max_len)
@@ -158,30 +181,80 @@ def _drawn_tokens(rng: random.Random, length: int, max_model_len: int) -> list[i
     return kept
 
 
-def build_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
-    """The workload bench describes, with token ids valid for vocab_size (taken modulo it: a no-op
-    for real vocabularies, where clipping would make a tiny vocabulary's prompts runs of one token)
-    and lengths fitted to max_model_len. Raises BenchConfigError for settings that cannot work."""
+def build_workload(bench, vocab_size: int, max_model_len: int, repeat: int = 0) -> Workload:
+    """The workload bench describes, drawn from bench.seed + repeat, with token ids valid for
+    vocab_size (taken modulo it: a no-op for real vocabularies, where clipping would make a tiny
+    vocabulary's prompts runs of one token) and lengths fitted to max_model_len. Raises
+    BenchConfigError for settings that cannot work."""
     validate_bench(bench)
+    seed = bench.seed + repeat
     with rarer_young_collections():  # a long trace's prompts are millions of ints in lists that live on
         workload = (
-            _trace_workload(bench, vocab_size, max_model_len)
+            _trace_workload(bench, vocab_size, max_model_len, seed)
             if bench.arrival == "trace"
-            else _generated_workload(bench, vocab_size, max_model_len)
+            else _generated_workload(bench, vocab_size, max_model_len, seed)
         )
+    workload.seed = seed
     if bench.num_priorities > 1:
-        rng = np.random.default_rng([bench.seed, PRIORITY_STREAM])
+        rng = np.random.default_rng([seed, PRIORITY_STREAM])
         for request, priority in zip(
             workload.requests, rng.integers(bench.num_priorities, size=len(workload.requests))
         ):
             request.priority = int(priority)
+    assign_classes(workload.requests, request_classes(bench), seed)
     return workload
 
 
-def _generated_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
-    prompts, prompt_lengths, output_lengths = _generated_lengths_and_prompts(bench, max_model_len)
+def request_classes(bench) -> list[RequestClass]:
+    """bench.classes as RequestClass objects (they come as such, as dicts from Python, or as
+    config nodes from the command line); validate_bench has checked them."""
+    classes = []
+    for spec in bench.classes or ():
+        if isinstance(spec, RequestClass):
+            classes.append(spec)
+        else:
+            values = {key: spec[key] for key in CLASS_FIELDS if key in spec}
+            values["metadata"] = dict(values.get("metadata") or {})
+            classes.append(RequestClass(**values))
+    return classes
+
+
+def assign_classes(requests: list[WorkloadRequest], classes: list[RequestClass], seed: int) -> None:
+    """Gives each request its class and what it brings: the class a trace line names, else one
+    drawn by weight (numpy's generator seeded with (seed, CLASS_STREAM)); its priority, and its
+    metadata with "class" and the SLOs, the trace line's own priority, SLOs and tenant winning.
+    A request of no class keeps its trace line's settings alone."""
+    by_name = {c.name: c for c in classes}
+    drawn = None
+    if classes:
+        weights = np.array([c.weight for c in classes], dtype=np.float64)
+        rng = np.random.default_rng([seed, CLASS_STREAM])
+        drawn = rng.choice(len(classes), size=len(requests), p=weights / weights.sum()).tolist()
+    for i, request in enumerate(requests):
+        own = request.own or {}
+        name = own.get("class")
+        spec = by_name.get(name) if name is not None else (classes[drawn[i]] if drawn is not None else None)
+        if name is not None and spec is None:  # validate_bench read the trace: a line changed since
+            raise BenchConfigError(f"bench.trace: request {i}: class {name!r} is not defined in bench.classes")
+        metadata = dict(spec.metadata) if spec is not None else {}
+        if spec is not None:
+            metadata["class"] = spec.name
+            request.priority = spec.priority
+            for slo in ("slo_ttft_s", "slo_tpot_s"):
+                if getattr(spec, slo) is not None:
+                    metadata[slo] = getattr(spec, slo)
+        for key in ("slo_ttft_s", "slo_tpot_s", "tenant"):
+            if key in own:
+                metadata[key] = own[key]
+        if "priority" in own:
+            request.priority = own["priority"]
+        request.metadata.update(metadata)
+
+
+def _generated_workload(bench, vocab_size: int, max_model_len: int, seed: int) -> Workload:
+    prompts, prompt_lengths, output_lengths = _generated_lengths_and_prompts(bench, max_model_len, seed)
     inputs, outputs, scale = fit_lengths(prompt_lengths, output_lengths, max_model_len, bench.fit)
-    arrivals = arrival_times(bench.num_seqs, bench.arrival, bench.request_rate, bench.burstiness, bench.seed)
+    arrivals = arrival_times(bench.num_seqs, bench.arrival, bench.request_rate, bench.burstiness, seed)
     requests = [
         WorkloadRequest(
             index=i,
@@ -195,7 +268,7 @@ def _generated_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     return Workload(bench.arrival, requests, num_fitted, scale)
 
 
-def _trace_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
+def _trace_workload(bench, vocab_size: int, max_model_len: int, seed: int) -> Workload:
     try:
         trace_format, trace = read_trace(bench.trace)
     except (OSError, ValueError) as e:  # validate_bench read only the first line
@@ -206,7 +279,7 @@ def _trace_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
     )
     # Scaling shrinks the hash blocks with the prompts, so the requests still share the same fractions.
     block_size = math.ceil(MOONCAKE_BLOCK_SIZE * scale)
-    time_scale, seed = bench.time_scale, bench.seed  # read once: a config read costs microseconds
+    time_scale = bench.time_scale  # read once: a config read costs microseconds
     blocks: dict[int, list[int]] = {}
     requests = [
         WorkloadRequest(
@@ -214,6 +287,7 @@ def _trace_workload(bench, vocab_size: int, max_model_len: int) -> Workload:
             arrival_s=r.arrival_s * time_scale,
             prompt_token_ids=trace_prompt(r.hash_ids, inputs[i], block_size, i, seed, vocab_size, blocks),
             output_len=outputs[i],
+            own=r.own,
         )
         for i, r in enumerate(trace)
     ]
