@@ -100,7 +100,13 @@ def test_repeats_report_mean_and_std(tmp_path, one_torch_thread):
     # each repeat its own draw (bench.seed + i), on a fresh prefix cache: every prompt token computed
     assert [r["num_prefill_tokens"] for r in saved["repeats"]] == [r["num_prompt_tokens"] for r in saved["repeats"]]
     assert saved["num_output_tokens"] == result["num_output_tokens"]
-    assert saved["ci95"]["output_tokens_per_s"] > 0 and set(saved["ttft_s"]["ci95"]) == {"mean", "p50", "p90", "p99"}
+    assert saved["ci95"]["output_tokens_per_s"] > 0 and set(saved["ttft_s"]["ci95"]) == {
+        "mean",
+        "std",
+        "p50",
+        "p90",
+        "p99",
+    }
 
 
 def test_a_failed_run_writes_its_error_into_result_json(tmp_path):

@@ -174,8 +174,8 @@ def test_repeats_start_from_a_fresh_prefix_cache(tmp_path, one_torch_thread):
     ]
     result = run_bench(compose(overrides), output_dir=str(tmp_path / "run"))
     expected = MOONCAKE_BLOCK_SIZE / 1600
-    assert [r["prefix_cache_hit_rate"] for r in result["per_repeat"]] == pytest.approx([expected, expected])
-    assert [r["num_cached_tokens"] for r in result["per_repeat"]] == [MOONCAKE_BLOCK_SIZE] * 2
+    assert [r["prefix_cache_hit_rate"] for r in result["repeats"]] == pytest.approx([expected, expected])
+    assert [r["num_cached_tokens"] for r in result["repeats"]] == [MOONCAKE_BLOCK_SIZE] * 2
     lines = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
     assert [(line["repeat"], line["request_id"], line["num_cached_tokens"]) for line in lines] == [
         (0, 0, 0),
@@ -190,7 +190,7 @@ def test_repeats_start_from_a_fresh_prefix_cache(tmp_path, one_torch_thread):
 def check_latency_result(result: dict, run_dir, num_requests: int) -> None:
     """result.json holds every latency figure, today's keys, and requests.jsonl a line per request."""
     for key in DISTRIBUTIONS:
-        assert set(result[key]) == {"mean", "p50", "p90", "p99"} and result[key]["p50"] is not None, key
+        assert set(result[key]) == {"mean", "std", "p50", "p90", "p99"} and result[key]["p50"] is not None, key
     assert result["ttft_s"]["p99"] >= result["ttft_s"]["p50"] > 0
     assert result["request_throughput"] > 0 and result["output_tokens_per_s"] > 0
     assert result["num_requests"] == num_requests and result["num_failed_requests"] == 0

@@ -4,7 +4,9 @@ and standard deviation; requests.jsonl and the latency outputs a driver writes."
 import json
 import math
 from dataclasses import replace
+from unittest.mock import ANY
 
+import numpy as np
 import pytest
 
 from inferlab.experiment.latency import (
@@ -68,6 +70,7 @@ def hand_made_records() -> list[RequestRecord]:
 def summary(mean, p50, p90, p99):
     return {
         "mean": pytest.approx(mean),
+        "std": ANY,  # numpy's, checked on its own below
         "p50": pytest.approx(p50),
         "p90": pytest.approx(p90),
         "p99": pytest.approx(p99),
@@ -160,8 +163,9 @@ def test_a_request_without_output_misses_every_slo_and_has_no_ttft():
 
 
 def test_distribution_of_nothing_and_jain_extremes():
-    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
-    assert distribution([3.0]) == {"mean": 3.0, "p50": 3.0, "p90": 3.0, "p99": 3.0}
+    assert distribution([]) == {"mean": None, "std": None, "p50": None, "p90": None, "p99": None}
+    assert distribution([1.0, 2.0, 6.0])["std"] == pytest.approx(np.std([1.0, 2.0, 6.0]))
+    assert distribution([3.0]) == {"mean": 3.0, "std": 0.0, "p50": 3.0, "p90": 3.0, "p99": 3.0}
     assert jain_index([2.0, 2.0, 2.0]) == pytest.approx(1.0)
     assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(1 / 4)
     assert jain_index([]) is None
@@ -220,8 +224,8 @@ def test_repeats_of_latency_figures():
     assert result["request_throughput"] == pytest.approx((0.6 + 0.3) / 2)
     assert result["std"]["request_throughput"] == pytest.approx(math.sqrt(2 * 0.15**2))
     assert result["ttft_s"]["p50"] == pytest.approx((runs[0]["ttft_s"]["p50"] + runs[1]["ttft_s"]["p50"]) / 2)
-    assert set(result["std"]["ttft_s"]) == {"mean", "p50", "p90", "p99"}
-    assert set(result["std"]["per_tenant"]["a"]["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+    assert set(result["std"]["ttft_s"]) == {"mean", "std", "p50", "p90", "p99"}
+    assert set(result["std"]["per_tenant"]["a"]["ttft_s"]) == {"mean", "std", "p50", "p90", "p99"}
 
 
 def shifted(record: RequestRecord) -> dict:

@@ -7,8 +7,9 @@ import os
 import matplotlib
 import pytest
 
+from inferlab.experiment.figures import latency_figure
 from inferlab.experiment.report import (
-    latency_figure,
+    LATENCY_PANELS,
     latency_series,
     load_runs,
     plot_throughput,
@@ -34,15 +35,16 @@ def write_run(root, name, choices, overrides=None, **figures):
             json.dump({"choices": choices, "overrides": overrides or [], **figures}, f)
 
 
-def latency(ttft50, ttft99, tpot50, tpot99, std=None):
+def latency(ttft50, ttft99, tpot50, tpot99, ci=None):
     result = {
         "output_tokens_per_s": 100.0,
         "request_throughput": 1.0,
         "ttft_s": {"mean": ttft50, "p50": ttft50, "p90": ttft99, "p99": ttft99},
         "tpot_s": {"mean": tpot50, "p50": tpot50, "p90": tpot99, "p99": tpot99},
     }
-    if std is not None:
-        result["std"] = {"ttft_s": {"p50": std, "p99": std}, "tpot_s": {"p50": std / 10, "p99": std / 10}}
+    if ci is not None:
+        result["ttft_s"]["ci95"] = {"p50": ci, "p99": ci}
+        result["tpot_s"]["ci95"] = {"p50": ci / 10, "p99": ci / 10}
         result["num_repeats"] = 3
     return result
 
@@ -61,7 +63,7 @@ def rate_sweep(tmp_path):
             if scheduler == "sjf" and rate == 16.0:
                 write_run(tmp_path, str(number), choices, overrides)  # killed: no result.json
             else:
-                figures = latency(0.1 * rate * factor, 0.05 * rate**2, 0.01 * (1 + rate / 10), 0.02, std=0.01 * rate)
+                figures = latency(0.1 * rate * factor, 0.05 * rate**2, 0.01 * (1 + rate / 10), 0.02, ci=0.01 * rate)
                 write_run(tmp_path, str(number), choices, overrides, **figures)
             number += 1
     return tmp_path
@@ -71,33 +73,37 @@ def test_latency_curves_plot_the_results(rate_sweep, capsys):
     report(str(rate_sweep))
     out = capsys.readouterr().out
     assert (rate_sweep / "latency.png").read_bytes()[:8] == PNG_MAGIC
-    assert (rate_sweep / "report.png").read_bytes()[:8] == PNG_MAGIC
+    assert (rate_sweep / "latency.pdf").read_bytes()[:5] == b"%PDF-"
+    assert b"<svg" in (rate_sweep / "latency.svg").read_bytes()[:2000]
+    assert not (rate_sweep / "report.png").exists()  # bars say nothing a load axis does not
     assert "latency.png" in out.splitlines()[-1]
     results, failed = load_runs(str(rate_sweep))
-    series = latency_series(results, "bench.request_rate")
+    series = latency_series(results, "bench.request_rate", LATENCY_PANELS)
     assert [line["label"] for line in series] == ["fcfs", "sjf"]
-    fig = latency_figure(series, "request rate (requests/s)", "test")
+    fig = latency_figure(series, list(LATENCY_PANELS), "request rate (requests/s)", "test")
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles == ["TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (s)", "TPOT p99 (s)"]
+    assert titles == ["TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)"]
     by_label = {}
     for _, result in results:
         by_label.setdefault(result["choices"]["scheduler"], []).append(result)
-    for ax, (metric, stat) in zip(
-        fig.axes, [("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")]
-    ):
-        assert len(ax.containers) == 2
-        for container, label in zip(ax.containers, ["fcfs", "sjf"]):
-            line = container.lines[0]
-            assert container.get_label() == label
+    for ax, panel in zip(fig.axes, LATENCY_PANELS):
+        metric, stat = panel.key.split(".")
+        assert [line.get_label() for line in ax.lines] == ["fcfs", "sjf"]
+        assert len(ax.collections) == 2  # a band each: the repeats' 95% interval
+        for line, band, label in zip(ax.lines, ax.collections, ["fcfs", "sjf"]):
             runs = by_label[label]
             assert list(line.get_xdata()) == [r["choices"]["bench.request_rate"] for r in runs]
-            assert list(line.get_ydata()) == [r[metric][stat] for r in runs]
-            assert container.has_yerr
-            segments = container.lines[2][0].get_segments()  # the error bars: y +- std
-            assert [s[1][1] - s[0][1] for s in segments] == pytest.approx([2 * r["std"][metric][stat] for r in runs])
-    assert fig.axes[1].get_yscale() == "log"  # TTFT p99 spans 0.05 .. 12.8
+            assert list(line.get_ydata()) == pytest.approx([1000 * r[metric][stat] for r in runs])  # in ms
+            heights = band.get_paths()[0].vertices[:, 1]
+            assert max(heights) - min(heights) >= 2000 * min(r[metric]["ci95"][stat] for r in runs) - 1e-9
+    assert fig.axes[1].get_yscale() == "log"  # TTFT p99 spans 0.05 .. 12.8 s
     assert fig.axes[3].get_yscale() == "linear"  # TPOT p99 is flat
     assert fig.axes[0].get_xscale() == "log" and list(fig.axes[0].get_xticks()) == [1.0, 2.0, 4.0, 16.0]
+    # the lines stay apart when they coincide: each its own colour, line style and marker
+    (fcfs, sjf) = fig.axes[3].lines  # TPOT p99 is 20 ms for both policies
+    assert list(sjf.get_ydata()) == pytest.approx(list(fcfs.get_ydata())[: len(sjf.get_ydata())])
+    assert fcfs.get_linestyle() != sjf.get_linestyle() and fcfs.get_marker() != sjf.get_marker()
+    assert fcfs.get_markersize() > sjf.get_markersize() and fcfs.get_markerfacecolor() == "none"
 
 
 def test_failed_runs_are_listed(rate_sweep, capsys):
@@ -165,7 +171,7 @@ def test_time_scaled_traces_are_placed_at_their_offered_rate(tmp_path):
         )
     report(str(tmp_path))
     results, _ = load_runs(str(tmp_path))
-    (line,) = latency_series(results, "bench.time_scale")
+    (line,) = latency_series(results, "bench.time_scale", LATENCY_PANELS)
     assert line["x"] == [3.4, 6.8, 13.6] and line["ttft_s.p50"] == ([0.1, 0.2, 0.4], None)
     assert (tmp_path / "latency.png").is_file()
 
@@ -175,4 +181,5 @@ def test_no_latency_plot_when_the_load_does_not_vary(tmp_path, capsys):
         write_run(tmp_path, str(number), {**BASE, "scheduler": scheduler}, **latency(0.1, 0.2, 0.01, 0.02))
     header, rows = report(str(tmp_path))
     assert not (tmp_path / "latency.png").exists()
-    assert "TTFT p50 s" in header and [row[1] for row in rows] == ["fcfs", "lpm"]
+    assert "TTFT p50 ms" in header and [row[1] for row in rows] == ["fcfs", "lpm"]
+    assert (tmp_path / "report.png").is_file() and (tmp_path / "report.svg").is_file()

@@ -8,7 +8,7 @@ Per request:
 - ITL (`itl_s`): each gap between consecutive output tokens' times (pooled over requests);
 - E2E (`e2e_s`): finish_s - arrival_s; queue (`queue_s`): first_scheduled_s - arrival_s;
 - normalized latency (`normalized_latency_s`): e2e / num_output_tokens, as Orca and vLLM report it.
-Each is summarized as {mean, p50, p90, p99}; percentiles interpolate linearly between the two
+Each is summarized as {mean, std, p50, p90, p99}; percentiles interpolate linearly between the two
 nearest ranks (numpy's default, as vLLM's benchmark computes them).
 
 Run figures: request_throughput = completed requests (finished by length or a stop, not aborted
@@ -146,12 +146,17 @@ class RunRecords:
 
 
 def distribution(values: Iterable[float]) -> dict:
-    """{mean, p50, p90, p99} of values (every entry None when there are none)."""
+    """{mean, std, p50, p90, p99} of values, std their standard deviation (numpy's, as vLLM's
+    benchmark reports it); every entry None when there are none."""
     array = np.asarray(list(values), dtype=np.float64)
     if not array.size:
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+        return {"mean": None, "std": None, **{f"p{p}": None for p in PERCENTILES}}
     percentiles = np.percentile(array, PERCENTILES)
-    return {"mean": float(array.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, percentiles)}}
+    return {
+        "mean": float(array.mean()),
+        "std": float(array.std()),
+        **{f"p{p}": float(v) for p, v in zip(PERCENTILES, percentiles)},
+    }
 
 
 def request_slos(record: RequestRecord, slo_ttft_s: float | None, slo_tpot_s: float | None) -> tuple:

@@ -2,30 +2,36 @@
 
 Reads every bench job under DIR (a directory with result.json, or a Hydra job directory whose
 run left none) and prints one row per run whose columns are the settings that vary between runs
-(what was swept) and the figures, then the runs that failed, each with its settings and error.
-Writes into DIR: report.csv (the table); report.png (throughput per configuration); and, when the
-sweep varies the load, latency.png: TTFT and TPOT p50 and p99 against the request rate, one line
-per value of whatever else varied, with error bars from repeats.
+(what was swept) and the figures (latencies in milliseconds), then the runs that failed, each with
+its settings and error. Writes into DIR: report.csv (the table); report.md (what ran, the table
+with the repeats' 95% intervals, the figures and the failed runs); when the sweep varies the load,
+latency.png/.pdf/.svg: TTFT and TPOT p50 and p99, SLO attainment, goodput and throughput against
+the offered load, one line per value of whatever else varied, with the repeats' 95% intervals as
+bands and a row per class (inferlab.experiment.figures); else report.png/.pdf/.svg, throughput
+per configuration. `--format vllm` writes each run's figures under vLLM's `vllm bench serve`
+field names instead (inferlab.experiment.vllm_format), into DIR/vllm/.
 """
 
 import argparse
 import csv
 import json
-import math
 import os
 import re
 import sys
 from dataclasses import dataclass
+
+from inferlab.experiment.figures import Panel, latency_figure, save_figure, throughput_figure
+from inferlab.experiment.vllm_format import vllm_result
 
 FIGURES = {  # result key (dotted: nested) -> column title; a column shows when some run has the figure
     "output_tokens_per_s": "output tok/s",
     "prefill_tokens_per_s": "prefill tok/s",
     "decode_tokens_per_s": "decode tok/s",
     "request_throughput": "req/s",
-    "ttft_s.p50": "TTFT p50 s",
-    "ttft_s.p99": "TTFT p99 s",
-    "tpot_s.p50": "TPOT p50 s",
-    "tpot_s.p99": "TPOT p99 s",
+    "ttft_s.p50": "TTFT p50 ms",
+    "ttft_s.p99": "TTFT p99 ms",
+    "tpot_s.p50": "TPOT p50 ms",
+    "tpot_s.p99": "TPOT p99 ms",
     "slo_attainment": "SLO attained",
     "goodput": "goodput req/s",
     "wall_time_s": "wall s",
@@ -34,10 +40,20 @@ FIGURES = {  # result key (dotted: nested) -> column title; a column shows when 
     "num_preemptions": "preemptions",
     "num_repeats": "repeats",
 }
+MILLISECONDS = {"ttft_s.p50", "ttft_s.p99", "tpot_s.p50", "tpot_s.p99"}  # shown in ms, results hold seconds
 PLOTTED = ("output_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s")
 KINDS = ("model", "scheduler", "kv_cache", "attention", "sampler")
-LATENCY_PANELS = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99"))
-LOG_SPREAD = 10  # an axis whose largest value is this many times its smallest gets a log scale
+LATENCY_PANELS = (
+    Panel("ttft_s.p50", "TTFT p50 (ms)", 1000),
+    Panel("ttft_s.p99", "TTFT p99 (ms)", 1000),
+    Panel("tpot_s.p50", "TPOT p50 (ms)", 1000),
+    Panel("tpot_s.p99", "TPOT p99 (ms)", 1000),
+)
+RATE_PANELS = (
+    Panel("output_tokens_per_s", "output throughput (tok/s)", rate=True),
+    Panel("slo_attainment", "SLO attainment (%)", 100, rate=True),
+    Panel("goodput", "goodput (requests/s within their SLOs)", rate=True),
+)
 
 
 @dataclass
@@ -158,10 +174,22 @@ def build_table(results: list[tuple[str, dict]]) -> tuple[list[str], list[list]]
     shown = [key for key in FIGURES if any(figure(r, key) is not None for _, r in results)]
     header = ["run", *keys, *(FIGURES[key] for key in shown)]
     rows = [
-        [run, *(result.get("choices", {}).get(k) for k in keys), *(figure(result, key) for key in shown)]
+        [run, *(result.get("choices", {}).get(k) for k in keys), *(shown_value(result, key) for key in shown)]
         for run, result in results
     ]
     return header, rows
+
+
+def shown_value(result: dict, key: str, statistic: str = ""):
+    """A figure as the table shows it (latencies in ms); statistic "ci95": its interval's half-width."""
+    if statistic:
+        head, _, last = key.rpartition(".")
+        value = figure(result, f"{head}.ci95.{last}" if head else f"ci95.{last}")
+    else:
+        value = figure(result, key)
+    if value is not None and key in MILLISECONDS:
+        return value * 1000
+    return value
 
 
 def format_setting(value) -> str:
@@ -172,10 +200,14 @@ def format_setting(value) -> str:
 
 
 def format_cell(value) -> str:
+    """A figure with three significant digits (0.0734, 5.13, 28314): milliseconds of a simulated
+    H200's TTFT read 3.12, not 0.003."""
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+        if value == int(value) and abs(value) < 1e15:
+            return str(int(value)) if abs(value) >= 100 or value == 0 else f"{value:.3g}"
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
     return str(value)
 
 
@@ -208,39 +240,48 @@ def write_csv(path: str, header: list[str], rows: list[list]) -> None:
         writer.writerows([["" if v is None else v for v in row] for row in rows])
 
 
-def _pyplot():
-    import matplotlib
+def describe_runs(results: list[dict]) -> str:
+    """What the runs ran, for titles: the model (or the profile a simulation stood on), the
+    workload and the device, each value that differs between runs joined with " / "."""
 
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
+    def unique(values) -> str:
+        return " / ".join(dict.fromkeys(str(v) for v in values if v))
 
-    return plt
+    models, workloads, devices = [], [], []
+    for result in results:
+        simulated = result.get("simulated")
+        if simulated:
+            models.append(
+                f"simulated {result.get('plugins', {}).get('model') or 'model'} on {simulated.get('profile')}"
+            )
+        else:
+            path = result.get("model_path") or ""
+            models.append(os.path.basename(os.path.normpath(path)) if path else result.get("plugins", {}).get("model"))
+            devices.append(result.get("device_name"))
+        bench = result.get("bench") or {}
+        workload = result.get("workload") or {}
+        if bench.get("arrival") == "trace":
+            requests = f", first {bench['max_requests']}" if bench.get("max_requests") else ""
+            workloads.append(f"trace {os.path.basename(str(bench.get('trace')))}{requests}")
+        elif workload.get("arrival") or bench.get("arrival"):
+            count = workload.get("num_requests")
+            workloads.append(
+                f"{workload.get('arrival') or bench.get('arrival')}" + (f", {count} requests" if count else "")
+            )
+    return "; ".join(part for part in (unique(models), unique(workloads), unique(devices)) if part)
 
 
 def plot_throughput(path: str, results: list[tuple[str, dict]], title: str) -> dict[str, list]:
     """One horizontal bar panel per throughput figure that some run has, one bar per run labelled
-    with its swept settings. Returns {figure key: the values drawn, in run order}."""
-    plt = _pyplot()
+    with its swept settings and coloured by the first swept setting's value; written as path's
+    PNG, PDF and SVG (path ending in .png). Returns {figure key: the values drawn, in run order}."""
     keys = swept_keys([r for _, r in results])
     labels = [run_label(result.get("choices", {}), keys) or run for run, result in results]
+    groups = [format_setting(result.get("choices", {}).get(keys[0])) if keys else "" for _, result in results]
     plotted = [key for key in PLOTTED if any(figure(r, key) is not None for _, r in results)]
-    fig, axes = plt.subplots(
-        1, len(plotted), figsize=(4.5 * len(plotted) + 1.5, 1.4 + 0.4 * len(results)), sharey=True, squeeze=False
-    )
-    positions = list(range(len(results)))[::-1]  # first run on top
-    drawn = {}
-    for ax, key in zip(axes[0], plotted):
-        values = [figure(result, key) or 0 for _, result in results]
-        bars = ax.barh(positions, values, color="tab:blue")
-        ax.bar_label(bars, labels=[f"{v:.0f}" for v in values], padding=3, fontsize=8)
-        ax.set_title(FIGURES[key])
-        ax.set_xlim(0, max(values + [1]) * 1.25)
-        drawn[key] = values
-    axes[0][0].set_yticks(positions, labels, fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    drawn = {key: [figure(result, key) or 0 for _, result in results] for key in plotted}
+    fig = throughput_figure(labels, groups, drawn, {key: FIGURES[key] for key in plotted}, title)
+    save_figure(fig, os.path.splitext(path)[0])
     return drawn
 
 
@@ -249,9 +290,9 @@ def load_axis(results: list[dict]) -> tuple[str, str] | None:
     it asked for, or, when bench.time_scale varies, the rate the time-scaled trace offers."""
     keys = swept_keys(results)
     if "bench.request_rate" in keys:
-        return "bench.request_rate", "request rate (requests/s)"
+        return "bench.request_rate", "offered load (requests/s)"
     if "bench.time_scale" in keys:
-        return "bench.time_scale", "offered request rate (requests/s, time-scaled trace)"
+        return "bench.time_scale", "offered load (requests/s, time-scaled trace)"
     return None
 
 
@@ -261,10 +302,39 @@ def run_load(result: dict, load_key: str) -> float | None:
     return result.get("choices", {}).get(load_key)
 
 
-def latency_series(results: list[tuple[str, dict]], load_key: str) -> list[dict]:
+def latency_panels(results: list[dict]) -> list[Panel]:
+    """The panels of the latency-load figure: TTFT and TPOT p50 and p99; the throughput, SLO
+    attainment and goodput where some run has them; and each class's TTFT p50 and p99, SLO
+    attainment and goodput."""
+    panels = list(LATENCY_PANELS)
+    panels += [p for p in RATE_PANELS if any(figure(r, p.key) is not None for r in results)]
+    classes = list(dict.fromkeys(name for r in results for name in (r.get("classes") or {})))
+    for name in classes:
+        panels += [
+            Panel(f"classes.{name}.ttft_s.p50", f"{name}: TTFT p50 (ms)", 1000),
+            Panel(f"classes.{name}.ttft_s.p99", f"{name}: TTFT p99 (ms)", 1000),
+        ]
+        panels += [
+            Panel(f"classes.{name}.{key}", f"{name}: {title}", scale, rate=True)
+            for key, title, scale in (("slo_attainment", "SLO attainment (%)", 100), ("goodput", "goodput (req/s)", 1))
+            if any(figure(r, f"classes.{name}.{key}") is not None for r in results)
+        ]
+    return panels
+
+
+def _interval_key(key: str) -> str:
+    """Where a figure's 95% interval is: inside its distribution, or in its dict's ci95."""
+    head, _, last = key.rpartition(".")
+    if last.startswith("p") and last[1:].isdigit() or last in ("mean", "std"):
+        return f"{head}.ci95.{last}"
+    return f"{head}.ci95.{last}" if head else f"ci95.{last}"
+
+
+def latency_series(results: list[tuple[str, dict]], load_key: str, panels=LATENCY_PANELS) -> list[dict]:
     """The latency-load lines: one per combination of the other swept settings, each
-    {"label", "x", and per panel "ttft_s.p50": (values, stds or None)}, points sorted by load.
-    Runs without latency figures (a result written before the bench recorded them) are left out."""
+    {"label", "x", and per panel key (values, 95% interval half-widths or None)}, points sorted by
+    load. Runs without latency figures (a result written before the bench recorded them) are left
+    out."""
     keys = [k for k in swept_keys([r for _, r in results]) if k != load_key]
     lines: dict[str, list[dict]] = {}
     for _, result in results:
@@ -276,96 +346,93 @@ def latency_series(results: list[tuple[str, dict]], load_key: str) -> list[dict]
     for label, group in lines.items():
         group.sort(key=lambda r: run_load(r, load_key))
         line = {"label": label, "x": [run_load(r, load_key) for r in group]}
-        for metric, stat in LATENCY_PANELS:
-            values = [figure(r, f"{metric}.{stat}") for r in group]
-            stds = [figure(r, f"std.{metric}.{stat}") for r in group]
-            line[f"{metric}.{stat}"] = (values, stds if any(s is not None for s in stds) else None)
+        for panel in panels:
+            values = [figure(r, panel.key) for r in group]
+            intervals = [figure(r, _interval_key(panel.key)) for r in group]
+            line[panel.key] = (values, intervals if any(i is not None for i in intervals) else None)
         series.append(line)
     return series
 
 
-def _spread_needs_log(values: list) -> bool:
-    positive = [v for v in values if v is not None and v > 0]
-    return len(positive) > 1 and max(positive) / min(positive) >= LOG_SPREAD
-
-
-def _readable_log_ticks(axis, sweep_values: list | None = None) -> None:
-    """Log-axis ticks a reader need not decode: at the sweep's own values when they are few (the
-    load axis), else at 1, 2 and 5 times powers of ten; labelled 0.5, 2, 30 rather than 10^k."""
-    from matplotlib import ticker
-
-    distinct = sorted({v for v in sweep_values or () if v is not None and v > 0})
-    if 1 < len(distinct) <= 12:
-        axis.set_major_locator(ticker.FixedLocator(distinct))
-    else:
-        axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.set_minor_formatter(ticker.NullFormatter())
-
-
-def latency_figure(series: list[dict], x_title: str, title: str):
-    """The 2x2 latency-load figure of latency_series; returns the matplotlib Figure."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), squeeze=False)
-    names = {"ttft_s": "TTFT", "tpot_s": "TPOT"}
-    for ax, (metric, stat) in zip(axes.flat, LATENCY_PANELS):
-        panel = f"{metric}.{stat}"
-        for number, line in enumerate(series):
-            values, stds = line[panel]
-            points = [(x, y, s) for x, y, s in zip(line["x"], values, stds or [None] * len(values)) if y is not None]
-            if not points:
-                continue
-            xs, ys, errors = zip(*points)
-            ax.errorbar(
-                xs,
-                ys,
-                yerr=[e or 0.0 for e in errors] if stds else None,
-                marker="os^vD<>ph*"[number % 10],
-                capsize=3,
-                label=line["label"] or None,
-            )
-        ax.set_title(f"{names[metric]} {stat} (s)")
-        ax.set_xlabel(x_title)
-        ax.grid(True, which="both", alpha=0.3)
-        ys = [y for line in series for y in line[panel][0]]
-        if _spread_needs_log(ys):
-            ax.set_yscale("log")
-            _readable_log_ticks(ax.yaxis)
-        else:
-            ax.set_ylim(bottom=0)  # a linear latency axis from zero shows differences at their true size
-        xs = [x for line in series for x in line["x"]]
-        if _spread_needs_log(xs):
-            ax.set_xscale("log")
-            _readable_log_ticks(ax.xaxis, xs)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(handles)), fontsize=9, frameon=False)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.05 + 0.03 * math.ceil(len(handles) / 4) if handles else 0, 1, 1))
-    return fig
-
-
 def plot_latency(path: str, results: list[tuple[str, dict]], title: str) -> list[dict] | None:
-    """Writes latency.png when the sweep varies the load and some run has latency figures;
-    returns the series drawn (latency_series), or None when there is no such plot."""
+    """Writes the latency-load figure as path's PNG, PDF and SVG (path ending in .png) when the
+    sweep varies the load and some run has latency figures; returns the series drawn
+    (latency_series), or None when there is no such plot."""
     axis = load_axis([r for _, r in results])
     if axis is None:
         return None
-    series = latency_series(results, axis[0])
+    panels = latency_panels([r for _, r in results])
+    series = latency_series(results, axis[0], panels)
     if not series:
         return None
-    fig = latency_figure(series, axis[1], title)
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    save_figure(latency_figure(series, panels, axis[1], title), os.path.splitext(path)[0])
     return series
 
 
-def report(root: str) -> tuple[list[str], list[list]]:
-    """Prints the table of root's runs and the failed ones, writes report.csv, report.png and, when
-    the load varies, latency.png into root; returns the table's header and rows."""
+def markdown_report(root: str, results, failed, header: list[str], rows: list[list], figures: list[str]) -> str:
+    """report.md: what ran, the table (latencies in ms, each with its repeats' 95% interval where
+    there are repeats), the figures and the failed runs."""
+    num_keys = len(header) - len([k for k in FIGURES if any(figure(r, k) is not None for _, r in results)])
+    shown = [k for k in FIGURES if any(figure(r, k) is not None for _, r in results)]
+    lines = [f"# {os.path.basename(os.path.normpath(root)) or root}", ""]
+    if results:
+        described = describe_runs([r for _, r in results])
+        lines += [described, ""] if described else []
+        repeats = {r.get("num_repeats") for _, r in results if r.get("num_repeats")}
+        if repeats:
+            lines += [
+                f"Means over {', '.join(map(str, sorted(repeats)))} repeats, ± the half-width of a 95% confidence interval.",
+                "",
+            ]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * num_keys + "---:|" * (len(header) - num_keys)]
+        for (_, result), row in zip(results, rows):
+            cells = [format_setting(v) for v in row[:num_keys]]
+            for key, value in zip(shown, row[num_keys:]):
+                interval = shown_value(result, key, "ci95")
+                cells.append(format_cell(value) + (f" ± {format_cell(interval)}" if interval is not None else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    for name in figures:
+        if name.endswith(".png"):
+            lines += [f"![{name}]({name})", ""]
+    if failed:
+        lines += [f"Failed runs ({len(failed)}):", ""]
+        lines += [
+            f"- `{run.run}` {' '.join(run.settings) or '(no overrides recorded)'}: {run.reason}" for run in failed
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_vllm_results(root: str, results: list[tuple[str, dict]]) -> list[str]:
+    """Each run's figures under vLLM's field names (vllm_format.vllm_result), as DIR/vllm/<run>.json;
+    returns the paths written."""
+    directory = os.path.join(root, "vllm")
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for run, result in results:
+        name = "run" if run == "." else run.replace(os.sep, "-")
+        path = os.path.join(directory, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(vllm_result(result), f, indent=2)
+        paths.append(path)
+    return paths
+
+
+def report(root: str, output_format: str = "inferlab") -> tuple[list[str], list[list]]:
+    """Prints the table of root's runs and the failed ones, writes report.csv, report.md and the
+    figures (latency-load when the load varies, else throughput per configuration) into root;
+    with output_format "vllm", each run's figures under vLLM's names into root/vllm/ instead.
+    Returns the table's header and rows."""
     results, failed = load_runs(root)
     if not results and not failed:
         raise FileNotFoundError(f"no result.json under {root!r}: run `inferlab job=bench` (or a -m sweep) first")
+    if output_format == "vllm":
+        paths = write_vllm_results(root, results)
+        print("\n".join(paths) if paths else "no finished runs to write")
+        if failed:
+            print(format_failed(failed))
+        return [], []
     written = []
     header, rows = [], []
     if results:
@@ -374,27 +441,37 @@ def report(root: str) -> tuple[list[str], list[list]]:
         print(format_table(header, rows, num_figures))
         write_csv(os.path.join(root, "report.csv"), header, rows)
         written.append("report.csv")
-        title = f"{os.path.normpath(root)} ({len(results)} runs" + (f", {len(failed)} failed)" if failed else ")")
-        if any(figure(r, key) is not None for _, r in results for key in PLOTTED):
-            plot_throughput(os.path.join(root, "report.png"), results, title)
-            written.append("report.png")
+        counted = f"{len(results)} runs" + (f", {len(failed)} failed" if failed else "")
+        described = describe_runs([r for _, r in results])
+        title = (f"{described}\n" if described else "") + f"{os.path.normpath(root)} ({counted})"
         if plot_latency(os.path.join(root, "latency.png"), results, title) is not None:
-            written.append("latency.png")
+            written += [f"latency.{extension}" for extension in ("png", "pdf", "svg")]
+        elif any(figure(r, key) is not None for _, r in results for key in PLOTTED):
+            plot_throughput(os.path.join(root, "report.png"), results, title)
+            written += [f"report.{extension}" for extension in ("png", "pdf", "svg")]
     if failed:
         print(format_failed(failed))
-    if written:
-        print(f"wrote {', '.join(os.path.join(root, name) for name in written)}")
+    with open(os.path.join(root, "report.md"), "w") as f:
+        f.write(markdown_report(root, results, failed, header, rows, written))
+    written.append("report.md")
+    print(f"wrote {', '.join(os.path.join(root, name) for name in written)}")
     return header, rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="inferlab-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", help="a run or sweep directory (e.g. multirun/2026-01-01/12-00-00)")
+    parser.add_argument(
+        "--format",
+        choices=("inferlab", "vllm"),
+        default="inferlab",
+        help="inferlab: table, report.md and figures; vllm: each run's figures as vllm bench serve's JSON",
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.dir):
         parser.error(f"{args.dir!r} is not a directory")
     try:
-        report(args.dir)
+        report(args.dir, args.format)
     except FileNotFoundError as e:
         print(f"inferlab-report: {e}", file=sys.stderr)
         sys.exit(1)
