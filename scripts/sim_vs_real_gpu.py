@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MOONCAKE = os.path.join(os.path.dirname(REPO), "shared", "traces", "mooncake_conversation_trace.jsonl")
+# the first 200 requests of Mooncake's conversation trace, which travel with the repository
 SMALL_TRACE = os.path.join(REPO, "tests", "data", "mooncake_conversation_200.jsonl")
 # Compared figures: (result key, label, whether the sim-real difference is shown in %)
 COLUMNS = (
@@ -364,7 +364,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "sim-vs-real"))
     parser.add_argument("--sizes", default="0.6b", help="comma-separated: 0.6b, 8b (in this order)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="the whole script's wall time")
-    parser.add_argument("--trace", default=MOONCAKE if os.path.exists(MOONCAKE) else SMALL_TRACE)
+    parser.add_argument(
+        "--trace", default=SMALL_TRACE, help="a Mooncake-format trace (default: its first 200 requests)"
+    )
     parser.add_argument("--max-requests", type=int, default=200)
     parser.add_argument("--time-scales", default="1,0.5,0.25")
     parser.add_argument("--rates", default="4,16,40,80")

@@ -169,3 +169,26 @@ def test_the_command_writes_each_runs_vllm_json(trace_sweep, capsys):
     assert not (trace_sweep / "latency.png").exists()  # only what was asked for
     with pytest.raises(SystemExit):
         main([str(trace_sweep), "--format", "csv"])
+
+
+def test_bands_stay_where_the_axis_can_show_them():
+    """An interval wider than its value (three repeats, one far off) on a log axis ends above
+    zero, and an attainment's within 0-100 %, rather than stretching the axis."""
+    from inferlab.experiment.figures import Panel
+
+    panels = [Panel("ttft_s.p50", "TTFT p50 (ms)", 1000), Panel("slo_attainment", "SLO attainment (%)", 100, rate=True)]
+    series = [
+        {
+            "label": "fcfs",
+            "x": [1.0, 2.0, 4.0],
+            "ttft_s.p50": ([0.005, 0.1, 2.0], [0.001, 0.5, 3.0]),
+            "slo_attainment": ([1.0, 0.8, 0.3], [0.0, 0.5, 0.4]),
+        }
+    ]
+    fig = latency_figure(series, panels, "offered load (requests/s)", "bands")
+    ttft, attainment = fig.axes[:2]
+    assert ttft.get_yscale() == "log" and ttft.get_ylim()[0] == pytest.approx(2.5)  # half the smallest value, in ms
+    lows = ttft.collections[0].get_paths()[0].vertices[:, 1]
+    assert lows.min() >= 2.5
+    band = attainment.collections[0].get_paths()[0].vertices[:, 1]
+    assert band.min() >= 0 and band.max() <= 100 and attainment.get_ylim() == (0.0, 105.0)

@@ -291,3 +291,19 @@ def test_the_real_runners_sleeps_end_on_time():
     thread.start()
     thread.join()
     assert slack["after"] == 1000 and slack["before"] != 1000
+
+
+def test_a_profile_dropped_into_the_profile_directory_ships_by_its_name(tmp_path, monkeypatch):
+    """The device's profiles ship as <card>-<model>-<backend>.json beside the H200 ones: the list
+    of shipped profiles names them and an engine takes them by name."""
+    import shutil
+
+    from inferlab.sim import profile as profiles
+
+    for name in shipped_profiles():
+        shutil.copy(os.path.join(PROFILE_DIR, f"{name}.json"), tmp_path)
+    shutil.copy(os.path.join(PROFILE_DIR, "h200-qwen3-0.6b-triton.json"), tmp_path / "h100-qwen3-0.6b-triton.json")
+    monkeypatch.setattr(profiles, "PROFILE_DIR", str(tmp_path))
+    assert "h100-qwen3-0.6b-triton" in profiles.shipped_profiles()
+    llm = LLM(executor="simulated", executor_options={"profile": "h100-qwen3-0.6b-triton"})
+    assert llm.runner.profile.kind == "measured"

@@ -143,7 +143,7 @@ def summary_lines(result: dict, path: str) -> str:
     repeats = f" (mean of {result['num_repeats']} repeats)" if "num_repeats" in result else ""
     workload = result["workload"]
     lines = [
-        f"{result['num_requests']} requests ({workload['arrival']}), {result['num_output_tokens']} output tokens in "
+        f"{result['num_requests']:g} requests ({workload['arrival']}), {result['num_output_tokens']:.0f} output tokens in "
         f"{result['wall_time_s']:.2f} s{repeats}: {result['output_tokens_per_s']:.0f} tok/s, "
         f"{result['request_throughput']:.3g} req/s (prefill {rate(result['prefill_tokens_per_s'])} tok/s, "
         f"decode {rate(result['decode_tokens_per_s'])} tok/s, {result['num_preemptions']} preemptions) -> {path}",

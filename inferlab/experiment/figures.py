@@ -103,6 +103,11 @@ def panel_grid(panels: list[Panel]) -> list[Panel | None]:
     return grid
 
 
+def _values_and_intervals(line: dict, key: str) -> tuple[list, list]:
+    values, intervals = line.get(key, ([], None))
+    return values, intervals or [None] * len(values)
+
+
 def latency_figure(series: list[dict], panels: list[Panel], x_title: str, title: str):
     """The latency-load figure: one panel per Panel (panel_grid's layout), one line per series
     entry ({"label", "x", and per panel key (values, ci95 half-widths or None)}), the intervals
@@ -117,27 +122,34 @@ def latency_figure(series: list[dict], panels: list[Panel], x_title: str, title:
         if panel is None:
             ax.set_visible(False)
             continue
+        values = [v * panel.scale for line in series for v in line.get(panel.key, ([], None))[0] if v is not None]
+        log = not panel.rate and _spread_needs_log(values)
+        # a band's ends stay where the axis can show them: above zero on a log axis, within 0-100 %
+        floor = min((v for v in values if v > 0), default=1.0) / 2 if log else 0.0
+        ceiling = 100.0 if panel.scale == 100 else float("inf")
         drawn = []
         for number, line in enumerate(series):
-            values, intervals = line.get(panel.key, ([], None))
             points = [
                 (x, y * panel.scale, (ci or 0.0) * panel.scale)
-                for x, y, ci in zip(line["x"], values, intervals or [None] * len(values))
+                for x, y, ci in zip(line["x"], *_values_and_intervals(line, panel.key))
                 if y is not None
             ]
             if not points:
                 continue
             px, py, pci = zip(*points)
             ax.plot(px, py, label=line["label"] or None, zorder=2 + number, **line_style(number))
-            if intervals and any(pci):
-                low = [y - ci for y, ci in zip(py, pci)]
-                ax.fill_between(px, low, [y + ci for y, ci in zip(py, pci)], color=f"C{number % 10}", alpha=0.15)
-            drawn += [y + ci for y, ci in zip(py, pci)]
+            if any(pci):
+                low = [max(y - ci, floor) for y, ci in zip(py, pci)]
+                high = [min(y + ci, ceiling) for y, ci in zip(py, pci)]
+                ax.fill_between(px, low, high, color=f"C{number % 10}", alpha=0.15, linewidth=0)
+                drawn += high
+            drawn += py
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(x_title, fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-        if not panel.rate and _spread_needs_log(drawn):
+        ax.grid(True, which="major", alpha=0.3)
+        if log:
             ax.set_yscale("log")
+            ax.set_ylim(floor, 1.5 * max(drawn))
             _ticks(ax.yaxis, log=True)
         else:  # a linear axis from zero shows differences at their true size
             top = 105 if panel.scale == 100 else 1.08 * max(drawn, default=0)
