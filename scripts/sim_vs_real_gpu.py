@@ -25,6 +25,7 @@ script end to end before spending GPU time (tests/test_sim_vs_real_script.py doe
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -60,6 +61,8 @@ NEW_HOST_COSTS = (
 )
 
 
+# What a size needs before its first real run (checkpoint, engine start-up, profile) on an H100
+SIZE_LEAST_S = {"0.6b": 150, "8b": 240}
 TRIMMED_GRID = dict(
     decode_batches=[1, 4, 16, 64, 128, 256, 512],
     decode_contexts=[512, 2048, 8192, 16384],
@@ -287,12 +290,17 @@ def ablated(profile, path: str, what: str) -> str:
     return path
 
 
-def simulate(model_path, engine, profile_path, workloads, deadline, log, variants) -> None:
+def simulate(model_path, engine, profile_path, workloads, deadline, log, variants, written) -> None:
+    """Each variant of the simulation replays the workloads the real engine ran; written() after
+    each, so that a call cut short keeps what it simulated."""
     from inferlab import LLM
     from inferlab.sim.profile import load_profile
 
     profile = load_profile(profile_path)
     for label, (what, noise) in variants.items():
+        if time.monotonic() > deadline:
+            log(f"  skipped the simulation {label!r}: past the budget")
+            continue
         path = (
             profile_path if what == "full" else ablated(profile, profile_path.replace(".json", "-ablated.json"), what)
         )
@@ -303,6 +311,7 @@ def simulate(model_path, engine, profile_path, workloads, deadline, log, variant
             )
         if what != "full":
             os.remove(path)
+        written()
 
 
 def capacity(workloads: list[Workload], kind: str) -> float | None:
@@ -357,6 +366,23 @@ def tables(size: str, device: str, workloads: list[Workload], variants: list[str
                     )
         lines.append("")
     return "\n".join(lines)
+
+
+def write_results(
+    out: str, report: dict, markdown: list, section: int, size, device, workloads, variants, diagnostics, profile
+) -> None:
+    """sim_vs_real.json and .md with what this size has measured so far (its section of the markdown
+    rewritten)."""
+    report["sizes"][size] = {
+        "profile": os.path.basename(profile),
+        "workloads": {w.name: {"bench": w.bench, **w.results} for w in workloads},
+        "host_diagnostics": diagnostics.by_workload,
+    }
+    markdown[section:] = [tables(size, device, workloads, variants, diagnostics)]
+    with open(os.path.join(out, "sim_vs_real.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out, "sim_vs_real.md"), "w") as f:
+        f.write("\n".join(markdown))
 
 
 def main(argv=None) -> None:
@@ -418,12 +444,13 @@ def main(argv=None) -> None:
     log(f"{device_name}; sizes {args.sizes}; budget {args.budget_s:.0f} s; trace {args.trace}")
     report = {"device": device_name, "args": {k: v for k, v in vars(args).items()}, "sizes": {}}
     markdown = [f"# The simulator against the real engine on {device_name}", ""]
-    variants = {"sim": ("full", 1.0), "sim, no noise": ("full", 0.0), "sim, no host costs": ("no host costs", 1.0)}
+    # the most telling first, in case the budget ends
+    variants = {"sim": ("full", 1.0), "sim, no host costs": ("no host costs", 1.0), "sim, no noise": ("full", 0.0)}
 
     for size in args.sizes.split(","):
-        if time.monotonic() > deadline - 60:
-            log(f"{size}: no time left")
-            break
+        if time.monotonic() > deadline - SIZE_LEAST_S.get(size, 60):
+            log(f"{size}: not started, {deadline - time.monotonic():.0f} s left of the budget")
+            continue
         workloads = plan(args)
         if args.tiny:
             model_path, name = None, "cpu-tiny-torch"
@@ -450,17 +477,21 @@ def main(argv=None) -> None:
             # what the simulations need afterwards: about 30 s a size on the device's host
             run_workloads(llm, workloads, deadline, 45, "real", log, diagnostics)
             diagnostics.close()
-        simulate(model_path, engine, profile_path, workloads, deadline, log, variants)
-        report["sizes"][size] = {
-            "profile": os.path.basename(profile_path),
-            "workloads": {w.name: {"bench": w.bench, **w.results} for w in workloads},
-            "host_diagnostics": diagnostics.by_workload,
-        }
-        markdown.append(tables(size, device_name, workloads, list(variants), diagnostics))
-        with open(os.path.join(args.out, "sim_vs_real.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(os.path.join(args.out, "sim_vs_real.md"), "w") as f:
-            f.write("\n".join(markdown))
+        written = functools.partial(
+            write_results,
+            args.out,
+            report,
+            markdown,
+            len(markdown),
+            size,
+            device_name,
+            workloads,
+            list(variants),
+            diagnostics,
+            profile_path,
+        )
+        written()  # the real runs, before the simulations
+        simulate(model_path, engine, profile_path, workloads, deadline, log, variants, written)
         log(f"{size}: written sim_vs_real.md and .json")
     log(f"done in {time.monotonic() - started:.0f} s")
     print("\n".join(markdown))
