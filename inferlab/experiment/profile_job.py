@@ -14,9 +14,9 @@ for the step: where `seconds` is well above it, the host bounds the step.
 Besides the steps, the job measures the host's other costs that a run pays and relaunching one
 batch does not: admitting a request (`measure_admission`), the engine's own work on a step besides
 launching it and waiting for its tokens (`measure_step_host`: scheduling, KV book-keeping,
-finishing), the
-runner's rebuild of per-row sampling settings when a batch's sampling rows change
-(`measure_sampling_setup`), and a step launched onto an engine that idled (`measure_idle_wake`).
+finishing), the runner's rebuild of per-row sampling settings when a batch's sampling rows change
+(`measure_sampling_setup`), a step launched onto an engine that idled (`measure_idle_wake`), and
+launches in a short run against the grid's relaunches of one batch (`measure_launch_in_run`).
 """
 
 import json
