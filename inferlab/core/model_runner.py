@@ -81,17 +81,17 @@ def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
 
 
 PR_SET_TIMERSLACK = 29  # Linux prctl: how late a sleep may end
-_precise_sleeps: set[int] = set()  # the threads whose sleeps end within 1 us of their time
+_sleeps = threading.local()  # .precise: this thread's sleeps end within 1 us of their time
 
 
 def sleep_until(t: float) -> None:
     """Returns once perf_counter() reads t: the host's clock, for runners on a real device. Linux
     lets a thread's sleep end up to 50 us late by default, which a driver waiting for a request's
-    arrival would count in its TTFT: the calling thread's slack is set to 1 us, once."""
-    thread = threading.get_ident()
-    if thread not in _precise_sleeps and sys.platform == "linux":
+    arrival would count in its TTFT: the calling thread's slack is set to 1 us, once (a thread
+    local, not a thread id: ids are reused by later threads)."""
+    if not getattr(_sleeps, "precise", False) and sys.platform == "linux":
         ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-        _precise_sleeps.add(thread)
+        _sleeps.precise = True
     while (remaining := t - perf_counter()) > 0:
         time.sleep(remaining)
 
