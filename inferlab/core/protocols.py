@@ -431,6 +431,7 @@ class SimulatedDevice(Protocol):
         """Restarts the modeled times' random draws (step-time noise) from seed, so that a bench's
         repeats each draw their own, reproducibly."""
 
+
 @runtime_checkable
 class SamplesLogits(Protocol):
     """Optional Runner capability: the runner computes logits and draws from them with a sampler
