@@ -279,6 +279,9 @@ class _TimedHandle:
     def placeholders(self):
         return self.handle.placeholders()
 
+    def __getattr__(self, name):  # whatever else the engine reads of a handle (its logprobs, ...)
+        return getattr(self.handle, name)
+
 
 def ablated(profile, path: str, what: str) -> str:
     variant = copy.deepcopy(profile)

@@ -270,6 +270,9 @@ class _TimedHandle:
     def placeholders(self):
         return self.handle.placeholders()
 
+    def __getattr__(self, name):  # whatever else the engine reads of a handle (its logprobs, ...)
+        return getattr(self.handle, name)
+
 
 def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), rounds: int = 5):
     """The engine's own host work on a step besides launching it and waiting for tokens
