@@ -80,6 +80,7 @@ def test_abort_running_request_frees_all_its_blocks(path, reference, phase):
     assert llm.kv_manager.block_table(seq) and llm.kv_manager.num_free_blocks < llm.kv_manager.num_blocks
     assert llm.abort(request_id)
     assert seq.finish_reason == "abort" and llm.kv_manager.block_table(seq) == []
+    assert llm.step().finished == [seq]  # a step loop sees every request end, an aborted one too
     assert_books_clean(llm)
     # the engine serves the same prompts as before, the aborted one included (its cached prefix too)
     assert [o["token_ids"] for o in llm.generate([prompt, other], GREEDY, use_tqdm=False)] == reference([prompt, other])

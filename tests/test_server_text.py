@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from inferlab.server.text import IncrementalDecoder, StopStrings, TextStream
+from inferlab.core.text import IncrementalDecoder, StopStrings, TextStream, text_decoder
 from inferlab.tiny_model import default_model_path
 
 # The embedded tokenizer was trained on ASCII text: these characters are 2 to 4 bytes, each byte
@@ -31,7 +31,7 @@ def chunked(items: list, sizes: list[int]) -> list[list]:
 
 
 def stream_text(tokenizer, prompt_ids, chunks, stop=()) -> tuple[list[str], bool]:
-    stream = TextStream(tokenizer, prompt_ids, stop)
+    stream = TextStream(text_decoder(tokenizer), prompt_ids, stop)
     deltas, stopped = [], False
     for i, chunk in enumerate(chunks):
         text, stopped = stream.push(chunk, last=i == len(chunks) - 1)
@@ -44,7 +44,7 @@ def stream_text(tokenizer, prompt_ids, chunks, stop=()) -> tuple[list[str], bool
 def test_multibyte_characters_are_never_split_across_deltas(tokenizer):
     ids = tokenizer.encode(TEXT)
     assert len(ids) > len(TEXT.encode()) // 2  # mostly byte tokens: characters span several
-    decoder = IncrementalDecoder(tokenizer, tokenizer.encode("Prompt: "))
+    decoder = IncrementalDecoder(text_decoder(tokenizer), tokenizer.encode("Prompt: "))
     deltas = [decoder.push([t]) for t in ids]
     deltas.append(decoder.flush())
     assert "".join(deltas) == TEXT

@@ -270,6 +270,8 @@ class LLMEngine:
             raise TypeError(f"priority must be an integer (lower is served first), got {priority!r}")
         if metadata is not None and type(metadata) is not dict and not isinstance(metadata, Mapping):
             raise TypeError(f"metadata must be a dict (or None), got {type(metadata).__name__}")
+        if metadata:
+            self.scheduler.check_metadata(metadata)  # the fields the policy declares it reads, and their types
         # policies compare arrival times every step: one that is not a number would fail them all
         if arrival_time is not None and (
             (type(arrival_time) is not float and (not isinstance(arrival_time, Real) or isinstance(arrival_time, bool)))
@@ -395,16 +397,27 @@ class LLMEngine:
 
     def _add(self, request: Request) -> None:
         """Queues a request made by make_request: its first choice, while the others wait for its
-        prefill (held)."""
-        for choice in request.choices or (request,):
-            self.requests[choice.request_id] = choice
-            if choice.constraint is not None:
-                self.constrained.add(choice.request_id)
-        self.scheduler.add(request)
-        if self.admission_cost is not None:
-            self.admission_cost(request)
-        if request.choices:
-            self.held.append(request)
+        prefill (held). Never half added: after an exception none of its choices is pending (the
+        caller got no id for it)."""
+        choices = request.choices or (request,)
+        try:
+            for choice in choices:
+                self.requests[choice.request_id] = choice
+                if choice.constraint is not None:
+                    self.constrained.add(choice.request_id)
+            self.scheduler.add(request)
+            if self.admission_cost is not None:
+                self.admission_cost(request)
+            if request.choices:
+                self.held.append(request)
+        except BaseException:
+            for choice in choices:
+                self.requests.pop(choice.request_id, None)
+                self.constrained.discard(choice.request_id)
+            if self.scheduler.abort(request):
+                self.scheduler.ended.remove(request)
+            self.held = [leader for leader in self.held if leader is not request]
+            raise
 
     def _release_choices(self) -> None:
         """Queues, in front, the other choices of leaders whose prompt is computed (their full
@@ -429,15 +442,17 @@ class LLMEngine:
             return self._abort(request_id)
 
     def _abort(self, request_id: int) -> bool:
-        request = self.requests.pop(request_id, None)
-        self.constrained.discard(request_id)
+        request = self.requests.get(request_id)
         if request is None:
             return False
+        self.constrained.discard(request_id)
         if request.view is None and request.leader is not None:  # a choice still held back: never queued
             if request.is_finished:
                 return False
-            request.status, request.finish_reason, request.finish_time = RequestStatus.FINISHED, "abort", self.clock()
-        elif not self.scheduler.abort(request):
+            request.finish_reason, request.finish_time = "abort", self.clock()
+            ended = [*self.scheduler.ended, request]  # the next step reports it
+            request.status, request.reported, self.scheduler.ended = RequestStatus.FINISHED, True, ended
+        elif not self.scheduler.abort(request):  # the next step reports it
             return False
         self.stats.num_aborted_requests += 1
         return True
@@ -449,7 +464,14 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         self.refuse_closed("is_finished")
-        return not self.scheduler.has_unfinished() and self.pending is None and not self.unreported and not self.held
+        scheduler = self.scheduler
+        return (
+            not scheduler.has_unfinished()
+            and self.pending is None
+            and not self.unreported
+            and not scheduler.ended
+            and not self.held
+        )
 
     def reset_prefix_cache(self) -> None:
         """Drops the prefix cache's unreferenced blocks, where the KV manager can."""
@@ -503,10 +525,13 @@ class LLMEngine:
         if self.constrained and self.pending is not None:
             self.constrained &= self.requests.keys()  # some may have left without being reported
             if self.constrained:
-                self._collect(self._resolve_pending())
+                self._resolve_pending()  # a constraint takes the previous token before the next step's mask
         if self.held:
             self._release_choices()
-        batch = scheduler.schedule()
+        try:
+            batch = scheduler.schedule()
+        finally:  # requests the scheduler ended (a policy's fault pinned on them, an abort): this step reports them
+            self.unreported, scheduler.ended = self.unreported + scheduler.ended, []
         self.stats.num_preemptions = scheduler.num_preemptions
         if not batch.requests and self.pending is None:
             if not scheduler.has_unfinished():
@@ -521,30 +546,37 @@ class LLMEngine:
         decode_tokens = batch.num_decode_tokens
         prefill_tokens = batch.total_tokens - decode_tokens
         pending = self.pending
+        appended: list = []  # filled by advance as it goes: what an exception leaves is still resolved
+        tokens = None
         try:
             with ALLOWED:  # the forward pass and the waits change no books: a Ctrl-C may stop them at once
                 handle = self.runner.launch(batch) if batch.requests else None
                 # the tokens to read now: under overlap the previous step's (while this one runs), else this one's
                 waited = (pending and pending[1]) if self.overlap else handle
                 tokens = self._wait(waited) if waited is not None else None
-            finished = []
             if pending is not None:
-                finished = self._resolve(pending[0], tokens, pending[1])
+                self._resolve(pending[0], tokens, pending[1])  # what it finishes is in scheduler.ended
                 self.pending = None
             if handle is not None:
                 if self.overlap:
-                    self.pending = (scheduler.advance(batch, handle.placeholders()), handle)
+                    self.pending = (appended, handle)
+                    scheduler.advance(batch, handle.placeholders(), appended)
                 else:
-                    finished = self._resolve(scheduler.advance(batch, tokens), tokens, handle)
+                    scheduler.advance(batch, tokens, appended)
+                    self._resolve(appended, tokens, handle)
         except BaseException:
             # This launch may have replaced the samples that the pending step's placeholders stand
-            # for: read that step's tokens now, so that no placeholder outlives the step.
+            # for: read that step's tokens now, so that no placeholder outlives the step. What was
+            # resolved already is skipped.
             try:
-                self._collect(self._resolve_pending())
+                self._resolve_pending()
+                if not self.overlap and appended:
+                    self._resolve(appended, tokens, handle)
             except Exception:
                 self.pending = None  # the runner failed: its samples are lost with it
             raise
-        self._collect(finished)
+        finally:
+            self.unreported, scheduler.ended = self.unreported + scheduler.ended, []
         elapsed = self.clock() - start
         stats = self.stats
         stats.num_steps += 1
@@ -556,50 +588,43 @@ class LLMEngine:
             stats.decode_seconds += elapsed
         return StepOutput([], prefill_tokens, decode_tokens, len(batch))  # the caller takes the finished requests
 
-    def _resolve_pending(self) -> list[Request]:
+    def _resolve_pending(self) -> None:
         """Waits for the pending step's tokens and finishes what they end (under overlap)."""
-        if self.pending is None:
-            return []
-        appended, handle = self.pending
-        finished = self._resolve(appended, self._wait(handle), handle)
-        self.pending = None
-        return finished
+        if self.pending is not None:
+            appended, handle = self.pending
+            self._resolve(appended, self._wait(handle), handle)
+            self.pending = None
 
-    def _resolve(self, appended: list, tokens: list[int | None], handle) -> list[Request]:
-        """scheduler.resolve, then the step's logprobs recorded and its tokens given to the
-        constraints (a constraint that completes ends its sequence with "stop")."""
-        finished = self.scheduler.resolve(appended, tokens)
+    def _resolve(self, appended: list, tokens: list[int | None], handle) -> None:
+        """scheduler.resolve (what it finishes is listed in scheduler.ended, which the step
+        reports), then the step's logprobs recorded and its new tokens given to the constraints (a
+        constraint that completes ends its sequence with "stop"). Entries a resolve cut short had
+        resolved already are not given to the constraints again."""
+        fresh = [entry for entry in appended if unresolved(entry)] if self.constrained else ()
+        self.scheduler.resolve(appended, tokens)
         step_logprobs = handle.logprobs() if self.reads_logprobs else None
         if step_logprobs is not None:
             record_logprobs(appended, step_logprobs)
-        if self.constrained:
-            for request, _, position in appended:
-                constraint = request.constraint
-                if constraint is None or request.finish_reason in ("abort", "error"):
-                    continue
-                done = advance_constraint(request, request.token_ids[position])
-                if done is None:
-                    continue
-                if not request.is_finished:
-                    self.scheduler.finish(request, done)
-                    finished.append(request)
-                elif done == "error" or request.finish_reason == "length":
-                    request.finish_reason = done  # finished at max_tokens by the token that completes it
-        return finished
-
-    def _collect(self, finished: list[Request]) -> None:
-        """Keeps finished requests for the next report, counting those that failed."""
-        for request in finished:
-            if request.finish_reason == "error":
-                self.stats.num_failed_requests += 1
-        self.unreported += finished
+        for request, _, position in fresh:
+            constraint = request.constraint
+            if constraint is None or request.finish_reason in ("abort", "error"):
+                continue
+            done = advance_constraint(request, request.token_ids[position])
+            if done is None:
+                continue
+            if not request.is_finished:
+                self.scheduler.finish(request, done)
+            elif done == "error" or request.finish_reason == "length":
+                request.finish_reason = done  # finished at max_tokens by the token that completes it
 
     def _take_finished(self) -> list[Request]:
-        """The requests finished since they were last reported, which stop being pending."""
+        """The requests finished since they were last reported, which stop being pending; those
+        that failed are counted."""
         finished = self.unreported
         for request in finished:
             self.requests.pop(request.request_id, None)
             self.constrained.discard(request.request_id)
+        self.stats.num_failed_requests += sum(request.finish_reason == "error" for request in finished)
         self.unreported = []
         return finished
 
@@ -697,8 +722,6 @@ class LLMEngine:
             raise
         requests = [r for r in results if isinstance(r, Request)]
         self.stats.num_failed_requests += len(results) - len(requests)
-        for request in requests:
-            self._add(request)
         choices = [choice for r in requests for choice in (r.choices or (r,))]
         bar = tqdm(total=len(choices), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
@@ -709,6 +732,8 @@ class LLMEngine:
         unreported = set(mine)
         others: list[Request] = []  # queued through add_request: the next step() reports them
         try:
+            for request in requests:
+                self._add(request)
             while unreported and not self.is_finished():
                 start = perf_counter()
                 step = self._step()
@@ -727,10 +752,18 @@ class LLMEngine:
                     bar.set_postfix({"Prefill": f"{int(prefill_rate)}tok/s", "Decode": f"{int(decode_rate)}tok/s"})
                     bar.update(len(finished))
         except BaseException:
+            scheduler = self.scheduler
             for request in choices:  # leave the engine usable: drop what this call queued
-                if not self._abort(request.request_id):
-                    self.requests.pop(request.request_id, None)  # finished in the interrupted step
-            self.unreported = [r for r in self.unreported if r.request_id not in mine]
+                try:
+                    self._abort(request.request_id)
+                except Exception:  # the KV manager failed to free it: the next step frees it (Scheduler.to_free)
+                    pass
+                self.requests.pop(request.request_id, None)
+            self.unreported, scheduler.ended = (
+                [r for r in (*self.unreported, *scheduler.ended) if r.request_id not in mine],
+                [],
+            )
+            self.held = [leader for leader in self.held if leader.request_id not in mine]
             raise
         finally:
             self.unreported[:0] = others
@@ -799,6 +832,12 @@ def record_logprobs(appended: list, step_logprobs) -> None:
         if 0 <= skip < len(entries):
             k = request.params.prompt_logprobs
             held.extend((value, ids[:k], values[:k]) for value, ids, values in entries[skip:])
+
+
+def unresolved(entry: tuple[Request, int, int]) -> bool:
+    """Whether an entry of a step's appended tokens is still to be resolved (Scheduler.resolve)."""
+    request, _, position = entry
+    return position < len(request.token_ids) and len(request.token_times) <= position - request.num_prompt_tokens
 
 
 def advance_constraint(request: Request, token: int) -> str | None:

@@ -2,7 +2,7 @@
 capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance.
 Every member the core reads of a plugin is declared here."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -144,6 +144,18 @@ class ObservingPolicy(Protocol):
     def observe(self, scheduled: tuple[tuple[RequestView, int], ...], state: SchedulerState) -> None:
         """Called once each step is scheduled, with the requests it computes and how many tokens
         each (their views still show the counts before the step)."""
+
+
+@runtime_checkable
+class ReadsMetadata(Protocol):
+    """Optional policy capability: the request metadata fields the policy reads, each with the
+    type (or tuple of types) its value must have, e.g. `metadata_fields = {"deadline": (int,
+    float)}` as a class attribute. A request whose metadata holds one of these keys with a value of
+    another type is refused when it is added (ValueError naming the field and the policy; the
+    server answers 400), before the policy ever sees it. bool counts as a type of its own, not as
+    an int; keys absent from a request's metadata are allowed."""
+
+    metadata_fields: Mapping[str, type | tuple[type, ...]]
 
 
 @runtime_checkable

@@ -5,6 +5,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.text import TextStream
 
 if TYPE_CHECKING:
     from inferlab.core.protocols import KVCacheManager
@@ -53,6 +54,8 @@ class Request:
         "logprobs",
         "prompt_logprobs",
         "constraint",
+        "stop_text",
+        "reported",
     )
 
     def __init__(
@@ -98,6 +101,8 @@ class Request:
         # With params.prompt_logprobs: the same for prompt tokens, None for the first
         self.prompt_logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
         self.constraint = None  # the TokenConstraint deciding which token may come next, if any
+        self.stop_text: TextStream | None = None  # its output's text, for its stop strings (made by the core scheduler)
+        self.reported = False  # finished and listed for the engine to report (Scheduler.ended)
 
     def __repr__(self):
         return (

@@ -17,6 +17,10 @@ TOP_K_LIMIT = 2**31 - 1  # above any vocabulary, so the largest top_k disables t
 INT64_LIMIT = 2**63 - 1  # counts and token ids travel as int64
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs, and vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+# Every new token of a request is checked against each of its stop strings, on the engine's thread
+# (which all requests share) and the server's event loop: the work per token is bounded by these.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024  # the stop strings' lengths added up
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,7 +65,8 @@ class SamplingParams:
 
     temperature 0 (or below 1e-5) means greedy; at most 2**126. top_k=-1, top_p=1 and min_p=0 disable their
     filters. seed (an integer in [0, 2**32)) makes one request reproducible regardless of what
-    else is in the batch. stop strings end the returned text before the first match.
+    else is in the batch. stop strings end the returned text before the first match: at most
+    MAX_STOP_STRINGS of them, MAX_STOP_CHARS characters in all.
 
     n: completions generated for the prompt (its prefill is shared through the prefix cache);
     choice i draws with seed + i when a seed is given. logprobs: the log-probability of each
@@ -117,7 +122,12 @@ class SamplingParams:
             set_field(self, "seed", _integer(self.seed, "seed", 0, SEED_LIMIT - 1, "None or "))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {_clipped(self.stop)}")
+        if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop must hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters in all, "
+                f"got {len(stop)} strings of {sum(map(len, stop))} characters"
+            )
         set_field(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
@@ -210,3 +220,9 @@ def _real(value, name: str, allowed: str) -> float:
 def _limit(high: int) -> str:
     """2**k - 1 reads better than its digits."""
     return f"2**{(high + 1).bit_length() - 1} - 1" if high > 2**20 and (high + 1) & high == 0 else str(high)
+
+
+def _clipped(value) -> str:
+    """A value's repr, cut short: a bad stop list may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"

@@ -206,6 +206,7 @@ def measure_admission(llm, count: int = 64, rounds: int = 5) -> tuple[float, flo
             best = min(best, (time.perf_counter() - start) / count)
             for request_id in ids:
                 llm.abort(request_id)
+            llm.step()  # reports the aborted requests: the engine is idle again
         per_request.append(best)
     per_token = max(0.0, (per_request[1] - per_request[0]) / (lengths[1] - lengths[0]))
     return max(0.0, per_request[0] - per_token * lengths[0]), per_token

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import inferlab
+from inferlab.core.text import TextStream, text_decoder
 from inferlab.server.engine_loop import ACCEPTED, EngineLoop, Finish, Prompt, RequestStream
 from inferlab.server.logprobs import LogprobsFormatter
 from inferlab.server.metrics import ServerMetrics
@@ -37,7 +38,6 @@ from inferlab.server.protocol import (
     model_not_found,
     parse_body,
 )
-from inferlab.server.text import TextStream
 from inferlab.server.tokenization import DetokenizeBody, TokenizeBody, detokenize, tokenize
 
 
@@ -99,7 +99,8 @@ class Generation:
         self.stream = RequestStream()
         self.prompts = prompts
         self.choices = [p for p in prompts for _ in range(p.params.n)]  # the prompt of each choice index
-        self.texts = [TextStream(tokenizer, p.token_ids, p.params.stop) for p in self.choices]
+        decode = text_decoder(tokenizer)
+        self.texts = [TextStream(decode, p.token_ids, p.params.stop) for p in self.choices]
         self.num_output_tokens = [0] * len(self.choices)
         self.finishes: list[Finish | None] = [None] * len(self.choices)
         self.num_open = len(self.choices)
@@ -177,8 +178,13 @@ def finish_stats(finish: Finish) -> dict:
     }
 
 
-def error_of(finish: Finish) -> dict:
-    return ApiError(500, finish.error or "the request failed", code="engine_error").body()
+def error_of(finish: Finish) -> ApiError:
+    """The error a failed choice is answered with: 400 when the request's own fields made the
+    scheduler policy fail (PolicyError), 500 when the engine failed."""
+    message = finish.error or "the request failed"
+    if message.startswith("PolicyError"):
+        return ApiError(400, message, "metadata", "policy_error")
+    return ApiError(500, message, code="engine_error")
 
 
 class EventStream(StreamingResponse):
@@ -322,7 +328,7 @@ class Responder:
             async for deltas in generation:
                 for delta in deltas:
                     if delta.finish is not None and delta.finish.reason == "error":
-                        yield sse(error_of(delta.finish))
+                        yield sse(error_of(delta.finish).body())
                     elif (
                         delta.text
                         or delta.finish is not None
@@ -360,7 +366,7 @@ class Responder:
                 prompt_logprobs[delta.index] = prompt_logprobs[delta.index] or delta.prompt_logprobs
         for finish in finishes:
             if finish is not None and finish.reason == "error":
-                raise ApiError(500, finish.error or "the request failed", code="engine_error")
+                raise error_of(finish)
         order = list(range(num_choices))
         if self.best_of is not None:  # each prompt's n completions of highest mean logprob, best first
             order = [

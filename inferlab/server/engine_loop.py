@@ -323,6 +323,7 @@ class EngineLoop:
             None if first is None else first - request.arrival_time,
             request.num_cached_tokens,
             request.num_preemptions,
+            request.error,
         )
 
     def _unfollow(

@@ -15,6 +15,8 @@ class EDFOptions:
 
 
 class EarliestDeadlineFirst:
+    metadata_fields = {"deadline": (int, float)}  # a request whose deadline is not a number is refused when added
+
     def __init__(self, relative: bool):
         self.relative = relative
 

@@ -13,6 +13,8 @@ class SJFOptions:
 
 
 class ShortestJobFirst:
+    metadata_fields = {}  # it reads no metadata
+
     def __init__(self, include_prompt: bool):
         self.include_prompt = include_prompt
 

@@ -21,6 +21,8 @@ def tenant(view) -> str:
 
 
 class VirtualTokenCounter:
+    metadata_fields = {"tenant": (str, int)}  # what it reads; other types are refused when a request is added
+
     def __init__(self, input_weight: float, output_weight: float):
         self.input_weight, self.output_weight = input_weight, output_weight
         self.counters: dict[str, float] = {}
