@@ -112,7 +112,17 @@ class ServeConfig:
     model_name: str | None = None  # the name clients send as `model`; None: the checkpoint directory's name
     max_queued_requests: int | None = 1024  # requests waiting for admission; past it, 429; None: no limit
     max_n: int = 16  # the most choices (n) one request may ask for; more: 400
-    shutdown_timeout_s: float = 10.0  # after SIGINT/SIGTERM, streams may finish for this long, then are aborted
+    # after SIGINT/SIGTERM the server is gone within this long: streams may finish until shortly before, then are
+    # aborted; a second signal stops at once
+    shutdown_timeout_s: float = 10.0
+    # A request body larger than this gets 413 before it is read; None: sized from the engine's max_model_len
+    # (64 bytes a token, room for a prompt as JSON text or token ids, plus 64 KiB for the other fields).
+    max_body_bytes: int | None = None
+    max_connections: int = 512  # open at once; one more gets 503 and is closed (each holds a file descriptor)
+    # a request's headers must arrive within this of the connection opening (or of its first byte); else 408
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # its body within this, once the headers are in; else 408
+    keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this (uvicorn's)
     log_level: str = "info"  # uvicorn's
     # Python's GIL switch interval while serving (its default is 5 ms): the longest the engine's
     # thread waits for the GIL while the event loop is busy streaming; None leaves it as it is.

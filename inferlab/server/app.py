@@ -221,6 +221,43 @@ async def disconnected(receive) -> None:
 # request is tokenized on a worker thread, so that one huge prompt does not stall every other
 # stream for seconds; below it the hand-over to a thread would cost more than the work.
 TOKENIZE_ON_THREAD_CHARS = 8192
+# Likewise a body of this many bytes or more is parsed (JSON, then the fields' checks) on a worker thread.
+PARSE_ON_THREAD_BYTES = 65536
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; ApiError 413 when it is larger than limit, before it is read when its
+    Content-Length says so, else as soon as that many bytes have come."""
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        declared = 0
+    if declared > limit:
+        raise body_too_large(declared, limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(size, limit, at_least=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def body_too_large(size: int, limit: int, at_least: bool = False) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body has {'more than ' if at_least else ''}{size - at_least} bytes, more than "
+        f"serve.max_body_bytes={limit}",
+        code="body_too_large",
+        headers={"connection": "close"},  # the rest of it is never read
+    )
+
+
+async def parsed(raw: bytes, body_class):
+    """parse_body, on a worker thread for a large body (a 38 MB one took the event loop 6 s)."""
+    if len(raw) < PARSE_ON_THREAD_BYTES:
+        return parse_body(raw, body_class)
+    return await anyio.to_thread.run_sync(parse_body, raw, body_class)
 
 
 async def tokenized(num_chars: int, prepare: Callable[[], list[Prompt]]) -> list[Prompt]:
@@ -447,11 +484,12 @@ def build_app(
     api_key: str | None,
     max_queued_requests: int | None,
     draining: Callable[[], bool],
+    max_body_bytes: int = 2**26,
     lifespan=None,
 ) -> FastAPI:
     """The FastAPI application over an engine loop. api_key: the bearer token /v1/ requires
     (None: none); max_queued_requests: past it, 429; draining: whether the server is shutting
-    down (then 503 for new work)."""
+    down (then 503 for new work); max_body_bytes: past it, 413."""
     app = FastAPI(title="inferlab", version=inferlab.__version__, lifespan=lifespan)
     expected = None if api_key is None else f"Bearer {api_key}".encode()
 
@@ -489,7 +527,7 @@ def build_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         if draining():
-            return JSONResponse({"status": "shutting down"}, status_code=503)
+            return JSONResponse({"status": "shutting down"}, status_code=503, headers={"connection": "close"})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -519,14 +557,14 @@ def build_app(
 
     @app.post("/tokenize", openapi_extra=body_schema(TokenizeBody))
     async def tokenize_endpoint(request: Request) -> JSONResponse:
-        body = parse_body(await request.body(), TokenizeBody)
+        body = await parsed(await read_body(request, max_body_bytes), TokenizeBody)
         check_model(body, model)
         num_chars = len(body.prompt or "") + sum(len(message.content) for message in body.messages or ())
         return JSONResponse(await tokenized(num_chars, lambda: tokenize(body, model)))
 
     @app.post("/detokenize", openapi_extra=body_schema(DetokenizeBody))
     async def detokenize_endpoint(request: Request) -> JSONResponse:
-        body = parse_body(await request.body(), DetokenizeBody)
+        body = await parsed(await read_body(request, max_body_bytes), DetokenizeBody)
         check_model(body, model)
         return JSONResponse(detokenize(body, model))
 
@@ -534,7 +572,8 @@ def build_app(
     async def completions(request: Request) -> Response:
         received = time.perf_counter()  # TTFT and e2e start here, before the body is read and tokenized
         authorize(request)
-        body = parse_body(await request.body(), CompletionBody)
+        refuse_when_draining()
+        body = await parsed(await read_body(request, max_body_bytes), CompletionBody)
         check_model(body, model)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -548,7 +587,8 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         authorize(request)
-        body = parse_body(await request.body(), ChatBody)
+        refuse_when_draining()
+        body = await parsed(await read_body(request, max_body_bytes), ChatBody)
         check_model(body, model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_chars = sum(len(message.content) for message in body.messages)
@@ -557,9 +597,12 @@ def build_app(
         )
         return await respond(request, Responder(body, model, chat=True), prompts, received)
 
-    async def respond(request: Request, responder: Responder, prompts: list[Prompt], received: float) -> Response:
+    def refuse_when_draining() -> None:
         if draining():
-            raise ApiError(503, "the server is shutting down", code="unavailable")
+            raise ApiError(503, "the server is shutting down", code="unavailable", headers={"connection": "close"})
+
+    async def respond(request: Request, responder: Responder, prompts: list[Prompt], received: float) -> Response:
+        refuse_when_draining()
         if max_queued_requests is not None and len(prompts) > max_queued_requests:
             raise ApiError(
                 400,

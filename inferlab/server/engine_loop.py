@@ -150,6 +150,10 @@ class EngineLoop:
         """Requests waiting for admission: in the inbox, or in the scheduler's waiting queue."""
         return self.num_unread_adds + self.snapshot.num_waiting
 
+    def num_in_flight(self) -> int:
+        """Streams whose requests have not all ended, with prompts still in the inbox."""
+        return len(self.stream_requests) + self.num_unread_adds
+
     def drain(self, timeout_s: float) -> None:
         """In-flight requests may run for timeout_s more; then each is aborted (its stream gets
         a final "abort")."""

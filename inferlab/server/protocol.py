@@ -62,6 +62,42 @@ class ServedModel:
     num_cache_tokens: int  # what the whole KV cache holds: a default max_tokens must fit in it
     plugins: dict = field(default_factory=dict)  # the plugin serving each kind, for the model card
     max_n: int = 16  # serve.max_n: the most choices one request may ask for
+    # The most characters one token spells (longest_token_chars), or None: a text longer than
+    # max_model_len tokens of it is refused before it is tokenized.
+    max_token_chars: int | None = None
+
+
+WHITESPACE_PROBE = "a  b\n\n\tc   \u00e9  "
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters any token of the vocabulary spells, for a tokenizer that keeps every
+    character of its input (it decodes a probe of spaces, tabs and newlines back as it was): then
+    a text of n characters holds at least n / this many tokens. None for a tokenizer that may drop
+    characters (one that strips whitespace), of which nothing can be said before tokenizing."""
+    try:
+        if tokenizer.decode(tokenizer.encode(WHITESPACE_PROBE, add_special_tokens=False)) != WHITESPACE_PROBE:
+            return None
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    except Exception:  # a tokenizer without these methods: no shortcut
+        return None
+    return max((len(t) for t in tokens if isinstance(t, str)), default=None)
+
+
+def refuse_text_longer_than_the_context(text: str, model: ServedModel, param: str) -> None:
+    """ApiError 400 (context_length_exceeded) for a text that must tokenize to max_model_len tokens
+    or more, found from its length alone: a 45 MB prompt took minutes to tokenize before it was
+    refused."""
+    longest = model.max_token_chars
+    # twice that: a normalizer may join characters first (NFC composes "e" and an accent into "é")
+    if longest and len(text) > 2 * (model.max_model_len - 1) * longest:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {model.max_model_len} tokens; the {param} has "
+            f"{len(text)} characters, at least {-(-len(text) // (2 * longest))} tokens",
+            param,
+            "context_length_exceeded",
+        )
 
 
 class StreamOptions(BaseModel):
@@ -301,6 +337,9 @@ def completion_token_ids(body: CompletionBody, model: ServedModel) -> list[list[
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
+    for text in prompt:
+        if isinstance(text, str):
+            refuse_text_longer_than_the_context(text, model, "prompt")
     prompts = [model.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     for i, token_ids in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -339,6 +378,7 @@ def chat_token_ids(
         )
     except Exception as e:  # the template's own checks (roles in order, ...)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+    refuse_text_longer_than_the_context(text, model, "messages")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

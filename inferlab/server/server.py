@@ -1,10 +1,12 @@
 """Serving an engine: the engine loop, the FastAPI app and uvicorn, started together and stopped
 in order.
 
-On SIGINT or SIGTERM (or stop()): the listening socket closes, new requests get 503, in-flight
-streams run for serve.shutdown_timeout_s more and are then aborted (each still gets a final event
-and [DONE]), uvicorn waits for the responses to end, the engine loop stops, and the caller
-closes the engine (its tensor-parallel workers). `inferlab job=serve` then exits 0.
+On SIGINT or SIGTERM (or stop()): the listening socket closes, new requests (on connections
+already open too) get 503, in-flight streams run until shortly before serve.shutdown_timeout_s
+and are then aborted (each still gets a final event and [DONE]); once no stream is left, uvicorn
+closes the connections, giving what it still sends SEND_GRACE_S, then cancels what is left (a
+client still sending its body, say), the engine loop stops, and the caller closes the engine (its
+tensor-parallel workers). `inferlab job=serve` then exits 0. A second signal stops at once.
 """
 
 import asyncio
@@ -25,15 +27,22 @@ import inferlab
 from inferlab.conf import ServeConfig, engine_arguments
 from inferlab.experiment.records import resolved_plugins
 from inferlab.server.app import build_app
+from inferlab.server.connections import ConnectionLimits, limited_protocol
 from inferlab.server.engine_loop import EngineLoop
 from inferlab.server.metrics import ServerMetrics
-from inferlab.server.protocol import ServedModel
+from inferlab.server.protocol import ServedModel, longest_token_chars
 
 log = logging.getLogger("inferlab")
 
 API_KEY_ENV = "INFERLAB_API_KEY"  # the bearer token, when serve.api_key is not set
-# uvicorn gives up on responses this long after the streams' own deadline (a client that stopped reading).
-GRACE_AFTER_ABORT_S = 10.0
+# Of serve.shutdown_timeout_s, what the last events of aborted streams get to reach their clients
+# (half the timeout when that is shorter); past it uvicorn cancels what is left.
+SEND_GRACE_S = 1.0
+# Per token of the engine's context, the request body a prompt may need (JSON-escaped text or token ids)...
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_OTHER = 64 * 1024  # ...plus the other fields
+MAX_HEADER_BYTES = 64 * 1024  # h11's limit on a request's headers (httptools has its own)
+POSITIVE_SETTINGS = ("shutdown_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s")
 
 
 class _Uvicorn(uvicorn.Server):
@@ -45,8 +54,11 @@ class _Uvicorn(uvicorn.Server):
         self.on_exit = on_exit
 
     def handle_exit(self, sig, frame) -> None:
-        self.on_exit()
-        super().handle_exit(sig, frame)
+        """The first signal starts the drain, which ends the server once the streams are done; a
+        second one stops it at once."""
+        if self.on_exit():
+            super().handle_exit(sig, frame)
+            self.should_exit = self.force_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -101,6 +113,16 @@ class InferenceServer:
             raise ValueError(
                 f"serve.gil_switch_interval_s must be a positive number of seconds or null, got {interval!r}"
             )
+        for name in POSITIVE_SETTINGS:
+            value = getattr(config, name)
+            if type(value) not in (int, float) or not value > 0:
+                raise ValueError(f"serve.{name} must be a positive number of seconds, got {value!r}")
+        for name in ("max_body_bytes", "max_connections"):
+            value = getattr(config, name)
+            if (value is not None or name == "max_connections") and (type(value) is not int or value < 1):
+                raise ValueError(
+                    f"serve.{name} must be a positive integer{' or null' if name != 'max_connections' else ''}, got {value!r}"
+                )
         self.config = config
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         name = config.model_name or os.path.basename(os.path.normpath(engine.model_path))
@@ -113,6 +135,7 @@ class InferenceServer:
             kv.num_blocks * kv.block_size,
             resolved_plugins(engine),
             config.max_n,
+            longest_token_chars(engine.tokenizer),
         )
         self.engine_loop = EngineLoop(engine)
         cache_config = {
@@ -123,22 +146,32 @@ class InferenceServer:
         self.metrics = ServerMetrics(lambda: self.engine_loop.snapshot, name, self.model.max_model_len, cache_config)
         self.engine_loop.metrics = self.metrics
         self.draining = False
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+        self.max_body_bytes = (
+            config.max_body_bytes or BODY_BYTES_PER_TOKEN * engine.config.max_model_len + BODY_BYTES_OTHER
+        )
         self.app = build_app(
             self.engine_loop,
             self.model,
             self.metrics,
             api_key=self.api_key,
             max_queued_requests=config.max_queued_requests,
+            max_body_bytes=self.max_body_bytes,
             draining=lambda: self.draining,
             lifespan=self.lifespan,
         )
         self.socket = listening_socket(config.host, config.port)
+        self.send_grace_s = min(SEND_GRACE_S, config.shutdown_timeout_s / 2)
+        limits = ConnectionLimits(config.max_connections, config.header_timeout_s, config.body_timeout_s)
         uvicorn_config = uvicorn.Config(
             self.app,
+            http=limited_protocol(limits),
             log_config=None,  # the application's logging (Hydra's, under `inferlab`) applies
             log_level=config.log_level,
             access_log=False,  # /metrics counts requests; a line per request costs the loop time
-            timeout_graceful_shutdown=config.shutdown_timeout_s + GRACE_AFTER_ABORT_S,
+            timeout_keep_alive=config.keep_alive_timeout_s,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            timeout_graceful_shutdown=self.send_grace_s,
         )
         self.uvicorn = _Uvicorn(uvicorn_config, on_exit=self.begin_shutdown)
         self.thread: threading.Thread | None = None
@@ -157,18 +190,38 @@ class InferenceServer:
         # anyio loads its asyncio backend on first use, which would otherwise delay a fresh server's
         # first streamed response
         await anyio.lowlevel.checkpoint()
-        self.engine_loop.start(asyncio.get_running_loop())
+        self.event_loop = asyncio.get_running_loop()
+        self.engine_loop.start(self.event_loop)
         try:
             yield
         finally:
             self.engine_loop.stop()
 
-    def begin_shutdown(self) -> None:
-        """Stops taking new work; streams in flight get serve.shutdown_timeout_s to finish, then
-        are aborted with a final event."""
-        if not self.draining:
-            self.draining = True
-            self.engine_loop.drain(self.config.shutdown_timeout_s)
+    def begin_shutdown(self) -> bool:
+        """Stops taking new work (503 for new requests, the listening socket closed); streams in
+        flight may run until shortly before serve.shutdown_timeout_s, then are aborted with a
+        final event, and uvicorn ends once none is left. Called again (a second signal): aborts
+        them now and returns True, for uvicorn to stop at once."""
+        if self.draining:
+            self.engine_loop.drain(0.0)
+            return True
+        self.draining = True
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        self.engine_loop.drain(self.config.shutdown_timeout_s - self.send_grace_s)
+        if self.event_loop is None:  # not serving yet
+            self.uvicorn.should_exit = True
+        else:
+            self.event_loop.call_soon_threadsafe(lambda: self.event_loop.create_task(self._drain(deadline)))
+        return False
+
+    async def _drain(self, deadline: float) -> None:
+        """On the event loop: stops accepting connections, then ends uvicorn once no stream is in
+        flight (their last events sent) or the deadline less the send grace has come."""
+        for server in self.uvicorn.servers:
+            server.close()
+        while self.engine_loop.num_in_flight() and time.monotonic() < deadline - self.send_grace_s:
+            await asyncio.sleep(0.02)
+        self.uvicorn.should_exit = True
 
     def serve(self) -> None:
         """Serves until SIGINT or SIGTERM (on the main thread) or stop(), then returns. While it
@@ -198,7 +251,6 @@ class InferenceServer:
     def stop(self, timeout_s: float | None = None) -> None:
         """Shuts down as a signal would and waits for the server thread to end."""
         self.begin_shutdown()
-        self.uvicorn.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout_s)
 
