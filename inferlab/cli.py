@@ -8,9 +8,11 @@
 Plugins installed in the environment are options of their kind's group, with their own
 parameters (`scheduler.<param>=...`); `inferlab-plugins` lists them.
 
-A mistake in the settings, the model path or the prompts prints its message alone and exits with
-status 2 (HYDRA_FULL_ERROR=1 shows the traceback too); requests that fail (too large for the KV
-cache, say) are printed with why, and the exit status is 1; Ctrl-C exits with 130.
+A mistake in the settings (one Hydra cannot compose, or one the engine refuses), the model path
+or the prompts prints its message alone, on one line, and exits with status 2 (HYDRA_FULL_ERROR=1
+shows the traceback too); requests that fail (too large for the KV cache, say) are printed with
+why, and the exit status is 1; Ctrl-C exits with 130. In a sweep (-m) a job that fails writes its
+error into its directory (error.txt) and the sweep goes on; the command then exits with status 1.
 """
 
 import gc
@@ -18,8 +20,12 @@ import os
 import re
 import sys
 import time
+import traceback
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import inferlab
@@ -30,12 +36,42 @@ from inferlab.core.scheduler import PolicyError, SchedulerStallError
 from inferlab.core.workers import TensorParallelError
 from inferlab.experiment.records import resolved_plugins
 
+JOB_ERROR_FILE = "error.txt"  # in a sweep job's directory: why it failed (its first line), then the traceback
+
+
+class RequestsFailed(RuntimeError):
+    """Some of the generate job's requests were answered with an error (each printed with why)."""
+
+
+class SweepFailures(Callback):
+    """Hydra callback (config.yaml): at the end of a sweep, the jobs that wrote an error.txt. It
+    runs in the process that launched the sweep, whichever launcher ran the jobs."""
+
+    failed: list[str] = []  # the failed jobs' directories, of the latest sweep
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        root = str(config.hydra.sweep.dir)
+        found = []
+        for directory, subdirs, files in os.walk(root):
+            subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+            if JOB_ERROR_FILE in files:
+                found.append(directory)
+        SweepFailures.failed = sorted(found)
+
 
 def main() -> None:
     registry = get_registry()
     store_configs(registry)
     explain_unknown_choices(sys.argv[1:], registry)
+    refuse_config_errors(sys.argv[1:], registry)
+    SweepFailures.failed = []
     run()
+    if SweepFailures.failed:
+        print(f"inferlab: {len(SweepFailures.failed)} job(s) of the sweep failed:", file=sys.stderr)
+        for directory in SweepFailures.failed:
+            with open(os.path.join(directory, JOB_ERROR_FILE)) as f:
+                print(f"  {directory}: {f.readline().strip()}", file=sys.stderr)
+        sys.exit(1)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -61,6 +97,12 @@ def run(cfg: DictConfig) -> None:
         print("inferlab: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            record_job_failure(e)  # the sweep goes on; main() exits non-zero at its end
+            return
+        if isinstance(e, RequestsFailed):
+            print(f"inferlab: {e}", file=sys.stderr)
+            sys.exit(1)
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or not is_user_error(e):
             raise
         print(f"inferlab: {e}", file=sys.stderr)  # the user's settings, path or prompts: a message, not a traceback
@@ -70,6 +112,24 @@ def run(cfg: DictConfig) -> None:
         # hold reference cycles that only a full collection frees, and the next job's must not
         # stack on them (a sweep over the whole Mooncake trace grew by its prompts every job).
         gc.collect()
+
+
+def record_job_failure(error: Exception) -> None:
+    """A sweep job's failure: its message on stderr and in error.txt in the job's directory (with
+    the traceback below it), so that the report lists the job and why."""
+    hydra_config = HydraConfig.get()
+    message = (
+        str(error) if is_user_error(error) or isinstance(error, RequestsFailed) else f"{type(error).__name__}: {error}"
+    )
+    first_line = message.splitlines()[0] if message else type(error).__name__
+    print(
+        f"inferlab: job {hydra_config.job.num} ({' '.join(hydra_config.overrides.task)}) failed: {first_line}",
+        file=sys.stderr,
+    )
+    directory = hydra_config.runtime.output_dir
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, JOB_ERROR_FILE), "w") as f:
+        f.write(first_line + "\n\n" + "".join(traceback.format_exception(error)))
 
 
 def is_user_error(error: Exception) -> bool:
@@ -106,8 +166,7 @@ def generate(cfg: DictConfig) -> None:
     )
     failed = sum(o["finish_reason"] == "error" for o in outputs)
     if failed:
-        print(f"inferlab: {failed} of {len(outputs)} requests failed", file=sys.stderr)
-        sys.exit(1)
+        raise RequestsFailed(f"{failed} of {len(outputs)} requests failed")
 
 
 def explain_unknown_choices(args: list[str], registry: PluginRegistry) -> None:
@@ -131,3 +190,63 @@ def explain_unknown_choices(args: list[str], registry: PluginRegistry) -> None:
                         f"  {failure.plugin!r} ({failure.distribution or 'registered by hand'}): {failure.reason}",
                         file=sys.stderr,
                     )
+
+
+def refuse_config_errors(args: list[str], registry: PluginRegistry) -> None:
+    """Composes the config each job of the command line would run, before any runs, and prints
+    the first that Hydra cannot compose as one line (the override and why), exiting with status
+    2: Hydra's own report spans several lines with a hint. HYDRA_FULL_ERROR=1 leaves it to Hydra."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from inferlab.conf import compose
+
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    parsed = get_args_parser().parse_known_args(args)[0]
+    if parsed.help or parsed.hydra_help or parsed.cfg or parsed.info or parsed.shell_completion or parsed.config_name:
+        return
+    overrides = [o for o in parsed.overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
+    except (HydraException, OmegaConfBaseException) as e:
+        fail_with(one_line(e))
+    for job in jobs if len(jobs) <= MAX_JOBS_CHECKED else jobs[:1]:
+        try:
+            compose(job, registry)
+        except (HydraException, OmegaConfBaseException) as e:
+            fail_with(one_line(e))
+        except (ValueError, TypeError, LookupError):
+            return  # a setting the job itself explains (bench settings): it says so when it runs
+
+
+MAX_JOBS_CHECKED = 64  # a larger sweep has its first job's config checked before it starts
+
+
+def one_line(error: Exception) -> str:
+    """Hydra's message, then its OmegaConf cause after a colon, on one line and without hints:
+    "Available options in 'scheduler':" followed by its list becomes "...: fcfs, lpm, priority"."""
+    parts = []
+    for text in (str(error), str(error.__cause__ or "")):
+        segments: list[str] = []
+        listing = False
+        for line in text.split("Config search path:")[0].splitlines():
+            line = line.strip().rstrip(".")
+            if not line or line.startswith(("full_key:", "reference_type=", "object_type=", "To append")):
+                continue
+            if listing and " " not in line:
+                segments[-1] += (" " if segments[-1].endswith(":") else ", ") + line
+                continue
+            listing = line.endswith(":")
+            segments.append(line)
+        if segments:
+            parts.append("; ".join(segments))
+    return ": ".join(parts)
+
+
+def fail_with(message: str) -> None:
+    print(f"inferlab: {message}", file=sys.stderr)
+    sys.exit(2)

@@ -64,7 +64,7 @@ def test_cli_names_the_broken_plugin_only_when_selected(broken_site, tmp_path, c
         text=True,
         timeout=300,
     )
-    assert selected.returncode == 1
+    assert selected.returncode == 2
     assert "no scheduler named 'broken' is registered; plugins that failed to load:" in selected.stderr
     assert f"'broken' (inferlab-broken 0.1): {BROKEN_IMPORT}" in selected.stderr
     assert "Could not find 'scheduler/broken'" in selected.stderr  # and Hydra's own message with the options

@@ -3,13 +3,15 @@
 Reads every bench job under DIR (a directory with result.json, or a Hydra job directory whose
 run left none) and prints one row per run whose columns are the settings that vary between runs
 (what was swept) and the figures (latencies in milliseconds), then the runs that failed, each with
-its settings and error. Writes into DIR: report.csv (the table); report.md (what ran, the table
-with the repeats' 95% intervals, the figures and the failed runs); when the sweep varies the load,
-latency.png/.pdf/.svg: TTFT and TPOT p50 and p99, SLO attainment, goodput and throughput against
-the offered load, one line per value of whatever else varied, with the repeats' 95% intervals as
-bands and a row per class (inferlab.experiment.figures); else report.png/.pdf/.svg, throughput
-per configuration. `--format vllm` writes each run's figures under vLLM's `vllm bench serve`
-field names instead (inferlab.experiment.vllm_format), into DIR/vllm/.
+its settings and error (from result.json or the job's error.txt), then, for a sweep (DIR holds
+Hydra's multirun.yaml), every job the sweep was to run with its status: ok, failed, or missing (it
+left no directory). Writes into DIR: report.csv (the table); report.md (what ran, the table with
+the repeats' 95% intervals, the figures, the failed runs and the sweep's jobs); when the sweep
+varies the load, latency.png/.pdf/.svg: TTFT and TPOT p50 and p99, SLO attainment, goodput and
+throughput against the offered load, one line per value of whatever else varied, with the repeats'
+95% intervals as bands and a row per class (inferlab.experiment.figures); else
+report.png/.pdf/.svg, throughput per configuration. `--format vllm` writes each run's figures under
+vLLM's `vllm bench serve` field names instead (inferlab.experiment.vllm_format), into DIR/vllm/.
 """
 
 import argparse
@@ -63,6 +65,25 @@ class FailedRun:
     reason: str
 
 
+@dataclass
+class SweepJob:
+    number: int  # Hydra's job number
+    overrides: list[str]
+    run: str | None  # its directory relative to the report's root; None when it left none
+    status: str  # "ok", "failed: why" or "missing"
+
+
+JOB_ERROR_FILE = "error.txt"  # what a failed sweep job writes (inferlab.cli)
+
+
+def _error_file_reason(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, JOB_ERROR_FILE)) as f:
+            return f.readline().strip() or "failed (error.txt says no more)"
+    except OSError:
+        return None
+
+
 def natural_key(path: str) -> list:
     """Sorts sweep job dirs 0, 1, 2, ..., 10 rather than 0, 1, 10, 2."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
@@ -111,11 +132,63 @@ def load_runs(root: str) -> tuple[list[tuple[str, dict]], list[FailedRun]]:
                 failed.append(FailedRun(run, result.get("overrides") or overrides, str(result["error"])))
             else:
                 results.append((run, result))
+        elif JOB_ERROR_FILE in files:
+            failed.append(FailedRun(run, overrides, _error_file_reason(directory)))
         elif job is not None and job.endswith("bench"):
             failed.append(FailedRun(run, overrides, "no result.json: the job did not finish"))
     results.sort(key=lambda item: natural_key(item[0]))
     failed.sort(key=lambda item: natural_key(item.run))
     return results, failed
+
+
+def sweep_jobs(root: str, runs: list[str], failed: list[FailedRun]) -> list[SweepJob] | None:
+    """Every job of the sweep in root, expanded from its multirun.yaml as Hydra's basic sweeper
+    expands it, each found by its overrides among the job directories, with its status; None
+    when root holds no multirun.yaml (or one whose sweep cannot be expanded so)."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(root, "multirun.yaml")
+    if not os.path.isfile(path):
+        return None
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        task = [str(o) for o in OmegaConf.load(path).hydra.overrides.task]
+        expanded = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)[0]
+    except Exception:  # another sweeper's syntax, or a file Hydra did not finish writing
+        return None
+    directories = {}
+    for directory, subdirs, _ in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in (".hydra", ".submitit")]
+        job, overrides = _hydra_job(directory)
+        if job is not None:
+            directories.setdefault(tuple(overrides), os.path.relpath(directory, root))
+    reasons = {f.run: f.reason for f in failed}
+    jobs = []
+    for number, overrides in enumerate(expanded):
+        run = directories.get(tuple(overrides))
+        if run is None:
+            status = "missing: it left no directory (the sweep stopped before it, or it has not run yet)"
+        elif run in reasons:
+            status = f"failed: {reasons[run]}"
+        elif run in runs:
+            status = "ok"
+        else:
+            status = "unknown: its directory holds no result"
+        jobs.append(SweepJob(number, overrides, run, status))
+    return jobs
+
+
+def format_jobs(jobs: list[SweepJob]) -> str:
+    """One line per job: its number, the overrides that differ between jobs, its status."""
+    varying = [i for i in range(max(map(len, (j.overrides for j in jobs)), default=0))
+               if len({tuple(j.overrides[i : i + 1]) for j in jobs}) > 1]  # fmt: skip
+    lines = [f"jobs of the sweep ({len(jobs)}, from multirun.yaml):"]
+    for job in jobs:
+        settings = " ".join(job.overrides[i] for i in varying if i < len(job.overrides)) or " ".join(job.overrides)
+        lines.append(f"  {job.number}  {settings}: {job.status}")
+    return "\n".join(lines)
 
 
 def load_results(root: str) -> list[tuple[str, dict]]:
@@ -369,9 +442,11 @@ def plot_latency(path: str, results: list[tuple[str, dict]], title: str) -> list
     return series
 
 
-def markdown_report(root: str, results, failed, header: list[str], rows: list[list], figures: list[str]) -> str:
+def markdown_report(
+    root: str, results, failed, header: list[str], rows: list[list], figures: list[str], jobs=None
+) -> str:
     """report.md: what ran, the table (latencies in ms, each with its repeats' 95% interval where
-    there are repeats), the figures and the failed runs."""
+    there are repeats), the figures, the failed runs and the sweep's jobs (sweep_jobs)."""
     num_keys = len(header) - len([k for k in FIGURES if any(figure(r, k) is not None for _, r in results)])
     shown = [k for k in FIGURES if any(figure(r, k) is not None for _, r in results)]
     lines = [f"# {os.path.basename(os.path.normpath(root)) or root}", ""]
@@ -401,6 +476,10 @@ def markdown_report(root: str, results, failed, header: list[str], rows: list[li
             f"- `{run.run}` {' '.join(run.settings) or '(no overrides recorded)'}: {run.reason}" for run in failed
         ]
         lines.append("")
+    if jobs:
+        lines += [format_jobs(jobs).splitlines()[0].capitalize(), ""]
+        lines += [f"- {line.strip()}" for line in format_jobs(jobs).splitlines()[1:]]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -425,7 +504,8 @@ def report(root: str, output_format: str = "inferlab") -> tuple[list[str], list[
     with output_format "vllm", each run's figures under vLLM's names into root/vllm/ instead.
     Returns the table's header and rows."""
     results, failed = load_runs(root)
-    if not results and not failed:
+    jobs = sweep_jobs(root, [run for run, _ in results], failed)
+    if not results and not failed and not jobs:
         raise FileNotFoundError(f"no result.json under {root!r}: run `inferlab job=bench` (or a -m sweep) first")
     if output_format == "vllm":
         paths = write_vllm_results(root, results)
@@ -451,8 +531,10 @@ def report(root: str, output_format: str = "inferlab") -> tuple[list[str], list[
             written += [f"report.{extension}" for extension in ("png", "pdf", "svg")]
     if failed:
         print(format_failed(failed))
+    if jobs:
+        print(format_jobs(jobs))
     with open(os.path.join(root, "report.md"), "w") as f:
-        f.write(markdown_report(root, results, failed, header, rows, written))
+        f.write(markdown_report(root, results, failed, header, rows, written, jobs))
     written.append("report.md")
     print(f"wrote {', '.join(os.path.join(root, name) for name in written)}")
     return header, rows
