@@ -1,11 +1,13 @@
 """`inferlab-plugins`: every registered plugin by kind, the distribution and version providing it
-and its options, then the plugins that failed to load and the names registered twice, and why."""
+and its options, then the plugins that failed to load and the names registered twice, and why.
+A name two packages registered is listed once per package, as package:name, besides the name
+itself (which selects the built-in's, if one of them is inferlab)."""
 
 import argparse
 import dataclasses
 
 from inferlab.conf import store_configs
-from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.core.plugins import BUILTIN_PACKAGE, KINDS, PluginRegistry, get_registry
 
 
 def describe_options(node: type | None) -> str:
@@ -36,16 +38,22 @@ def listing(registry: PluginRegistry) -> str:
             options = describe_options(entry.options)
             if options:
                 line += f"  options: {options}"
-            if (kind, entry.name) in registry.collisions:
+            if registry.collision_of(kind, entry.name):
                 line += "  [COLLISION]"
             lines.append(line)
     problems = []
     for (kind, name), owners in sorted(registry.collisions.items()):
-        providers = ", ".join(f"{e.plugin!r} ({e.distribution or 'registered by hand'})" for e in owners)
-        problems.append(
-            f"  COLLISION {kind} {name!r} is registered by {providers}: selecting it is an error "
-            "until one is uninstalled or renamed"
+        providers = ", ".join(
+            f"{e.distribution or 'registered by hand'} (plugin {e.plugin!r}) as {e.package + ':' + name!r}"
+            for e in owners
         )
+        builtin = any(e.package == BUILTIN_PACKAGE for e in owners)
+        outcome = (
+            f"{name!r} selects the built-in; the qualified names select each"
+            if builtin
+            else f"selecting {name!r} is an error: select a qualified name"
+        )
+        problems.append(f"  COLLISION {kind} {name!r} is registered by {providers}: {outcome}")
     for failure in registry.failures:
         problems.append(
             f"  FAILED    plugin {failure.plugin!r} ({failure.distribution or 'registered by hand'}): {failure.reason}"

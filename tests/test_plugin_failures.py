@@ -3,6 +3,7 @@ one is an error naming the plugin and why: an entry point that fails to import, 
 one name, a factory that raises, a plugin that does not satisfy its Protocol, a bad config node."""
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -91,18 +92,32 @@ def test_cli_names_the_broken_plugin_only_when_selected(broken_site, tmp_path, c
 
 
 def test_name_collision(checkpoint, plugin_module):
+    """A plugin registered by hand under a built-in's name: the built-in keeps the name, the other
+    is selected as again:fcfs; two plugins of one name neither built in: the name is ambiguous."""
     registry = PluginRegistry()
     registry.register(plugin_module("again", register_schedulers=lambda register: register("fcfs", FCFSPolicy)))
     text = listing(registry)
-    assert "  fcfs      inferlab 0.1.0 (plugin 'fcfs')  [COLLISION]" in text
+    assert re.search(r"^  fcfs +inferlab 0.1.0 \(plugin 'fcfs'\)  \[COLLISION\]$", text, re.M)
+    assert re.search(r"^  again:fcfs +registered by hand \(plugin 'again'\)  \[COLLISION\]$", text, re.M)
     assert (
-        "  COLLISION scheduler 'fcfs' is registered by 'fcfs' (inferlab 0.1.0), 'again' (registered by hand): "
-        "selecting it is an error until one is uninstalled or renamed"
+        "  COLLISION scheduler 'fcfs' is registered by inferlab 0.1.0 (plugin 'fcfs') as 'inferlab:fcfs', registered "
+        "by hand (plugin 'again') as 'again:fcfs': 'fcfs' selects the built-in; the qualified names select each"
     ) in text
+    assert registry.get("scheduler", "fcfs").package == "inferlab"
+    assert registry.get("scheduler", "again:fcfs").plugin == "again"
+    assert len(LLM(checkpoint("gqa2-tied"), registry=registry, **SMALL).generate([[1, 2]], use_tqdm=False)) == 1
+
+    registry.register(plugin_module("one", register_schedulers=lambda register: register("mine", FCFSPolicy)))
+    registry.register(plugin_module("two", register_schedulers=lambda register: register("mine", FCFSPolicy)))
     with pytest.raises(
-        PluginError, match=r"scheduler 'fcfs' is registered by more than one plugin: fcfs \(inferlab .*\), again"
+        PluginError,
+        match=r"scheduler 'mine' is registered by more than one package: registered by hand \(plugin 'one'\) as "
+        r"'one:mine', registered by hand \(plugin 'two'\) as 'two:mine'; select one of those",
     ):
-        LLM(checkpoint("gqa2-tied"), registry=registry, **SMALL)
+        LLM(checkpoint("gqa2-tied"), registry=registry, scheduler="mine", **SMALL)
+    LLM(checkpoint("gqa2-tied"), registry=registry, scheduler="two:mine", **SMALL)
+    with pytest.raises(PluginError, match="a plugin named 'one' is already registered \\(registered by hand\\)"):
+        registry.register(plugin_module("one"))
 
 
 def test_factory_that_raises(checkpoint, plugin_module):

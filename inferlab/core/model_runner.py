@@ -321,7 +321,7 @@ class ModelRunner:
         priorities = {
             name: entry.factory.auto_priority
             for name, entry in registry.entries["attention"].items()
-            if isinstance(entry.factory, AutoPriority)
+            if isinstance(entry.factory, AutoPriority) and not entry.qualified_only
         }
         candidates = [name for name, priority in priorities.items() if device in priority]
         return sorted(candidates, key=lambda name: (-priorities[name][device], name))
@@ -333,6 +333,7 @@ class ModelRunner:
             name: list(registry.entries["model"][name].factory.architectures)
             for name in registry.names("model")
             if isinstance(registry.entries["model"][name].factory, ServesArchitectures)
+            and not registry.entries["model"][name].qualified_only
         }
         for name, names in served.items():
             if any(a in names for a in architectures):

@@ -5,6 +5,7 @@ selected ones."""
 import dataclasses
 import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -32,14 +33,29 @@ class PluginError(LookupError):
     """A plugin could not be found, loaded or built."""
 
 
+BUILTIN_PACKAGE = "inferlab"  # the package whose plugins keep their names when another registers the same
+
+
 @dataclass(frozen=True)
 class PluginEntry:
     kind: str
-    name: str
+    name: str  # what users select: the name it registered, or package:name when it collides (see package)
     factory: Callable[..., Any]
     plugin: str  # the pluggy plugin (entry point) that registered it
     distribution: str  # "name version" of the package providing it, or "" when registered by hand
     options: type | None = None  # the dataclass of the factory's keyword options, its Hydra config node
+    # The package a qualified name `package:name` names: the distribution's name as pip shows it, in
+    # lower case with each run of "-", "_" and "." written "-" (PEP 503), e.g. "inferlab-edf"; for a
+    # plugin registered by hand, the name it was registered under.
+    package: str = ""
+    qualified_only: bool = False  # it collides with another plugin's name: selected as package:name only
+
+
+def package_name(distribution: str, plugin: str) -> str:
+    """The package a plugin's qualified names use (PluginEntry.package)."""
+    if not distribution:
+        return plugin
+    return re.sub(r"[-_.]+", "-", distribution.split(" ", 1)[0]).lower()
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,8 @@ class PluginRegistry:
         self.collisions: dict[tuple[str, str], list[PluginEntry]] = {}
         self._distributions: dict[str, str] = {}
         if load_entry_points:
-            for ep in entry_points(group="inferlab"):
+            # the built-in entry points first, so that theirs are the names another package's collide with
+            for ep in sorted(entry_points(group="inferlab"), key=lambda ep: not _is_builtin(ep)):
                 dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ""
                 try:
                     module = ep.load()
@@ -98,21 +115,27 @@ class PluginRegistry:
                         PluginFailure(ep.name, dist, f"import of {ep.value!r} failed: {type(e).__name__}: {e}")
                     )
                     continue
-                self.register(module, ep.name, dist)
+                # an entry point named like another package's registers under its qualified name
+                name = ep.name if not self.pm.has_plugin(ep.name) else f"{package_name(dist, ep.name)}:{ep.name}"
+                self.register(module, name, dist)
 
     def register(self, plugin: Any, name: str | None = None, distribution: str = "") -> None:
         """Registers a plugin object (module or instance with @hookimpl functions) and collects
         what its hooks register. Use this for plugins that are not installed as packages."""
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         if self.pm.has_plugin(name):
-            raise PluginError(f"a plugin named {name!r} is already registered")
+            owner = self._distributions.get(name) or "registered by hand"
+            raise PluginError(
+                f"a plugin named {name!r} is already registered ({owner}); register this one under another name"
+            )
         try:
             self.pm.register(plugin, name=name)
             self.pm.check_pending()  # a misspelled hook fails loudly
-        except pluggy.PluginValidationError as e:
+        except (pluggy.PluginValidationError, ValueError) as e:  # ValueError: the same object registered twice
             if self.pm.has_plugin(name):
                 self.pm.unregister(name=name)
-            self.failures.append(PluginFailure(name, distribution, f"invalid hook: {e}"))
+            reason = f"invalid hook: {e}" if isinstance(e, pluggy.PluginValidationError) else str(e)
+            self.failures.append(PluginFailure(name, distribution, reason))
             return
         self._distributions[name] = distribution
         for kind, (hook_name, _) in KINDS.items():
@@ -136,18 +159,43 @@ class PluginRegistry:
             if problem:
                 self.failures.append(PluginFailure(plugin_name, distribution, problem))
                 return
-            entry = PluginEntry(kind, entry_name, factory, plugin_name, distribution, options)
+            package = package_name(distribution, plugin_name)
+            entry = PluginEntry(kind, entry_name, factory, plugin_name, distribution, options, package)
             existing = self.entries[kind].get(entry_name)
-            if existing is not None:
-                self.collisions.setdefault((kind, entry_name), [existing]).append(entry)
-                return
-            self.entries[kind][entry_name] = entry
+            if existing is None:
+                self.entries[kind][entry_name] = entry
+            else:
+                self._collide(existing, entry)
 
         try:
             impl.function(register=register)
         except Exception as e:
             self.failures.append(
                 PluginFailure(plugin_name, distribution, f"{impl.function.__name__} raised {type(e).__name__}: {e}")
+            )
+
+    def _collide(self, existing: PluginEntry, entry: PluginEntry) -> None:
+        """Two plugins registered one name: each becomes selectable as package:name too, and the
+        name itself stays the built-in's (inferlab's), when one of them is; otherwise selecting
+        the name is an error that names both (collisions)."""
+        kind, name = entry.kind, entry.name
+        owners = self.collisions.setdefault((kind, name), [existing])
+        owners.append(entry)
+        for owner in (existing, entry):
+            qualified = f"{owner.package}:{name}"
+            if qualified not in self.entries[kind]:
+                self.entries[kind][qualified] = dataclasses.replace(owner, name=qualified, qualified_only=True)
+        builtin = next((e for e in owners if e.package == BUILTIN_PACKAGE), None)
+        if builtin is not None:
+            self.entries[kind][name] = builtin
+            log.warning(
+                "%s %r of %s is also the name of a built-in %s: %r selects the built-in, %r the other",
+                kind,
+                name,
+                entry.distribution or f"plugin {entry.plugin!r}",
+                kind,
+                name,
+                f"{entry.package}:{name}",
             )
 
     def names(self, kind: str) -> list[str]:
@@ -159,23 +207,32 @@ class PluginRegistry:
         config classes. Where two plugins declare one model_type, the first in name order counts."""
         defaults: dict[str, dict] = {}
         for name in self.names("model"):
-            factory = self.entries["model"][name].factory
-            if isinstance(factory, protocols.ConfigDefaults):
+            entry = self.entries["model"][name]
+            factory = entry.factory
+            if isinstance(factory, protocols.ConfigDefaults) and not entry.qualified_only:
                 for model_type, fields in factory.config_defaults.items():
                     defaults.setdefault(model_type, fields)
         return defaults
 
+    def collision_of(self, kind: str, name: str) -> list[PluginEntry] | None:
+        """The plugins that registered this name (bare, or the name in package:name), if more than one did."""
+        return self.collisions.get((kind, name.rsplit(":", 1)[-1]))
+
     def get(self, kind: str, name: str) -> PluginEntry:
         if kind not in KINDS:
             raise PluginError(f"unknown plugin kind {kind!r}; kinds: {sorted(KINDS)}")
-        if (kind, name) in self.collisions:
-            owners = ", ".join(
-                f"{e.plugin} ({e.distribution or 'registered by hand'})" for e in self.collisions[kind, name]
+        owners = self.collisions.get((kind, name))
+        if owners and not any(e.package == BUILTIN_PACKAGE for e in owners):
+            listed = ", ".join(
+                f"{e.distribution or 'registered by hand'} (plugin {e.plugin!r}) as {e.package + ':' + name!r}"
+                for e in owners
             )
-            raise PluginError(
-                f"{kind} {name!r} is registered by more than one plugin: {owners}; uninstall or rename one"
-            )
+            raise PluginError(f"{kind} {name!r} is registered by more than one package: {listed}; select one of those")
         entry = self.entries[kind].get(name)
+        if entry is None and ":" in name:  # package:name of a plugin whose name collides with none
+            package, _, bare = name.rpartition(":")
+            found = self.entries[kind].get(bare)
+            entry = found if found is not None and found.package == package else None
         if entry is None:
             message = f"unknown {kind} {name!r}; available: {self.names(kind)}"
             related = [f for f in self.failures if f.plugin == name or f"{kind} {name!r}" in f.reason]
@@ -216,6 +273,10 @@ class PluginRegistry:
                 f"{kind} {name!r} from plugin {entry.plugin!r} does not satisfy {protocol.__name__}: missing {missing}"
             )
         return obj
+
+
+def _is_builtin(ep) -> bool:
+    return ep.dist is not None and package_name(ep.dist.name, "") == BUILTIN_PACKAGE
 
 
 def options_problem(kind: str, name: str, factory: Callable[..., Any], options: Any) -> str | None:
