@@ -4,8 +4,11 @@ simulated one reads only a config and a tokenizer."""
 
 import json
 import logging
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Real
 from time import perf_counter
 from typing import Any
 
@@ -82,6 +85,7 @@ def load_checkpoint_files(path: str, config_defaults: dict[str, dict]):
         except Exception as e:  # transformers' own validation errors are of several kinds
             raise ValueError(f"{config_file} could not be read as a transformers config: {e}") from e
     check_positive_fields({name: getattr(hf_config, name, None) for name in POSITIVE_CONFIG_FIELDS}, config_file)
+    check_norm_and_rotary_fields(hf_config, config_file)
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"model directory {path!r} has no tokenizer: none of {list(TOKENIZER_FILES)}")
     try:
@@ -146,6 +150,28 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=False)
+
+
+def check_norm_and_rotary_fields(hf_config, config_file: str) -> None:
+    """rms_norm_eps must be a finite number >= 0 and every rope_theta a finite number > 0: a
+    negative epsilon or a zero base loads, then turns every hidden state into NaN (token 0 for ever)."""
+
+    def finite(value) -> bool:
+        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    eps = getattr(hf_config, "rms_norm_eps", None)
+    if eps is not None and not (finite(eps) and eps >= 0):
+        raise ValueError(f"{config_file}: rms_norm_eps must be a finite number >= 0, got {eps!r}")
+    found = [getattr(hf_config, "rope_theta", None)]
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(hf_config, name, None)
+        if isinstance(params, Mapping):  # one dict, or one per layer type
+            found += [params.get("rope_theta")] + [
+                p.get("rope_theta") for p in params.values() if isinstance(p, Mapping)
+            ]
+    for theta in found:
+        if theta is not None and not (finite(theta) and theta > 0):
+            raise ValueError(f"{config_file}: rope_theta must be a finite number > 0, got {theta!r}")
 
 
 def check_positive_fields(fields: dict, config_file: str) -> None:

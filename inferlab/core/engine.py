@@ -107,6 +107,10 @@ def as_token_ids(prompt) -> list[int]:
             return prompt.tolist()
         got = f"a {prompt.ndim}-D NumPy array of {prompt.dtype}"
     elif isinstance(prompt, torch.Tensor):
+        if prompt.is_meta:
+            raise ValueError(
+                "a prompt on the meta device holds no token ids (a tensor's shape only): give one with values"
+            )
         dtype = prompt.dtype
         if prompt.dim() == 1 and not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
             return prompt.tolist()
