@@ -8,7 +8,8 @@ becomes, within seconds, a TensorParallelError naming the rank and why, and ever
 down; so does one that stays silent through a step for longer than the engine's
 tp_step_timeout_s (stopped, or stuck), which a watch thread finds and stops. A Ctrl-C during a
 step takes effect when every rank has finished it (their collectives must meet), so the engine
-stays usable; a second Ctrl-C before then stops at once and shuts the workers down. No shared
+stays usable; a second Ctrl-C before then stops at once and shuts the workers down, even while
+rank 0 waits inside a collective with a stopped worker (InterruptWatch). No shared
 memory is used, and the rendezvous port is picked free by the OS, so any number of engines can
 run at once in one process."""
 
@@ -18,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -200,6 +202,9 @@ class Workers:
         state = "it is stopped (SIGSTOP?)" if process_state(pid) in ("T", "t") else "it is alive but stuck"
         return f"rank {rank} (pid {pid}) {what} within {seconds:g} s: {state}"
 
+    def start_interrupt_watch(self) -> "InterruptWatch":
+        return InterruptWatch(self.processes, self.failures, self.busy_since, self.watch_stops)
+
     def start_hang_watch(self, timeout: float) -> None:
         """A thread that, once a step has run `timeout` seconds, records which ranks are silent and
         kills them: rank 0, blocked in a collective with them, then fails at once and reports them.
@@ -353,6 +358,69 @@ def watch_for_hangs(
     stop.close()
 
 
+class InterruptWatch:
+    """A second Ctrl-C during a step that stops at once, also while rank 0's main thread waits
+    inside a collective (a worker stopped with SIGSTOP, say), where Python runs no signal handler
+    until the collective returns. While a step runs in the main thread, the interpreter's C-level
+    handler also writes each signal's number to a pipe (signal.set_wakeup_fd) that a thread reads;
+    at the second SIGINT of one step it kills the workers, so that the collective fails now and
+    the Ctrl-C is raised. The wakeup fd in place before is put back after each step, and gets the
+    bytes meanwhile."""
+
+    def __init__(self, processes, failures: dict[int, str], busy_since: list[float | None], stops: list):
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        stop_reader, stop_writer = mp.Pipe(duplex=False)
+        stops.append(stop_writer)  # closed when the workers shut down: the thread then ends
+        self.previous: list[int] = [-1]  # the wakeup fd a step's watch replaced
+        threading.Thread(
+            target=watch_for_interrupts,
+            name="inferlab-tp-interrupt-watch",
+            daemon=True,
+            args=(self.read_fd, self.write_fd, stop_reader, processes, failures, busy_since, self.previous),
+        ).start()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous[0] = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(self.previous[0])
+            self.previous[0] = -1
+
+
+def watch_for_interrupts(
+    read_fd: int, write_fd: int, stop: Connection, processes, failures, busy_since, previous
+) -> None:
+    counted_step, count = None, 0
+    while True:
+        ready, _, _ = select.select([read_fd, stop], [], [])
+        if stop in ready:
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        data = os.read(read_fd, 512)
+        if previous[0] != -1:
+            try:
+                os.write(previous[0], data)
+            except OSError:
+                pass
+        step = busy_since[0]
+        if step is None:
+            continue
+        if step != counted_step:
+            counted_step, count = step, 0
+        count += data.count(signal.SIGINT)
+        if count >= 2:
+            for rank, process in enumerate(processes, 1):
+                failures.setdefault(
+                    rank, f"rank {rank} (pid {process.pid}) was stopped by a second Ctrl-C during a step"
+                )
+                process.kill()
+            counted_step, count = None, 0
+
+
 def watch_for_deaths(sentinels: list[int], stop: Connection, group) -> None:
     """On CUDA rank 0 waits for a step on the GPU, where a collective with a dead peer spins until
     the NCCL timeout: abort the communicator as soon as a worker dies, so the step fails now."""
@@ -421,6 +489,7 @@ class TensorParallelRunner:
         if backend == "nccl":
             self.workers.start_watchdog(self.group)
         self.workers.start_hang_watch(self.step_timeout)
+        self.interrupt_watch = self.workers.start_interrupt_watch()
         log.info("tensor parallelism: %d ranks over %s, workers %s", size, backend, self.workers.pids)
 
     def _join_group(self, backend: str, size: int):
@@ -464,7 +533,7 @@ class TensorParallelRunner:
         if self.closed_because:
             raise TensorParallelError(f"this tensor-parallel engine is shut down: {self.closed_because}")
         busy_since = self.workers.busy_since
-        with DEFERRED:
+        with DEFERRED, self.interrupt_watch:
             try:
                 busy_since[0] = time.monotonic()
                 step = self.model_runner.prepare_inputs(batch)
@@ -532,7 +601,8 @@ class TensorParallelStep:
         busy_since = self.runner.workers.busy_since
         try:
             busy_since[0] = time.monotonic()
-            tokens = self.handle.tokens()
+            with self.runner.interrupt_watch:
+                tokens = self.handle.tokens()
             self.runner.workers.check_alive()
             busy_since[0] = None
         except KeyboardInterrupt:
