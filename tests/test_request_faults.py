@@ -198,3 +198,36 @@ def test_a_free_that_raises_once_is_reported_and_leaks_nothing(path, reference, 
         assert [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
         llm.step()
         assert_books_clean(llm)
+
+
+class PickyChunks:
+    """A BudgetPolicy whose chunk_size and preemption_victim fail on a request marked "bad"."""
+
+    def admission_order(self, waiting, state):
+        return waiting
+
+    def preemption_victim(self, running, state):
+        return max(running, key=lambda view: (int(view.metadata.get("weight", 0)), view.arrival_time))
+
+    def token_budget(self, state):
+        return 24
+
+    def chunk_size(self, request, budget_left):
+        return int(request.metadata.get("chunk", 8))
+
+
+def test_a_request_whose_fields_break_chunk_size_or_the_victim_choice_fails_alone(path, plugin_module):
+    registry = registry_with(plugin_module, "picky", PickyChunks)
+    long = [[(7 * i + j) % 300 + 3 for j in range(40)] for i in range(4)]
+    with LLM(path, **SETTINGS) as llm:
+        expected = [o["token_ids"] for o in llm.generate(long, GREEDY, use_tqdm=False)]
+    # few blocks: running requests must be preempted, and the victim choice meets the bad weight
+    with LLM(path, registry=registry, scheduler="picky", **{**SETTINGS, "num_kvcache_blocks": 7}) as llm:
+        metadata = [{}, {"chunk": "big"}, {}, {"weight": "heavy"}]
+        outputs = llm.generate(long, GREEDY, use_tqdm=False, metadata=metadata)
+        assert outputs[1]["finish_reason"] == "error" and "its chunk_size raised ValueError" in outputs[1]["error"]
+        assert (
+            outputs[3]["finish_reason"] == "error" and "its preemption_victim raised ValueError" in outputs[3]["error"]
+        )
+        assert [outputs[0]["token_ids"], outputs[2]["token_ids"]] == [expected[0], expected[2]]
+        assert_books_clean(llm)

@@ -152,7 +152,13 @@ class Scheduler:
         to_free, ended = [*self.to_free, request], [*self.ended, request] if report else self.ended
         request.finish_reason, request.finish_time = reason, self.clock()  # read only once it is finished
         # One assignment on one line (no line event between its stores): all of it happens, or none.
-        request.status, request.reported, self.to_free, self.ended = FINISHED, report, to_free, ended
+        request.status, request.reported, request.num_computed_tokens, self.to_free, self.ended = (
+            FINISHED,
+            report,
+            0,
+            to_free,
+            ended,
+        )
         if request in queue:  # absent only when the call that added it was cut short
             queue.remove(request)
         if queue is self.waiting:
@@ -170,8 +176,10 @@ class Scheduler:
     def settle(self) -> None:
         """Puts the books right after a call was cut short: every request in the one queue its
         status names (running in admission order, then those admitted last; preempted ones at the
-        front of the waiting queue), a running request's progress short of its tokens, a waiting
-        one holding no blocks, one that reached its end finished; then frees what it can."""
+        front of the waiting queue), a running request's progress short of its tokens (its last
+        one is computed again), one at its max_tokens or max_model_len finished, a waiting one
+        holding no blocks; then frees what it can. A step's tokens left unresolved are the
+        caller's to resolve again (resolve is re-entrant, and reports what finished)."""
         running = dict.fromkeys(r for r in (*self.running, *self.waiting) if r.status is RUNNING)
         preempted = [r for r in reversed(self.running) if r.status is WAITING]
         waiting = dict.fromkeys(r for r in (*preempted, *self.waiting) if r.status is WAITING)
@@ -183,9 +191,11 @@ class Scheduler:
             if self.kv.block_table(request) and request not in self.to_free:
                 self.to_free = [*self.to_free, request]  # admitted, then cut short before it ran
         self.running, self.waiting, self._waiting_views = list(running), deque(waiting), None
-        for request in self.running:
+        for request in list(self.running):
             if request.num_computed_tokens >= len(request.token_ids):  # its K/V is there, its sample was lost
                 request.num_computed_tokens = len(request.token_ids) - 1
+            if self._reached_length(request):  # advance was cut short before it finished it; resolve reports it
+                self._finish(request, "length")
         self.release()
 
     # -- asking the policy --------------------------------------------------------------------
@@ -311,8 +321,12 @@ class Scheduler:
                     raise _CannotTell
                 return self.policy.chunk_size(request.view, budget)
 
-            chunk = self._ask("chunk_size", [request], chunk_size, step)
-            if request in step.blamed:
+            try:
+                chunk = self._ask("chunk_size", [request], chunk_size, step)
+            except PolicyError as e:
+                if e.__cause__ is None:
+                    raise
+                step.blame(request, self._blame_message("chunk_size", request, e.__cause__))
                 return 0
             if not isinstance(chunk, int) or chunk < 1:
                 raise PolicyError(
@@ -321,8 +335,9 @@ class Scheduler:
             num_tokens = min(num_tokens, chunk)
         return num_tokens
 
-    def _victim(self, step: "_Step") -> Request:
-        """The running request the policy preempts when blocks run out."""
+    def _victim(self, step: "_Step") -> Request | None:
+        """The running request the policy preempts when blocks run out; None when every running
+        request has been blamed for the policy's failures."""
 
         def preemption_victim(out: frozenset):
             running = tuple(r.view for r in self.running if r not in out)
@@ -330,9 +345,19 @@ class Scheduler:
                 raise _CannotTell
             return self.policy.preemption_victim(running, step.state(out))
 
-        return self._own(
-            self._ask("preemption_victim", self.running, preemption_victim, step), RUNNING, "preemption_victim"
-        )
+        while True:
+            try:
+                choice = self._ask("preemption_victim", self.running, preemption_victim, step)
+                return self._own(choice, RUNNING, "preemption_victim")
+            except PolicyError as e:
+                suspects = [r for r in self.running if r not in step.blamed]
+                if e.__cause__ is None or not suspects:
+                    raise
+                # it fails with any one of them: the newest is blamed, the choice made among the rest
+                newest = max(suspects, key=REQUEST_ID)
+                step.blame(newest, self._blame_message("preemption_victim", newest, e.__cause__))
+                if len(suspects) == 1:
+                    return None
 
     def _continue_running(self, step: "_Step") -> None:
         # The hot loop of every decode step: one pass over the running requests, in admission order.
@@ -350,7 +375,7 @@ class Scheduler:
                 continue
             while not allocate(request, num_tokens):
                 victim = self._victim(step)
-                if request in step.blamed:
+                if victim is None or request in step.blamed:
                     break
                 position = running.index(victim)
                 self._preempt(victim, step)
@@ -530,7 +555,9 @@ class Scheduler:
                 token_ids = request.token_ids
                 appended.append((request, row, len(token_ids)))
                 token_ids.append(token)
-                if self._reached_length(request):
+                if len(token_ids) - request.num_prompt_tokens >= request.params.max_tokens or (
+                    request.max_model_len is not None and len(token_ids) >= request.max_model_len
+                ):
                     self._finish(request, "length")  # reported by resolve, once its token is known
             self._commit(batch)
             self.release()
@@ -565,15 +592,18 @@ class Scheduler:
                 token_ids = request.token_ids
                 if position >= len(token_ids) or len(request.token_times) > position - request.num_prompt_tokens:
                     continue  # not appended after all (advance was cut short), or resolved already
-                token_ids[position] = tokens[row]
-                if self._stops(request, position):
+                token = token_ids[position] = tokens[row]
+                params = request.params
+                if (
+                    (token == request.eos_token_id and not params.ignore_eos)
+                    or (params.stop_token_ids and token in params.stop_token_ids)
+                    or (params.stop and self._hits_stop_string(request, position))
+                ):
                     reason = "stop" if request.error is None else "error"
                     if request.status is not FINISHED:
                         self._finish(request, reason)
                     elif request.finish_reason == "length":  # the token decides, as when it was known at once
                         request.finish_reason = reason
-                elif request.status is RUNNING and self._reached_length(request):
-                    self._finish(request, "length")  # advance was cut short before it did
                 if request.status is FINISHED and not request.reported:
                     request.reported, self.ended = True, [*self.ended, request]  # one line: all or none
                     finished.append(request)
@@ -590,24 +620,15 @@ class Scheduler:
             request.max_model_len is not None and len(request.token_ids) >= request.max_model_len
         )
 
-    def _stops(self, request: Request, position: int) -> bool:
-        """Whether the request's token at position ends it: EOS (unless ignore_eos), a stop token
-        id, or text completing a stop string (its text stream decodes the tokens since the last
-        point where the text was known, however many tokens a stop string spans; tokens it has
-        seen already are not pushed again). True too when the tokens cannot be decoded, with
-        request.error saying why: that request fails alone, the others go on."""
-        token, params = request.token_ids[position], request.params
-        if (token == request.eos_token_id and not params.ignore_eos) or (
-            params.stop_token_ids and token in params.stop_token_ids
-        ):
-            return True
-        if not params.stop:
-            return False
+    def _hits_stop_string(self, request: Request, position: int) -> bool:
+        """Whether the text of the request's tokens up to position completes a stop string: its
+        text stream decodes the tokens since the last point where the text was known, however many
+        tokens a stop string spans (tokens it has seen already are not pushed again). True too when
+        the tokens cannot be decoded, with request.error saying why: that request fails alone."""
         stream = request.stop_text
         if stream is None:
-            stream = request.stop_text = TextStream(
-                self.decode, request.token_ids[: request.num_prompt_tokens], params.stop
-            )
+            prompt = request.token_ids[: request.num_prompt_tokens]
+            stream = request.stop_text = TextStream(self.decode, prompt, request.params.stop)
         first = request.num_prompt_tokens + stream.num_tokens
         try:
             return stream.push(request.token_ids[first : position + 1])[1]
