@@ -235,7 +235,10 @@ def one_line(error: Exception) -> str:
         listing = False
         for line in text.split("Config search path:")[0].splitlines():
             line = line.strip().rstrip(".")
-            if not line or line.startswith(("full_key:", "reference_type=", "object_type=", "To append")):
+            if line.startswith("object_type=") and segments:  # the config node: a plugin's options class, say
+                segments[-1] += f" ({line.removeprefix('object_type=')})"
+                continue
+            if not line or line.startswith(("full_key:", "reference_type=", "To append")):
                 continue
             if listing and " " not in line:
                 segments[-1] += (" " if segments[-1].endswith(":") else ", ") + line

@@ -94,9 +94,12 @@ def test_a_generate_job_whose_requests_fail_fails_alone_in_a_sweep(tmp_path):
         (
             ["engine.max_num_seqs=abc"],
             "inferlab: Error merging override engine.max_num_seqs=abc: Value 'abc' of type 'str' could not be "
-            "converted to Integer",
+            "converted to Integer (EngineSettings)",
         ),
-        (["engine.nothing=1"], "inferlab: Could not override 'engine.nothing': Key 'nothing' not in 'EngineSettings'"),
+        (
+            ["engine.nothing=1"],
+            "inferlab: Could not override 'engine.nothing': Key 'nothing' not in 'EngineSettings' (EngineSettings)",
+        ),
         (
             ["scheduler=nope"],
             "inferlab: In 'config': Could not find 'scheduler/nope'; Available options in 'scheduler': fcfs, lpm, "
@@ -105,7 +108,7 @@ def test_a_generate_job_whose_requests_fail_fails_alone_in_a_sweep(tmp_path):
         (
             ["-m", "engine.max_num_seqs=1,abc"],  # a sweep: refused before any job runs
             "inferlab: Error merging override engine.max_num_seqs=abc: Value 'abc' of type 'str' could not be "
-            "converted to Integer",
+            "converted to Integer (EngineSettings)",
         ),
     ],
     ids=["bad-type", "unknown-key", "unknown-option", "bad-sweep-value"],

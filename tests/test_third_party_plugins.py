@@ -129,10 +129,13 @@ def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
 
 def test_cli_checks_their_parameters(site, tmp_path):
     proc = run(["inferlab", "scheduler=sjf", "scheduler.include_prompt=maybe"], tmp_path, site, check=False)
-    assert proc.returncode == 1
-    assert "Value 'maybe' is not a valid bool" in proc.stderr and "object_type=SJFOptions" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "inferlab: Error merging override scheduler.include_prompt=maybe: Value 'maybe' is not a valid bool "
+        "(type str) (SJFOptions)"
+    ]
     proc = run(["inferlab", "sampler=ban", "sampler.tokens=[1]"], tmp_path, site, check=False)
-    assert proc.returncode == 1 and "Key 'tokens' not in 'BanOptions'" in proc.stderr
+    assert proc.returncode == 2 and "Key 'tokens' not in 'BanOptions'" in proc.stderr
 
 
 @pytest.fixture
