@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from inferlab.report import main as report_main
+from inferlab.experiment.report import main as report_main
 
 ENGINE = [
     "engine.device=cpu",
