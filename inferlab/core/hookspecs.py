@@ -34,7 +34,8 @@ def register_schedulers(register):
     scheduler carries its decisions out. Called once when the plugin registry loads.
     Optional capabilities of the policy: PreemptivePolicy (a waiting request displaces a
     running one), BudgetPolicy (the step's token budget and chunk sizes), ObservingPolicy (sees each
-    step's work)."""
+    step's work), ReadsMetadata (the metadata fields it reads, with their types, checked when a
+    request is added)."""
 
 
 @hookspec
