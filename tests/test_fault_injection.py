@@ -18,8 +18,9 @@ queue as its status says, every KV block is held by a pending request or listed 
 (Scheduler.to_free), and the engine serves on with the same tokens.
 
 By default each line is interrupted at its first occurrence in the run (all the lines, about two
-minutes), and every third of those lines raises an exception; the `slow` variant raises at each
-line's first occurrence; FAULT_INJECTION=all does every occurrence (about an hour).
+minutes), and every third of those lines raises an exception; FAULT_INJECTION=lines also runs the
+`slow` variant, which raises at each line's first occurrence; FAULT_INJECTION=all does every
+occurrence of every line (about an hour).
 """
 
 import gc
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TRACED = {module.__file__ for module in (engine, scheduler, paged)}
 BOOKKEEPING = {module.__file__ for module in (engine, scheduler)}  # exceptions: the core's own lines
 EVERY_OCCURRENCE = os.environ.get("FAULT_INJECTION") == "all"
+EVERY_LINE = os.environ.get("FAULT_INJECTION") in ("lines", "all")
 # Garbage-collector settings around a call, not the engine's books: their cleanup lines (gc.unfreeze)
 # cannot raise, and an exception injected there would only skip them.
 GC_BLOCKS = {"older_objects_frozen", "rarer_young_collections"}
@@ -274,10 +276,12 @@ def test_exception_at_lines_of_a_step_loop(path, overlap, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not EVERY_LINE, reason="FAULT_INJECTION=lines (or all) raises at every line")
 def test_exception_at_every_line_of_generate(path, overlap, reference):
     check_generate(path, overlap, reference, "exception")
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not EVERY_LINE, reason="FAULT_INJECTION=lines (or all) raises at every line")
 def test_exception_at_every_line_of_a_step_loop(path, overlap, reference):
     check_step_loop(path, overlap, reference, "exception")
