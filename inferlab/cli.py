@@ -63,7 +63,7 @@ def main() -> None:
     registry = get_registry()
     store_configs(registry)
     explain_unknown_choices(sys.argv[1:], registry)
-    refuse_config_errors(sys.argv[1:], registry)
+    refuse_config_errors(sys.argv[1:])
     SweepFailures.failed = []
     run()
     if SweepFailures.failed:
@@ -192,17 +192,17 @@ def explain_unknown_choices(args: list[str], registry: PluginRegistry) -> None:
                     )
 
 
-def refuse_config_errors(args: list[str], registry: PluginRegistry) -> None:
-    """Composes the config each job of the command line would run, before any runs, and prints
-    the first that Hydra cannot compose as one line (the override and why), exiting with status
-    2: Hydra's own report spans several lines with a hint. HYDRA_FULL_ERROR=1 leaves it to Hydra."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+def refuse_config_errors(args: list[str]) -> None:
+    """Composes the config of the command line's first job, and of one job for each other value
+    a sweep gives a setting (the rest as in the first), before any runs, and prints the first
+    that Hydra cannot compose as one line (the override and why), exiting with status 2: Hydra's
+    own report spans several lines with a hint, and a sweep used to meet it only at that job.
+    HYDRA_FULL_ERROR=1 leaves it to Hydra. store_configs must have run."""
+    from hydra import compose, initialize_config_module
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from inferlab.conf import compose
 
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return
@@ -211,19 +211,24 @@ def refuse_config_errors(args: list[str], registry: PluginRegistry) -> None:
         return
     overrides = [o for o in parsed.overrides if not o.lstrip("+~").startswith("hydra")]
     try:
-        jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
+        swept = []
+        for override in OverridesParser.create().parse_overrides(overrides):
+            key = override.get_key_element()
+            values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [None]
+            swept.append([override.input_line if value is None else f"{key}={value}" for value in values])
+        first = [values[0] for values in swept]
+        jobs = [first] + [
+            first[:i] + [value] + first[i + 1 :] for i, values in enumerate(swept) for value in values[1:]
+        ]
+        with initialize_config_module("inferlab.conf", version_base="1.3"):
+            for job in jobs[:MAX_JOBS_CHECKED]:
+                compose("config", overrides=job)
     except (HydraException, OmegaConfBaseException) as e:
-        fail_with(one_line(e))
-    for job in jobs if len(jobs) <= MAX_JOBS_CHECKED else jobs[:1]:
-        try:
-            compose(job, registry)
-        except (HydraException, OmegaConfBaseException) as e:
-            fail_with(one_line(e))
-        except (ValueError, TypeError, LookupError):
-            return  # a setting the job itself explains (bench settings): it says so when it runs
+        print(f"inferlab: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
-MAX_JOBS_CHECKED = 64  # a larger sweep has its first job's config checked before it starts
+MAX_JOBS_CHECKED = 16  # composing one takes a fraction of a second
 
 
 def one_line(error: Exception) -> str:
@@ -248,8 +253,3 @@ def one_line(error: Exception) -> str:
         if segments:
             parts.append("; ".join(segments))
     return ": ".join(parts)
-
-
-def fail_with(message: str) -> None:
-    print(f"inferlab: {message}", file=sys.stderr)
-    sys.exit(2)
