@@ -242,10 +242,18 @@ def test_connections_past_the_limit_get_503_and_normal_requests_come_back(engine
         assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_shutdown_answers_503_on_an_idle_kept_alive_connection_and_ends_in_time(engine):
+@pytest.fixture(scope="module")
+def long_engine(one_torch_thread):
+    """Room for a stream that outlasts the shutdown's drain."""
+    with LLM(**{**SETTINGS, "max_model_len": 4096}) as llm:
+        yield llm
+
+
+def test_shutdown_answers_503_on_an_idle_kept_alive_connection_and_ends_in_time(long_engine):
     """During the drain (a stream in flight), a request on a connection kept alive from before
     gets 503 (it used to find the connection closed); a client half way through sending a body
     does not hold the shutdown past serve.shutdown_timeout_s (it used to add 10 s more)."""
+    engine = long_engine
     server = serving(engine, shutdown_timeout_s=2.0, body_timeout_s=60.0).start()
     events: list = []
     stream = threading.Thread(
@@ -253,7 +261,7 @@ def test_shutdown_answers_503_on_an_idle_kept_alive_connection_and_ends_in_time(
             asyncio.run(
                 stream_until_done(
                     httpx.AsyncClient(base_url=server.url, timeout=60),
-                    {"prompt": [5, 6], "max_tokens": 200, "ignore_eos": True},
+                    {"prompt": [5, 6], "max_tokens": 4000, "ignore_eos": True},
                 )
             )
         )
@@ -277,11 +285,12 @@ def test_shutdown_answers_503_on_an_idle_kept_alive_connection_and_ends_in_time(
     assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "abort"
 
 
-def test_a_second_signal_stops_at_once(engine):
+def test_a_second_signal_stops_at_once(long_engine):
+    engine = long_engine
     server = serving(engine, shutdown_timeout_s=30.0).start()
     done = threading.Thread(
         target=lambda: httpx.post(
-            f"{server.url}/v1/completions", json={"prompt": [5], "max_tokens": 200, "ignore_eos": True}, timeout=60
+            f"{server.url}/v1/completions", json={"prompt": [5], "max_tokens": 4000, "ignore_eos": True}, timeout=60
         )
     )
     done.start()
