@@ -14,7 +14,8 @@ import textwrap
 import kernel_variants
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELPERS = os.path.join(TESTS, "helpers")  # kernel_variants, loaded by the subprocesses below
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -36,9 +37,11 @@ def test_every_kernel_variant_the_cpu_tests_reach_compiles_for_sm90(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("with a GPU the kernel tests compile every variant themselves")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HELPERS, os.environ.get("PYTHONPATH", "")])}
     recording = {**env, "TRITON_INTERPRET": "1", "INFERLAB_KERNEL_LAUNCHES": str(tmp_path / "tests.pkl")}
-    tests = [os.path.join(TESTS, name) for name in ("test_triton_attention.py", "test_model_kernels.py")]
+    tests = [
+        os.path.join(TESTS, name) for name in ("plugins/test_triton_attention.py", "kernels/test_model_kernels.py")
+    ]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "kernel_variants", "-p", "no:cacheprovider", *tests]
         + ["-k", "not generate"],
@@ -62,7 +65,7 @@ def test_every_kernel_variant_the_cpu_tests_reach_compiles_for_sm90(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            os.path.join(TESTS, "kernel_variants.py"),
+            os.path.join(HELPERS, "kernel_variants.py"),
             str(tmp_path / "tests.pkl"),
             str(tmp_path / "sampling.pkl"),
         ],

@@ -6,7 +6,7 @@ mid-generation, reported by rank within seconds, after which a new engine runs o
 a worker stopped (SIGSTOP), named within tp_step_timeout_s; and Ctrl-C, after which both ranks
 serve on.
 
-Run: python -m pytest -m gpu -rP tests/test_gpu_tp.py (-rP prints the measured logit errors)."""
+Run: python -m pytest -m gpu -rP tests/core/test_gpu_tp.py (-rP prints the measured logit errors)."""
 
 import gc
 import importlib.util

@@ -19,7 +19,7 @@ from inferlab.experiment.latency import latency_figures
 from inferlab.experiment.traces import MOONCAKE_BLOCK_SIZE
 from inferlab.experiment.workload import WorkloadRequest, build_workload
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=256)
 DISTRIBUTIONS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")

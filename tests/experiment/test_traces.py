@@ -22,7 +22,7 @@ from inferlab.experiment.traces import (
 )
 from inferlab.experiment.workload import build_workload
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")
 AZURE = os.path.join(DATA, "azure_llm_inference_tiny.csv")
 

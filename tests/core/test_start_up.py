@@ -1,6 +1,6 @@
 """Start-up work that keeps compiling out of a user's first generate: the step shapes the engine
 runs at start-up (compile_at_start) and what running them leaves behind. On a GPU,
-tests/test_gpu.py checks that a varied workload then compiles nothing."""
+tests/core/test_gpu.py checks that a varied workload then compiles nothing."""
 
 import contextlib
 import sys

@@ -1,5 +1,5 @@
 """On one CUDA GPU: the tensor-parallel process group as the engine builds it, with the NCCL backend
-and a single rank (tests/test_gpu_tp.py runs two ranks on two GPUs; CPU tests cover two ranks)."""
+and a single rank (tests/core/test_gpu_tp.py runs two ranks on two GPUs; CPU tests cover two ranks)."""
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ the rotary-only one): teacher-forced logits on prefill (chunked, with a cached p
 (ragged, padded graph batches), free greedy generations, the fp8 cache; then, on Qwen3,
 attention=auto's choice and the KV cache sized from GPU memory.
 
-Run: python -m pytest -m gpu -rP tests/test_gpu.py (-rP prints the measured logit errors)."""
+Run: python -m pytest -m gpu -rP tests/core/test_gpu.py (-rP prints the measured logit errors)."""
 
 import gc
 import importlib.util

@@ -16,7 +16,7 @@ import pytest
 from inferlab import LLM, SamplingParams
 from inferlab.core import plugins
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 EXAMPLE_PACKAGES = ("sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler")
 

@@ -2,7 +2,7 @@
 
 HYPOTHESIS_PROFILE picks one (default "ci"):
   ci    quick and derandomized, so CI is repeatable and stays within its time budget
-  long  thorough local runs:  HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_*properties.py tests/test_engine_fuzz.py
+  long  thorough local runs:  HYPOTHESIS_PROFILE=long python -m pytest -q tests/plugins/test_kv_cache_properties.py tests/core/test_engine_fuzz.py
 """
 
 import os

@@ -17,7 +17,7 @@ from inferlab.conf import BenchConfig, compose
 from inferlab.conf.bench import BenchConfigError, validate_bench
 from inferlab.experiment.workload import arrival_times, build_workload, fit_lengths
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")
 
 

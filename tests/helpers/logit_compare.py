@@ -1,5 +1,5 @@
-"""Comparing two engines' bfloat16 outputs on a GPU (tests/test_gpu.py: a backend against the torch
-backend; tests/test_gpu_tp.py: two ranks against one): a workload, a sampler that records logits
+"""Comparing two engines' bfloat16 outputs on a GPU (tests/core/test_gpu.py: a backend against the torch
+backend; tests/core/test_gpu_tp.py: two ranks against one): a workload, a sampler that records logits
 and can force tokens, the logits' distance, and greedy runs that may part only at a near-tie."""
 
 import torch
