@@ -352,7 +352,8 @@ def test_a_real_time_simulation_takes_the_hand_computations_time_on_this_hosts_c
             clock.advance_to(begin + 0.05)
         cpu, elapsed = time.thread_time() - cpu, perf_counter() - begin
         assert elapsed >= 0.05
-        assert (cpu > 0.025) if busy else (cpu < 0.02), (busy, cpu)
+        # the sleep takes next to no CPU; the busy loop all it is given, a share of a loaded machine's cores
+        assert (cpu > 0.005) if busy else (cpu < 0.002), (busy, cpu)
 
 
 def test_capacity_comes_from_the_profile_or_the_setting(tmp_path):
@@ -754,7 +755,7 @@ def test_a_simulated_request_arriving_mid_step_waits_as_on_the_device(overlap):
     from inferlab.experiment.workload import WorkloadRequest
 
     options = {} if overlap else {"overlap_scheduling": False}
-    sim = LLM(executor="simulated", executor_options={"profile": "roofline"}, **options)
+    sim = LLM(executor="simulated", executor_options={"profile": "roofline"}, num_kvcache_blocks=64, **options)
     assert sim.overlap is overlap
     sim.runner.cost_model = lambda shape: 0.01
     sim.runner.profile.admission_s_per_request = sim.runner.profile.admission_s_per_token = 0.0
