@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random checkpoints of each architecture (built once per session per
 shape), the Hugging Face reference for greedy decoding, plugins registered by hand, and one torch
-thread for modules that run many engine steps."""
+thread for the whole run; and which tests `-m slow` runs beside those marked in their files."""
 
 import json
 import os
@@ -133,11 +133,36 @@ def plugin_module():
     return build
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
-    """Tiny models run fastest on one thread, and OpenMP threads that spin-wait on a loaded
-    machine make each step 30x slower."""
-    num_threads = torch.get_num_threads()
+    """Every test, and the processes tests start, on one torch thread: tiny models run fastest
+    so, and OpenMP threads that spin-wait on a loaded machine make each step 30x slower."""
+    num_threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     yield
     torch.set_num_threads(num_threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+
+
+# Heavy tests of files that others are editing at the same time, marked here so that those files
+# stay as they are (other heavy tests carry @pytest.mark.slow themselves): a file, or one test.
+SLOW = (
+    "tests/core/test_fault_injection.py",  # Ctrl-C at every line, four times over
+    "tests/server/test_server_shutdown.py::test_a_signal_ends_every_stream_with_a_final_event_and_exits_0[2]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    collected = {item.nodeid for item in items} | {item.nodeid.split("::")[0] for item in items}
+    files = {nodeid.split("::")[0] for nodeid in collected}
+    missing = [nodeid for nodeid in SLOW if nodeid.split("::")[0] in files and nodeid not in collected]
+    if missing:  # a test renamed or gone: say so rather than run it in the wrong run
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that are not there: {missing}")
+    for item in items:
+        if item.nodeid in SLOW or item.nodeid.split("::")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -42,6 +42,7 @@ def test_a_user_error_prints_its_message_alone(tmp_path, args, message):
     assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_hydra_full_error_shows_the_traceback(tmp_path):
     proc = inferlab([*TINY, "model.path=/nowhere/at/all"], tmp_path, HYDRA_FULL_ERROR="1")
     assert proc.returncode == 1  # Hydra's own report
@@ -51,6 +52,7 @@ def test_hydra_full_error_shows_the_traceback(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_failed_requests_are_printed_and_fail_the_command(tmp_path):
     """One KV block of 16 tokens cannot hold any of the default prompts: each is printed with why."""
     proc = inferlab([*TINY, "engine.num_kvcache_blocks=1"], tmp_path)
@@ -64,6 +66,7 @@ def test_failed_requests_are_printed_and_fail_the_command(tmp_path):
     assert ok.returncode == 0 and " -> error" not in ok.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_with_a_one_line_message(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "inferlab", *TINY, "generate.max_tokens=4000", "generate.ignore_eos=true"],

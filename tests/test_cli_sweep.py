@@ -145,6 +145,7 @@ def test_report_of_an_empty_dir_says_so(tmp_path, capsys):
     assert "no result.json under" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sweep_over_triton_under_the_interpreter(tmp_path, checkpoint):
     inferlab(
         [

@@ -25,6 +25,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_then_report(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(

@@ -60,6 +60,7 @@ def test_custom_code_is_refused_from_the_api(custom_code_model):
     assert not mark.exists()
 
 
+@pytest.mark.slow
 def test_custom_code_is_refused_from_the_command_line_even_when_stdin_says_yes(custom_code_model, tmp_path):
     """transformers asks "Do you wish to run the custom code? [y/N]" when trust_remote_code is left
     unset: the engine always sets it to False, so a piped "y" is never read."""

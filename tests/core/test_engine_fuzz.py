@@ -9,7 +9,7 @@ import pytest
 from engine_books import assert_books_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis_profiles import ENGINE_EXAMPLES
+from hypothesis_profiles import ENGINE_EXAMPLES, QUICK_ENGINE_EXAMPLES, quick_and_thorough
 
 from inferlab import LLM, SamplingParams
 
@@ -60,44 +60,41 @@ def path(checkpoint):
     return checkpoint()
 
 
-SEEN = Counter()  # across all examples: proof that the interesting paths were taken
+@pytest.mark.parametrize("examples", quick_and_thorough(QUICK_ENGINE_EXAMPLES, ENGINE_EXAMPLES))
+def test_engine_fuzz(path, examples):
+    seen = Counter()  # across all examples: proof that the interesting paths were taken
 
+    @settings(max_examples=examples)
+    @given(workload=workloads(), first=budgets, second=budgets, order_seed=st.randoms(use_true_random=False))
+    def engines_agree(workload, first, second, order_seed):
+        max_model_len, prompts, params = workload
+        engine_a = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=max_model_len, **first)
+        engine_b = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=max_model_len, **second)
+        out_a = engine_a.generate(prompts, params, use_tqdm=False)
+        assert_books_clean(engine_a)
+        out_b = engine_b.generate(prompts, params, use_tqdm=False)
+        assert_books_clean(engine_b)
+        for i, (a, b) in enumerate(zip(out_a, out_b)):
+            most_tokens = max(len(prompts[i]), min(len(prompts[i]) + params[i].max_tokens, max_model_len) - 1)
+            for out, engine in ((a, engine_a), (b, engine_b)):
+                assert (out["finish_reason"] == "error") == (-(-most_tokens // BLOCK) > engine.kv_manager.num_blocks)
+                if out["finish_reason"] != "error":
+                    assert 1 <= len(out["token_ids"]) <= params[i].max_tokens
+            if "error" not in a and "error" not in b:  # same seeds (unseeded ones drawn in order), same tokens
+                assert a["token_ids"] == b["token_ids"], f"request {i} differs between budgets {first} and {second}"
+                seen["compared"] += 1
+            seen["error"] += ("error" in a) + ("error" in b)
+        seen["preempted"] += engine_a.scheduler.num_preemptions + engine_b.scheduler.num_preemptions > 0
+        # again on the warm engine, in another order: requests with a seed (or greedy) repeat exactly
+        order = list(range(len(prompts)))
+        order_seed.shuffle(order)
+        again = engine_a.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
+        assert_books_clean(engine_a)
+        for j, i in enumerate(order):
+            if params[i].seed is not None or params[i].temperature == 0:
+                assert again[j]["token_ids"] == out_a[i]["token_ids"], f"request {i} differs on a rerun"
+        assert engine_a.stats.num_preemptions == engine_a.scheduler.num_preemptions
 
-@settings(max_examples=ENGINE_EXAMPLES)
-@given(workload=workloads(), first=budgets, second=budgets, order_seed=st.randoms(use_true_random=False))
-def test_engine_fuzz(path, workload, first, second, order_seed):
-    max_model_len, prompts, params = workload
-    engine_a = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=max_model_len, **first)
-    engine_b = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=max_model_len, **second)
-    out_a = engine_a.generate(prompts, params, use_tqdm=False)
-    assert_books_clean(engine_a)
-    out_b = engine_b.generate(prompts, params, use_tqdm=False)
-    assert_books_clean(engine_b)
-    for i, (a, b) in enumerate(zip(out_a, out_b)):
-        most_tokens = max(len(prompts[i]), min(len(prompts[i]) + params[i].max_tokens, max_model_len) - 1)
-        for out, engine in ((a, engine_a), (b, engine_b)):
-            assert (out["finish_reason"] == "error") == (-(-most_tokens // BLOCK) > engine.kv_manager.num_blocks)
-            if out["finish_reason"] != "error":
-                assert 1 <= len(out["token_ids"]) <= params[i].max_tokens
-        if "error" not in a and "error" not in b:  # same seeds (unseeded ones drawn in order), same tokens
-            assert a["token_ids"] == b["token_ids"], f"request {i} differs between budgets {first} and {second}"
-            SEEN["compared"] += 1
-        SEEN["error"] += ("error" in a) + ("error" in b)
-    SEEN["preempted"] += engine_a.scheduler.num_preemptions + engine_b.scheduler.num_preemptions > 0
-    # again on the warm engine, in another order: requests with a seed (or greedy) repeat exactly
-    order = list(range(len(prompts)))
-    order_seed.shuffle(order)
-    again = engine_a.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
-    assert_books_clean(engine_a)
-    for j, i in enumerate(order):
-        if params[i].seed is not None or params[i].temperature == 0:
-            assert again[j]["token_ids"] == out_a[i]["token_ids"], f"request {i} differs on a rerun"
-    assert engine_a.stats.num_preemptions == engine_a.scheduler.num_preemptions
-
-
-def test_engine_fuzz_took_the_interesting_paths():
-    """Runs after test_engine_fuzz (pytest keeps file order): its examples preempted, rejected and
-    compared requests."""
-    if not SEEN:
-        pytest.skip("test_engine_fuzz did not run in this session")
-    assert SEEN["preempted"] > 0 and SEEN["error"] > 0 and SEEN["compared"] > 0, SEEN
+    engines_agree()
+    # the examples preempted, rejected and compared requests
+    assert seen["preempted"] > 0 and seen["error"] > 0 and seen["compared"] > 0, seen

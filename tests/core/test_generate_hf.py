@@ -138,6 +138,7 @@ def test_block_size_256_and_sharded_checkpoint(tmp_path, hf_greedy):
         assert out["token_ids"] == hf_greedy(path, prompt, 10)
 
 
+@pytest.mark.slow
 def test_torch_compile_path_matches_hf(checkpoint, hf_greedy):
     """The fused (torch.compile) norms, rotary and SiLU, on by default on CUDA, compute the same."""
     path = checkpoint("gqa2-tied")

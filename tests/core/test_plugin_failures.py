@@ -55,6 +55,7 @@ def test_entry_point_that_fails_to_import(broken_site, monkeypatch, checkpoint, 
     assert f"plugin 'broken' failed to load: {BROKEN_IMPORT}" in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_names_the_broken_plugin_only_when_selected(broken_site, tmp_path, checkpoint):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(broken_site), os.environ.get("PYTHONPATH", "")])}
     selected = subprocess.run(

@@ -196,6 +196,7 @@ def test_a_warm_up_step_never_lends_its_sampling_settings_to_the_engines_request
     assert llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]["token_ids"] == expected
 
 
+@pytest.mark.slow
 def test_the_dry_run_over_the_representative_layers_runs_those_layers_alone(checkpoint):
     """The decoder runs one layer per KV cache it is given: start-up's runs of its step shapes,
     given the caches of kernel_variant_layers layers, run those alone (and the final norm and

@@ -116,6 +116,7 @@ def test_logprobs_and_penalties_on_two_ranks_equal_one_rank(untied):
                     assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_an_fp8_cache_on_two_ranks_equals_one_rank(checkpoint):
     """Each rank holds its KV heads' share of the cache in fp8, rounded as on one rank."""
     fp8 = {**SETTINGS, "kv_cache_dtype": "fp8"}
@@ -144,6 +145,7 @@ def test_two_engines_at_once(tied, untied, hf_greedy):
             assert llm.output(seq)["token_ids"] == hf_greedy(llm.model_path, prompt, GREEDY.max_tokens)
 
 
+@pytest.mark.slow
 def test_kv_heads_fewer_than_ranks_as_context_manager(checkpoint, hf_greedy):
     """1 KV head over 2 ranks: each rank keeps a replica. The KV cache is sized from the CPU budget
     on each rank (same count everywhere). Leaving the `with` block stops the workers."""
@@ -276,6 +278,7 @@ def recording_open(*args, real_open, reads, **kwargs):
     return RecordingFile(real_open(*args, **kwargs), reads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["llama-gqa-llama3", "llama-mha-linear-tied", "mistral-gqa4", "qwen2-bias-kv1-tied"])
 def test_the_llama_family_on_two_ranks_equals_one_rank(shape, checkpoint):
     """Sharded attention heads and MLP, KV heads split or replicated, Qwen2's biases sliced with
@@ -328,6 +331,7 @@ def test_killed_worker_names_its_rank_within_seconds(checkpoint):
     assert_nothing_left(llm, pids, children_before, shm_before)
 
 
+@pytest.mark.slow
 def test_raising_worker_reports_its_exception(checkpoint):
     children_before, shm_before = child_pids(), shm_entries()
     registry = PluginRegistry()
@@ -350,6 +354,7 @@ def test_raising_worker_reports_its_exception(checkpoint):
     assert_nothing_left(llm, pids, children_before, shm_before)
 
 
+@pytest.mark.slow
 def test_worker_lost_during_start_up_is_named(checkpoint):
     children_before, shm_before = child_pids(), shm_entries()
     registry = PluginRegistry()
@@ -373,6 +378,7 @@ def test_heads_that_do_not_split_fail_before_any_process_starts(checkpoint):
     assert child_pids() <= children_before
 
 
+@pytest.mark.slow
 def test_error_every_rank_hits_is_raised_as_is(checkpoint, tmp_path):
     """A checkpoint missing a tensor fails on every rank alike: rank 0's own CheckpointError comes
     out, not a TensorParallelError, and the workers are gone."""
@@ -401,6 +407,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending", ["exit", "killed"])
 def test_workers_end_with_their_process(ending, checkpoint, tmp_path):
     """A script that exits without close() stops its workers at exit; one killed outright (no
@@ -462,6 +469,7 @@ def test_graphs_are_released_before_the_group_is_aborted_and_a_stuck_abort_is_le
     assert "abort did not finish within 0.2 s; leaving it behind" in caplog.text
 
 
+@pytest.mark.slow
 def test_hung_worker_is_named_within_the_step_timeout(checkpoint):
     """A worker stopped with SIGSTOP answers nothing, and rank 0 waits in a collective with it:
     the hang watch names the rank once a step has run tp_step_timeout_s, and stops it."""

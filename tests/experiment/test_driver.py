@@ -209,6 +209,7 @@ def check_latency_result(result: dict, run_dir, num_requests: int) -> None:
     assert len(steps) == result["num_steps"] and len(spans) == num_requests
 
 
+@pytest.mark.slow
 def test_poisson_run_through_the_command(tmp_path):
     proc = subprocess.run(
         [
@@ -251,6 +252,7 @@ def test_poisson_run_through_the_command(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_mooncake_trace_run(tmp_path, one_torch_thread):
     """The excerpt's first 16 requests, ten times faster, lengths scaled to a 4096-token model
     (by 4096 / 87571, its longest request): the trace's shared system-prompt block gives prefix-cache hits."""

@@ -17,7 +17,11 @@ import pytest
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = os.path.join(TESTS, "helpers")  # kernel_variants, loaded by the subprocesses below
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# slow: it re-runs the kernel tests interpreted, then compiles every variant they reached
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+]
 
 SAMPLING = textwrap.dedent("""
     import sys
@@ -44,7 +48,7 @@ def test_every_kernel_variant_the_cpu_tests_reach_compiles_for_sm90(tmp_path):
     ]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "kernel_variants", "-p", "no:cacheprovider", *tests]
-        + ["-k", "not generate"],
+        + ["-m", "not gpu", "-k", "not generate"],  # the slow kernel tests too
         env=recording,
         capture_output=True,
         text=True,

@@ -190,12 +190,18 @@ QWEN2_WIDE = dict(
 
 # the Triton GEMM's batches for qkv_proj: none where its input is narrower than one 128-wide step
 # (hidden 64) or where it has a bias (Qwen2)
+# Triton's interpreter makes each generate here slow: one case in the default run, the rest with -m slow
 @pytest.mark.parametrize(
-    "shape,qkv_triton_tokens",
-    [("llama-gqa-llama3", 0), ("mistral-gqa4", 64), (QWEN2_WIDE, 0)],
-    ids=["llama-gqa-llama3", "mistral-gqa4", "qwen2-wide"],
+    "shape,qkv_triton_tokens,attention",
+    [
+        pytest.param("llama-gqa-llama3", 0, "triton", id="triton-llama-gqa-llama3"),
+        pytest.param("llama-gqa-llama3", 0, "torch", id="torch-llama-gqa-llama3", marks=pytest.mark.slow),
+        pytest.param("mistral-gqa4", 64, "torch", id="torch-mistral-gqa4", marks=pytest.mark.slow),
+        pytest.param("mistral-gqa4", 64, "triton", id="triton-mistral-gqa4", marks=pytest.mark.slow),
+        pytest.param(QWEN2_WIDE, 0, "torch", id="torch-qwen2-wide", marks=pytest.mark.slow),
+        pytest.param(QWEN2_WIDE, 0, "triton", id="triton-qwen2-wide", marks=pytest.mark.slow),
+    ],
 )
-@pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_greedy_generate_of_the_llama_family_through_the_kernels_matches_hf(
     checkpoint, hf_greedy, shape, qkv_triton_tokens, attention
 ):
@@ -261,6 +267,7 @@ def test_rms_norm_kernels_match_torch(num_tokens, width, dtype):
     assert got.shape == (num_tokens, width) and got.dtype == dtype
 
 
+@pytest.mark.slow  # the llama family's generate in the default run takes the same kernels, rotary aside
 @pytest.mark.parametrize("attention,split_k_tokens", [("torch", 64), ("triton", 64), ("triton", 0)])
 def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, attention, split_k_tokens):
     # torch's backend stores K/V itself; triton's lets the q/k kernel store them (kv_store_target)
@@ -284,11 +291,12 @@ def test_greedy_generate_through_the_kernels_matches_hf(checkpoint, hf_greedy, a
     assert bool(calls) == (split_k_tokens > 0)  # the split path ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt_len,tiling", [(100, (32, 128, 2)), (130, (64, 128, 2))])
 def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(checkpoint, hf_greedy, prompt_len, tiling):
     """A prompt of 65-128 tokens in one prefill chunk takes the middle tiling (two row blocks of
     32-wide columns, K in 2), one of more than 128 the wider one (64-wide columns); their partials
-    go through the norms, and the decode steps take the tiling for a few rows (not the GEMVs that
+    go through the norms, and the decode step takes the tiling for a few rows (not the GEMVs that
     one sequence's steps take by default)."""
     path = checkpoint("gqa4-untied")
     llm = wrapping_engine(path, max_num_batched_tokens=256, split_k_tokens=256, gemv_decode=False)
@@ -297,8 +305,9 @@ def test_greedy_generate_with_the_split_k_tilings_above_64_rows_matches_hf(check
         o_proj = layer.self_attn.o_proj
         o_proj._split_k = lambda x, w, kernel=o_proj._split_k: rows.append(x.shape[0]) or kernel(x, w)
     prompt = [(7 * i + 3) % 97 + 1 for i in range(prompt_len)]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
-    assert out["token_ids"] == hf_greedy(path, prompt, 4)
+    # one decode step is enough to take the tiling for a few rows, and each costs the interpreter dear
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(path, prompt, 2)
     assert split_k_gemm.plan(128, 256, prompt_len) == tiling and prompt_len in rows and 1 in rows
 
 
@@ -326,7 +335,7 @@ def test_split_k_plan_splits_narrow_weights_and_wide_deep_ones_into_whole_steps(
         (5, 128, 256, torch.float32),
         (70, 64, 512, torch.float32),  # two row blocks, the second partial
         (130, 128, 256, torch.float32),  # three row blocks: the wider tiles
-        (3, 2048, 4096, torch.float32),  # wide and deep: a split in two
+        pytest.param(3, 2048, 4096, torch.float32, marks=pytest.mark.slow),  # wide and deep: a split in two
         (0, 64, 256, torch.float32),
         pytest.param(9, 1024, 3072, torch.bfloat16, marks=pytest.mark.gpu),
         pytest.param(256, 1024, 2048, torch.bfloat16, marks=pytest.mark.gpu),
@@ -460,6 +469,7 @@ def test_wide_plan_and_column_parallel_linear_use_of_it():
     assert ColumnParallelLinear(256, 128, TPGroup())(torch.randn(0, 256)).shape == (0, 128)  # off: an empty batch too
 
 
+@pytest.mark.slow
 def test_greedy_generate_through_the_triton_gemm_matches_hf(checkpoint, hf_greedy):
     path = checkpoint("gqa4-untied")
     llm = wrapping_engine(path, triton_gemm_tokens=16)
@@ -629,7 +639,13 @@ def test_gemv_tilings():
 
 
 @pytest.mark.parametrize(
-    "fused,intermediate,looped", [(True, 128, False), (False, 128, False), (True, 120, False), (True, 128, True)]
+    "fused,intermediate,looped",
+    [
+        (True, 128, False),
+        pytest.param(False, 128, False, marks=pytest.mark.slow),
+        pytest.param(True, 120, False, marks=pytest.mark.slow),
+        pytest.param(True, 128, True, marks=pytest.mark.slow),
+    ],
 )
 def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fused, intermediate, looped):
     """One sequence's decode steps go through the layers' GEMVs (the prefill chunks of several
@@ -650,14 +666,14 @@ def test_greedy_generate_through_the_gemvs_matches_hf(checkpoint, hf_greedy, fus
         layer.gemv = plan._replace(gemv=lambda x, w, kernel=kernel, **kw: calls.append(kw) or kernel(x, w, **kw))
     backend, attended = llm.runner.backend, []  # after the QKV GEMV, attention takes its rows as they are
     backend.decode_qkv = lambda *args, original=backend.decode_qkv: attended.append(1) or original(*args)
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    for prompt in GREEDY_PROMPTS:
-        assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 5)
+    # one prompt and three decode steps: each step costs the interpreter dear
+    prompt, params = GREEDY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"] == hf_greedy(path, prompt, 4)
     layers = len(llm.runner.model.layers)
-    assert len(calls) == 2 * 4 * 4 * layers  # two prompts, four decode steps, four projections a layer
-    assert len(attended) == 2 * 4 * layers
-    assert sum("norm_weight" in kw for kw in calls) == (2 * 4 * 2 * layers if fused else 0)
-    assert sum(kw.get("rows") == 8 for kw in calls) == (2 * 4 * 2 * layers if looped else 0)
+    assert len(calls) == 3 * 4 * layers  # three decode steps, four projections a layer
+    assert len(attended) == 3 * layers
+    assert sum("norm_weight" in kw for kw in calls) == (3 * 2 * layers if fused else 0)
+    assert sum(kw.get("rows") == 8 for kw in calls) == (3 * 2 * layers if looped else 0)
 
 
 def test_gemv_plan_fuses_the_norms_where_the_row_is_no_larger_than_two_slabs():

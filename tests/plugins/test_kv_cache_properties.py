@@ -4,10 +4,11 @@ labels), also when the chain hash is forced to collide."""
 
 from collections import Counter
 
-import hypothesis_profiles  # noqa: F401  (loads the profile)
 import pytest
 from engine_books import assert_kv_books
+from hypothesis import settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
+from hypothesis_profiles import QUICK_EXAMPLES, quick_and_thorough  # (loads the profile)
 
 from inferlab.core.config import EngineConfig
 from inferlab.core.request import Request
@@ -48,12 +49,13 @@ class PagedMachine(KVCacheMachine):
             assert set(self.kv.tables) == live and set(self.kv.num_committed) <= live
 
 
+@pytest.mark.parametrize("examples", quick_and_thorough(QUICK_EXAMPLES, settings().max_examples))
 @pytest.mark.parametrize("hash_kind", ["chained", "colliding"])
-def test_paged_kv_cache_state_machine(hash_kind, monkeypatch):
+def test_paged_kv_cache_state_machine(hash_kind, examples, monkeypatch):
     if hash_kind == "colliding":
         monkeypatch.setattr(paged, "chain_hash", weak_chain_hash)
     PagedMachine.seen.clear()
-    run_state_machine_as_test(PagedMachine)
+    run_state_machine_as_test(PagedMachine, settings=settings(max_examples=examples))
     assert PagedMachine.seen["prefix hit"] > 0 and PagedMachine.seen["refused allocate"] > 0
 
 

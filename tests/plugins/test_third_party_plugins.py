@@ -77,6 +77,7 @@ def test_example_policies_are_short_and_import_no_builtin_plugin():
         assert len([line for line in policy_class.splitlines() if line.strip()]) <= 40, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", ["sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler"])
 def test_each_example_passes_its_own_tests(site, tmp_path, package):
     """What a plugin author runs: their tests, the conformance suite among them, in their package."""
@@ -87,6 +88,7 @@ def test_each_example_passes_its_own_tests(site, tmp_path, package):
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_listed_with_distribution_and_options(site, tmp_path):
     out = run(["inferlab.list_plugins"], tmp_path, site).stdout
     assert re.search(r"^  sjf +inferlab-sjf 0\.1\.0 \(plugin 'sjf'\)  options: include_prompt=False$", out, re.M)
@@ -97,6 +99,7 @@ def test_listed_with_distribution_and_options(site, tmp_path):
     assert "problems:" not in out
 
 
+@pytest.mark.slow
 def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
     proc = run(
         [
@@ -127,6 +130,7 @@ def test_cli_selects_them_with_their_own_parameters(site, tmp_path, checkpoint):
     assert "tok/s" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_checks_their_parameters(site, tmp_path):
     proc = run(["inferlab", "scheduler=sjf", "scheduler.include_prompt=maybe"], tmp_path, site, check=False)
     assert proc.returncode == 2
@@ -145,6 +149,7 @@ def installed(site, monkeypatch):
     monkeypatch.setattr(plugins, "_default", None)
 
 
+@pytest.mark.slow
 def test_llm_uses_the_scheduler_and_its_option(installed, checkpoint):
     """With include_prompt the job size counts the prompt: the long prompt with few tokens to
     generate is no longer the shortest job."""
@@ -167,6 +172,7 @@ def test_llm_uses_the_scheduler_and_its_option(installed, checkpoint):
         assert [r.params.max_tokens for r in finished] == expected
 
 
+@pytest.mark.slow
 def test_llm_uses_the_sampler_and_its_option(installed, checkpoint):
     prompts = ["Hello, world!", "Once upon a time,"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

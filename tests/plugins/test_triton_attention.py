@@ -171,7 +171,7 @@ def test_decode_matches_torch(block_size, group, head_dim, context_lens, order):
     assert_matches_torch(inputs, q, k, v, cache, backend=TritonBackend(decode_order=order))
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8, 40])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, pytest.param(40, marks=pytest.mark.slow)])
 def test_split_decode_combines_partials_exactly(num_splits):
     # more splits than some sequences have keys: their empty splits must weigh nothing, and (as a
     # graph plans splits for max_model_len) the reduction must not read the scratch they leave, here
@@ -416,6 +416,7 @@ def test_validate_names_unsupported_settings():
         TritonBackend(mixed_decode_split_len=8.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_greedy_generate_with_triton_equals_torch(checkpoint, kv_cache_dtype):
     # small chunks force mixed prefill/decode steps; the second call reuses the first's prefix blocks
@@ -471,6 +472,7 @@ class EagerReplayPrefillGraphs(EagerReplay, PrefillGraphs):
     pass
 
 
+@pytest.mark.slow
 def test_decode_graph_buffers_pad_and_replay_like_eager(checkpoint):
     path = checkpoint("gqa2-tied")
     prompts = ["Hello, world! How are", "Numbers: zero one two three", "Readability counts."]
@@ -537,6 +539,7 @@ def test_graphs_of_steps_with_prefill_are_sized_to_the_model():
     assert auto_graph_prefill_tokens(qwen3_8b, 0) == 0
 
 
+@pytest.mark.slow
 def test_prefill_graphs_pad_and_replay_like_eager(checkpoint):
     """Steps with prefill (prompts, chunks, and decodes beside them) copied into padded static
     buffers and replayed give the eager engine's tokens, with and without overlap scheduling

@@ -10,6 +10,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis_profiles import QUICK_EXAMPLES
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -25,14 +27,23 @@ from inferlab.testing import (  # noqa: E402
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+# The default run's state machines draw QUICK_EXAMPLES; test_state_machines_with_the_suites_own_examples
+# (-m slow) runs them with the suite's own settings, as a plugin author's run does.
+QUICK_SCHEDULER = settings(SchedulerPolicySuite.hypothesis_settings, max_examples=QUICK_EXAMPLES)
+QUICK_KV_CACHE = settings(KVCacheManagerSuite.hypothesis_settings, max_examples=QUICK_EXAMPLES)
+
+
 class TestFCFS(SchedulerPolicySuite):
     scheduler = "fcfs"
+    hypothesis_settings = QUICK_SCHEDULER
 
 
 class TestLPM(SchedulerPolicySuite):
     scheduler = "lpm"
+    hypothesis_settings = QUICK_SCHEDULER
 
 
+@pytest.mark.slow  # lpm again, with its sort turned off
 class TestLPMUnsorted(SchedulerPolicySuite):
     scheduler = "lpm"
     scheduler_options = {"max_sort_waiting": 0}
@@ -40,10 +51,12 @@ class TestLPMUnsorted(SchedulerPolicySuite):
 
 class TestPriority(SchedulerPolicySuite):
     scheduler = "priority"
+    hypothesis_settings = QUICK_SCHEDULER
 
 
 class TestPaged(KVCacheManagerSuite):
     kv_cache = "paged"
+    hypothesis_settings = QUICK_KV_CACHE
 
 
 class TestTorchAttention(AttentionBackendSuite):
@@ -103,6 +116,17 @@ class TestDefaultSamplerOnGPU(SamplerSuite):
     dtypes = (torch.bfloat16, torch.float32)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("suite_class", [TestFCFS, TestLPM, TestPriority, TestPaged], ids=lambda cls: cls.__name__)
+def test_state_machines_with_the_suites_own_examples(suite_class):
+    suite = suite_class()
+    suite.hypothesis_settings = next(
+        base.hypothesis_settings for base in suite_class.__mro__ if base.__module__.startswith("inferlab.testing")
+    )
+    assert suite.hypothesis_settings.max_examples > QUICK_EXAMPLES
+    suite.test_state_machine()
+
+
 SUITES = {
     "scheduler": (SchedulerPolicySuite, "scheduler"),
     "kv_cache": (KVCacheManagerSuite, "kv_cache"),
@@ -126,6 +150,7 @@ def test_every_builtin_is_covered(kind):
     assert builtin == covered
 
 
+@pytest.mark.slow
 class TestFCFSWithCollidingHashes(SchedulerPolicySuite):
     """Hash collisions in the prefix cache cost misses, never another request's K/V."""
 
