@@ -153,6 +153,7 @@ def one_torch_thread():
 SLOW = (
     "tests/core/test_fault_injection.py",  # Ctrl-C at every line, four times over
     "tests/server/test_server_shutdown.py::test_a_signal_ends_every_stream_with_a_final_event_and_exits_0[2]",
+    "tests/test_sim_vs_real_script.py",  # the GPU script end to end on the CPU
 )
 
 

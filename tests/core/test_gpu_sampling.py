@@ -5,7 +5,7 @@ sampling never replays (its runner handed another sampler instance, as test_gpu.
 graph test does), over the same decode graphs; plain batches still replay the sampling graphs,
 and draw beside penalized rows what they draw alone; the penalties change the tokens.
 
-Run: python -m pytest -m gpu -rP tests/test_gpu_sampling.py"""
+Run: python -m pytest -m gpu -rP tests/core/test_gpu_sampling.py"""
 
 from collections import Counter
 
