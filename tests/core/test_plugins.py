@@ -44,7 +44,7 @@ def test_each_capability_is_listed_by_its_hook_and_documented():
     exactly one hook), and docs/plugins.md's table documents every one."""
     names = capability_protocols()
     assert {"ObservingPolicy", "AutoPriority", "ConfigDefaults", "GraphCapturableSampler", "OnDevice"} <= set(names)
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
     for name in names:
         hooks = [hook for hook, _ in KINDS.values() if re.search(rf"\b{name}\b", getattr(hookspecs, hook).__doc__)]
         assert len(hooks) == 1, f"{name} is named by the hooks {hooks}"
