@@ -16,7 +16,7 @@ from inferlab.core.plugins import PluginRegistry
 from inferlab.core.scheduler import PolicyError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SETTINGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
