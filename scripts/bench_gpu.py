@@ -7,17 +7,18 @@ JSON.
     python scripts/bench_gpu.py flash_attn:graphs flash_attn:eager triton:graphs triton:eager \\
         torch:graphs torch:eager --out bench.json
 
-Workload (nano-vllm bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024) of
-ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
-max_model_len 4096; a warm-up generate first, then --warmup-runs untimed passes over the whole
-workload (1 by default). Output tokens/s = sum(max_tokens) / generate time, the median of --repeats.
+Workload (nano-vllm bench.py, as `inferlab job=bench` draws it): random.seed(0); 256 sequences;
+prompt lengths randint(100, 1024) of ids randint(0, 10000); max_tokens randint(100, 1024);
+temperature 0.6; ignore_eos; max_model_len 4096; a warm-up generate first, then --warmup-runs
+untimed passes over the whole workload (1 by default). Output tokens/s = sum(max_tokens) /
+generate time, the median of --repeats.
 """
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -26,51 +27,43 @@ import threading
 import time
 from collections import deque
 
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=True,
-)
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=False,
-)
+SHAPE_FIELDS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "tie_word_embeddings"
+).split()
+QWEN3_0_6B = dict(zip(SHAPE_FIELDS, (151936, 1024, 3072, 28, 16, 8, 128, True)))
+QWEN3_8B = dict(zip(SHAPE_FIELDS, (151936, 4096, 12288, 36, 32, 8, 128, False)))
 # Llama-3.1-8B: no q/k norms (the rotary-only kernel), llama3 rope scaling, a 128k vocabulary
-LLAMA_3_1_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=False,
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rope_scaling=dict(
+LLAMA_3_1_8B = {
+    **dict(zip(SHAPE_FIELDS, (128256, 4096, 14336, 32, 32, 8, 128, False))),
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": dict(
         rope_type="llama3",
         factor=8.0,
         low_freq_factor=1.0,
         high_freq_factor=4.0,
         original_max_position_embeddings=8192,
     ),
-    rms_norm_eps=1e-5,
-)
+    "rms_norm_eps": 1e-5,
+}
 SHAPES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B, "llama-8b": LLAMA_3_1_8B}
 ALL_COMBOS = ["flash_attn:graphs", "flash_attn:eager", "triton:graphs", "triton:eager", "torch:graphs", "torch:eager"]
+# Qwen3's config fields beyond its shapes (the other presets name their architecture and rope settings)
+QWEN3_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    attention_dropout=0.0,
+    use_cache=True,
+    rope_scaling=None,
+    use_sliding_window=False,
+    sliding_window=None,
+)
 
 
 def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str:
@@ -89,39 +82,11 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
             if json.load(f) == shape:
                 return path
     os.makedirs(path, exist_ok=True)
-    qwen3 = "model_type" not in shape  # the other presets name their architecture and rope settings
-    if qwen3:
-        config = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            **shape,
-            "max_position_embeddings": 40960,
-            "rope_theta": 1000000.0,
-            "rms_norm_eps": 1e-6,
-            "torch_dtype": "bfloat16",
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "bos_token_id": 0,
-            "eos_token_id": 0,
-            "use_cache": True,
-            "rope_scaling": None,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": num_layers,
-        }
-    else:
-        config = {
-            **shape,
-            "torch_dtype": "bfloat16",
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "bos_token_id": 0,
-            "eos_token_id": 0,
-        }
+    qwen3 = "model_type" not in shape
+    extra = {**QWEN3_CONFIG, "max_window_layers": num_layers} if qwen3 else {"mlp_bias": False}
+    common = dict(torch_dtype="bfloat16", hidden_act="silu", attention_bias=False, bos_token_id=0, eos_token_id=0)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+        json.dump({**shape, **common, **extra}, f, indent=1)
     build_tokenizer(path)
     hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q_size, kv_size = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
@@ -131,29 +96,29 @@ def build_checkpoint(path: str, num_layers: int, base: dict = QWEN3_0_6B) -> str
     def weight(*size):  # small normal weights keep activations finite through all layers
         return torch.empty(size, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=generator).cpu()
 
-    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
-    tensors = {"model.embed_tokens.weight": weight(shape["vocab_size"], hidden), "model.norm.weight": ones(hidden)}
+    projections = {
+        "self_attn.q_proj": (q_size, hidden),
+        "self_attn.k_proj": (kv_size, hidden),
+        "self_attn.v_proj": (kv_size, hidden),
+        "self_attn.o_proj": (hidden, q_size),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    norms = {"input_layernorm": hidden, "post_attention_layernorm": hidden}
+    if qwen3:
+        norms.update({"self_attn.q_norm": head_dim, "self_attn.k_norm": head_dim})
+    tensors = {
+        "model.embed_tokens.weight": weight(shape["vocab_size"], hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
     if not shape["tie_word_embeddings"]:
         tensors["lm_head.weight"] = weight(shape["vocab_size"], hidden)
     for i in range(num_layers):
-        p = f"model.layers.{i}."
+        tensors.update({f"model.layers.{i}.{name}.weight": weight(*size) for name, size in projections.items()})
         tensors.update(
-            {
-                p + "self_attn.q_proj.weight": weight(q_size, hidden),
-                p + "self_attn.k_proj.weight": weight(kv_size, hidden),
-                p + "self_attn.v_proj.weight": weight(kv_size, hidden),
-                p + "self_attn.o_proj.weight": weight(hidden, q_size),
-                p + "mlp.gate_proj.weight": weight(inter, hidden),
-                p + "mlp.up_proj.weight": weight(inter, hidden),
-                p + "mlp.down_proj.weight": weight(hidden, inter),
-                p + "input_layernorm.weight": ones(hidden),
-                p + "post_attention_layernorm.weight": ones(hidden),
-            }
+            {f"model.layers.{i}.{name}.weight": torch.ones(n, dtype=torch.bfloat16) for name, n in norms.items()}
         )
-        if qwen3:
-            tensors.update(
-                {p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)}
-            )
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(marker, "w") as f:
         json.dump(shape, f)
@@ -183,7 +148,7 @@ class GcPauses:
 
 class GpuSampler:
     """nvidia-smi's SM clock, power, temperature and throttle reasons every 50 ms, in a thread;
-    samples(t0, t1) returns those taken between two perf_counter times. Empty without nvidia-smi."""
+    summary(t0, t1) describes those taken between two perf_counter times. Empty without nvidia-smi."""
 
     FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -192,13 +157,9 @@ class GpuSampler:
         # nvidia-smi counts every GPU, torch only the visible ones (CUDA_VISIBLE_DEVICES: indices or UUIDs)
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         gpu = visible[device_index] if device_index < len(visible) else str(device_index)
+        query = ["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-lms", "50", "-i", gpu]
         try:
-            self.process = subprocess.Popen(
-                ["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-lms", "50", "-i", gpu],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
+            self.process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             return
         threading.Thread(target=self._read, daemon=True).start()
@@ -211,12 +172,9 @@ class GpuSampler:
             except (ValueError, IndexError):  # a field this driver does not report
                 continue
 
-    def samples(self, t0, t1):
-        return [r for r in self.rows if t0 <= r[0] <= t1]
-
     def summary(self, t0, t1) -> dict:
         """Mean and lowest SM clock, mean power, hottest temperature and the throttle reasons seen."""
-        rows = self.samples(t0, t1)
+        rows = [r for r in self.rows if t0 <= r[0] <= t1]
         if not rows:
             return {}
         clocks = [r[1] for r in rows]
@@ -233,60 +191,60 @@ class GpuSampler:
             self.process.terminate()
 
 
-def describe_conditions(conditions: dict) -> str:
+def describe_conditions(c: dict) -> str:
     """GcPauses.summary and GpuSampler.summary as one line."""
-    line = f"GC collections {conditions['gc_collections']}, pauses {conditions['gc_pause_ms']} ms"
-    if "sm_clock_mhz_mean" in conditions:
+    line = f"GC collections {c['gc_collections']}, pauses {c['gc_pause_ms']} ms"
+    if "sm_clock_mhz_mean" in c:
         line += (
-            f"; SM clock mean {conditions['sm_clock_mhz_mean']:.0f} MHz (lowest {conditions['sm_clock_mhz_min']:.0f}), "
-            f"power mean {conditions['power_w_mean']:.0f} W, temperature {conditions['temperature_c_max']:.0f} C max, "
-            f"throttle reasons {conditions['throttle_reasons']}"
+            f"; SM clock mean {c['sm_clock_mhz_mean']:.0f} MHz (lowest {c['sm_clock_mhz_min']:.0f}), "
+            f"power mean {c['power_w_mean']:.0f} W, temperature {c['temperature_c_max']:.0f} C max, "
+            f"throttle reasons {c['throttle_reasons']}"
         )
     return line
 
 
-def workload(num_seqs: int, max_input_len: int, max_output_len: int):
-    """nano-vllm bench.py's requests, drawn in its order from random.seed(0)."""
-    from inferlab import SamplingParams
-
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output_len))
-        for _ in range(num_seqs)
-    ]
-    return prompts, params
+# the engine's counters a run moves (result key: EngineStats field)
+STATS = {"steps": "num_steps", "prefill_tokens": "num_prefill_tokens", "decode_tokens": "num_decode_tokens"}
+STATS.update({name: name for name in ("prefill_seconds", "decode_seconds", "wait_seconds")})
 
 
-def run_one(args) -> dict:
+def engine_stats(llm) -> dict:
+    return {key: getattr(llm.stats, name) for key, name in STATS.items()}
+
+
+def run_one(combo: str, args) -> dict:
     """One combination in this process: build the engine, warm up, time the workload."""
     import logging
 
     import torch
 
-    from inferlab import LLM, SamplingParams
+    from inferlab import LLM
+    from inferlab.conf import BenchConfig
     from inferlab.core.model_cost import model_cost
+    from inferlab.experiment.bench import warm_up
     from inferlab.experiment.floor import device_rates, workload_floor
+    from inferlab.experiment.workload import bench_workload
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    enforce_eager = args.graphs == "eager"
+    attention, graphs, overlap, compile_, options = parse_combo(combo)
     start = time.perf_counter()
-    options = json.loads(args.options)
     llm = LLM(
         args.model_dir,
-        attention=args.attention,
-        enforce_eager=enforce_eager,
+        attention=attention,
+        enforce_eager=graphs == "eager",
         max_model_len=4096,
         device=args.device,
-        overlap_scheduling=args.overlap == "overlap",
-        model_options={"torch_compile": args.compile == "compile", **options["model"]},
+        overlap_scheduling=overlap == "overlap",
+        model_options={"torch_compile": compile_ == "compile", **options["model"]},
         attention_options=options["attention"],
-        **options.get("engine", {}),
+        **options["engine"],
         **({"dtype": "bfloat16"} if args.device != "cpu" else {}),
     )
     init_seconds = time.perf_counter() - start
-    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    bench = BenchConfig(num_seqs=args.num_seqs, max_len=args.max_input_len, max_output_len=args.max_output_len)
+    prompts, params = bench_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
+    output_tokens = sum(p.max_tokens for p in params)
+    warm_up(llm)
     for _ in range(args.warmup_runs):
         # The first pass over the workload pays one-time costs the later ones do not: Triton and
         # torch.compile specializations of new prefill shapes, cuBLAS plan selection.
@@ -294,14 +252,7 @@ def run_one(args) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    stats_before = (
-        llm.stats.num_steps,
-        llm.stats.num_prefill_tokens,
-        llm.stats.num_decode_tokens,
-        llm.stats.prefill_seconds,
-        llm.stats.decode_seconds,
-        llm.stats.wait_seconds,
-    )
+    first = engine_stats(llm)
     runs, compiles, conditions = [], [], []
     # what each run ran under, so a slow run's cause shows (a full garbage collection, a power-capped
     # clock): the engine's step and wait times, the garbage collector's pauses, the GPU's clocks and throttle reasons
@@ -309,55 +260,45 @@ def run_one(args) -> dict:
     sampler = GpuSampler(torch.cuda.current_device()) if torch.cuda.is_available() else None
     for _ in range(args.repeats):
         llm.reset_prefix_cache()  # every run prefills its prompts, as the first did
-        before = compiled_variants()
-        s = llm.stats
-        steps_before = (s.prefill_seconds, s.decode_seconds, s.wait_seconds)
+        variants, before = compiled_variants(), engine_stats(llm)
         gc_pauses.reset()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         end = time.perf_counter()
         runs.append(end - start)
-        after = compiled_variants()
-        compiles.append(
-            {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
-        )
-        conditions.append(
-            {
-                "prefill_step_seconds": s.prefill_seconds - steps_before[0],
-                "decode_step_seconds": s.decode_seconds - steps_before[1],
-                "wait_seconds": s.wait_seconds - steps_before[2],
-                **gc_pauses.summary(),
-                **(sampler.summary(start, end) if sampler else {}),
-            }
-        )
-        c = conditions[-1]
+        after, now = compiled_variants(), engine_stats(llm)
+        compiles.append({name: n - variants.get(name, 0) for name, n in after.items() if n != variants.get(name, 0)})
+        c = {
+            f"{kind}_step_seconds": now[f"{kind}_seconds"] - before[f"{kind}_seconds"] for kind in ("prefill", "decode")
+        }
+        c["wait_seconds"] = now["wait_seconds"] - before["wait_seconds"]
+        conditions.append({**c, **gc_pauses.summary(), **(sampler.summary(start, end) if sampler else {})})
         print(
-            f"run {len(runs)}: {sum(p.max_tokens for p in params) / runs[-1]:.0f} output tok/s; steps: prefill "
+            f"run {len(runs)}: {output_tokens / runs[-1]:.0f} output tok/s; steps: prefill "
             f"{c['prefill_step_seconds']:.3f} s, decode {c['decode_step_seconds']:.3f} s, waiting on the GPU "
-            f"{c['wait_seconds']:.3f} s; {describe_conditions(c)}"
+            f"{c['wait_seconds']:.3f} s; {describe_conditions(conditions[-1])}"
             + (f"; compiled during the run: {compiles[-1]}" if compiles[-1] else ""),
             flush=True,
         )
     if sampler:
         sampler.close()
     seconds = statistics.median(runs)
-    output_tokens = sum(p.max_tokens for p in params)
     generated = sum(len(o["token_ids"]) for o in outputs)
     if generated != output_tokens:
         raise RuntimeError(f"generated {generated} tokens, the workload asked for {output_tokens}")
-    s = llm.stats
+    runner, last = llm.runner, engine_stats(llm)
     floor = workload_floor(
         [len(p) for p in prompts],
         [p.max_tokens for p in params],
-        model_cost(llm.hf_config, llm.runner.dtype, llm.runner.kv_cache_dtype, llm.config.tensor_parallel_size),
-        device_rates(llm.runner.device, llm.runner.dtype),
+        model_cost(llm.hf_config, runner.dtype, runner.kv_cache_dtype, llm.config.tensor_parallel_size),
+        device_rates(runner.device, runner.dtype),
     )
     return {
-        "attention": llm.runner.backend.name,
-        "cuda_graphs": llm.runner.decode_graphs is not None,
-        "kv_cache_dtype": str(llm.runner.kv_cache_dtype).replace("torch.", ""),
+        "attention": runner.backend.name,
+        "cuda_graphs": runner.decode_graphs is not None,
+        "kv_cache_dtype": str(runner.kv_cache_dtype).replace("torch.", ""),
         "overlap": llm.overlap,
-        "torch_compile": args.compile == "compile",
+        "torch_compile": compile_ == "compile",
         "tensor_parallel_size": llm.config.tensor_parallel_size,
         "runs_seconds": runs,
         # kernel variants (Triton specializations, torch.compile graphs) first built inside a timed run
@@ -370,15 +311,10 @@ def run_one(args) -> dict:
         "init_seconds": init_seconds,
         **floor,
         "percent_of_floor": 100 * floor["floor_seconds"] / seconds,
-        "num_kv_blocks": llm.runner.num_kv_blocks,
-        "block_size": llm.runner.block_size,
-        "steps": s.num_steps - stats_before[0],
-        "prefill_tokens": s.num_prefill_tokens - stats_before[1],
-        "decode_tokens": s.num_decode_tokens - stats_before[2],
-        "prefill_seconds": s.prefill_seconds - stats_before[3],
-        "decode_seconds": s.decode_seconds - stats_before[4],
-        # time blocked on the GPU's tokens, summed over all runs: near zero means the CPU bounds the run
-        "wait_seconds": s.wait_seconds - stats_before[5],
+        "num_kv_blocks": runner.num_kv_blocks,
+        "block_size": runner.block_size,
+        # summed over all runs; wait_seconds (blocked on the GPU's tokens) near zero means the CPU bounds the run
+        **{key: last[key] - first[key] for key in STATS},
         "wall_seconds_all_runs": sum(runs),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -410,13 +346,11 @@ def compiled_variants() -> dict[str, int]:
 
 def _version(module: str) -> str | None:
     loaded = sys.modules.get(module)  # flash-attn may be importable without package metadata
-    if loaded is not None and hasattr(loaded, "__version__"):
+    if hasattr(loaded, "__version__"):
         return loaded.__version__
     try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 
@@ -433,37 +367,9 @@ def run_in_subprocess(combo: str, args) -> dict:
     }
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        "--attention",
-        attention,
-        "--graphs",
-        graphs,
-        "--warmup-runs",
-        str(args.warmup_runs),
-        "--overlap",
-        overlap,
-        "--compile",
-        compile_,
-        "--options",
-        json.dumps(options),
-        "--repeats",
-        str(args.repeats),
-        "--result-file",
-        result_file,
-        "--model-dir",
-        args.model_dir,
-        "--device",
-        args.device,
-        "--num-seqs",
-        str(args.num_seqs),
-        "--max-input-len",
-        str(args.max_input_len),
-        "--max-output-len",
-        str(args.max_output_len),
-    ]
+    command = [sys.executable, os.path.abspath(__file__), "--worker", combo, "--result-file", result_file]
+    for name in ("model_dir", "device", "num_seqs", "max_input_len", "max_output_len", "repeats", "warmup_runs"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     tail = deque(maxlen=40)
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -514,9 +420,7 @@ def parse_combo(combo: str) -> tuple[str, str, str, str, dict]:
     compile_ = next((p for p in flags if p in ("compile", "nocompile")), "compile")
     unknown = [p for p in flags if p not in ("overlap", "sync", "compile", "nocompile")]
     options = {"model": {}, "attention": {}, "engine": {}}
-    for part in parts[2:]:
-        if "=" not in part:
-            continue
+    for part in (p for p in parts[2:] if "=" in p):
         key, value = part.split("=", 1)
         kind = {"m": "model", "a": "attention", "e": "engine"}.get(key.split(".", 1)[0])
         if kind is None or "." not in key:
@@ -540,29 +444,18 @@ def print_table(records: list[dict]) -> None:
     print(header)
     print("-" * len(header))
     for r in records:
-        flags = f"{'on' if r['cuda_graphs'] else 'off':<6} {'on' if r['overlap'] else 'off':<7} {'on' if r['torch_compile'] else 'off':<7}"
+        on = {True: "on", False: "off"}
+        flags = f"{on[r['cuda_graphs']]:<6} {on[r['overlap']]:<7} {on[r['torch_compile']]:<7}"
         options = r.get("options") or {}
-        extra = " ".join(
-            f"{kind[0]}.{k}={v}" for kind in ("model", "attention", "engine") for k, v in options.get(kind, {}).items()
-        )
+        extra = " ".join(f"{kind[0]}.{k}={v}" for kind in options for k, v in options[kind].items())
         if r["ok"]:
-            print(
-                f"{r['attention']:<11} {flags} {r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} "
-                f"{r['seconds']:>7.2f} {r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok {extra}"
+            figures = (
+                f"{r['output_tok_per_s']:>12.0f} {r['percent_of_floor']:>7.1f} {r['seconds']:>7.2f} "
+                f"{r['init_seconds']:>6.1f} {r['num_kv_blocks']:>9}  ok {extra}"
             )
         else:
-            print(
-                f"{r['attention']:<11} {flags} {'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED {extra}: {r['error'][:200]}"
-            )
-
-
-def git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
-    except OSError:
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+            figures = f"{'-':>12} {'-':>7} {'-':>7} {'-':>6} {'-':>9}  FAILED {extra}: {r['error'][:200]}"
+        print(f"{r['attention']:<11} {flags} {figures}")
 
 
 def main(argv=None):
@@ -588,15 +481,8 @@ def main(argv=None):
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one combination may take")
-    parser.add_argument("--commit", default=None, help="recorded in the JSON (default: git rev-parse HEAD)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--commit", default=None, help="recorded in the JSON (default: the checkout's HEAD)")
     parser.add_argument("--build-only", action="store_true", help="only write the checkpoint to --model-dir")
-    parser.add_argument("--attention", help=argparse.SUPPRESS)
-    parser.add_argument("--graphs", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
-    parser.add_argument("--overlap", default="overlap", help=argparse.SUPPRESS)
-    parser.add_argument("--compile", default="compile", help=argparse.SUPPRESS)
-    parser.add_argument("--options", default='{"model": {}, "attention": {}}', help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per combination; the median is reported")
     parser.add_argument(
         "--warmup-runs",
@@ -604,6 +490,8 @@ def main(argv=None):
         default=1,
         help="untimed runs of the whole workload first (nano-vllm's bench warms up with one short prompt)",
     )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one combination, in this process
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     base = SHAPES[args.shape]
     args.num_layers = args.num_layers or base["num_hidden_layers"]
@@ -616,7 +504,7 @@ def main(argv=None):
         return
     if args.worker:
         try:
-            result = run_one(args)
+            result = run_one(args.worker, args)
         except BaseException as e:  # reported to the parent, which carries on with the next combination
             import traceback
 
@@ -633,27 +521,17 @@ def main(argv=None):
             parser.error(str(e))
     start = time.perf_counter()
     # in a child, so that this process never holds a CUDA context while the combinations run
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--build-only",
-            "--model-dir",
-            args.model_dir,
-            "--num-layers",
-            str(args.num_layers),
-            "--shape",
-            args.shape,
-        ],
-        check=True,
-    )
+    build = ["--build-only", "--model-dir", args.model_dir, "--num-layers", str(args.num_layers), "--shape", args.shape]
+    subprocess.run([sys.executable, os.path.abspath(__file__), *build], check=True)
     print(f"checkpoint ready in {args.model_dir} ({time.perf_counter() - start:.1f} s)", flush=True)
     records = []
     for combo in args.combos:
         records.append(run_in_subprocess(combo, args))
         print_table(records)  # so far, in case a later combination takes the machine down
+    from inferlab.experiment.records import git_state
+
     report = {
-        "commit": args.commit or git_commit(),
+        "commit": args.commit or (git_state()["git_commit"] or "unknown")[:7],
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "model": {**base, "num_hidden_layers": args.num_layers, "dtype": "bfloat16", "weights": "random"},
         "workload": {
