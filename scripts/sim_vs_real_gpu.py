@@ -15,7 +15,8 @@ Workloads: the first --max-requests requests of a Mooncake-format trace at each 
 (1 is the trace's own rate), and Poisson arrivals of bench.py's lengths at each --rates; the last
 of each is meant to saturate the engine, and its request throughput is taken as the capacity that
 the other loads are expressed in. Runs that would not finish before --budget-s are skipped (and
-listed); results are rewritten after every run, so a call cut short still leaves what it measured.
+listed); results are rewritten after the real runs and after each simulation, so a call cut short
+still leaves what it measured.
 The simulated engine runs each workload with the full model and with ablations (the host costs
 that relaunching hides left out; no step-time noise), to show what each part of the model does.
 
@@ -25,7 +26,6 @@ script end to end before spending GPU time (tests/test_sim_vs_real_script.py doe
 
 import argparse
 import copy
-import functools
 import json
 import os
 import sys
@@ -33,13 +33,26 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from inferlab import LLM
+from inferlab.conf import BenchConfig, ProfileConfig
+from inferlab.core.protocols import SimulatedDevice
+from inferlab.experiment.bench import measure
+from inferlab.experiment.profile_job import TimedSteps, host_cost_lines, run_profile
+from inferlab.experiment.report import figure
+from inferlab.experiment.traces import read_trace
+from inferlab.experiment.workload import build_workload
+from inferlab.sim.profile import load_profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import SHAPES, build_checkpoint  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the first 200 requests of Mooncake's conversation trace, which travel with the repository
 SMALL_TRACE = os.path.join(REPO, "tests", "data", "mooncake_conversation_200.jsonl")
-# Compared figures: (result key, label, whether the sim-real difference is shown in %)
+# Compared figures: (result key, label); the hit rate and preemptions without a % difference
 COLUMNS = (
     ("output_tokens_per_s", "tok/s"),
     ("request_throughput", "req/s"),
@@ -59,15 +72,29 @@ NEW_HOST_COSTS = (
     "sampling_setup_s_per_step",
     "sampling_setup_s_per_row",
 )
-
-
 # What a size needs before its first real run (checkpoint, engine start-up, profile) on an H100
 SIZE_LEAST_S = {"0.6b": 150, "8b": 240}
+# the 8B model's steps take several times the 0.6B's: a smaller grid keeps its profile to a minute
 TRIMMED_GRID = dict(
     decode_batches=[1, 4, 16, 64, 128, 256, 512],
     decode_contexts=[512, 2048, 8192, 16384],
     prefill_tokens=[64, 256, 1024, 4096, 16384],
 )
+# the CPU check's engine and profile grid
+TINY_ENGINE = dict(
+    device="cpu",
+    attention="torch",
+    kvcache_block_size=16,
+    num_kvcache_blocks=512,
+    max_model_len=1024,
+    max_num_batched_tokens=512,
+    max_num_seqs=16,
+    overlap_scheduling=False,  # the CPU runner does not run ahead; the sim must not either
+)
+TINY_GRID = dict(repeats=3, decode_batches=[1, 4, 16], decode_contexts=[16, 128], prefill_tokens=[16, 64, 256])
+# the simulations, label: (the profile whole or ablated, its step-time noise's scale); the most telling first, as the
+# budget may end
+VARIANTS = {"sim": ("full", 1.0), "sim, no host costs": ("no host costs", 1.0), "sim, no noise": ("full", 0.0)}
 
 
 @dataclass
@@ -82,14 +109,11 @@ class Workload:
 
 def plan(args) -> list[Workload]:
     workloads = []
-    trace = args.trace
-    from inferlab.experiment.traces import read_trace
-
-    _, requests = read_trace(trace)
+    _, requests = read_trace(args.trace)
     span = requests[min(args.max_requests, len(requests)) - 1].arrival_s
     scales = [float(s) for s in args.time_scales.split(",") if s]
     for i, scale in enumerate(scales):
-        bench = dict(arrival="trace", trace=trace, max_requests=args.max_requests, time_scale=scale, fit=args.fit)
+        bench = dict(arrival="trace", trace=args.trace, max_requests=args.max_requests, time_scale=scale, fit=args.fit)
         workloads.append(Workload(f"trace x{scale:g}", bench, span * scale, i == len(scales) - 1, "trace"))
     rates = [float(r) for r in args.rates.split(",") if r]
     for i, rate in enumerate(rates):
@@ -103,13 +127,6 @@ def card_name(device_name: str) -> str:
         if card in device_name.lower():
             return card
     return device_name.lower().replace("nvidia ", "").split()[0] if device_name else "cpu"
-
-
-def figure(result: dict, key: str):
-    value = result
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
 
 
 def percent(sim, real) -> str:
@@ -135,13 +152,6 @@ def cell(value, key: str) -> str:
 def run_workloads(llm, workloads, deadline: float, reserve_s: float, label: str, log, diagnostics=None) -> None:
     """Each workload once on llm (a fresh prefix cache each), its figures under results[label];
     one that would end past deadline - reserve_s is skipped."""
-    from omegaconf import OmegaConf
-
-    from inferlab.conf import BenchConfig
-    from inferlab.core.protocols import SimulatedDevice
-    from inferlab.experiment.bench import measure
-    from inferlab.experiment.workload import build_workload
-
     for workload in workloads:
         if label == "real" and time.monotonic() + 1.3 * workload.expected_s + 5 > deadline - reserve_s:
             log(f"  skipped {workload.name}: {workload.expected_s:.0f} s would pass the budget")
@@ -156,9 +166,9 @@ def run_workloads(llm, workloads, deadline: float, reserve_s: float, label: str,
         if diagnostics is not None:
             diagnostics.start(workload.name)
         started = time.monotonic()
-        figures, run = measure(llm, built.requests, params)
+        figures, _ = measure(llm, built.requests, params)
         if diagnostics is not None:
-            diagnostics.finish(run)
+            diagnostics.finish()
         figures["offered_request_rate"] = built.summary()["offered_request_rate"]
         figures["num_kvcache_blocks"] = llm.kv_manager.num_blocks
         workload.results[label] = figures
@@ -176,67 +186,43 @@ class HostDiagnostics:
     the idle time before it, against what the profile's host model charges for the same step."""
 
     def __init__(self, llm, profile):
-        from inferlab.sim.cost_model import StepShape
-
-        self.llm, self.profile, self.StepShape = llm, profile, StepShape
-        self.launch_model = profile.host_launch_model()
-        self.limits = llm.runner.graph_limits()
+        self.llm, self.profile, self.launch_model = llm, profile, profile.host_launch_model()
+        self.steps = TimedSteps(llm, llm.runner.graph_limits())
+        self.step, llm.step = llm.step, self._step  # an instance attribute over the method, until close()
         self.by_workload: dict[str, dict] = {}
-        runner = llm.runner
-        self.launch, self.sampling, self.step = runner.launch, getattr(runner, "sampling_tensors", None), llm.step
-        runner.launch, llm.step = self._launch, self._step  # instance attributes over the methods, until close()
-        if self.sampling is not None:
-            runner.sampling_tensors = self._sampling_tensors
 
     def start(self, name: str) -> None:
         self.name, self.rows, self.previous_end = name, [], None
 
     def _step(self):
-        self.current = {"launch_s": 0.0, "wait_s": 0.0, "shape": None, "rebuilt": 0}
+        steps, launches = self.steps, len(self.steps.launches)
+        steps.launch_s = steps.wait_s = steps.overhead_s = 0.0
         start = time.perf_counter()
         output = self.step()
         end = time.perf_counter()
-        row = self.current
-        if row["shape"] is not None:
-            row["step_s"] = end - start
-            row["idle_s"] = start - self.previous_end if self.previous_end is not None else 0.0
-            self.rows.append(row)
+        if len(steps.launches) > launches:  # (StepShape, launch seconds, sampling rows rebuilt)
+            host = end - start - steps.launch_s - steps.wait_s - steps.overhead_s
+            idle = start - self.previous_end if self.previous_end is not None else 0.0
+            self.rows.append((*steps.launches[-1], host, idle))
         self.previous_end = end
         return output
 
-    def _sampling_tensors(self, rows, steps):
-        cached = self.llm.runner._sampling_cache
-        tensors = self.sampling(rows, steps)
-        self.current["rebuilt"] = len(rows) if self.llm.runner._sampling_cache is not cached else 0
-        return tensors
-
-    def _launch(self, batch):
-        row = self.current
-        start = time.perf_counter()
-        handle = self.launch(batch)
-        launched = time.perf_counter()
-        row["launch_s"] = launched - start
-        # read after the launch (which changes no request): its cost is the diagnostics', not the engine's
-        row["shape"], row["requests"] = self.StepShape.of(batch, self.limits), len(batch.requests)
-        row["overhead_s"] = time.perf_counter() - launched
-        return _TimedHandle(handle, self)
-
-    def finish(self, run) -> None:
+    def finish(self) -> None:
         profile = self.profile
         launch_same, launch_new, engine, wake = [], [], [], []
-        for row in self.rows:
-            shape = row["shape"]
+        for shape, launch_s, rebuilt, host, idle in self.rows:
             predicted = self.launch_model(shape) if self.launch_model else 0.0
-            if row["rebuilt"]:
-                predicted += profile.sampling_setup_seconds(row["rebuilt"])
+            if rebuilt:
+                predicted += profile.sampling_setup_seconds(rebuilt)
             predicted *= profile.launch_in_run_factor
-            (launch_new if row["rebuilt"] else launch_same).append((row["launch_s"], predicted))
-            host = row["step_s"] - row["launch_s"] - row["wait_s"] - row["overhead_s"]
-            modeled_host = profile.step_host_seconds(row["requests"], shape.prefill_tokens)
+            (launch_new if rebuilt else launch_same).append((launch_s, predicted))
+            modeled_host = profile.step_host_seconds(
+                shape.prefill_requests + shape.decode_requests, shape.prefill_tokens
+            )
             engine.append((host, modeled_host))
-            if row["idle_s"] > 0.002:  # the host's part of waking up: its launch and own work past the model's
-                extra = row["launch_s"] + host - predicted - modeled_host
-                wake.append((max(extra, 1e-9), profile.idle_wake_seconds(row["idle_s"])))
+            if idle > 0.002:  # the host's part of waking up: its launch and own work past the model's
+                extra = launch_s + host - predicted - modeled_host
+                wake.append((max(extra, 1e-9), profile.idle_wake_seconds(idle)))
 
         def summary(pairs):
             if not pairs:
@@ -257,30 +243,8 @@ class HostDiagnostics:
         }
 
     def close(self) -> None:
-        runner = self.llm.runner
-        del runner.launch, self.llm.step
-        if self.sampling is not None:
-            del runner.sampling_tensors
-
-
-class _TimedHandle:
-    """A step's handle whose wait for tokens counts toward the step that waits (under overlap,
-    the next one)."""
-
-    def __init__(self, handle, diagnostics: HostDiagnostics):
-        self.handle, self.diagnostics = handle, diagnostics
-
-    def tokens(self):
-        start = time.perf_counter()
-        tokens = self.handle.tokens()
-        self.diagnostics.current["wait_s"] += time.perf_counter() - start
-        return tokens
-
-    def placeholders(self):
-        return self.handle.placeholders()
-
-    def __getattr__(self, name):  # whatever else the engine reads of a handle (its logprobs, ...)
-        return getattr(self.handle, name)
+        self.steps.close()
+        del self.llm.step
 
 
 def ablated(profile, path: str, what: str) -> str:
@@ -296,9 +260,6 @@ def ablated(profile, path: str, what: str) -> str:
 def simulate(model_path, engine, profile_path, workloads, deadline, log, variants, written) -> None:
     """Each variant of the simulation replays the workloads the real engine ran; written() after
     each, so that a call cut short keeps what it simulated."""
-    from inferlab import LLM
-    from inferlab.sim.profile import load_profile
-
     profile = load_profile(profile_path)
     for label, (what, noise) in variants.items():
         if time.monotonic() > deadline:
@@ -371,21 +332,46 @@ def tables(size: str, device: str, workloads: list[Workload], variants: list[str
     return "\n".join(lines)
 
 
-def write_results(
-    out: str, report: dict, markdown: list, section: int, size, device, workloads, variants, diagnostics, profile
-) -> None:
-    """sim_vs_real.json and .md with what this size has measured so far (its section of the markdown
-    rewritten)."""
-    report["sizes"][size] = {
-        "profile": os.path.basename(profile),
-        "workloads": {w.name: {"bench": w.bench, **w.results} for w in workloads},
-        "host_diagnostics": diagnostics.by_workload,
-    }
-    markdown[section:] = [tables(size, device, workloads, variants, diagnostics)]
-    with open(os.path.join(out, "sim_vs_real.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    with open(os.path.join(out, "sim_vs_real.md"), "w") as f:
-        f.write("\n".join(markdown))
+def measure_size(size: str, args, engine: dict, device_name: str, deadline: float, report, markdown, log) -> None:
+    """One model size: its checkpoint, profile and real runs on one engine, then the simulations;
+    sim_vs_real.json and .md rewritten with what it has measured so far after each part."""
+    workloads, section = plan(args), len(markdown)
+    if args.tiny:
+        model_path, name, grid = None, "cpu-tiny-torch", TINY_GRID
+    else:
+        base = SHAPES[size]
+        model_path = build_checkpoint(f"/tmp/sim-vs-real-qwen3-{size}", base["num_hidden_layers"], base)
+        name = f"{card_name(device_name)}-qwen3-{size}-triton"
+        grid = dict(repeats=args.profile_repeats, **(TRIMMED_GRID if size == "8b" else {}))
+    log(f"{size}: checkpoint ready ({model_path}); building the engine")
+    profile_path = os.path.join(args.out, f"{name}.json")
+    with LLM(model_path, **engine) as llm:
+        log(f"{size}: engine ready, {llm.kv_manager.num_blocks} KV blocks; profiling")
+        profile = run_profile(llm, ProfileConfig(**grid), f"scripts/sim_vs_real_gpu.py {' '.join(args.argv)}")
+        profile.save(profile_path)
+        log(f"{size}: {len(profile.measurements)} compositions -> {profile_path}")
+        for line in host_cost_lines(profile):
+            log(f"  {line}")
+        diagnostics = HostDiagnostics(llm, profile)
+        # what the simulations need afterwards: about 30 s a size on the device's host
+        run_workloads(llm, workloads, deadline, 45, "real", log, diagnostics)
+        diagnostics.close()
+
+    def written() -> None:
+        report["sizes"][size] = {
+            "profile": os.path.basename(profile_path),
+            "workloads": {w.name: {"bench": w.bench, **w.results} for w in workloads},
+            "host_diagnostics": diagnostics.by_workload,
+        }
+        markdown[section:] = [tables(size, device_name, workloads, list(VARIANTS), diagnostics)]
+        with open(os.path.join(args.out, "sim_vs_real.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        with open(os.path.join(args.out, "sim_vs_real.md"), "w") as f:
+            f.write("\n".join(markdown))
+
+    written()  # the real runs, before the simulations
+    simulate(model_path, engine, profile_path, workloads, deadline, log, VARIANTS, written)
+    log(f"{size}: written sim_vs_real.md and .json")
 
 
 def main(argv=None) -> None:
@@ -405,6 +391,7 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-repeats", type=int, default=6)
     parser.add_argument("--tiny", action="store_true", help="the CPU, the embedded tiny model, tiny settings")
     args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
     started = time.monotonic()
     deadline = started + args.budget_s
     os.makedirs(args.out, exist_ok=True)
@@ -416,86 +403,23 @@ def main(argv=None) -> None:
         log_file.write(line + "\n")
         log_file.flush()
 
-    import torch
-
-    from inferlab import LLM
-    from inferlab.conf import ProfileConfig
-    from inferlab.experiment.profile_job import host_cost_lines, run_profile
-
     args.lengths = {}
     if args.tiny:
         args.trace, args.fit = SMALL_TRACE, "scale"
         args.max_requests, args.num_seqs = min(args.max_requests, 16), min(args.num_seqs, 12)
-        engine = dict(
-            device="cpu",
-            attention="torch",
-            kvcache_block_size=16,
-            num_kvcache_blocks=512,
-            max_model_len=1024,
-            max_num_batched_tokens=512,
-            max_num_seqs=16,
-            overlap_scheduling=False,  # the CPU runner does not run ahead; the sim must not either
-        )
         args.lengths = dict(min_len=16, max_len=128, min_output_len=2, max_output_len=12)
-        profile_settings = ProfileConfig(
-            repeats=3, decode_batches=[1, 4, 16], decode_contexts=[16, 128], prefill_tokens=[16, 64, 256]
-        )
+        engine = TINY_ENGINE
     else:
         engine = dict(attention="triton", max_model_len=args.max_model_len)
     device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.tiny else "cpu"
-    card = card_name(device_name)
     log(f"{device_name}; sizes {args.sizes}; budget {args.budget_s:.0f} s; trace {args.trace}")
-    report = {"device": device_name, "args": {k: v for k, v in vars(args).items()}, "sizes": {}}
+    report = {"device": device_name, "args": dict(vars(args)), "sizes": {}}
     markdown = [f"# The simulator against the real engine on {device_name}", ""]
-    # the most telling first, in case the budget ends
-    variants = {"sim": ("full", 1.0), "sim, no host costs": ("no host costs", 1.0), "sim, no noise": ("full", 0.0)}
-
     for size in args.sizes.split(","):
         if time.monotonic() > deadline - SIZE_LEAST_S.get(size, 60):
             log(f"{size}: not started, {deadline - time.monotonic():.0f} s left of the budget")
             continue
-        workloads = plan(args)
-        if args.tiny:
-            model_path, name = None, "cpu-tiny-torch"
-        else:
-            from bench_gpu import SHAPES, build_checkpoint
-
-            base = SHAPES[size]
-            model_path = build_checkpoint(f"/tmp/sim-vs-real-qwen3-{size}", base["num_hidden_layers"], base)
-            name = f"{card}-qwen3-{size}-triton"
-        if not args.tiny:
-            # the 8B model's steps take several times the 0.6B's: a smaller grid keeps its profile to a minute
-            profile_settings = ProfileConfig(repeats=args.profile_repeats, **(TRIMMED_GRID if size == "8b" else {}))
-        log(f"{size}: checkpoint ready ({model_path}); building the engine")
-        profile_path = os.path.join(args.out, f"{name}.json")
-        with LLM(model_path, **engine) as llm:
-            log(f"{size}: engine ready, {llm.kv_manager.num_blocks} KV blocks; profiling")
-            command = f"scripts/sim_vs_real_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-            profile = run_profile(llm, profile_settings, command)
-            profile.save(profile_path)
-            log(f"{size}: {len(profile.measurements)} compositions -> {profile_path}")
-            for line in host_cost_lines(profile):
-                log(f"  {line}")
-            diagnostics = HostDiagnostics(llm, profile)
-            # what the simulations need afterwards: about 30 s a size on the device's host
-            run_workloads(llm, workloads, deadline, 45, "real", log, diagnostics)
-            diagnostics.close()
-        written = functools.partial(
-            write_results,
-            args.out,
-            report,
-            markdown,
-            len(markdown),
-            size,
-            device_name,
-            workloads,
-            list(variants),
-            diagnostics,
-            profile_path,
-        )
-        written()  # the real runs, before the simulations
-        simulate(model_path, engine, profile_path, workloads, deadline, log, variants, written)
-        log(f"{size}: written sim_vs_real.md and .json")
+        measure_size(size, args, engine, device_name, deadline, report, markdown, log)
     log(f"done in {time.monotonic() - started:.0f} s")
     print("\n".join(markdown))
 

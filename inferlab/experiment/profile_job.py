@@ -212,12 +212,13 @@ def measure_admission(llm, count: int = 64, rounds: int = 5) -> tuple[float, flo
     return max(0.0, per_request[0] - per_token * lengths[0]), per_token
 
 
-class _TimedSteps:
+class TimedSteps:
     """Times the parts of an engine's steps: runner.launch is wrapped (an instance attribute over the
     method, removed by close()) so that each step's launch and its wait for tokens (under overlap,
     the previous step's) are measured apart from the rest, the engine's own work. With `shapes`
     (the runner's graph limits), each launch is also recorded as (StepShape, launch seconds, the
-    rows whose sampling settings it rebuilt: 0 where it kept them)."""
+    rows whose sampling settings it rebuilt: 0 where it kept them); recording it takes overhead_s,
+    which is the timer's, not the engine's."""
 
     def __init__(self, llm, shapes: GraphLimits | None = None):
         self.llm, self.runner, self.shapes = llm, llm.runner, shapes
@@ -225,7 +226,7 @@ class _TimedSteps:
         self.runner.launch = self._launch
         if shapes is not None and self.sampling is not None:
             self.runner.sampling_tensors = self._sampling_tensors
-        self.launch_s = self.wait_s = 0.0
+        self.launch_s = self.wait_s = self.overhead_s = 0.0
         self.launches: list[tuple[StepShape, float, int]] = []
         self.rebuilt = 0
 
@@ -243,14 +244,15 @@ class _TimedSteps:
         self.launch_s += seconds
         if self.shapes is not None:  # read after the launch, which changes no request
             self.launches.append((StepShape.of(batch, self.shapes), seconds, self.rebuilt))
+            self.overhead_s += time.perf_counter() - start - seconds
         return _TimedHandle(handle, self)
 
     def engine_seconds(self) -> float:
-        """One llm.step(), less its launch and its wait for tokens."""
-        self.launch_s = self.wait_s = 0.0
+        """One llm.step(), less its launch, its wait for tokens and the timer's own work."""
+        self.launch_s = self.wait_s = self.overhead_s = 0.0
         start = time.perf_counter()
         self.llm.step()
-        return time.perf_counter() - start - self.launch_s - self.wait_s
+        return time.perf_counter() - start - self.launch_s - self.wait_s - self.overhead_s
 
     def close(self) -> None:
         del self.runner.launch
@@ -259,7 +261,7 @@ class _TimedSteps:
 
 
 class _TimedHandle:
-    def __init__(self, handle, steps: _TimedSteps):
+    def __init__(self, handle, steps: TimedSteps):
         self.handle, self.steps = handle, steps
 
     def tokens(self):
@@ -290,7 +292,7 @@ def measure_step_host(llm, batches=(1, 8, 64, 256), prompts=(256, 2048, 8192), r
     params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
     rows, seconds = [], []
     saved_stats, llm.stats = llm.stats, EngineStats()
-    steps = _TimedSteps(llm)
+    steps = TimedSteps(llm)
     try:
         for size in batches:
             if size > config.max_num_seqs or size > llm.kv_manager.num_free_blocks:
@@ -412,7 +414,7 @@ def measure_launch_in_run(
         requests.append(WorkloadRequest(i, 0.004 * i, rng.integers(0, vocab, length).tolist(), 0))
         params.append(SamplingParams(max_tokens=int(rng.integers(8, 65)), ignore_eos=True, temperature=0.6))
     saved_stats, llm.stats = llm.stats, EngineStats()
-    steps = _TimedSteps(llm, llm.runner.graph_limits())
+    steps = TimedSteps(llm, llm.runner.graph_limits())
     try:
         run_workload(llm, requests, params)
     finally:
