@@ -518,9 +518,14 @@ class LLMEngine:
             with DEFERRED:
                 output = self._step()
                 output.finished = self._take_finished()
+                try:
+                    done = self.is_finished()
+                except BaseException:  # the output never reaches the caller: the next step reports its requests
+                    self.unreported[:0] = output.finished
+                    raise
                 if interrupts.held_back():  # raised on the way out, losing the output: the next step reports these
                     self.unreported[:0] = output.finished
-            if self.is_finished():
+            if done:
                 interrupts.restore()
         return output
 
