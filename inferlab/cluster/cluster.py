@@ -14,6 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from itertools import count
+from time import perf_counter
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -116,6 +117,7 @@ class Cluster:
         self.unreported: list[Request] = []  # finished outside a replica's step (routing failed)
         self.num_routed = 0
         self.num_failed_routes = 0
+        self.route_seconds = 0.0  # the host's time in the router's route(), the views it read included
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -127,19 +129,28 @@ class Cluster:
         metadata: Mapping[str, Any] | None = None,
         arrival_time: float | None = None,
     ) -> int:
-        """Queues one request for routing; returns its id in the cluster. Raises as LLM's
-        add_request does for a prompt no replica could serve."""
+        """Adds one request; returns its id in the cluster. On the host's clock it is routed now; on
+        virtual clocks when its arrival comes among the replicas' steps. Raises as LLM's
+        add_request does for a prompt the replicas would refuse."""
         self.refuse_closed("add_request")
         with self.lock:
             if arrival_time is None:
                 arrival_time = self.clock()
             request = self.fleet.make_request(prompt, params or SamplingParams(), priority, metadata, arrival_time)
             self.requests[request.request_id] = request
-            heapq.heappush(self.arrivals, (request.arrival_time, next(self.arrival_order), request))
+            if self.fleet.virtual:
+                heapq.heappush(self.arrivals, (request.arrival_time, next(self.arrival_order), request))
+                return request.request_id
+            try:
+                self._route(request)
+            except BaseException:
+                self.requests.pop(request.request_id, None)
+                raise
             return request.request_id
 
     def _route(self, request: Request) -> None:
-        """Asks the router for a replica and queues the request there, or fails it."""
+        """Asks the router for a replica and queues the request there, or fails it when the router
+        could not choose. What the chosen replica raises in refusing it is raised."""
         offered = tuple(view for view, replica in zip(self.views, self.fleet.replicas) if replica.alive)
         routed = RoutedRequest(request)
         now = request.arrival_time if self.fleet.virtual else self.clock()
@@ -148,7 +159,11 @@ class Cluster:
         try:
             if not offered:
                 raise RuntimeError("no replica is alive")
-            answer = self.router.route(routed, offered, state)
+            started = perf_counter()
+            try:
+                answer = self.router.route(routed, offered, state)
+            finally:
+                self.route_seconds += perf_counter() - started
             choice = next((view for view in offered if view is answer), None)
             if choice is None:
                 error = PolicyError(
@@ -167,9 +182,9 @@ class Cluster:
         replica = choice._replica
         try:
             self.fleet.queue(replica, request)
-        except (RequestTooLargeError, ValueError) as e:  # this replica's cache is smaller than the first's
-            self._fail(request, f"replica {replica.replica_id} refused it: {e}")
-            return
+        except (ValueError, TypeError) as e:
+            kind = next(k for k in (RequestTooLargeError, ValueError, TypeError) if isinstance(e, k))
+            raise kind(f"replica {replica.replica_id} refused the request: {e}") from e
         self.placement[request.request_id] = replica.replica_id
         self.routed[request.request_id] = routed
 
@@ -189,7 +204,7 @@ class Cluster:
             if request is None:
                 return False
             replica_id = self.placement.get(request_id)
-            if replica_id is None or request_id not in self.routed:  # not routed yet
+            if replica_id is None:  # not routed yet
                 self.arrivals = [entry for entry in self.arrivals if entry[2] is not request]
                 heapq.heapify(self.arrivals)
                 request.status, request.finish_reason, request.finish_time = FINISHED, "abort", self.clock()
@@ -235,12 +250,12 @@ class Cluster:
         self.refuse_closed("step")
         with self.lock:
             fleet = self.fleet
-            if fleet.virtual:  # arrivals and steps in time order
-                while self.arrivals and self.arrivals[0][0] <= fleet.next_step_time():
-                    self._route(heapq.heappop(self.arrivals)[2])
-            else:
-                while self.arrivals:
-                    self._route(heapq.heappop(self.arrivals)[2])
+            while self.arrivals and self.arrivals[0][0] <= fleet.next_step_time():  # in time order
+                request = heapq.heappop(self.arrivals)[2]
+                try:
+                    self._route(request)
+                except (ValueError, TypeError) as e:  # a replica whose cache is smaller than the first's
+                    self._fail(request, str(e))
             finished, self.unreported = self.unreported, []
             for request in finished:
                 self.requests.pop(request.request_id, None)
@@ -306,6 +321,33 @@ class Cluster:
                 bar.close()
             return [outputs[r] if isinstance(r, int) else LLMEngine.error_output(r) for r in results]
 
+    def warm_up(self, prompt, params: SamplingParams) -> None:
+        """One generate on every replica, outside the router and the cluster's requests (a
+        benchmark's warm-up: each replica compiles and captures what it runs)."""
+        self.refuse_closed("warm_up")
+        with self.lock:
+            self.fleet.warm_up(prompt, params)
+
+    def running_requests(self) -> list[Request]:
+        """The requests running on the replicas (a server streams their new tokens after each step)."""
+        return self.fleet.running_requests()
+
+    def gauges(self) -> dict:
+        """The replicas' queues and KV caches summed (a server's /metrics): num_running, num_waiting
+        (requests not yet routed included), num_free_blocks, num_blocks, num_preemptions,
+        prefix_hit_tokens, prefix_queried_tokens."""
+        replicas = [r for r in self.fleet.replicas if r.alive]
+        hits, queried = self.fleet.prefix_cache_stats() or (0, 0)
+        return {
+            "num_running": sum(r.num_running for r in replicas),
+            "num_waiting": sum(r.num_waiting for r in replicas) + len(self.arrivals),
+            "num_free_blocks": sum(r.num_free_blocks for r in replicas),
+            "num_blocks": sum(r.num_blocks for r in replicas),
+            "num_preemptions": sum(stats.num_preemptions for stats in self.fleet.replica_stats()),
+            "prefix_hit_tokens": hits,
+            "prefix_queried_tokens": queried,
+        }
+
     # -- figures and lifetime -----------------------------------------------------------------
 
     @property
@@ -335,6 +377,12 @@ class Cluster:
         self.refuse_closed("reset_prefix_cache")
         with self.lock:
             self.fleet.reset_prefix_cache()
+
+    def reseed(self, seed: int) -> None:
+        """Restarts each simulated replica's step-time noise from seed (a bench's repeat draws from
+        its own), as LLM's runner.reseed does for one engine; nothing for real replicas."""
+        if self.simulated:
+            self.fleet.reseed(seed)
 
     def refuse_closed(self, call: str) -> None:
         if self.closed:

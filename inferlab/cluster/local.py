@@ -162,6 +162,20 @@ class LocalFleet:
     def idle(self) -> bool:
         return self.next_step_time() == float("inf")
 
+    def warm_up(self, prompt, params: SamplingParams) -> None:
+        for engine in self.engines:
+            engine.generate([prompt], params, use_tqdm=False)
+        if self.virtual:
+            self.now = max(self.now, *(engine.clock() for engine in self.engines))
+
+    def on_front(self, read):
+        """read(engine) on the first replica's engine (what records read of an engine: its plugins,
+        device, cache)."""
+        return read(self.front)
+
+    def running_requests(self) -> list[Request]:
+        return [request for engine in self.engines for request in engine.scheduler.running]
+
     def replica_stats(self) -> list[EngineStats]:
         return [engine.stats for engine in self.engines]
 
@@ -179,6 +193,10 @@ class LocalFleet:
     def reset_prefix_cache(self) -> None:
         for engine in self.engines:
             engine.reset_prefix_cache()
+
+    def reseed(self, seed: int) -> None:
+        for engine in self.engines:
+            engine.runner.reseed(seed)  # simulated: Cluster.reseed asks only then
 
     def close(self) -> None:
         for engine in self.engines:

@@ -113,6 +113,21 @@ class BlockPrompt:
             raise IndexError("BlockPrompt index out of range")
         return self.token_ids(i, i + 1)[0]
 
+    def __eq__(self, other) -> bool:
+        """Equal to any sequence of the same ids (comparing makes them)."""
+        if isinstance(other, BlockPrompt) and (other.namespace, other.keys, other.own_key) == (
+            self.namespace,
+            self.keys,
+            self.own_key,
+        ):
+            return (other.block_len, other.num_tokens) == (self.block_len, self.num_tokens)
+        try:
+            return len(other) == self.num_tokens and list(other) == self.token_ids()
+        except TypeError:
+            return NotImplemented
+
+    __hash__ = None
+
     def token_list(self) -> "KeyedTokens":
         """A new engine token list for this prompt (its outputs are appended to it)."""
         return KeyedTokens(self)

@@ -319,6 +319,9 @@ def _mean_and_std(values: list):
         keys = list(dict.fromkeys(k for v in values for k in v))
         pairs = {k: _mean_and_std([v.get(k) for v in values]) for k in keys}
         return {k: m for k, (m, _) in pairs.items()}, {k: s for k, (_, s) in pairs.items() if s is not None}
+    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:  # a cluster's replicas
+        items = [_mean_and_std([v[i] for v in values]) for i in range(len(values[0]))]
+        return [m for m, _ in items], [s for _, s in items]
     if all(_is_number(v) for v in values):
         if all(v == values[0] for v in values):
             return values[0], 0.0  # counts equal in every repeat stay exact integers
