@@ -13,9 +13,11 @@ from inferlab.core.blocks import block_hashes
 from inferlab.core.engine import EngineStats, RequestTooLargeError
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.plugins import PluginError, PluginRegistry
+from inferlab.core.protocols import CachedPrefixLookup
 from inferlab.core.routing import ReplicaView
 from inferlab.experiment.driver import run_workload
 from inferlab.experiment.workload import WorkloadRequest
+from inferlab.plugins.kv_cache.paged import PagedKVCache
 
 CPU = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=16)
 SIM = dict(executor="simulated", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=1024)
@@ -157,7 +159,14 @@ def test_abort_before_and_after_routing_and_observe_sees_aborts():
     assert Recording.ended == [(early, 0, "abort")]
 
 
-def test_cached_prefix_tokens_asks_the_replica_and_leaves_no_trace_on_the_others():
+class NoLookup(PagedKVCache):
+    """The paged manager without CachedPrefixLookup: routers' questions go through admission's."""
+
+    cached_prefix_blocks = None  # a Protocol member set to None is one the object lacks
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "no_lookup"])
+def test_cached_prefix_tokens_asks_the_replica_and_leaves_no_trace_on_the_others(kv_cache):
     seen = {}
 
     class Probing:
@@ -165,8 +174,15 @@ def test_cached_prefix_tokens_asks_the_replica_and_leaves_no_trace_on_the_others
             seen[request.request_id] = [r.cached_prefix_tokens(request) for r in replicas]
             return replicas[0]
 
+    @hookimpl
+    def register_kv_caches(register):
+        register("no_lookup", NoLookup)
+
+    registry = registry_with(probing=Probing)
+    registry.register(types.SimpleNamespace(register_kv_caches=register_kv_caches), name="no_lookup")
     prompt = list(range(3, 3 + 50))  # 3 full blocks of 16, then 2 tokens
-    with Cluster(replicas=2, router="probing", registry=registry_with(probing=Probing), **CPU) as cluster:
+    with Cluster(replicas=2, router="probing", registry=registry, kv_cache=kv_cache, **CPU) as cluster:
+        assert isinstance(cluster.fleet.engines[0].kv_manager, CachedPrefixLookup) == (kv_cache == "paged")
         cluster.generate([prompt], GREEDY, use_tqdm=False)
         second = cluster.add_request(prompt[:40] + [7, 7, 7], GREEDY)
         cluster.step()
@@ -248,3 +264,24 @@ def test_kv_events_name_blocks_as_routers_do():
         assert kv.take_kv_events() == {}
         kv.reset_prefix_cache()
         assert set(kv.take_kv_events().values()) == {False}
+
+
+def test_the_routers_prefix_lookup_agrees_with_admission():
+    """cached_prefix_blocks (a router's question, from the prompt's names) answers what
+    num_cached_prefix_tokens (admission's, confirming every block) does, as the cache fills and evicts."""
+    import random
+
+    from inferlab.core.request import Request
+
+    rng = random.Random(3)
+    stems = [[rng.randrange(3, 380) for _ in range(64)] for _ in range(4)]
+    with LLM(**{**CPU, "num_kvcache_blocks": 12}) as llm:
+        kv = llm.kv_manager
+        for round_ in range(6):
+            prompts = [rng.choice(stems)[: rng.randrange(1, 64)] + [rng.randrange(3, 380)] for _ in range(3)]
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+            for probe in [rng.choice(stems)[: rng.randrange(1, 64)] + [7] for _ in range(8)]:
+                names = block_hashes(probe, 16, (len(probe) - 1) // 16)
+                expected = kv.num_cached_prefix_tokens(Request(10_000 + round_, probe, GREEDY))
+                assert kv.cached_prefix_blocks(names) * 16 == expected
+                kv.free(Request(10_000 + round_, probe, GREEDY))

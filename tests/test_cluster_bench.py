@@ -121,3 +121,32 @@ def test_a_sweep_over_routers_draws_one_latency_line_per_router(tmp_path):
     assert all(line["x"] == [20, 80] for line in series)
     header, _ = report(str(tmp_path))
     assert "router" in header and "load imbalance" in header
+
+
+def test_generate_job_on_a_cluster(capsys):
+    from inferlab.cli import generate
+
+    cfg = compose(
+        [
+            "cluster.replicas=2",
+            "router=least_load",
+            "engine.device=cpu",
+            "engine.num_kvcache_blocks=64",
+            "generate.max_tokens=3",
+        ]
+    )
+    generate(cfg)
+    out = capsys.readouterr().out
+    assert "router=least_load" in out and "9 tokens in" in out
+
+
+def test_bad_router_options_fail_before_a_replica_is_built(monkeypatch, tmp_path):
+    from inferlab.core import engine as engine_module
+    from inferlab.core.plugins import PluginError
+
+    monkeypatch.setattr(engine_module.LLMEngine, "__init__", lambda *a, **k: pytest.fail("an engine was built"))
+    with pytest.raises(PluginError, match="router.overlap_weight must be a finite number >= 0"):
+        run_bench(
+            compose([*SIM, *POISSON, "cluster.replicas=2", "router=kv_aware", "router.overlap_weight=-2"]),
+            str(tmp_path),
+        )

@@ -109,6 +109,8 @@ class Cluster:
         )
         self.simulated = self.fleet.simulated  # its replicas' runners are simulations (SimulatedDevice)
         self.views = [ReplicaView(replica) for replica in self.fleet.replicas]
+        self.offered: tuple[ReplicaView, ...] = ()  # the views of the replicas alive, as of offered_version
+        self.offered_version = -1
         self.requests: dict[int, Request] = {}  # pending, by id
         self.routed: dict[int, RoutedRequest] = {}  # routed and pending: what observe is given
         self.placement: dict[int, int] = {}  # request id -> the replica it was routed to
@@ -151,19 +153,20 @@ class Cluster:
     def _route(self, request: Request) -> None:
         """Asks the router for a replica and queues the request there, or fails it when the router
         could not choose. What the chosen replica raises in refusing it is raised."""
-        offered = tuple(view for view, replica in zip(self.views, self.fleet.replicas) if replica.alive)
+        if self.offered_version != self.fleet.alive_version:  # a replica died since: offer it no more
+            self.offered = tuple(view for view, replica in zip(self.views, self.fleet.replicas) if replica.alive)
+            self.offered_version = self.fleet.alive_version
+        offered = self.offered
         routed = RoutedRequest(request)
         now = request.arrival_time if self.fleet.virtual else self.clock()
+        if not offered:
+            self._fail(request, "no replica is alive: every replica of the cluster died", now)
+            return
         state = ClusterState(now=now, num_routed=self.num_routed, num_replicas=len(self.views))
         choice, error = None, None
+        started = perf_counter()
         try:
-            if not offered:
-                raise RuntimeError("no replica is alive")
-            started = perf_counter()
-            try:
-                answer = self.router.route(routed, offered, state)
-            finally:
-                self.route_seconds += perf_counter() - started
+            answer = self.router.route(routed, offered, state)
             choice = next((view for view in offered if view is answer), None)
             if choice is None:
                 error = PolicyError(
@@ -173,11 +176,11 @@ class Cluster:
         except Exception as e:
             error = PolicyError(f"router {self.router_name!r}: route raised {type(e).__name__}: {e}")
         finally:
-            for replica in self.fleet.replicas:
-                replica.forget_probes(request if choice is not None and replica is choice._replica else None)
+            self.route_seconds += perf_counter() - started
+            self.fleet.forget_probes(request, None if choice is None else choice._replica)
         self.num_routed += 1
         if error is not None:
-            self._fail(request, f"{type(error).__name__}: {error}")
+            self._fail(request, f"{type(error).__name__}: {error}", now)
             return
         replica = choice._replica
         try:
@@ -188,11 +191,11 @@ class Cluster:
         self.placement[request.request_id] = replica.replica_id
         self.routed[request.request_id] = routed
 
-    def _fail(self, request: Request, why: str) -> None:
+    def _fail(self, request: Request, why: str, now: float) -> None:
         request.status = FINISHED
         request.finish_reason = "error"
         request.error = why
-        request.finish_time = self.clock()
+        request.finish_time = now
         self.num_failed_routes += 1
         self.unreported.append(request)
 
@@ -255,7 +258,7 @@ class Cluster:
                 try:
                     self._route(request)
                 except (ValueError, TypeError) as e:  # a replica whose cache is smaller than the first's
-                    self._fail(request, str(e))
+                    self._fail(request, str(e), request.arrival_time)
             finished, self.unreported = self.unreported, []
             for request in finished:
                 self.requests.pop(request.request_id, None)

@@ -10,8 +10,9 @@ import heapq
 from time import perf_counter
 
 from inferlab.core.engine import EngineStats, LLMEngine, StepOutput
-from inferlab.core.protocols import PrefixCacheStats, SimulatedDevice, VirtualTime
+from inferlab.core.protocols import CachedPrefixLookup, PrefixCacheStats, SimulatedDevice, VirtualTime
 from inferlab.core.request import Request
+from inferlab.core.routing import RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
 
 
@@ -26,7 +27,7 @@ class LocalReplica:
         self.block_size = kv.block_size
         self.version = 0  # bumped whenever its queues change, for the sums below
         self._sums: tuple[int, int, int] | None = None  # (version, queued prompt tokens, outstanding tokens)
-        self.probed: list[Request] = []  # requests whose cached prefix a router asked about, not yet routed
+        self.fleet_probes: list = []  # the fleet's list of replicas asked about the request being routed
         self.alive = True  # an in-process replica fails only with the process
         self.heap_version = 0  # the entry of the fleet's heap that is current for it
         self.scheduled = False  # whether it has a current entry
@@ -61,18 +62,14 @@ class LocalReplica:
     def num_outstanding_tokens(self) -> int:
         return self._queue_sums()[1]
 
-    def cached_prefix_tokens(self, request: Request) -> int:
-        # The question the core scheduler asks at admission; the manager's memo of the request is
-        # dropped (free) if another replica gets it.
-        self.probed.append(request)
-        return self.engine.kv_manager.num_cached_prefix_tokens(request)
-
-    def forget_probes(self, chosen: Request | None = None) -> None:
+    def cached_prefix_tokens(self, request: RoutedRequest) -> int:
         kv = self.engine.kv_manager
-        for request in self.probed:
-            if request is not chosen:
-                kv.free(request)
-        self.probed.clear()
+        if isinstance(kv, CachedPrefixLookup):  # the prompt's names are computed once for every replica
+            return kv.cached_prefix_blocks(request.cacheable_block_hashes(self.block_size)) * self.block_size
+        # Otherwise the question the core scheduler asks at admission; the manager's memo of the
+        # request is dropped (free) if another replica gets it (LocalFleet.forget_probes).
+        self.fleet_probes.append(self)
+        return kv.num_cached_prefix_tokens(request._request)
 
     def busy(self) -> bool:
         return not self.engine.is_finished()
@@ -83,6 +80,10 @@ class LocalFleet:
 
     def __init__(self, engines: list[LLMEngine]):
         self.replicas = [LocalReplica(i, engine) for i, engine in enumerate(engines)]
+        self.probed: list[LocalReplica] = []  # asked about the request being routed, through its KV manager
+        for replica in self.replicas:
+            replica.fleet_probes = self.probed
+        self.alive_version = 0  # in-process replicas never die alone
         self.engines = engines
         self.front = engines[0]  # makes every request (one id counter, one seed stream) and decodes outputs
         runners = [engine.runner for engine in engines]
@@ -121,6 +122,13 @@ class LocalFleet:
             engine.wait_until(request.arrival_time)  # an idle replica's clock catches up with the arrival
         engine.queue(request)
         self.schedule(replica)
+
+    def forget_probes(self, request: Request, chosen: LocalReplica | None) -> None:
+        """Drops what the KV managers asked about `request` keep of it, but on the chosen replica."""
+        for replica in self.probed:
+            if replica is not chosen:
+                replica.engine.kv_manager.free(request)
+        self.probed.clear()
 
     def make_request(self, prompt, params: SamplingParams, priority: int, metadata, arrival_time: float) -> Request:
         return self.front.make_request(prompt, params, priority, metadata, arrival_time)

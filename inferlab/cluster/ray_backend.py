@@ -15,10 +15,11 @@ import time
 from time import perf_counter
 from types import SimpleNamespace
 
-from inferlab.core.blocks import BlockPrompt, block_hashes
+from inferlab.core.blocks import BlockPrompt
 from inferlab.core.engine import EngineStats, LLMEngine, StepOutput, as_token_ids, outside_range
 from inferlab.core.protocols import KVCacheEvents, PrefixCacheStats
 from inferlab.core.request import Request, RequestStatus
+from inferlab.core.routing import RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
 
 POLL_S = 0.01  # how long the driver waits for a report before it looks at its own inbox again
@@ -42,6 +43,8 @@ class ReplicaActor:
         self.thread.start()
 
     def info(self) -> dict:
+        import ray
+
         engine = self.engine
         kv = engine.kv_manager
         checkpoint = engine.runner.checkpoint
@@ -52,6 +55,7 @@ class ReplicaActor:
             "model_path": engine.model_path,
             "num_blocks": kv.num_blocks,
             "block_size": kv.block_size,
+            "node": ray.get_runtime_context().get_node_id(),
         }
 
     def clock(self) -> float:
@@ -201,17 +205,13 @@ class RayReplica:
         self.prefix: tuple[int, int] | None = None
         self.poll = None  # the poll in flight
 
-    def cached_prefix_tokens(self, request: Request) -> int:
-        bs = self.block_size
+    def cached_prefix_tokens(self, request: RoutedRequest) -> int:
         hits = 0
-        for name in block_hashes(request.token_ids, bs, (request.num_prompt_tokens - 1) // bs):
+        for name in request.cacheable_block_hashes(self.block_size):
             if name not in self.cached:
                 break
             hits += 1
-        return hits * bs
-
-    def forget_probes(self, chosen=None) -> None:
-        """Nothing to forget: the driver asked no actor."""
+        return hits * self.block_size
 
 
 class RayFleet:
@@ -246,10 +246,13 @@ class RayFleet:
             self.actors = [remote.remote(model_path, dict(settings)) for _ in range(replicas)]
             infos = ray.get([actor.info.remote() for actor in self.actors])
             self.replicas = []
+            node = ray.get_runtime_context().get_node_id()
             for i, (actor, info) in enumerate(zip(self.actors, infos)):
-                before = perf_counter()
-                actor_clock = ray.get(actor.clock.remote())
-                offset = (before + perf_counter()) / 2 - actor_clock
+                offset = 0.0  # perf_counter is one clock for every process of a machine
+                if info["node"] != node:  # another machine's: estimated from a round trip
+                    before = perf_counter()
+                    actor_clock = ray.get(actor.clock.remote())
+                    offset = (before + perf_counter()) / 2 - actor_clock
                 self.replicas.append(RayReplica(i, actor, info, offset))
         except BaseException:
             self._shutdown()
@@ -262,6 +265,7 @@ class RayFleet:
             model_path=front["model_path"],
         )
         self.next_request_id = 0
+        self.alive_version = 0  # bumped when an actor dies
         self.outputs: dict[int, dict] = {}  # finished request id -> the result its actor made
         for replica in self.replicas:
             self._poll(replica)
@@ -332,6 +336,9 @@ class RayFleet:
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def forget_probes(self, request: Request, chosen: RayReplica | None) -> None:
+        """Nothing to forget: the driver's answers asked no actor."""
+
     def clock(self) -> float:
         return perf_counter()
 
@@ -379,9 +386,11 @@ class RayFleet:
                 continue
             request.status = RUNNING
             request.token_ids += ids
-            request.token_times += [t + offset for t in times]
+            # another machine's clock, estimated, must not put a request's events before its arrival
+            arrival = request.arrival_time
+            request.token_times += [max(t + offset, arrival) for t in times]
             if first_scheduled is not None:
-                request.first_scheduled_time = first_scheduled + offset
+                request.first_scheduled_time = max(first_scheduled + offset, arrival)
             request.num_cached_tokens, request.num_preemptions = cached, preemptions
         finished = []
         for request_id, reason, error, finish_time, output in report["finished"]:
@@ -389,7 +398,7 @@ class RayFleet:
             if request is None:
                 continue
             request.status, request.finish_reason, request.error = FINISHED, reason, error
-            request.finish_time = finish_time + offset
+            request.finish_time = max(finish_time + offset, request.arrival_time)
             self.outputs[request_id] = output
             finished.append(request)
         for name, cached in report["kv_events"].items():
@@ -417,6 +426,7 @@ class RayFleet:
     def _die(self, replica: RayReplica, error: Exception) -> list[Request]:
         """A dead actor: its requests end with an error naming it, and the router no longer sees it."""
         replica.alive = False
+        self.alive_version += 1
         why = f"replica {replica.replica_id} died: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         finished = []
         for request in replica.requests.values():

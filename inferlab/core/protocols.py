@@ -2,7 +2,7 @@
 capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance.
 Every member the core reads of a plugin is declared here."""
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -169,6 +169,17 @@ class KVCacheEvents(Protocol):
         """The hashes whose presence in the prefix cache changed since the previous call, each
         with whether it is cached now. The first call returns every cached hash (True) and starts
         the record; before it, nothing is recorded."""
+
+
+@runtime_checkable
+class CachedPrefixLookup(Protocol):
+    """Optional KV manager capability: a router's question, how much of a prompt another replica's
+    cache holds, answered from the prompt's block names alone (computed once for every replica)."""
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks these chained hashes (inferlab.core.blocks) name the prefix
+        cache holds now, without side effects. The names are trusted: two prompts whose names collide
+        in 64 bits would be counted alike (admission, which confirms every hit, never is)."""
 
 
 @dataclass(frozen=True, slots=True)

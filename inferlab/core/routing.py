@@ -69,6 +69,11 @@ class RoutedRequest:
         prompt_block_hashes)."""
         return tuple(self._request.token_ids[: self._request.num_prompt_tokens])
 
+    def cacheable_block_hashes(self, block_size: int) -> tuple[int, ...]:
+        """The names of the blocks a prefix cache could serve: those before the prompt's last token
+        (which is always computed, for its logits)."""
+        return self.prompt_block_hashes(block_size)[: (self.num_prompt_tokens - 1) // block_size]
+
     def prompt_block_hashes(self, block_size: int) -> tuple[int, ...]:
         """The chained names (inferlab.core.blocks) of the prompt's full blocks of block_size
         tokens: two prompts share their first k names exactly when they share their first k
@@ -94,8 +99,8 @@ class ReplicaState(Protocol):
     num_queued_prompt_tokens: int
     num_outstanding_tokens: int
 
-    def cached_prefix_tokens(self, request: Request) -> int:
-        """Leading prompt tokens of the request its prefix cache holds now."""
+    def cached_prefix_tokens(self, request: "RoutedRequest") -> int:
+        """Leading prompt tokens of the request its prefix cache holds now (the last one never)."""
 
 
 class ReplicaView:
@@ -157,4 +162,4 @@ class ReplicaView:
     def cached_prefix_tokens(self, request: RoutedRequest) -> int:
         if not isinstance(request, RoutedRequest):
             raise TypeError(f"cached_prefix_tokens takes the RoutedRequest being routed, got {type(request).__name__}")
-        return self._replica.cached_prefix_tokens(request._request)
+        return self._replica.cached_prefix_tokens(request)

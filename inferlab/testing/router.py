@@ -47,10 +47,9 @@ class FakeReplica:
         self.num_outstanding_tokens = 0
         self.cached: set[int] = set()
 
-    def cached_prefix_tokens(self, request: Request) -> int:
-        names = block_hashes(request.token_ids, self.block_size, (request.num_prompt_tokens - 1) // self.block_size)
+    def cached_prefix_tokens(self, request: RoutedRequest) -> int:
         hits = 0
-        for name in names:
+        for name in request.cacheable_block_hashes(self.block_size):
             if name not in self.cached:
                 break
             hits += 1

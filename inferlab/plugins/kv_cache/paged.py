@@ -96,6 +96,18 @@ class PagedKVCache:
         self.last_lookup = (*key, hits)
         return hits
 
+    def cached_prefix_blocks(self, block_hashes) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        hits, parent_id = 0, 0
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is None or self.block_parent_id[block] != parent_id:
+                break
+            hits += 1
+            parent_id = self.block_content_id[block]
+        return hits
+
     def num_cached_prefix_tokens(self, request: Request) -> int:
         return len(self._prefix_hits(request)) * self.block_size
 
