@@ -285,3 +285,9 @@ def test_the_routers_prefix_lookup_agrees_with_admission():
                 expected = kv.num_cached_prefix_tokens(Request(10_000 + round_, probe, GREEDY))
                 assert kv.cached_prefix_blocks(names) * 16 == expected
                 kv.free(Request(10_000 + round_, probe, GREEDY))
+
+
+def test_a_cluster_refuses_several_choices_a_request():
+    with Cluster(replicas=2, **CPU) as cluster:
+        with pytest.raises(ValueError, match="a cluster serves one choice a request"):
+            cluster.add_request([5, 6, 7], SamplingParams(n=2, max_tokens=2))

@@ -49,8 +49,9 @@ def test_a_cluster_serves_the_openai_api_from_every_replica(one_torch_thread):
         assert [ids for _, ids in results] == expected
         assert set(cluster.placement.values()) == {0, 1}
         metrics = httpx.get(f"{server.url}/metrics").text
-        blocks = float(re.search(r"^inferlab_kv_cache_blocks ([0-9.e+]+)$", metrics, re.M)[1])
-        assert blocks == 2 * 128
+        usage = float(re.search(r"^inferlab:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", metrics, re.M)[1])
+        assert usage == 0.0  # every replica's blocks free again
+        assert cluster.gauges()["num_blocks"] == 2 * 128
         models = httpx.get(f"{server.url}/v1/models").json()
         assert models["data"][0]["id"]
 

@@ -135,6 +135,11 @@ class Cluster:
         virtual clocks when its arrival comes among the replicas' steps. Raises as LLM's
         add_request does for a prompt the replicas would refuse."""
         self.refuse_closed("add_request")
+        if params is not None and params.n > 1:
+            raise ValueError(
+                f"a cluster serves one choice a request (n=1), got n={params.n}: add n requests (a router may "
+                "send them to different replicas), or use one engine"
+            )
         with self.lock:
             if arrival_time is None:
                 arrival_time = self.clock()
