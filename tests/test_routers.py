@@ -100,6 +100,9 @@ def test_kv_aware_weighs_cached_prefix_against_load():
     assert make("kv_aware", overlap_weight=1.0).route(request, tuple(offered), state()).replica_id == 1
     assert make("kv_aware", overlap_weight=10.0).route(request, tuple(offered), state()).replica_id == 0
     assert make("kv_aware", overlap_weight=0.0).route(request, tuple(offered), state()).replica_id == 1
+    # replica 1's queued prompt tokens (200: 50 blocks) are blocks it will occupy, not weighted: 21.25 < 54.25
+    offered[1]._replica.num_queued_prompt_tokens = 200
+    assert make("kv_aware", overlap_weight=1.0).route(request, tuple(offered), state()).replica_id == 0
 
 
 def test_prefix_aware_follows_the_longest_prefix_it_sent():

@@ -2,10 +2,11 @@
 
     cost = overlap_weight * prefill_blocks + decode_blocks
 
-where prefill_blocks are the blocks of prompt the replica would have to compute (those it has
-queued, plus this prompt less the prefix its cache holds now) and decode_blocks the blocks its
-requests hold. overlap_weight 0 balances load alone; higher values favour cache hits (TTFT) over
-even load (ITL). Ties go to the lowest replica_id."""
+where prefill_blocks are the blocks of this prompt the replica would have to compute (the prompt
+less the prefix its cache holds now) and decode_blocks the blocks its requests occupy: those they
+hold, and those its queued prompt tokens will take (Dynamo's active blocks, which count a request
+from its routing on). overlap_weight 0 balances load alone; higher values favour cache hits (TTFT)
+over even load (ITL). Ties go to the lowest replica_id."""
 
 import math
 from dataclasses import dataclass
@@ -28,9 +29,9 @@ class KVAwareRouter:
         self.overlap_weight = overlap_weight
 
     def cost(self, request, replica) -> float:
-        uncached = request.num_prompt_tokens - replica.cached_prefix_tokens(request)
-        prefill_blocks = (replica.num_queued_prompt_tokens + uncached) / replica.block_size
-        decode_blocks = replica.num_blocks - replica.num_free_blocks
+        block_size = replica.block_size
+        prefill_blocks = (request.num_prompt_tokens - replica.cached_prefix_tokens(request)) / block_size
+        decode_blocks = replica.num_blocks - replica.num_free_blocks + replica.num_queued_prompt_tokens / block_size
         return self.overlap_weight * prefill_blocks + decode_blocks
 
     def route(self, request, replicas, state):
