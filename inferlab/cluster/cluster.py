@@ -116,9 +116,10 @@ class Cluster:
         self.placement: dict[int, int] = {}  # request id -> the replica it was routed to
         self.arrivals: list[tuple[float, int, Request]] = []  # added, not yet routed: a heap by arrival
         self.arrival_order = count()
-        self.unreported: list[Request] = []  # finished outside a replica's step (routing failed)
+        self.unreported: list[Request] = []  # finished outside a replica's step (routing failed, aborted unrouted)
         self.num_routed = 0
         self.num_failed_routes = 0
+        self.num_unrouted_aborts = 0
         self.route_seconds = 0.0  # the host's time in the router's route(), the views it read included
 
     # -- requests -----------------------------------------------------------------------------
@@ -216,6 +217,8 @@ class Cluster:
                 self.arrivals = [entry for entry in self.arrivals if entry[2] is not request]
                 heapq.heapify(self.arrivals)
                 request.status, request.finish_reason, request.finish_time = FINISHED, "abort", self.clock()
+                self.unreported.append(request)  # the next step reports it, as a replica reports its aborts
+                self.num_unrouted_aborts += 1
                 return True
             replica = self.fleet.replicas[replica_id]
             aborted = self.fleet.abort(replica, request_id)
@@ -364,12 +367,13 @@ class Cluster:
     @property
     def stats(self) -> EngineStats:
         """The replicas' counters summed (the seconds are replica-seconds), plus the requests whose
-        routing failed. Assigning a fresh EngineStats resets every replica's."""
+        routing failed or that were aborted before routing. Assigning a fresh EngineStats resets every replica's."""
         total = EngineStats()
         for stats in self.fleet.replica_stats():
             for f in fields(EngineStats):
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
         total.num_failed_requests += self.num_failed_routes
+        total.num_aborted_requests += self.num_unrouted_aborts
         return total
 
     @stats.setter
@@ -377,7 +381,7 @@ class Cluster:
         if value != EngineStats():
             raise ValueError("a cluster's stats can only be reset (assign EngineStats())")
         self.fleet.reset_stats()
-        self.num_failed_routes = 0
+        self.num_failed_routes = self.num_unrouted_aborts = 0
 
     def prefix_cache_stats(self) -> tuple[int, int] | None:
         """(tokens served from the replicas' prefix caches, tokens looked up), or None when their KV

@@ -14,7 +14,7 @@ from inferlab.experiment.bench import run_bench
 from inferlab.experiment.report import latency_series, load_results, report
 from inferlab.experiment.workload import build_workload
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 MOONCAKE = os.path.join(DATA, "mooncake_conversation_200.jsonl")
 SIM = [
     "job=bench",

@@ -153,8 +153,11 @@ def test_abort_before_and_after_routing_and_observe_sees_aborts():
         cluster.step()  # routes `early` (due), steps it once
         assert cluster.abort(late) and cluster.abort(early)
         assert not cluster.abort(early)
-        while not cluster.is_finished():  # the aborted request's step, launched, is read back
-            assert cluster.step().finished == []
+        ended = []
+        while not cluster.is_finished():  # each aborted request is reported by a step, as LLM's are
+            ended += [(r.request_id, r.finish_reason) for r in cluster.step().finished]
+        assert cluster.stats.num_aborted_requests == 2
+    assert sorted(ended) == [(early, "abort"), (late, "abort")]
     assert [id_ for id_, *_ in Recording.seen] == [early]  # `late` was never routed
     assert Recording.ended == [(early, 0, "abort")]
 
