@@ -56,6 +56,24 @@ def test_bench_on_a_simulated_cluster(tmp_path, capsys):
     assert "simulated requests a second of host time" in out
 
 
+def test_each_repeat_reseeds_every_simulated_replicas_noise(tmp_path):
+    """Repeat i's step-time noise draws from bench.seed + i on every replica, as on one engine: the
+    second repeat of seed 0 is the first of seed 1."""
+    from inferlab.sim.profile import load_profile
+
+    profile = load_profile("h200-qwen3-0.6b-triton")
+    for m in profile.measurements:
+        m["seconds_std"] = 0.05 * m["seconds"]
+    path = tmp_path / "noisy.json"
+    profile.save(str(path))
+    trace = ["bench.arrival=trace", f"bench.trace={MOONCAKE}", "bench.max_requests=12", "bench.fit=scale"]
+    args = [*SIM, *trace, f"executor.profile={path}", "engine.max_model_len=4096", "cluster.replicas=2"]
+    two = run_bench(compose([*args, "bench.repeats=2"]), str(tmp_path / "two"))
+    one = run_bench(compose([*args, "bench.seed=1"]), str(tmp_path / "one"))
+    assert two["repeats"][0]["ttft_s"]["p50"] != two["repeats"][1]["ttft_s"]["p50"]
+    assert two["repeats"][1]["ttft_s"] == pytest.approx(one["ttft_s"], rel=1e-9)
+
+
 def test_one_replica_stays_the_single_engine(tmp_path):
     result = run_bench(compose([*SIM, *POISSON]), str(tmp_path))
     assert "replicas" not in result and "cluster" not in result and "router" not in result["plugins"]
