@@ -1,5 +1,6 @@
 """inferlab: a small, fast LLM inference engine built from swappable plugins."""
 
+from inferlab.cluster import Cluster
 from inferlab.core.engine import LLMEngine
 from inferlab.core.sampling_params import SamplingParams
 
@@ -10,4 +11,4 @@ class LLM(LLMEngine):
     """The user-facing engine, as in nano-vllm: LLM(model_path, **settings).generate(...)."""
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Cluster", "LLMEngine", "SamplingParams", "__version__"]

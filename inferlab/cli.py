@@ -3,6 +3,7 @@
     inferlab                                   complete a few prompts on the embedded tiny model
     inferlab model.path=DIR scheduler=lpm      any plugin choice or setting, as Hydra overrides
     inferlab job=bench bench.num_seqs=64       nano-vllm's bench.py workload -> result.json
+    inferlab cluster.replicas=4 router=kv_aware   any job on four engines behind a router
     inferlab -m job=bench scheduler=fcfs,lpm   a sweep: one result.json per run
 
 Plugins installed in the environment are options of their kind's group, with their own
@@ -29,7 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import inferlab
-from inferlab.conf import AUTO_CHOICE_KINDS, JobName, engine_arguments, store_configs
+from inferlab.conf import AUTO_CHOICE_KINDS, JobName, cluster_arguments, engine_arguments, store_configs
 from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import PolicyError, SchedulerStallError
@@ -141,10 +142,12 @@ def is_user_error(error: Exception) -> bool:
 
 def generate(cfg: DictConfig) -> None:
     model_path, settings = engine_arguments(cfg)
+    cluster = cluster_arguments(cfg)
     job = cfg.generate
     params = SamplingParams(temperature=job.temperature, max_tokens=job.max_tokens, ignore_eos=job.ignore_eos)
     prompts = list(job.prompts)
-    with inferlab.LLM(model_path, **settings) as llm:
+    llm = inferlab.Cluster(model_path, **cluster, **settings) if cluster else inferlab.LLM(model_path, **settings)
+    with llm:
         plugins = resolved_plugins(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=job.use_tqdm)

@@ -19,8 +19,9 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from inferlab.conf.bench import BenchConfig, validate_bench
+from inferlab.conf.cluster import ClusterConfig, validate_cluster
 from inferlab.core.config import EngineConfig
-from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.core.plugins import ENGINE_KINDS, KINDS, PluginRegistry, get_registry
 
 # Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
 AUTO_CHOICE_KINDS = ("attention", "model")
@@ -137,7 +138,9 @@ class InferlabConfig:
     attention: Any = MISSING
     sampler: Any = MISSING
     executor: Any = MISSING
+    router: Any = MISSING
     engine: EngineSettings = field(default_factory=EngineSettings)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job: JobConfig = MISSING
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
@@ -187,20 +190,33 @@ def compose(overrides: list[str] = (), registry: PluginRegistry | None = None) -
         cfg = hydra_compose("config", overrides=list(overrides))
     if cfg.job.name == JobName.bench:
         validate_bench(cfg.bench)  # settings that cannot run fail here, before any model loads
+    validate_cluster(cfg.cluster)
     return cfg
 
 
 def engine_arguments(cfg: DictConfig) -> tuple[str | None, dict]:
-    """(model_path, settings) such that LLM(model_path, **settings) is the engine cfg describes."""
+    """(model_path, settings) such that LLM(model_path, **settings) is the engine cfg describes
+    (each replica, for a cluster)."""
     settings = OmegaConf.to_container(cfg.engine, resolve=True)
     model_path = None
-    for kind in KINDS:
+    for kind in ENGINE_KINDS:
         options = OmegaConf.to_container(cfg[kind], resolve=True)
         settings[kind] = options.pop("name")
         if kind == "model":
             model_path = options.pop("path")
         settings[f"{kind}_options"] = options
     return model_path, settings
+
+
+def cluster_arguments(cfg: DictConfig) -> dict | None:
+    """The keyword arguments Cluster takes besides the engine's (replicas, router and its options,
+    backend, gpus_per_replica, ray_address), or None when cfg describes today's single engine (one
+    replica, local)."""
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    if cluster["replicas"] == 1 and cluster["backend"] == "local":
+        return None
+    router = OmegaConf.to_container(cfg.router, resolve=True)
+    return {**cluster, "router": router.pop("name"), "router_options": router}
 
 
 def flat_choices(cfg: DictConfig) -> dict[str, Any]:
@@ -211,7 +227,7 @@ def flat_choices(cfg: DictConfig) -> dict[str, Any]:
         node = OmegaConf.to_container(cfg[kind], resolve=True)
         choices[kind] = node.pop("name")
         choices.update({f"{kind}.{key}": value for key, value in node.items()})
-    for section in ("engine", "bench"):
+    for section in ("engine", "cluster", "bench"):
         node = OmegaConf.to_container(cfg[section], resolve=True)
         choices.update({f"{section}.{key}": value for key, value in node.items()})
     return choices

@@ -59,6 +59,7 @@ class BenchConfig:
     trace: str | None = None
     time_scale: float = 1.0  # multiplies the trace's inter-arrival times: 0.5 replays twice as fast
     max_requests: int | None = None  # the trace's first requests only; None: all
+    trace_copies: int = 1  # K superimposed copies of the trace, each with its own users (disjoint hash ids)
     # Every workload: lengths fitted to max_model_len. clip: prompts to max_model_len - 1, then
     # outputs to what is left; scale: every length times the factor that makes the longest fit.
     fit: str = "clip"
@@ -73,6 +74,9 @@ class BenchConfig:
     # seed + i (a trace keeps its timestamps and lengths); figures are their means, with ci95.
     repeats: int = 1
     timeline: bool = False
+    # Every output token's time (ITL); false keeps the first and last of each request, for runs of
+    # a million requests whose token times would not fit in memory.
+    record_token_times: bool = True
     # A running server (`inferlab job=serve`) to send the workload to over HTTP, e.g.
     # http://127.0.0.1:8000, instead of building an engine here (inferlab.experiment.http_client).
     url: str | None = None
@@ -135,6 +139,11 @@ def bench_problems(bench) -> list[str]:
     check(
         bench.max_requests is not None and bench.max_requests < 1,
         f"bench.max_requests must be >= 1 or null, got {bench.max_requests}",
+    )
+    check(bench.trace_copies < 1, f"bench.trace_copies must be >= 1, got {bench.trace_copies}")
+    check(
+        bench.trace_copies != 1 and arrival in ARRIVALS and arrival != "trace",
+        f"bench.trace_copies applies to arrival=trace, not {arrival}",
     )
     if arrival in ("poisson", "gamma"):
         check(

@@ -19,9 +19,10 @@ import torch
 from tqdm.auto import tqdm
 
 from inferlab.core import interrupts
+from inferlab.core.blocks import BlockPrompt
 from inferlab.core.config import EngineConfig
 from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
-from inferlab.core.plugins import KINDS, PluginRegistry, get_registry, validated_options
+from inferlab.core.plugins import ENGINE_KINDS, PluginRegistry, get_registry, validated_options
 from inferlab.core.protocols import (
     AdmissionCost,
     LogitsProcessingSampler,
@@ -197,7 +198,7 @@ class LLMEngine:
         started = perf_counter()
         config = EngineConfig.from_kwargs(model_path, kwargs)
         self.registry = registry or get_registry()
-        for kind in KINDS:  # a misspelled plugin or option fails before anything heavy loads
+        for kind in ENGINE_KINDS:  # a misspelled plugin or option fails before anything heavy loads
             name = getattr(config, kind)
             if name != "auto":
                 validated_options(self.registry.get(kind, name), getattr(config, f"{kind}_options"))
@@ -289,12 +290,20 @@ class LLMEngine:
                 token_ids = self.tokenizer.encode(prompt)
             except Exception as e:  # the tokenizer's own error type (a Rust panic, say) would name no prompt
                 raise ValueError(f"the tokenizer could not encode the prompt: {type(e).__name__}: {e}") from e
+        elif isinstance(prompt, BlockPrompt):
+            token_ids = prompt  # the Request keeps its blocks' keys, not its ids
         else:
             token_ids = as_token_ids(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.hf_config.vocab_size
-        if outside_range(token_ids, vocab):
+        if isinstance(token_ids, BlockPrompt):
+            if token_ids.id_bound > vocab:
+                raise ValueError(
+                    f"the prompt's blocks hold token ids up to {token_ids.id_bound - 1}, outside the vocabulary: "
+                    f"ids must be in [0, {vocab})"
+                )
+        elif outside_range(token_ids, vocab):
             bad = [t for t in token_ids if not 0 <= t < vocab]
             raise ValueError(f"token ids {bad[:10]} are outside the vocabulary: ids must be in [0, {vocab})")
         max_len = self.config.max_model_len
@@ -398,6 +407,20 @@ class LLMEngine:
                 request = self.make_request(prompt, params or SamplingParams(), priority, metadata, arrival_time)
                 self._add(request)
         return request.request_id
+
+    def queue(self, request: Request) -> None:
+        """Queues a request that make_request built: this engine's, or another's with the same
+        settings (a cluster makes each request once, with an id unique in the cluster, and queues
+        it on the replica its router chose). RequestTooLargeError if this engine's cache could
+        never hold it; ValueError if a request with its id is pending here."""
+        self.refuse_reentry("queue")
+        with self.lock:
+            interrupts.install()
+            with DEFERRED:
+                if request.request_id in self.requests:
+                    raise ValueError(f"request id {request.request_id} is already pending on this engine")
+                self.check_fits_cache(request.num_prompt_tokens, request.params)
+                self._add(request)
 
     def _add(self, request: Request) -> None:
         """Queues a request made by make_request: its first choice, while the others wait for its

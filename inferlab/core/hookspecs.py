@@ -43,7 +43,9 @@ def register_kv_caches(register):
     """KV cache managers. factory(config: EngineConfig, num_blocks: int, **options) -> KVCacheManager.
     num_blocks is what the runner allocated; the block size is config.kvcache_block_size.
     Optional capabilities of the manager: PrefixCacheStats (prefix hits in a run's
-    records), PrefixCacheReset (a bench's timed pass starts with an empty prefix cache)."""
+    records), PrefixCacheReset (a bench's timed pass starts with an empty prefix cache),
+    CachedPrefixLookup (a router's question about a cached prefix, from the prompt's block names),
+    KVCacheEvents (which block names enter and leave the cache, for a router in another process)."""
 
 
 @hookspec
@@ -88,6 +90,15 @@ def register_executors(register):
     `executor=name` selects one; `real` is the default.
     Optional capabilities of the runner: AdmissionCost (the host's time to add a request,
     on a clock not the host's), OnDevice (the device, dtypes and attention backend a bench records
-    and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device),
+    and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device), VirtualTime (its clock is a
+    simulation's own, so that a cluster runs such replicas in the order of their clocks),
     SamplesLogits (its sampler, whose capabilities decide what requests may ask beyond plain
     sampling; its launch then returns a LogprobsStepHandle, whose logprobs() the engine reads)."""
+
+
+@hookspec
+def register_routers(register):
+    """Routers: which replica of a cluster serves each request (`router=name` with
+    `cluster.replicas=N`, docs/cluster.md). factory(**options) -> Router. A router decides over
+    read-only views (inferlab.core.routing); the cluster carries its choice out.
+    Optional capabilities of the router: ObservingRouter (each routed request's end, on its replica)."""

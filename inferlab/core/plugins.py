@@ -26,7 +26,10 @@ KINDS: dict[str, tuple[str, type]] = {
     "model": ("register_models", protocols.Model),
     "sampler": ("register_samplers", protocols.Sampler),
     "executor": ("register_executors", protocols.Runner),
+    "router": ("register_routers", protocols.Router),
 }
+# The kinds an engine is built from: a router chooses between engines, so a cluster holds it.
+ENGINE_KINDS = tuple(kind for kind in KINDS if kind != "router")
 
 
 class PluginError(LookupError):

@@ -2,7 +2,7 @@
 capabilities a plugin may add, each a small Protocol of its own that the core checks with isinstance.
 Every member the core reads of a plugin is declared here."""
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -11,6 +11,7 @@ import torch
 from inferlab.core.batch import AttentionInputs, SamplingTensors, ScheduledBatch
 from inferlab.core.checkpoint import Checkpoint
 from inferlab.core.request import Request, RequestView
+from inferlab.core.routing import ReplicaView, RoutedRequest
 
 
 @runtime_checkable
@@ -156,6 +157,61 @@ class ReadsMetadata(Protocol):
     an int; keys absent from a request's metadata are allowed."""
 
     metadata_fields: Mapping[str, type | tuple[type, ...]]
+
+
+@runtime_checkable
+class KVCacheEvents(Protocol):
+    """Optional KV manager capability: what entered and left the prefix cache, named by the chained
+    block hashes of inferlab.core.blocks (block_hashes of a request's tokens), so that a router in
+    another process can count a replica's cached prefix (a cluster on Ray)."""
+
+    def take_kv_events(self) -> dict[int, bool]:
+        """The hashes whose presence in the prefix cache changed since the previous call, each
+        with whether it is cached now. The first call returns every cached hash (True) and starts
+        the record; before it, nothing is recorded."""
+
+
+@runtime_checkable
+class CachedPrefixLookup(Protocol):
+    """Optional KV manager capability: a router's question, how much of a prompt another replica's
+    cache holds, answered from the prompt's block names alone (computed once for every replica)."""
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many of the leading blocks these chained hashes (inferlab.core.blocks) name the prefix
+        cache holds now, without side effects. The names are trusted: two prompts whose names collide
+        in 64 bits would be counted alike (admission, which confirms every hit, never is)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """What a router may consult besides the request and the replicas it is offered."""
+
+    now: float  # the cluster's clock, in seconds (virtual under simulation)
+    num_routed: int  # requests routed before this one
+    num_replicas: int  # replicas in the cluster, those not offered (a dead one) included
+
+
+@runtime_checkable
+class Router(Protocol):
+    """A router plugin: which replica of a cluster serves each request, over read-only views (see
+    inferlab.core.routing). The cluster carries the choice out: the chosen replica's engine
+    queues the request, and its scheduler policy takes it from there."""
+
+    def route(self, request: RoutedRequest, replicas: tuple[ReplicaView, ...], state: ClusterState) -> ReplicaView:
+        """One of `replicas` (at least one, in replica_id order; a replica that died is left out) to
+        serve `request`, called once per request when it arrives, in arrival order. Returning
+        anything else, or raising, fails that request with a PolicyError naming the router; the
+        others go on."""
+
+
+@runtime_checkable
+class ObservingRouter(Protocol):
+    """Optional router capability: seeing requests end, for routers that keep their own account
+    of each replica's load."""
+
+    def observe(self, request: RoutedRequest, replica: ReplicaView, state: ClusterState) -> None:
+        """Called once for each routed request when it finishes or is aborted on `replica`
+        (request.finish_reason says how; "error" when its replica died)."""
 
 
 @runtime_checkable
@@ -426,6 +482,15 @@ class OnDevice(Protocol):
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
     backend: AttentionBackend  # the attention backend that runs (attention=auto resolved)
+
+
+@runtime_checkable
+class VirtualTime(Protocol):
+    """Optional Runner capability: with virtual_time True, clock() is a simulation's own time, which
+    moves only with the steps, host work and waits the runner models; a cluster of such replicas
+    runs them in the order of their clocks, one event at a time."""
+
+    virtual_time: bool
 
 
 @runtime_checkable

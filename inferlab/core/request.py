@@ -4,6 +4,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from inferlab.core.blocks import BlockPrompt
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.text import TextStream
 
@@ -61,7 +62,7 @@ class Request:
     def __init__(
         self,
         request_id: int,
-        token_ids: list[int],
+        token_ids: "list[int] | BlockPrompt",
         params: SamplingParams,
         *,
         arrival_time: float = 0.0,
@@ -72,7 +73,8 @@ class Request:
         seed: int = 0,
     ):
         self.request_id = request_id
-        self.token_ids = list(token_ids)
+        # a prompt given by its blocks keeps their keys; its ids are made only where read
+        self.token_ids = token_ids.token_list() if isinstance(token_ids, BlockPrompt) else list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.priority = priority

@@ -22,7 +22,8 @@ from dataclasses import asdict
 from omegaconf import DictConfig
 
 import inferlab
-from inferlab.conf import PLUGIN_FIELDS, engine_arguments, flat_choices, validate_bench
+from inferlab.cluster import Cluster
+from inferlab.conf import PLUGIN_FIELDS, cluster_arguments, engine_arguments, flat_choices, validate_bench
 from inferlab.core.engine import EngineStats
 from inferlab.core.model_cost import model_cost
 from inferlab.core.protocols import OnDevice, PrefixCacheStats, SimulatedDevice
@@ -30,9 +31,10 @@ from inferlab.core.sampling_params import SamplingParams
 from inferlab.experiment.driver import run_workload
 from inferlab.experiment.floor import device_rates, workload_floor
 from inferlab.experiment.http_client import run_http_bench
-from inferlab.experiment.latency import RunRecords, aggregate_repeats, latency_figures
+from inferlab.experiment.latency import RunRecords, aggregate_repeats, distribution, latency_figures
 from inferlab.experiment.records import (
     environment,
+    num_kvcache_blocks,
     record_result,
     resolved_plugins,
     start_run_record,
@@ -42,8 +44,50 @@ from inferlab.experiment.workload import WorkloadRequest, build_workload
 
 
 def warm_up(llm) -> None:
-    """bench.py's warm-up: one short generate before anything is timed."""
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    """bench.py's warm-up: one short generate before anything is timed (on every replica of a
+    cluster)."""
+    if isinstance(llm, Cluster):
+        llm.warm_up("Benchmark: ", SamplingParams())
+    else:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+
+
+def prefix_cache_hits(llm) -> int | None:
+    """Prompt tokens the prefix cache (every replica's, for a cluster) served so far, where the KV
+    manager counts them."""
+    if isinstance(llm, Cluster):
+        counts = llm.prefix_cache_stats()
+        return None if counts is None else counts[0]
+    return llm.kv_manager.prefix_cache_stats()[0] if isinstance(llm.kv_manager, PrefixCacheStats) else None
+
+
+def replica_figures(cluster: Cluster, run: RunRecords) -> dict:
+    """A cluster's figures per replica (requests served, TTFT, TPOT, prefix-cache hit rate, the
+    share of the run it spent stepping) and load_imbalance: the busiest replica's stepping time over
+    the mean (1 when every replica worked as long)."""
+    by_replica: dict[int, list] = {}
+    for record in run.requests:
+        if record.replica_id is not None:
+            by_replica.setdefault(record.replica_id, []).append(record)
+    busy = [stats.prefill_seconds + stats.decode_seconds for stats in cluster.fleet.replica_stats()]
+    replicas = []
+    for replica_id, busy_seconds in enumerate(busy):
+        records = by_replica.get(replica_id, [])
+        prompt_tokens = sum(r.num_prompt_tokens for r in records)
+        replicas.append(
+            {
+                "replica_id": replica_id,
+                "num_requests": len(records),
+                "ttft_s": distribution(r.ttft_s for r in records if r.ttft_s is not None),
+                "tpot_s": distribution(r.tpot_s for r in records if r.tpot_s is not None),
+                "prefix_cache_hit_rate": sum(r.num_cached_tokens for r in records) / prompt_tokens
+                if prompt_tokens
+                else None,
+                "busy_fraction": busy_seconds / run.wall_time_s,
+            }
+        )
+    mean_busy = sum(busy) / len(busy)
+    return {"replicas": replicas, "load_imbalance": max(busy) / mean_busy if mean_busy else None}
 
 
 def measure(
@@ -53,18 +97,23 @@ def measure(
     slo_ttft_s: float | None = None,
     slo_tpot_s: float | None = None,
     wait_until: Callable[[float], None] | None = None,
+    record_steps: bool = True,
+    record_token_times: bool = True,
 ) -> tuple[dict, RunRecords]:
-    """Runs the workload once through the driver (inferlab.experiment.driver.run_workload) and returns its
-    figures with the run's records. The figures are the latency figures of its records
-    (inferlab.experiment.latency.latency_figures, with the SLOs given) and the engine's: prefill and decode
-    tokens/s, computed tokens, steps, the time blocked on the device, and prefix_cache_hit_rate as
-    the KV manager counts hits (readmissions after preemption included); for a burst (every
-    request at t=0) also the workload's floor on this device."""
+    """Runs the workload once through the driver (inferlab.experiment.driver.run_workload) on an
+    engine or a Cluster, and returns its figures with the run's records. The figures are the latency
+    figures of its records (inferlab.experiment.latency.latency_figures, with the SLOs given) and the
+    engine's: prefill and decode tokens/s, computed tokens, steps, the time blocked on the device,
+    and prefix_cache_hit_rate as the KV manager counts hits (readmissions after preemption
+    included); for a burst (every request at t=0) on one engine also the workload's floor on this
+    device; for a cluster, its replicas' figures and load_imbalance (replica_figures) and the host's
+    time in the router's route() per request (router_us_per_request). A simulated
+    run adds what it cost this host, simulated_requests_per_host_s among them."""
     llm.stats = EngineStats()
-    counts_hits = isinstance(llm.kv_manager, PrefixCacheStats)
-    hits_before = llm.kv_manager.prefix_cache_stats()[0] if counts_hits else 0
+    hits_before = prefix_cache_hits(llm)
+    routing_before = (llm.route_seconds, llm.num_routed) if isinstance(llm, Cluster) else None
     started = time.perf_counter()
-    run = run_workload(llm, requests, params, wait_until)
+    run = run_workload(llm, requests, params, wait_until, record_steps, record_token_times)
     host_seconds = time.perf_counter() - started
     stats = llm.stats
     latency = latency_figures(run.requests, run.wall_time_s, slo_ttft_s, slo_tpot_s)
@@ -79,14 +128,20 @@ def measure(
         "num_steps": stats.num_steps,
         "wait_seconds": stats.wait_seconds,  # blocked on the device; the rest of the wall time is CPU work
     }
-    if isinstance(llm.runner, SimulatedDevice):  # what the simulation itself cost, on this host's clock
+    cluster = isinstance(llm, Cluster)
+    if llm.simulated if cluster else isinstance(llm.runner, SimulatedDevice):  # what the simulation cost this host
         figures["simulator_seconds"] = host_seconds
         figures["simulator_us_per_step"] = 1e6 * host_seconds / max(stats.num_steps, 1)
-    if counts_hits and latency["num_prompt_tokens"]:
-        hits = llm.kv_manager.prefix_cache_stats()[0] - hits_before
+        figures["simulated_requests_per_host_s"] = len(requests) / host_seconds
+    if hits_before is not None and latency["num_prompt_tokens"]:
+        hits = prefix_cache_hits(llm) - hits_before
         figures["prefix_cache_hit_rate"] = hits / latency["num_prompt_tokens"]
+    if cluster:
+        figures.update(replica_figures(llm, run))
+        seconds, routed = llm.route_seconds - routing_before[0], llm.num_routed - routing_before[1]
+        figures["router_us_per_request"] = 1e6 * seconds / routed if routed else None
     # the floor of a burst on the device that ran it (a simulation has its profile, not a device)
-    if all(r.arrival_s == 0 for r in requests) and isinstance(llm.runner, OnDevice):
+    elif all(r.arrival_s == 0 for r in requests) and isinstance(llm.runner, OnDevice):
         figures.update(
             floor_figures(
                 llm, [r.num_prompt_tokens for r in run.requests], [r.num_output_tokens for r in run.requests], run
@@ -191,10 +246,19 @@ def summary_lines(result: dict, path: str) -> str:
             f"strict floor (all bytes or all FLOPs, whichever is longer) {result['strict_floor_seconds']:.3f} s: "
             f"{result['percent_of_strict_floor']:.1f}% of it"
         )
+    if "replicas" in result:
+        cluster = result["cluster"]
+        served = [replica["num_requests"] for replica in result["replicas"]]
+        lines.append(
+            f"{cluster['replicas']} replicas ({cluster['backend']}), router {result['plugins']['router']}: "
+            f"load imbalance {result['load_imbalance']:.3g} (busiest replica's stepping time over the mean), "
+            f"{min(served)}-{max(served)} requests a replica, {result['router_us_per_request']:.0f} µs routing each"
+        )
     if "simulated" in result:
         lines.append(
             f"simulated on {result['simulated']['profile']}: {result['simulated']['num_steps']} steps in "
-            f"{result['simulator_seconds']:.1f} s on this host ({result['simulator_us_per_step']:.0f} µs a step)"
+            f"{result['simulator_seconds']:.1f} s on this host ({result['simulator_us_per_step']:.0f} µs a step, "
+            f"{result['simulated_requests_per_host_s']:.0f} simulated requests a second of host time)"
         )
     return "\n".join(lines)
 
@@ -205,7 +269,10 @@ def _bench_figures(cfg: DictConfig, output_dir: str) -> dict:
     writes the records beside result.json and returns the figures with what ran and where."""
     bench = cfg.bench
     model_path, settings = engine_arguments(cfg)
-    with inferlab.LLM(model_path, **settings) as llm:  # read at call time, so that a test can stand in for it
+    cluster = cluster_arguments(cfg)
+    # inferlab.LLM and inferlab.Cluster are read at call time, so that a test can stand in for them
+    llm = inferlab.Cluster(model_path, **cluster, **settings) if cluster else inferlab.LLM(model_path, **settings)
+    with llm:
         first = build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len)
         if bench.warmup:
             warm_up(llm)
@@ -217,26 +284,36 @@ def _bench_figures(cfg: DictConfig, output_dir: str) -> dict:
                 else build_workload(bench, llm.hf_config.vocab_size, llm.config.max_model_len, repeat)
             )
             llm.reset_prefix_cache()
-            if isinstance(llm.runner, SimulatedDevice):
+            if cluster:
+                llm.reseed(workload.seed)
+            elif isinstance(llm.runner, SimulatedDevice):
                 llm.runner.reseed(workload.seed)
             repeat_figures, run = measure(
-                llm, workload.requests, workload.sampling_params(bench), bench.slo_ttft_s, bench.slo_tpot_s
+                llm,
+                workload.requests,
+                workload.sampling_params(bench),
+                bench.slo_ttft_s,
+                bench.slo_tpot_s,
+                record_steps=bench.timeline,
+                record_token_times=bench.record_token_times,
             )
             figures.append(repeat_figures)
             runs.append(run)
             del workload  # a long trace's prompts: one repeat's at a time
         timeline_files = write_run_records(output_dir, runs, bench.timeline)
+        plugin_options = {
+            kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")
+        }
         return {
             **aggregate_repeats(figures),
             "requests_file": "requests.jsonl",
             **({"timeline_files": timeline_files} if timeline_files else {}),
             "workload": first.summary(),
             "plugins": resolved_plugins(llm),
-            "plugin_options": {
-                kind: settings[f"{kind}_options"] for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")
-            },
+            "plugin_options": {**plugin_options, **({"router": cluster["router_options"]} if cluster else {})},
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in PLUGIN_FIELDS},
-            "num_kvcache_blocks": llm.kv_manager.num_blocks,
+            **({"cluster": {k: cluster[k] for k in ("replicas", "backend", "gpus_per_replica")}} if cluster else {}),
+            "num_kvcache_blocks": num_kvcache_blocks(llm),
             "model_path": llm.model_path,
             **environment(llm),
         }

@@ -8,7 +8,8 @@ read only through `llm.clock`. Requests that arrive while the engine is busy wai
 own queue, where the scheduler policy sees them: under overload the queue grows, nothing is dropped.
 
 `request_record` turns a finished engine Request into its RequestRecord; it serves any front end
-that stamps requests on the engine's clock (the bench job here, a server's runs).
+that stamps requests on the engine's clock (the bench job here, a server's runs). A Cluster has the
+engine's surface and is driven alike; its records say which replica served each request.
 """
 
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
+from inferlab.cluster import Cluster
 from inferlab.core.engine import RequestTooLargeError, older_objects_frozen, rarer_young_collections
 from inferlab.core.protocols import SimulatedDevice
 from inferlab.core.request import Request
@@ -26,32 +28,46 @@ from inferlab.experiment.workload import WorkloadRequest
 __all__ = ["request_record", "run_workload"]
 
 
-def request_record(request: Request, start: float, request_id: int | str | None = None) -> RequestRecord:
+def request_record(
+    request: Request,
+    start: float,
+    request_id: int | str | None = None,
+    replica_id: int | None = None,
+    token_times: bool = True,
+) -> RequestRecord:
     """The RequestRecord of a finished engine Request, its times relative to start (the run's t=0
     on the engine's clock); request_id replaces the engine's id (e.g. the request's place in a
     workload). Its finish is the later of the engine's finish time and its last token's time: a
-    request that reaches max_tokens is finished when that token is appended, before it is read back."""
+    request that reaches max_tokens is finished when that token is appended, before it is read back.
+    token_times False keeps only the first and last token's times (a run of a million requests)."""
     if request.finish_time is None:
         raise ValueError(f"request {request.request_id} has not finished: only a finished request has a record")
-    token_times = (np.asarray(request.token_times, dtype=np.float64) - start).tolist()
+    times = request.token_times
+    if not token_times and len(times) > 2:
+        times = [times[0], times[-1]]
+    all_token_times = len(times) == len(request.token_times)
+    token_times_s = (np.asarray(times, dtype=np.float64) - start).tolist()
     finish = request.finish_time - start
-    if token_times and token_times[-1] > finish:
-        finish = token_times[-1]
+    if token_times_s and token_times_s[-1] > finish:
+        finish = token_times_s[-1]
     first_scheduled = request.first_scheduled_time
     return RequestRecord(
         request_id=request.request_id if request_id is None else request_id,
         arrival_s=request.arrival_time - start,
         first_scheduled_s=None if first_scheduled is None else first_scheduled - start,
-        first_token_s=token_times[0] if token_times else None,
-        token_times_s=token_times,
+        first_token_s=token_times_s[0] if token_times_s else None,
+        token_times_s=token_times_s,
         finish_s=finish,
         num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=len(token_times),  # tokens known on the host; an abort may leave one unread
+        num_output_tokens=len(request.token_times),  # tokens known on the host; an abort may leave one unread
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
         priority=request.priority,
         metadata=dict(request.metadata),
         finish_reason=request.finish_reason,
+        error=request.error if request.finish_reason == "error" else None,
+        replica_id=replica_id,
+        all_token_times=all_token_times,
     )
 
 
@@ -60,17 +76,21 @@ def run_workload(
     requests: Sequence[WorkloadRequest],
     params: Sequence[SamplingParams],
     wait_until: Callable[[float], None] | None = None,
+    record_steps: bool = True,
+    record_token_times: bool = True,
 ) -> RunRecords:
-    """Runs requests (in arrival order, params one per request) through llm's step loop. The run's
-    t=0 is llm.clock() at the call; request i is added with arrival_time = t=0 + its arrival_s once
-    the clock has passed that, so its TTFT counts from its nominal arrival. wait_until(t) blocks
-    until llm.clock() reaches t (default: llm.wait_until, which sleeps on the host's clock or moves
-    a simulation's virtual clock).
+    """Runs requests (in arrival order, params one per request) through llm's step loop (an engine,
+    or a Cluster: the same surface). The run's t=0 is llm.clock() at the call; request i is added
+    with arrival_time = t=0 + its arrival_s once the clock has passed that, so its TTFT counts from
+    its nominal arrival. wait_until(t) blocks until llm.clock() reaches t (default: llm.wait_until,
+    which sleeps on the host's clock or moves a simulation's virtual clock).
 
-    Returns one RequestRecord per request, in the workload's order with request_id its index; one
-    StepRecord per engine step; and the wall time from t=0 to the end of the run. A request too
-    large for the whole KV cache is refused when it arrives and recorded with finish_reason "error"
-    and the reason; one aborted meanwhile (from another thread) is recorded with "abort"."""
+    Returns one RequestRecord per request, in the workload's order with request_id its index (each
+    built when its request finishes, so that a long run holds records, not requests); one
+    StepRecord per engine step (per replica step, for a cluster) unless record_steps is False; and
+    the wall time from t=0 to the end of the run. A request too large for the whole KV cache is
+    refused when it arrives and recorded with finish_reason "error" and the reason; one aborted
+    meanwhile (from another thread) is recorded with "abort"."""
     if len(params) != len(requests):
         raise ValueError(f"got {len(params)} sampling params for {len(requests)} requests; give one per request")
     if not requests:
@@ -83,18 +103,28 @@ def run_workload(
     clock = llm.clock
     if wait_until is None:
         wait_until = llm.wait_until
+    cluster = isinstance(llm, Cluster)
+    replica_of = llm.replica_of if cluster else lambda request_id: None
+    simulated = llm.simulated if cluster else isinstance(llm.runner, SimulatedDevice)
     num_requests = len(requests)
-    engine_requests: list[Request | None] = [None] * num_requests
-    refused: dict[int, RequestRecord] = {}
+    records: list[RequestRecord | None] = [None] * num_requests
+    in_flight: dict[int, tuple[int, Request]] = {}  # engine request id -> (workload index, request)
     steps: list[StepRecord] = []
     step, is_finished, pending = llm.step, llm.is_finished, llm.requests
-    with (
-        older_objects_frozen(),
-        rarer_young_collections() if isinstance(llm.runner, SimulatedDevice) else nullcontext(),
-    ):
+    with older_objects_frozen(), rarer_young_collections() if simulated else nullcontext():
         start = clock()
         due = (arrivals + start).tolist()  # arrivals on the engine's clock
         next_index = 0
+
+        def record(request: Request, index: int) -> None:
+            records[index] = request_record(
+                request,
+                start,
+                request_id=index,
+                replica_id=replica_of(request.request_id),
+                token_times=record_token_times,
+            )
+
         try:
             while True:
                 if next_index < num_requests:
@@ -109,9 +139,9 @@ def run_workload(
                                 metadata=request.metadata,
                                 arrival_time=due[next_index],
                             )
-                            engine_requests[next_index] = pending[request_id]
+                            in_flight[request_id] = (next_index, pending[request_id])
                         except RequestTooLargeError as e:
-                            refused[next_index] = _refused_record(next_index, request, due[next_index] - start, e)
+                            records[next_index] = _refused_record(next_index, request, due[next_index] - start, e)
                         next_index += 1
                 if is_finished():
                     if next_index == num_requests:
@@ -121,26 +151,32 @@ def run_workload(
                 step_start = clock()
                 output = step()
                 step_end = clock()
-                steps.append(
-                    StepRecord(
-                        step_start - start,
-                        step_end - start,
-                        output.num_prefill_tokens,
-                        output.num_decode_tokens,
-                        output.num_requests,
-                    )
-                )
+                for request in output.finished:
+                    index, _ = in_flight.pop(request.request_id, (None, None))
+                    if index is not None:
+                        record(request, index)
+                if not record_steps:
+                    continue
+                if cluster:
+                    for replica_id, replica_start, replica_end, replica_step in output.replica_steps:
+                        steps.append(_step_record(replica_step, replica_start - start, replica_end - start, replica_id))
+                else:
+                    steps.append(_step_record(output, step_start - start, step_end - start))
             wall_time = clock() - start
         except BaseException:
-            for request in engine_requests:  # leave the engine usable: drop what this run queued
-                if request is not None and not request.is_finished:
+            for _, request in in_flight.values():  # leave the engine usable: drop what this run queued
+                if not request.is_finished:
                     llm.abort(request.request_id)
             raise
-    records = [
-        refused[i] if request is None else request_record(request, start, request_id=i)
-        for i, request in enumerate(engine_requests)
-    ]
+    for index, request in in_flight.values():  # aborted from another thread: never reported by a step
+        record(request, index)
     return RunRecords(records, steps, wall_time)
+
+
+def _step_record(output, start_s: float, end_s: float, replica_id: int | None = None) -> StepRecord:
+    return StepRecord(
+        start_s, end_s, output.num_prefill_tokens, output.num_decode_tokens, output.num_requests, replica_id
+    )
 
 
 def _refused_record(index: int, request: WorkloadRequest, arrival_s: float, error: Exception) -> RequestRecord:

@@ -58,7 +58,7 @@ def model_card(client: httpx.Client, url: str) -> dict:
 def request_body(model: str, request: WorkloadRequest, temperature: float, ignore_eos: bool) -> dict:
     return {
         "model": model,
-        "prompt": request.prompt_token_ids,
+        "prompt": list(request.prompt_token_ids),  # a trace's prompt is given by its blocks
         "max_tokens": request.output_len,
         "temperature": temperature,
         "ignore_eos": ignore_eos,

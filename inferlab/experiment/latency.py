@@ -43,6 +43,7 @@ import numpy as np
 
 PERCENTILES = (50, 90, 99)
 UNSERVED = ("error", "abort")  # finish reasons of requests that did not complete
+LINE_SKIPS = ("token_times_s", "all_token_times", "replica_id")  # what requests.jsonl leaves out (or writes when set)
 DISTRIBUTIONS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "normalized_latency_s")
 # The figures whose mean over repeats gets a 95% confidence interval (ci95): distributions carry
 # theirs inside, the rates and attainment under their dict's "ci95".
@@ -69,7 +70,9 @@ class RequestRecord:
     arrival_s: float  # when it arrived (was due to be submitted)
     first_scheduled_s: float | None  # when a step first computed any of it; None if none ever did
     first_token_s: float | None  # when its first output token became known on the host; None if none did
-    token_times_s: list[float]  # when each output token became known; the first is first_token_s
+    # when each output token became known, the first being first_token_s (the first and last only,
+    # with all_token_times False: bench.record_token_times=false; ITL then skips the request)
+    token_times_s: list[float]
     finish_s: float  # when it finished (its last token known, or aborted / failed)
     num_prompt_tokens: int
     num_output_tokens: int
@@ -79,12 +82,16 @@ class RequestRecord:
     metadata: dict = field(default_factory=dict)
     finish_reason: str = "length"  # "length", "stop", "abort", or "error" (never served)
     error: str | None = None  # why it could not be served (finish_reason "error")
+    replica_id: int | None = None  # the cluster replica that served it (None: a single engine)
+    all_token_times: bool = True  # False: token_times_s keeps the first and last only
 
     def __post_init__(self):
         where = f"request {self.request_id!r}"
-        if len(self.token_times_s) != self.num_output_tokens:
+        kept = self.num_output_tokens if self.all_token_times else min(self.num_output_tokens, 2)
+        if len(self.token_times_s) != kept:
             raise ValueError(
                 f"{where}: {len(self.token_times_s)} token times for {self.num_output_tokens} output tokens"
+                + ("" if self.all_token_times else " (the first and last kept)")
             )
         if self.num_output_tokens and (self.first_token_s is None or self.token_times_s[0] != self.first_token_s):
             raise ValueError(f"{where}: first_token_s {self.first_token_s} must equal its first token time")
@@ -132,6 +139,7 @@ class StepRecord:
     num_prefill_tokens: int  # prompt tokens computed (prefix-cache hits are not)
     num_decode_tokens: int
     num_seqs: int  # requests in the batch
+    replica_id: int | None = None  # the cluster replica that stepped (None: a single engine)
 
 
 @dataclass
@@ -224,7 +232,7 @@ def latency_figures(
         "output_tokens_per_s": num_output / wall_time_s,
         "ttft_s": distribution(r.ttft_s for r in records if r.ttft_s is not None),
         "tpot_s": distribution(r.tpot_s for r in records if r.tpot_s is not None),
-        "itl_s": distribution(np.concatenate([np.diff(r.token_times_s) for r in records])),
+        "itl_s": distribution(np.concatenate([[], *(np.diff(r.token_times_s) for r in records if r.all_token_times)])),
         "e2e_s": distribution(r.e2e_s for r in records),
         "queue_s": distribution(r.queue_s for r in records if r.queue_s is not None),
         "normalized_latency_s": distribution(normalized),
@@ -311,6 +319,9 @@ def _mean_and_std(values: list):
         keys = list(dict.fromkeys(k for v in values for k in v))
         pairs = {k: _mean_and_std([v.get(k) for v in values]) for k in keys}
         return {k: m for k, (m, _) in pairs.items()}, {k: s for k, (_, s) in pairs.items() if s is not None}
+    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:  # a cluster's replicas
+        items = [_mean_and_std([v[i] for v in values]) for i in range(len(values[0]))]
+        return [m for m, _ in items], [s for _, s in items]
     if all(_is_number(v) for v in values):
         if all(v == values[0] for v in values):
             return values[0], 0.0  # counts equal in every repeat stay exact integers
@@ -384,9 +395,12 @@ def aggregate_repeats(figures_per_repeat: Sequence[dict]) -> dict:
 
 
 def request_line(record: RequestRecord, repeat: int) -> dict:
-    """One line of requests.jsonl: the record less its token times, plus its latencies."""
+    """One line of requests.jsonl: the record less its token times, plus its latencies; replica_id
+    only for a cluster's requests."""
     # Field by field, not asdict: asdict deep-copies every token time only for them to be dropped.
-    line = {"repeat": repeat, **{f.name: getattr(record, f.name) for f in fields(record) if f.name != "token_times_s"}}
+    line = {"repeat": repeat, **{f.name: getattr(record, f.name) for f in fields(record) if f.name not in LINE_SKIPS}}
+    if record.replica_id is not None:
+        line["replica_id"] = record.replica_id
     line.update(ttft_s=record.ttft_s, tpot_s=record.tpot_s, e2e_s=record.e2e_s, queue_s=record.queue_s)
     return line
 

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import inferlab
+from inferlab.cluster import Cluster
 from inferlab.core.model_runner import ModelRunner
 from inferlab.core.protocols import OnDevice, SimulatedDevice
 from inferlab.experiment.latency import RunRecords, write_requests_jsonl
@@ -24,7 +25,10 @@ TRUE_VALUES = ("1", "true", "yes", "on")  # how Triton reads TRITON_INTERPRET
 
 
 def resolved_plugins(llm) -> dict[str, str]:
-    """The plugin actually serving each kind (`auto` resolved)."""
+    """The plugin actually serving each kind (`auto` resolved); for a cluster, its replicas' and
+    its router."""
+    if isinstance(llm, Cluster):
+        return {**llm.fleet.on_front(resolved_plugins), "router": llm.router_name}
     config = llm.config
     plugins = {kind: getattr(config, kind) for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")}
     runner = llm.runner
@@ -37,7 +41,14 @@ def resolved_plugins(llm) -> dict[str, str]:
     return plugins
 
 
+def num_kvcache_blocks(llm) -> int:
+    """The KV cache's blocks (the first replica's, for a cluster)."""
+    return llm.fleet.on_front(num_kvcache_blocks) if isinstance(llm, Cluster) else llm.kv_manager.num_blocks
+
+
 def environment(llm) -> dict:
+    if isinstance(llm, Cluster):  # the replicas' engine, read where it runs
+        return llm.fleet.on_front(environment)
     runner = llm.runner
     device = runner.device if isinstance(runner, OnDevice) else torch.device("cpu")
     if device.type == "cuda":

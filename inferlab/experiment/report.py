@@ -40,11 +40,12 @@ FIGURES = {  # result key (dotted: nested) -> column title; a column shows when 
     "num_prefill_tokens": "prefill tokens",
     "prefix_cache_hit_rate": "prefix hit",
     "num_preemptions": "preemptions",
+    "load_imbalance": "load imbalance",
     "num_repeats": "repeats",
 }
 MILLISECONDS = {"ttft_s.p50", "ttft_s.p99", "tpot_s.p50", "tpot_s.p99"}  # shown in ms, results hold seconds
 PLOTTED = ("output_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s")
-KINDS = ("model", "scheduler", "kv_cache", "attention", "sampler")
+KINDS = ("model", "scheduler", "kv_cache", "attention", "sampler", "router")
 LATENCY_PANELS = (
     Panel("ttft_s.p50", "TTFT p50 (ms)", 1000),
     Panel("ttft_s.p99", "TTFT p99 (ms)", 1000),

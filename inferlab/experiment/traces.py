@@ -233,6 +233,39 @@ def _token_ids(keys: np.ndarray, length: int, seed: int, salt: int, vocab_size: 
     return rows
 
 
+class TraceTokens:
+    """The token ids of a trace's prompts, for BlockPrompts (inferlab.core.blocks) naming them by
+    their hash ids: block `key` holds the ids trace_prompt gives hash id key, and request i's own
+    tokens those it gives request i. Copy c of the trace (bench.trace_copies) reads hash id key +
+    c * stride and request i + c * num_requests instead: its own users. Picklable."""
+
+    CACHED_BLOCKS = 4096  # blocks kept once made, for a runner that reads a prompt's ids
+
+    def __init__(
+        self, seed: int, vocab_size: int, block_size: int, copy: int = 0, stride: int = 0, num_requests: int = 0
+    ):
+        self.seed, self.vocab_size, self.block_size = seed, vocab_size, block_size
+        self.block_offset = copy * stride
+        self.request_offset = copy * num_requests
+        self.cache: dict[int, list[int]] = {}
+
+    def __getstate__(self):
+        return {**self.__dict__, "cache": {}}
+
+    def block_tokens(self, key: int, length: int) -> list[int]:
+        tokens = self.cache.get(key)
+        if tokens is None:
+            if len(self.cache) >= self.CACHED_BLOCKS:
+                self.cache.clear()
+            keys = np.array([(key + self.block_offset) % 2**64], dtype=np.uint64)
+            tokens = self.cache[key] = _token_ids(keys, self.block_size, self.seed, HASH_BLOCK_SALT, self.vocab_size)[0]
+        return tokens[:length]
+
+    def own_tokens(self, key: int, start: int, end: int) -> list[int]:
+        keys = np.array([key + self.request_offset], dtype=np.uint64)
+        return _token_ids(keys, end, self.seed, OWN_TOKENS_SALT, self.vocab_size)[0][start:end]
+
+
 def trace_prompt(
     hash_ids: list[int] | None,
     num_tokens: int,

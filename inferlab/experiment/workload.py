@@ -7,7 +7,9 @@
   1 / (request_rate * burstiness), as vLLM's serving benchmark draws them: the same mean rate,
   burstier below 1, more regular above (1 is Poisson);
 - `trace`: the arrivals and lengths of a Mooncake or Azure trace (inferlab.experiment.traces), with
-  `bench.time_scale` stretching time and `bench.max_requests` taking the first requests.
+  `bench.time_scale` stretching time, `bench.max_requests` taking the first requests and
+  `bench.trace_copies` superimposing copies of it, each with users of its own (disjoint hash ids)
+  at the same timestamps, to load a fleet from one trace.
 
 Generated workloads (burst, poisson, gamma) draw the same prompts and output lengths for a seed,
 so the arrival process is the only difference between them; arrivals come from a stream of
@@ -29,9 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from inferlab.conf.bench import CLASS_FIELDS, FITS, BenchConfigError, RequestClass, validate_bench
+from inferlab.core.blocks import BlockPrompt
 from inferlab.core.engine import rarer_young_collections
 from inferlab.core.sampling_params import SamplingParams
-from inferlab.experiment.traces import MOONCAKE_BLOCK_SIZE, read_trace, trace_prompt
+from inferlab.experiment.traces import MOONCAKE_BLOCK_SIZE, TOKEN_ID_RANGE, TraceTokens, read_trace
 
 BENCH_TOKEN_RANGE = 10000  # bench.py draws token ids in [0, 10000]
 # Streams of numpy's generator seeded with (the workload's seed, this), one for each draw that
@@ -47,7 +50,7 @@ class WorkloadRequest:
 
     index: int  # position in the workload (arrival order)
     arrival_s: float
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | BlockPrompt  # a trace's prompts are given by their hash blocks
     output_len: int  # max_tokens; with ignore_eos, the exact number of output tokens
     priority: int = 0  # for the engine's scheduler: lower is served first
     metadata: dict = field(default_factory=dict)  # passed to the engine with the request
@@ -279,20 +282,22 @@ def _trace_workload(bench, vocab_size: int, max_model_len: int, seed: int) -> Wo
     )
     # Scaling shrinks the hash blocks with the prompts, so the requests still share the same fractions.
     block_size = math.ceil(MOONCAKE_BLOCK_SIZE * scale)
-    time_scale = bench.time_scale  # read once: a config read costs microseconds
-    blocks: dict[int, list[int]] = {}
-    requests = [
-        WorkloadRequest(
-            index=i,
-            arrival_s=r.arrival_s * time_scale,
-            prompt_token_ids=trace_prompt(r.hash_ids, inputs[i], block_size, i, seed, vocab_size, blocks),
-            output_len=outputs[i],
-            own=r.own,
-        )
-        for i, r in enumerate(trace)
-    ]
+    time_scale, copies = bench.time_scale, bench.trace_copies  # a config read costs microseconds
+    # Each prompt is its hash blocks (inferlab.core.blocks.BlockPrompt): a million prompts' ids would
+    # not fit in memory, and only a runner that reads them makes them. Copy c of the trace has hash
+    # ids and request keys of its own (its own users) at the same timestamps.
+    stride = 1 + max((max(r.hash_ids) for r in trace if r.hash_ids), default=-1)
+    sources = [TraceTokens(seed, vocab_size, block_size, c, stride, len(trace)) for c in range(copies)]
+    namespaces = [("trace", seed, vocab_size, block_size, c) for c in range(copies)]
+    bound = min(vocab_size, TOKEN_ID_RANGE)
+    requests = []
+    for i, r in enumerate(trace):
+        arrival, keys = r.arrival_s * time_scale, r.hash_ids or ()
+        for c in range(copies):
+            prompt = BlockPrompt(namespaces[c], keys, block_size, inputs[i], i, sources[c], bound)
+            requests.append(WorkloadRequest(len(requests), arrival, prompt, outputs[i], own=r.own))
     num_fitted = sum((r.input_length, r.output_length) != (i, o) for r, i, o in zip(trace, inputs, outputs))
-    return Workload("trace", requests, num_fitted, scale, trace_format)
+    return Workload("trace", requests, num_fitted * copies, scale, trace_format)
 
 
 def bench_workload(bench, vocab_size: int, max_model_len: int):

@@ -115,9 +115,7 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.follows: dict[int, _Follow] = {}  # engine request id -> its stream
         self.stream_requests: dict[RequestStream, list[int]] = {}
-        self.counting_prefix_hits = isinstance(engine.kv_manager, PrefixCacheStats)
-        self.snapshot = EngineSnapshot(num_free_blocks=engine.kv_manager.num_free_blocks)
-        self.snapshot.num_blocks = engine.kv_manager.num_blocks
+        self.snapshot = self.gauges()
         self.num_unread_adds = 0  # prompts in the inbox: queued, though the scheduler has not seen them
         self.unread_lock = threading.Lock()
         self.abort_deadline: float | None = None  # set by drain(): in-flight requests end by then
@@ -291,7 +289,7 @@ class EngineLoop:
         how many there were."""
         follows = self.follows
         num_new_tokens = 0
-        for requests in (self.engine.scheduler.running, finished):
+        for requests in (self.running_requests(), finished):
             for request in requests:
                 follow = follows.get(request.request_id)
                 if follow is None:
@@ -351,11 +349,15 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.observe_finished(request, finish.reason)
 
-    def _take_snapshot(self) -> None:
+    def running_requests(self) -> list[Request]:
+        """The requests whose tokens a step may have advanced."""
+        return self.engine.scheduler.running
+
+    def gauges(self) -> EngineSnapshot:
         engine = self.engine
         scheduler, kv = engine.scheduler, engine.kv_manager
-        hits, queried = kv.prefix_cache_stats() if self.counting_prefix_hits else (0, 0)
-        self.snapshot = EngineSnapshot(
+        hits, queried = kv.prefix_cache_stats() if isinstance(kv, PrefixCacheStats) else (0, 0)
+        return EngineSnapshot(
             len(scheduler.running),
             len(scheduler.waiting),
             kv.num_free_blocks,
@@ -364,3 +366,17 @@ class EngineLoop:
             hits,
             queried,
         )
+
+    def _take_snapshot(self) -> None:
+        self.snapshot = self.gauges()
+
+
+class ClusterLoop(EngineLoop):
+    """The loop over a Cluster (inferlab.cluster) instead of one engine: its replicas' running
+    requests and their gauges summed; streams are served from whichever replica holds each."""
+
+    def running_requests(self) -> list[Request]:
+        return self.engine.running_requests()
+
+    def gauges(self) -> EngineSnapshot:
+        return EngineSnapshot(**self.engine.gauges())

@@ -24,11 +24,12 @@ import uvicorn
 from omegaconf import OmegaConf
 
 import inferlab
-from inferlab.conf import ServeConfig, engine_arguments
-from inferlab.experiment.records import resolved_plugins
+from inferlab.cluster import Cluster
+from inferlab.conf import ServeConfig, cluster_arguments, engine_arguments
+from inferlab.experiment.records import num_kvcache_blocks, resolved_plugins
 from inferlab.server.app import build_app
 from inferlab.server.connections import ConnectionLimits, limited_protocol
-from inferlab.server.engine_loop import EngineLoop
+from inferlab.server.engine_loop import ClusterLoop, EngineLoop
 from inferlab.server.metrics import ServerMetrics
 from inferlab.server.protocol import ServedModel, longest_token_chars
 
@@ -126,21 +127,20 @@ class InferenceServer:
         self.config = config
         self.api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         name = config.model_name or os.path.basename(os.path.normpath(engine.model_path))
-        kv = engine.kv_manager
         self.model = ServedModel(
             name,
             engine.config.max_model_len,
             engine.hf_config.vocab_size,
             engine.tokenizer,
-            kv.num_blocks * kv.block_size,
+            num_kvcache_blocks(engine) * engine.config.kvcache_block_size,
             resolved_plugins(engine),
             config.max_n,
             longest_token_chars(engine.tokenizer),
         )
-        self.engine_loop = EngineLoop(engine)
-        cache_config = {
-            "block_size": str(kv.block_size),
-            "num_gpu_blocks": str(kv.num_blocks),
+        self.engine_loop = ClusterLoop(engine) if isinstance(engine, Cluster) else EngineLoop(engine)
+        cache_config = {  # a cluster's: each replica's
+            "block_size": str(engine.config.kvcache_block_size),
+            "num_gpu_blocks": str(num_kvcache_blocks(engine)),
             "cache_dtype": str(engine.config.kv_cache_dtype),
         }
         self.metrics = ServerMetrics(lambda: self.engine_loop.snapshot, name, self.model.max_model_len, cache_config)
@@ -262,10 +262,13 @@ class InferenceServer:
 
 
 def run_serve(cfg) -> None:
-    """`inferlab job=serve`: builds the engine cfg describes and serves it until SIGINT/SIGTERM."""
+    """`inferlab job=serve`: builds the engine (or the cluster, with cluster.replicas > 1 or
+    cluster.backend=ray) cfg describes and serves it until SIGINT/SIGTERM."""
     config = OmegaConf.to_object(cfg.serve)
     model_path, settings = engine_arguments(cfg)
-    with inferlab.LLM(model_path, **settings) as engine:
+    cluster = cluster_arguments(cfg)
+    engine = inferlab.Cluster(model_path, **cluster, **settings) if cluster else inferlab.LLM(model_path, **settings)
+    with engine:
         server = InferenceServer(engine, config)
         auth = "a bearer token required" if server.api_key else "no API key"
         print(

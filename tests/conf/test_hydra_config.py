@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 from inferlab.conf import EngineSettings, JobName, compose, engine_arguments, flat_choices
 from inferlab.core.config import EngineConfig
 from inferlab.core.hookspecs import hookimpl
-from inferlab.core.plugins import KINDS, PluginRegistry, get_registry
+from inferlab.core.plugins import ENGINE_KINDS, KINDS, PluginRegistry, get_registry
 from inferlab.plugins.schedulers.fcfs import FCFSPolicy
 
-OPTIONS = [
+OPTIONS = [  # the router group's options are a cluster's (tests/plugins/test_routers.py)
     (kind, name)
-    for kind in KINDS
+    for kind in ENGINE_KINDS
     for name in get_registry().names(kind) + (["auto"] if kind in ("attention", "model") else [])
 ]
 

@@ -1,6 +1,6 @@
 """The example plugin packages, installed offline as a user would install theirs, and used through
 the CLI (with their options as Hydra config nodes) and through LLM: the sjf, edf and vtc scheduler
-policies and, for a second kind, the ban sampler. Each example's own tests (the conformance suite
+policies, for a second kind the ban sampler, and for a third the session_affinity router. Each example's own tests (the conformance suite
 with one import) pass, and the docs' plugin walk-through shows the very files."""
 
 import json
@@ -18,7 +18,7 @@ from inferlab.core import plugins
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
-EXAMPLE_PACKAGES = ("sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler")
+EXAMPLE_PACKAGES = ("sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler", "session_router")
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,14 @@ def test_example_policies_are_short_and_import_no_builtin_plugin():
         assert len([line for line in policy_class.splitlines() if line.strip()]) <= 40, name
 
 
+def test_the_example_router_is_at_most_40_lines_and_imports_no_builtin_plugin():
+    source = (EXAMPLES / "session_router" / "inferlab_session" / "router.py").read_text()
+    assert "inferlab.plugins" not in source
+    assert len(source.splitlines()) <= 40
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("package", ["sjf_scheduler", "edf_scheduler", "vtc_scheduler", "ban_sampler"])
+@pytest.mark.parametrize("package", EXAMPLE_PACKAGES)
 def test_each_example_passes_its_own_tests(site, tmp_path, package):
     """What a plugin author runs: their tests, the conformance suite among them, in their package."""
     proc = run(
@@ -96,6 +102,11 @@ def test_listed_with_distribution_and_options(site, tmp_path):
         r"^  vtc +inferlab-vtc 0\.1\.0 \(plugin 'vtc'\)  options: input_weight=1\.0, output_weight=2\.0$", out, re.M
     )
     assert re.search(r"^  ban +inferlab-ban 0\.1\.0 \(plugin 'ban'\)  options: token_ids=\[\]$", out, re.M)
+    assert re.search(
+        r"^  session_affinity +inferlab-session 0\.1\.0 \(plugin 'session_affinity'\)  options: max_sessions=100000$",
+        out,
+        re.M,
+    )
     assert "problems:" not in out
 
 

@@ -177,7 +177,7 @@ def profile_model_config(profile: Profile, config_defaults: dict[str, dict]):
 
 class SimulatedRunner:
     """The `simulated` executor's runner (inferlab.core.protocols.Runner, AdmissionCost,
-    SimulatedDevice): launch() and handles as the real runner's, no device work."""
+    SimulatedDevice, VirtualTime): launch() and handles as the real runner's, no device work."""
 
     runs_ahead = True  # it stands in for a GPU engine, so it overlaps as that engine would
 
@@ -188,6 +188,7 @@ class SimulatedRunner:
         self._check_shape(checkpoint.hf_config, options.profile)
         self._check_settings(options.profile)
         self.real_time = options.real_time
+        self.virtual_time = not self.real_time  # inferlab.core.protocols.VirtualTime
         self.clock = RealTimeClock() if self.real_time else VirtualClock()
         self.wait_until = self.clock.advance_to
         self.attention = profile.attention  # no backend runs: the one the profile was measured with

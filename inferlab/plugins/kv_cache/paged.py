@@ -1,25 +1,21 @@
 """Paged KV blocks with prefix caching.
 
-Each full block is named by a hash chained over every token before it, so equal prefixes share
-blocks. A freed block keeps its hash and content until it is handed out again (least recently
-freed first), so a later request can still reuse it. A hit is confirmed exactly, never on the
-hash alone: the block's own tokens must match and so must its parent (the content it was computed
-after, by a per-content id), so a hash collision costs a miss, never wrong K/V.
+Each full block is named by a hash chained over every block before it (inferlab.core.blocks), so
+equal prefixes share blocks. A freed block keeps its hash and content until it is handed out again
+(least recently freed first), so a later request can still reuse it. A hit is confirmed exactly,
+never on the hash alone: the block's own identity (its tokens, or the keys of a prompt given by
+its blocks) must match and so must its parent (the content it was computed after, by a
+per-content id), so a hash collision costs a miss, never wrong K/V. With take_kv_events, the
+manager also records which hashes enter and leave the cache, for a router in another process.
 """
 
 from collections import OrderedDict
 
+from inferlab.core.blocks import block_identity, chain_hash
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.request import Request
 
 NO_BLOCKS: list[int] = []  # the table of a request holding none; never changed
-
-
-def chain_hash(parent: int, tokens: list[int]) -> int:
-    # Python's tuple hash (xxHash's mixing, over ints that hash to themselves) in C, without the
-    # tokens' packing the xxhash package would need; it needs only spread, since a hit is
-    # confirmed on the tokens themselves.
-    return hash((parent, *tokens))
 
 
 class PagedKVCache:
@@ -29,7 +25,7 @@ class PagedKVCache:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_tokens: list[tuple | None] = [None] * num_blocks  # each block's identity
         # Exact identity of cached content: a fresh id per committed block, and its parent's id (0: none).
         self.block_content_id: list[int] = [0] * num_blocks
         self.block_parent_id: list[int] = [0] * num_blocks
@@ -46,6 +42,7 @@ class PagedKVCache:
         # latest lookup is kept, valid while the request's length and the cached contents stand.
         self.cache_version = 0  # bumped whenever a block's cached content is registered or forgotten
         self.last_lookup: tuple[int, int, int, list[int]] | None = None  # (request id, tokens, version, hits)
+        self.kv_events: dict[int, bool] | None = None  # hash -> cached now, since take_kv_events last ran
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,14 +57,21 @@ class PagedKVCache:
     def prefix_cache_stats(self) -> tuple[int, int]:
         return self.num_hit_tokens, self.num_queried_tokens
 
+    def take_kv_events(self) -> dict[int, bool]:
+        if self.kv_events is None:  # the first call: the whole cache, and the record starts
+            self.kv_events = {}
+            return dict.fromkeys(self.cached, True)
+        events, self.kv_events = self.kv_events, {}
+        return events
+
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """The request's chained block hashes for its first num_blocks full blocks (memoized
         until it is freed)."""
         hashes = self.hashes.setdefault(request.request_id, [])
         bs, tokens = self.block_size, request.token_ids
-        while len(hashes) < num_blocks:
+        while len(hashes) < num_blocks:  # as inferlab.core.blocks.block_hashes names them
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, block_identity(tokens, i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]
 
     def _prefix_hits(self, request: Request) -> list[int]:
@@ -84,12 +88,24 @@ class PagedKVCache:
             if (
                 block is None
                 or self.block_parent_id[block] != parent_id
-                or self.block_tokens[block] != tuple(tokens[i * bs : (i + 1) * bs])
+                or self.block_tokens[block] != block_identity(tokens, i * bs, (i + 1) * bs)
             ):
                 break
             hits.append(block)
             parent_id = self.block_content_id[block]
         self.last_lookup = (*key, hits)
+        return hits
+
+    def cached_prefix_blocks(self, block_hashes) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        hits, parent_id = 0, 0
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is None or self.block_parent_id[block] != parent_id:
+                break
+            hits += 1
+            parent_id = self.block_content_id[block]
         return hits
 
     def num_cached_prefix_tokens(self, request: Request) -> int:
@@ -144,6 +160,8 @@ class PagedKVCache:
             self.cache_version += 1
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.kv_events is not None:
+                    self.kv_events[h] = False
             self.block_hash[block] = self.block_tokens[block] = None
             self.block_content_id[block] = self.block_parent_id[block] = 0
 
@@ -161,11 +179,14 @@ class PagedKVCache:
             block = table[i]
             if self.block_hash[block] is None:
                 self.block_hash[block] = hashes[i]
-                self.block_tokens[block] = tuple(tokens[i * bs : (i + 1) * bs])
+                self.block_tokens[block] = block_identity(tokens, i * bs, (i + 1) * bs)
                 self.block_content_id[block] = self.next_content_id
                 self.block_parent_id[block] = self.block_content_id[table[i - 1]] if i else 0
                 self.next_content_id += 1
-                self.cached.setdefault(hashes[i], block)
+                if hashes[i] not in self.cached:
+                    self.cached[hashes[i]] = block
+                    if self.kv_events is not None:
+                        self.kv_events[hashes[i]] = True
                 self.cache_version += 1
         self.num_committed[request.request_id] = num_full
 

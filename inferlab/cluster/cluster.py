@@ -1,0 +1,419 @@
+"""Cluster: N engine replicas behind a router plugin, with an engine's surface (add_request, step,
+abort, is_finished, clock, wait_until, requests, output, generate, close), so that the experiment
+driver and the server drive a cluster as they drive one engine. docs/cluster.md tells the design.
+
+A request is made (tokenized and checked) when it is added, with an id unique in the cluster, and
+routed when its arrival comes: on the host's clock at the next step, on virtual clocks in time
+order among the replicas' steps. The router gets read-only views (inferlab.core.routing); a choice
+it cannot make (it raised, or returned something it was not offered) fails that request alone with
+a PolicyError naming the router.
+"""
+
+import heapq
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from itertools import count
+from time import perf_counter
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from inferlab.conf.cluster import ClusterConfig, validate_cluster
+from inferlab.core.config import EngineConfig
+from inferlab.core.engine import (
+    EngineClosedError,
+    EngineStats,
+    LLMEngine,
+    RequestTooLargeError,
+    StepOutput,
+    as_prompt_list,
+    per_prompt,
+)
+from inferlab.core.plugins import ENGINE_KINDS, PluginRegistry, get_registry, validated_options
+from inferlab.core.protocols import ClusterState, ObservingRouter
+from inferlab.core.request import Request, RequestStatus
+from inferlab.core.routing import ReplicaView, RoutedRequest
+from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.scheduler import PolicyError
+
+FINISHED = RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class ClusterStepOutput(StepOutput):
+    """A cluster step: the engine's StepOutput summed over the replicas that stepped, and each of
+    their steps: (replica_id, start, end on its clock, its StepOutput)."""
+
+    replica_steps: list[tuple[int, float, float, StepOutput]]
+
+
+class Cluster:
+    """Cluster(model_path, replicas=N, router="round_robin", router_options={}, backend="local",
+    gpus_per_replica=1.0, ray_address=None, **engine settings): N engines, each built with the
+    engine settings (as LLM takes them), behind the router. With executor="simulated" the replicas
+    run on virtual clocks, one event at a time in time order."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        /,
+        *,
+        replicas: int = 1,
+        router: str = "round_robin",
+        router_options: Mapping[str, Any] | None = None,
+        backend: str = "local",
+        gpus_per_replica: float = 1.0,
+        ray_address: str | None = None,
+        registry: PluginRegistry | None = None,
+        **settings,
+    ):
+        self.lock = threading.RLock()
+        self.closed = False
+        self.fleet = None
+        validate_cluster(ClusterConfig(replicas, backend, gpus_per_replica, ray_address))
+        self.registry = registry or get_registry()
+        # Everything that can be refused is refused before a replica is built.
+        config = EngineConfig.from_kwargs(model_path, dict(settings))
+        for kind in ENGINE_KINDS:
+            name = getattr(config, kind)
+            if name != "auto":
+                validated_options(self.registry.get(kind, name), getattr(config, f"{kind}_options"))
+        self.router_name = router
+        self.router_options = validated_options(self.registry.get("router", router), router_options or {})
+        self.router = self.registry.create("router", router, options=self.router_options)
+        self.observing = isinstance(self.router, ObservingRouter)
+        self.backend = backend
+        if backend == "ray":
+            from inferlab.cluster.ray_backend import RayFleet  # Ray is an optional extra
+
+            self.fleet = RayFleet(model_path, settings, replicas, gpus_per_replica, ray_address, self.registry)
+        else:
+            from inferlab.cluster.local import LocalFleet
+
+            engines: list[LLMEngine] = []
+            try:
+                for _ in range(replicas):
+                    engines.append(LLMEngine(model_path, registry=self.registry, **settings))
+            except BaseException:
+                for engine in engines:
+                    engine.close()
+                raise
+            self.fleet = LocalFleet(engines)
+        front = self.fleet.front
+        self.config, self.hf_config, self.tokenizer, self.model_path = (
+            front.config,
+            front.hf_config,
+            front.tokenizer,
+            front.model_path,
+        )
+        self.simulated = self.fleet.simulated  # its replicas' runners are simulations (SimulatedDevice)
+        self.views = [ReplicaView(replica) for replica in self.fleet.replicas]
+        self.offered: tuple[ReplicaView, ...] = ()  # the views of the replicas alive, as of offered_version
+        self.offered_version = -1
+        self.requests: dict[int, Request] = {}  # pending, by id
+        self.routed: dict[int, RoutedRequest] = {}  # routed and pending: what observe is given
+        self.placement: dict[int, int] = {}  # request id -> the replica it was routed to
+        self.arrivals: list[tuple[float, int, Request]] = []  # added, not yet routed: a heap by arrival
+        self.arrival_order = count()
+        self.unreported: list[Request] = []  # finished outside a replica's step (routing failed, aborted unrouted)
+        self.num_routed = 0
+        self.num_failed_routes = 0
+        self.num_unrouted_aborts = 0
+        self.route_seconds = 0.0  # the host's time in the router's route(), the views it read included
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        metadata: Mapping[str, Any] | None = None,
+        arrival_time: float | None = None,
+    ) -> int:
+        """Adds one request; returns its id in the cluster. On the host's clock it is routed now; on
+        virtual clocks when its arrival comes among the replicas' steps. Raises as LLM's
+        add_request does for a prompt the replicas would refuse."""
+        self.refuse_closed("add_request")
+        if params is not None and params.n > 1:
+            raise ValueError(
+                f"a cluster serves one choice a request (n=1), got n={params.n}: add n requests (a router may "
+                "send them to different replicas), or use one engine"
+            )
+        with self.lock:
+            if arrival_time is None:
+                arrival_time = self.clock()
+            request = self.fleet.make_request(prompt, params or SamplingParams(), priority, metadata, arrival_time)
+            self.requests[request.request_id] = request
+            if self.fleet.virtual:
+                heapq.heappush(self.arrivals, (request.arrival_time, next(self.arrival_order), request))
+                return request.request_id
+            try:
+                self._route(request)
+            except BaseException:
+                self.requests.pop(request.request_id, None)
+                raise
+            return request.request_id
+
+    def _route(self, request: Request) -> None:
+        """Asks the router for a replica and queues the request there, or fails it when the router
+        could not choose. What the chosen replica raises in refusing it is raised."""
+        if self.offered_version != self.fleet.alive_version:  # a replica died since: offer it no more
+            self.offered = tuple(view for view, replica in zip(self.views, self.fleet.replicas) if replica.alive)
+            self.offered_version = self.fleet.alive_version
+        offered = self.offered
+        routed = RoutedRequest(request)
+        now = request.arrival_time if self.fleet.virtual else self.clock()
+        if not offered:
+            self._fail(request, "no replica is alive: every replica of the cluster died", now)
+            return
+        state = ClusterState(now=now, num_routed=self.num_routed, num_replicas=len(self.views))
+        choice, error = None, None
+        started = perf_counter()
+        try:
+            answer = self.router.route(routed, offered, state)
+            choice = next((view for view in offered if view is answer), None)
+            if choice is None:
+                error = PolicyError(
+                    f"router {self.router_name!r}: route returned {answer!r}, which is not one of the replicas "
+                    f"offered (replica_ids {[view.replica_id for view in offered]})"
+                )
+        except Exception as e:
+            error = PolicyError(f"router {self.router_name!r}: route raised {type(e).__name__}: {e}")
+        finally:
+            self.route_seconds += perf_counter() - started
+            self.fleet.forget_probes(request, None if choice is None else choice._replica)
+        self.num_routed += 1
+        if error is not None:
+            self._fail(request, f"{type(error).__name__}: {error}", now)
+            return
+        replica = choice._replica
+        try:
+            self.fleet.queue(replica, request)
+        except (ValueError, TypeError) as e:
+            kind = next(k for k in (RequestTooLargeError, ValueError, TypeError) if isinstance(e, k))
+            raise kind(f"replica {replica.replica_id} refused the request: {e}") from e
+        self.placement[request.request_id] = replica.replica_id
+        self.routed[request.request_id] = routed
+
+    def _fail(self, request: Request, why: str, now: float) -> None:
+        request.status = FINISHED
+        request.finish_reason = "error"
+        request.error = why
+        request.finish_time = now
+        self.num_failed_routes += 1
+        self.unreported.append(request)
+
+    def abort(self, request_id: int) -> bool:
+        """Stops a request, routed or not; True if it was still pending."""
+        self.refuse_closed("abort")
+        with self.lock:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                return False
+            replica_id = self.placement.get(request_id)
+            if replica_id is None:  # not routed yet
+                self.arrivals = [entry for entry in self.arrivals if entry[2] is not request]
+                heapq.heapify(self.arrivals)
+                request.status, request.finish_reason, request.finish_time = FINISHED, "abort", self.clock()
+                self.unreported.append(request)  # the next step reports it, as a replica reports its aborts
+                self.num_unrouted_aborts += 1
+                return True
+            replica = self.fleet.replicas[replica_id]
+            aborted = self.fleet.abort(replica, request_id)
+            self._observe(request, replica_id)
+            return aborted
+
+    def _observe(self, request: Request, replica_id: int) -> None:
+        routed = self.routed.pop(request.request_id, None)
+        if self.observing and routed is not None:
+            state = ClusterState(now=self.clock(), num_routed=self.num_routed, num_replicas=len(self.views))
+            self.router.observe(routed, self.views[replica_id], state)
+
+    def replica_of(self, request_id: int) -> int | None:
+        """The replica_id a request was routed to (None if it never was)."""
+        return self.placement.get(request_id)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def clock(self) -> float:
+        """The cluster's time: the host's, or on virtual clocks the time of the next event (an
+        arrival to route or a replica's step), or of the latest one when none is pending."""
+        fleet = self.fleet
+        if not fleet.virtual:
+            return fleet.clock()
+        next_event = min(self.arrivals[0][0] if self.arrivals else float("inf"), fleet.next_step_time())
+        return next_event if next_event != float("inf") else fleet.now
+
+    def wait_until(self, t: float) -> None:
+        """Returns once clock() reads t: the host sleeps; virtual time moves there at once (while
+        nothing is pending)."""
+        self.fleet.wait_until(t)
+
+    def is_finished(self) -> bool:
+        self.refuse_closed("is_finished")
+        return not self.arrivals and not self.unreported and self.fleet.idle()
+
+    def step(self) -> StepOutput:
+        """Routes the requests that have arrived, then one replica steps (the next in order; on Ray,
+        whichever replicas reported). Returns the requests finished since the previous step."""
+        self.refuse_closed("step")
+        with self.lock:
+            fleet = self.fleet
+            while self.arrivals and self.arrivals[0][0] <= fleet.next_step_time():  # in time order
+                request = heapq.heappop(self.arrivals)[2]
+                try:
+                    self._route(request)
+                except (ValueError, TypeError) as e:  # a replica whose cache is smaller than the first's
+                    self._fail(request, str(e), request.arrival_time)
+            finished, self.unreported = self.unreported, []
+            for request in finished:
+                self.requests.pop(request.request_id, None)
+            output = ClusterStepOutput(finished, 0, 0, 0, [])
+            for replica, step, start, end in fleet.step():
+                output.num_prefill_tokens += step.num_prefill_tokens
+                output.num_decode_tokens += step.num_decode_tokens
+                output.num_requests += step.num_requests
+                output.replica_steps.append((replica.replica_id, start, end, step))
+                for request in step.finished:
+                    self.requests.pop(request.request_id, None)
+                    self._observe(request, replica.replica_id)
+                    # Request and view refer to each other: without the link a finished request is
+                    # freed at once instead of by the collector (a third of a simulated fleet's memory)
+                    request.view = None
+                finished += step.finished
+            return output
+
+    def output(self, request: Request) -> dict:
+        """A finished request's result, as LLM.output gives it."""
+        return self.fleet.output(request)
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        raise_on_error: bool = False,
+        priority: int | list[int] = 0,
+        metadata=None,
+    ) -> list[dict]:
+        """LLM.generate over the cluster: every prompt routed, outputs in input order."""
+        self.refuse_closed("generate")
+        with self.lock:
+            prompts = as_prompt_list(prompts)
+            params = per_prompt("sampling params", sampling_params or SamplingParams(), SamplingParams, prompts)
+            priorities = per_prompt("priorities", priority, int, prompts)
+            metadatas = per_prompt("metadata", metadata, (Mapping, type(None)), prompts)
+            results: list[int | str] = []
+            for i, args in enumerate(zip(prompts, params, priorities, metadatas)):
+                try:
+                    results.append(self.add_request(*args))
+                except RequestTooLargeError as e:
+                    if raise_on_error:
+                        raise
+                    results.append(str(e))
+                except (ValueError, TypeError) as e:
+                    for request_id in results:
+                        if isinstance(request_id, int):
+                            self.abort(request_id)
+                    raise type(e)(f"prompt {i}: {e}") from None
+            mine = {r for r in results if isinstance(r, int)}
+            outputs: dict[int, dict] = {}
+            others: list[Request] = []
+            bar = tqdm(total=len(mine), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            try:
+                while mine - outputs.keys() and not self.is_finished():
+                    for request in self.step().finished:
+                        if request.request_id in mine:
+                            outputs[request.request_id] = self.output(request)
+                            bar.update(1)
+                        else:
+                            others.append(request)
+            finally:
+                self.unreported[:0] = others
+                bar.close()
+            return [outputs[r] if isinstance(r, int) else LLMEngine.error_output(r) for r in results]
+
+    def warm_up(self, prompt, params: SamplingParams) -> None:
+        """One generate on every replica, outside the router and the cluster's requests (a
+        benchmark's warm-up: each replica compiles and captures what it runs)."""
+        self.refuse_closed("warm_up")
+        with self.lock:
+            self.fleet.warm_up(prompt, params)
+
+    def running_requests(self) -> list[Request]:
+        """The requests running on the replicas (a server streams their new tokens after each step)."""
+        return self.fleet.running_requests()
+
+    def gauges(self) -> dict:
+        """The replicas' queues and KV caches summed (a server's /metrics): num_running, num_waiting
+        (requests not yet routed included), num_free_blocks, num_blocks, num_preemptions,
+        prefix_hit_tokens, prefix_queried_tokens."""
+        replicas = [r for r in self.fleet.replicas if r.alive]
+        hits, queried = self.fleet.prefix_cache_stats() or (0, 0)
+        return {
+            "num_running": sum(r.num_running for r in replicas),
+            "num_waiting": sum(r.num_waiting for r in replicas) + len(self.arrivals),
+            "num_free_blocks": sum(r.num_free_blocks for r in replicas),
+            "num_blocks": sum(r.num_blocks for r in replicas),
+            "num_preemptions": sum(stats.num_preemptions for stats in self.fleet.replica_stats()),
+            "prefix_hit_tokens": hits,
+            "prefix_queried_tokens": queried,
+        }
+
+    # -- figures and lifetime -----------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' counters summed (the seconds are replica-seconds), plus the requests whose
+        routing failed or that were aborted before routing. Assigning a fresh EngineStats resets every replica's."""
+        total = EngineStats()
+        for stats in self.fleet.replica_stats():
+            for f in fields(EngineStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        total.num_failed_requests += self.num_failed_routes
+        total.num_aborted_requests += self.num_unrouted_aborts
+        return total
+
+    @stats.setter
+    def stats(self, value: EngineStats) -> None:
+        if value != EngineStats():
+            raise ValueError("a cluster's stats can only be reset (assign EngineStats())")
+        self.fleet.reset_stats()
+        self.num_failed_routes = self.num_unrouted_aborts = 0
+
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        """(tokens served from the replicas' prefix caches, tokens looked up), or None when their KV
+        managers do not count them."""
+        return self.fleet.prefix_cache_stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.refuse_closed("reset_prefix_cache")
+        with self.lock:
+            self.fleet.reset_prefix_cache()
+
+    def reseed(self, seed: int) -> None:
+        """Restarts each simulated replica's step-time noise from seed (a bench's repeat draws from
+        its own), as LLM's runner.reseed does for one engine; nothing for real replicas."""
+        if self.simulated:
+            self.fleet.reseed(seed)
+
+    def refuse_closed(self, call: str) -> None:
+        if self.closed:
+            raise EngineClosedError(f"{call}() on a closed cluster: close() shut its replicas down; build a new one")
+
+    def close(self) -> None:
+        """Shuts every replica down (and Ray, if the cluster started it); safe to call twice."""
+        if self.closed:
+            return
+        with self.lock:
+            self.closed = True
+            if self.fleet is not None:
+                self.fleet.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

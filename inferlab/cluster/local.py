@@ -1,0 +1,211 @@
+"""Replicas in this process: each an LLMEngine, stepped by the cluster's own loop (no threads).
+
+On the host's clock the busy replica that stepped least recently steps next, so replicas take
+turns. On virtual clocks (a simulated fleet) each replica's clock is its own and the one whose
+next step starts earliest steps next: a heap of (start time, replica), in which only replicas with
+work have an entry. A step is one event at its start.
+"""
+
+import heapq
+from time import perf_counter
+
+from inferlab.core.engine import EngineStats, LLMEngine, StepOutput
+from inferlab.core.protocols import CachedPrefixLookup, PrefixCacheStats, SimulatedDevice, VirtualTime
+from inferlab.core.request import Request
+from inferlab.core.routing import RoutedRequest
+from inferlab.core.sampling_params import SamplingParams
+
+
+class LocalReplica:
+    """One in-process replica and what its ReplicaView reads (inferlab.core.routing.ReplicaState)."""
+
+    def __init__(self, replica_id: int, engine: LLMEngine):
+        self.replica_id = replica_id
+        self.engine = engine
+        kv = engine.kv_manager
+        self.num_blocks = kv.num_blocks
+        self.block_size = kv.block_size
+        self.version = 0  # bumped whenever its queues change, for the sums below
+        self._sums: tuple[int, int, int] | None = None  # (version, queued prompt tokens, outstanding tokens)
+        self.fleet_probes: list = []  # the fleet's list of replicas asked about the request being routed
+        self.alive = True  # an in-process replica fails only with the process
+        self.heap_version = 0  # the entry of the fleet's heap that is current for it
+        self.scheduled = False  # whether it has a current entry
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine.kv_manager.num_free_blocks
+
+    def _queue_sums(self) -> tuple[int, int]:
+        if self._sums is None or self._sums[0] != self.version:
+            scheduler = self.engine.scheduler
+            queued = sum(len(r.token_ids) - r.num_computed_tokens for r in scheduler.waiting)
+            queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
+            outputs = sum(r.params.max_tokens - r.num_output_tokens for r in scheduler.waiting)
+            outputs += sum(r.params.max_tokens - r.num_output_tokens for r in scheduler.running)
+            self._sums = (self.version, queued, queued + outputs)
+        return self._sums[1], self._sums[2]
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        return self._queue_sums()[0]
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        return self._queue_sums()[1]
+
+    def cached_prefix_tokens(self, request: RoutedRequest) -> int:
+        kv = self.engine.kv_manager
+        if isinstance(kv, CachedPrefixLookup):  # the prompt's names are computed once for every replica
+            return kv.cached_prefix_blocks(request.cacheable_block_hashes(self.block_size)) * self.block_size
+        # Otherwise the question the core scheduler asks at admission; the manager's memo of the
+        # request is dropped (free) if another replica gets it (LocalFleet.forget_probes).
+        self.fleet_probes.append(self)
+        return kv.num_cached_prefix_tokens(request._request)
+
+    def busy(self) -> bool:
+        return not self.engine.is_finished()
+
+
+class LocalFleet:
+    """The replicas of a local cluster and the order in which they step."""
+
+    def __init__(self, engines: list[LLMEngine]):
+        self.replicas = [LocalReplica(i, engine) for i, engine in enumerate(engines)]
+        self.probed: list[LocalReplica] = []  # asked about the request being routed, through its KV manager
+        for replica in self.replicas:
+            replica.fleet_probes = self.probed
+        self.alive_version = 0  # in-process replicas never die alone
+        self.engines = engines
+        self.front = engines[0]  # makes every request (one id counter, one seed stream) and decodes outputs
+        runners = [engine.runner for engine in engines]
+        self.virtual = all(isinstance(r, VirtualTime) and r.virtual_time for r in runners)
+        self.simulated = all(isinstance(r, SimulatedDevice) for r in runners)
+        self.heap: list[tuple[float, int, int]] = []  # (when it steps next, replica_id, heap_version)
+        self.now = max(engine.clock() for engine in engines) if self.virtual else 0.0
+
+    def ready_at(self, replica: LocalReplica) -> float:
+        """When the replica steps next: its clock (virtual), or when it last acted (host clock)."""
+        return replica.engine.clock() if self.virtual else perf_counter()
+
+    def schedule(self, replica: LocalReplica) -> None:
+        """Records when the replica steps next, after it acted (stepped, queued or aborted a
+        request): on virtual clocks at its clock, which queueing moves too; on the host's clock it
+        keeps its place in line until it steps."""
+        replica.version += 1
+        if not replica.busy():
+            replica.heap_version += 1  # its entry, if any, is stale
+            replica.scheduled = False
+        elif self.virtual or not replica.scheduled:
+            replica.heap_version += 1
+            replica.scheduled = True
+            heapq.heappush(self.heap, (self.ready_at(replica), replica.replica_id, replica.heap_version))
+
+    def next_step_time(self) -> float:
+        """When the next replica step starts (inf when none has work)."""
+        heap = self.heap
+        while heap and heap[0][2] != self.replicas[heap[0][1]].heap_version:
+            heapq.heappop(heap)  # stale: the replica acted since
+        return heap[0][0] if heap else float("inf")
+
+    def queue(self, replica: LocalReplica, request: Request) -> None:
+        engine = replica.engine
+        if self.virtual and engine.clock() < request.arrival_time:
+            engine.wait_until(request.arrival_time)  # an idle replica's clock catches up with the arrival
+        engine.queue(request)
+        self.schedule(replica)
+
+    def forget_probes(self, request: Request, chosen: LocalReplica | None) -> None:
+        """Drops what the KV managers asked about `request` keep of it, but on the chosen replica."""
+        for replica in self.probed:
+            if replica is not chosen:
+                replica.engine.kv_manager.free(request)
+        self.probed.clear()
+
+    def make_request(self, prompt, params: SamplingParams, priority: int, metadata, arrival_time: float) -> Request:
+        return self.front.make_request(prompt, params, priority, metadata, arrival_time)
+
+    def clock(self) -> float:
+        return self.front.clock()
+
+    def wait_until(self, t: float) -> None:
+        if self.virtual:
+            self.now = max(self.now, t)
+        else:
+            self.front.wait_until(t)
+
+    def step(self) -> list[tuple[LocalReplica, StepOutput, float, float]]:
+        """Steps the replica next in order: [(replica, its step's output, start, end on its clock)],
+        empty when none has work."""
+        if self.next_step_time() == float("inf"):
+            return []
+        _, replica_id, _ = heapq.heappop(self.heap)
+        replica = self.replicas[replica_id]
+        replica.scheduled = False
+        engine = replica.engine
+        start = engine.clock()
+        output = engine.step()
+        end = engine.clock()
+        if self.virtual:
+            self.now = max(self.now, end)
+        self.schedule(replica)
+        return [(replica, output, start, end)]
+
+    def output(self, request: Request) -> dict:
+        return self.front.output(request)
+
+    def abort(self, replica: LocalReplica, request_id: int) -> bool:
+        aborted = replica.engine.abort(request_id)
+        self.schedule(replica)
+        return aborted
+
+    def idle(self) -> bool:
+        return self.next_step_time() == float("inf")
+
+    def warm_up(self, prompt, params: SamplingParams) -> None:
+        for engine in self.engines:
+            engine.generate([prompt], params, use_tqdm=False)
+        if self.virtual:
+            self.now = max(self.now, *(engine.clock() for engine in self.engines))
+
+    def on_front(self, read):
+        """read(engine) on the first replica's engine (what records read of an engine: its plugins,
+        device, cache)."""
+        return read(self.front)
+
+    def running_requests(self) -> list[Request]:
+        return [request for engine in self.engines for request in engine.scheduler.running]
+
+    def replica_stats(self) -> list[EngineStats]:
+        return [engine.stats for engine in self.engines]
+
+    def reset_stats(self) -> None:
+        for engine in self.engines:
+            engine.stats = EngineStats()
+
+    def prefix_cache_stats(self) -> tuple[int, int] | None:
+        managers = [engine.kv_manager for engine in self.engines]
+        if not all(isinstance(kv, PrefixCacheStats) for kv in managers):
+            return None
+        counts = [kv.prefix_cache_stats() for kv in managers]
+        return sum(hits for hits, _ in counts), sum(queried for _, queried in counts)
+
+    def reset_prefix_cache(self) -> None:
+        for engine in self.engines:
+            engine.reset_prefix_cache()
+
+    def reseed(self, seed: int) -> None:
+        for engine in self.engines:
+            engine.runner.reseed(seed)  # simulated: Cluster.reseed asks only then
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()

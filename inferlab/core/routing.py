@@ -1,0 +1,165 @@
+"""What a router reads: the request it routes and each replica it may choose, as read-only views
+that the cluster keeps current (the router Protocol is inferlab.core.protocols.Router)."""
+
+from types import MappingProxyType
+from typing import Protocol
+
+from inferlab.core.blocks import block_hashes
+from inferlab.core.request import Request
+
+
+class RoutedRequest:
+    """A request as a router sees it, in route() (before any replica holds it) and in observe()
+    (once it finished on its replica)."""
+
+    __slots__ = ("_request", "_metadata", "_hashes")
+
+    def __init__(self, request: Request):
+        self._request = request
+        self._metadata = MappingProxyType(request.metadata)
+        self._hashes: dict[int, tuple[int, ...]] = {}
+
+    def __repr__(self):
+        r = self._request
+        return f"RoutedRequest(id={r.request_id}, {r.num_prompt_tokens} prompt tokens, {r.status.value})"
+
+    @property
+    def request_id(self) -> int:
+        """Its id in the cluster (what add_request returned)."""
+        return self._request.request_id
+
+    @property
+    def arrival_time(self) -> float:
+        return self._request.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._request.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self._request.params.max_tokens
+
+    @property
+    def priority(self) -> int:
+        return self._request.priority
+
+    @property
+    def metadata(self) -> MappingProxyType:
+        """The free-form dict given at submission (tenant, session, ...), read-only."""
+        return self._metadata
+
+    @property
+    def status(self) -> str:
+        """'waiting' or 'running' on its replica, or 'finished'."""
+        return self._request.status.value
+
+    @property
+    def finish_reason(self) -> str | None:
+        """How it ended ("stop", "length", "abort", "error"); None until it has."""
+        return self._request.finish_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._request.num_output_tokens
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids (for a prompt given by its blocks, made from their source: prefer
+        prompt_block_hashes)."""
+        return tuple(self._request.token_ids[: self._request.num_prompt_tokens])
+
+    def cacheable_block_hashes(self, block_size: int) -> tuple[int, ...]:
+        """The names of the blocks a prefix cache could serve: those before the prompt's last token
+        (which is always computed, for its logits)."""
+        return self.prompt_block_hashes(block_size)[: (self.num_prompt_tokens - 1) // block_size]
+
+    def prompt_block_hashes(self, block_size: int) -> tuple[int, ...]:
+        """The chained names (inferlab.core.blocks) of the prompt's full blocks of block_size
+        tokens: two prompts share their first k names exactly when they share their first k
+        blocks. Computed once per block size."""
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            request = self._request
+            names = block_hashes(request.token_ids, block_size, request.num_prompt_tokens // block_size)
+            hashes = self._hashes[block_size] = tuple(names)
+        return hashes
+
+
+class ReplicaState(Protocol):
+    """What a ReplicaView reads: the cluster's record of one replica (in-process, or what its Ray
+    actor reported with its latest step)."""
+
+    replica_id: int
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+    block_size: int
+    num_queued_prompt_tokens: int
+    num_outstanding_tokens: int
+
+    def cached_prefix_tokens(self, request: "RoutedRequest") -> int:
+        """Leading prompt tokens of the request its prefix cache holds now (the last one never)."""
+
+
+class ReplicaView:
+    """A replica as a router sees it: read-only, current as of its latest step.
+
+    - replica_id: its index in the cluster, 0..replicas-1;
+    - num_waiting, num_running: its engine's queues;
+    - num_free_blocks, num_blocks, block_size: its KV cache (free counts cached blocks no request holds);
+    - num_queued_prompt_tokens: tokens queued but not yet computed (whole waiting requests, what
+      remains of running prefills);
+    - num_outstanding_tokens: those plus the output tokens its requests may still generate (up to
+      their max_tokens);
+    - cached_prefix_tokens(request): how many leading tokens of request's prompt its prefix cache
+      holds now (a multiple of block_size; the prompt's last token is never counted, as it is
+      always computed).
+    """
+
+    __slots__ = ("_replica",)
+
+    def __init__(self, replica: ReplicaState):
+        self._replica = replica
+
+    def __repr__(self):
+        r = self._replica
+        return f"ReplicaView({r.replica_id}, waiting={r.num_waiting}, running={r.num_running})"
+
+    @property
+    def replica_id(self) -> int:
+        return self._replica.replica_id
+
+    @property
+    def num_waiting(self) -> int:
+        return self._replica.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._replica.num_running
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._replica.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._replica.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._replica.block_size
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        return self._replica.num_queued_prompt_tokens
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        return self._replica.num_outstanding_tokens
+
+    def cached_prefix_tokens(self, request: RoutedRequest) -> int:
+        if not isinstance(request, RoutedRequest):
+            raise TypeError(f"cached_prefix_tokens takes the RoutedRequest being routed, got {type(request).__name__}")
+        return self._replica.cached_prefix_tokens(request)
