@@ -26,7 +26,7 @@ def noisy_profile(tmp_path_factory) -> str:
     return str(path)
 
 
-def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: float):
+def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: float, noise: float):
     """60 requests of up to 400 prompt and output tokens, arriving at `rate` a second, each behind
     one of 3 shared prefixes, on 3 replicas with small caches of 16-token blocks."""
     bench = compose(
@@ -41,7 +41,7 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
     ).bench
     settings = dict(
         executor="simulated",
-        executor_options={"profile": profile},
+        executor_options={"profile": profile, "noise": noise},
         kvcache_block_size=16,
         num_kvcache_blocks=num_blocks,
         max_model_len=2048,
@@ -64,10 +64,17 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
     return run, kv, stats, runners, fast_steps
 
 
-@pytest.mark.parametrize("router, num_blocks, rate", [("prefix_aware", 400, 20.0), ("kv_aware", 100, 50.0)])
-def test_runs_of_decode_steps_give_exactly_the_records_of_one_step_at_a_time(noisy_profile, router, num_blocks, rate):
-    one, kv_one, stats_one, runners_one, none = replay(noisy_profile, False, router, num_blocks, rate)
-    fast, kv_fast, stats_fast, runners_fast, fast_steps = replay(noisy_profile, True, router, num_blocks, rate)
+@pytest.mark.parametrize(
+    "router, num_blocks, rate, noise",
+    [("prefix_aware", 400, 20.0, 1.0), ("kv_aware", 100, 50.0, 0.0), ("least_load", 100, 50.0, 1.0)],
+)
+def test_runs_of_decode_steps_give_exactly_the_records_of_one_step_at_a_time(
+    noisy_profile, router, num_blocks, rate, noise
+):
+    """With noise, each step's time is drawn as one at a time draws it; without, a run's times
+    come from the profile's lines without a call a step."""
+    one, kv_one, stats_one, runners_one, none = replay(noisy_profile, False, router, num_blocks, rate, noise)
+    fast, kv_fast, stats_fast, runners_fast, fast_steps = replay(noisy_profile, True, router, num_blocks, rate, noise)
     assert none == 0 and fast_steps > sum(s.num_steps for s in stats_fast) / 3  # many steps ran in runs
     assert fast.requests == one.requests  # token times, TTFT, preemptions, cache hits, replicas: every field
     assert sorted(map(dataclasses.astuple, fast.steps)) == sorted(map(dataclasses.astuple, one.steps))

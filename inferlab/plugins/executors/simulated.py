@@ -36,7 +36,7 @@ from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
 from inferlab.core.model_runner import sleep_until
 from inferlab.core.protocols import DecodeRun
-from inferlab.sim.cost_model import StepNoise, StepShape
+from inferlab.sim.cost_model import MeasuredCostModel, StepNoise, StepShape
 from inferlab.sim.profile import (
     KNOWN_DEVICES,
     SIZE_FIELDS,
@@ -340,6 +340,9 @@ class SimulatedRunner:
         ends_at = pending.ends_at
         if self.real_time:
             return DecodeRun(starts, ends, [], pending)
+        lines = isinstance(self.cost_model, MeasuredCostModel) and not self.noise.active
+        if lines and isinstance(self.clock, VirtualClock):
+            return self._decode_lines(shape, rows, pending, until, max_steps)
         for _ in range(max_steps):
             start = clock()
             if start >= until:
@@ -351,6 +354,60 @@ class SimulatedRunner:
             ends.append(clock())
             shape = StepShape(0, 0, 0, num, shape.decode_context + num, shape.graph, 0)
         token = read.pop()  # the last step's, read by the step after the run
+        return DecodeRun(starts, ends, read, SimulatedStep(num, list(range(num)), token, clock, ends_at))
+
+    def _decode_lines(
+        self, shape: StepShape, rows: list[int], pending: "SimulatedStep", until: float, max_steps: int
+    ) -> DecodeRun:
+        """launch_decodes without a call a step: a measured profile's decode steps and launches
+        take a fixed time plus one per context token, which grows by one a request each step;
+        every sum is the one _launched makes, in its order."""
+        num, graph, context = shape.decode_requests, shape.graph, shape.decode_context
+        profile, clock, tokens = self.profile, self.clock, self.tokens
+        fixed, per_token = self.cost_model.decode_line(num, graph)
+        launch_fixed, launch_per_token = (
+            self.host_launch_model.decode_line(num, graph) if self.host_launch_model else (0.0, 0.0)
+        )
+        hosted = self.host_launch_model is not None
+        wake = bool(profile.idle_wake)
+        step_host = profile.step_host_seconds(num, 0)
+        factor = profile.launch_in_run_factor
+        setup = profile.sampling_setup_seconds(num) if rows != self.sampling_rows else None
+        now, free_at, simulated, num_steps = clock.now, self.device_free_at, self.simulated_seconds, self.num_steps
+        starts: list[float] = []
+        ends: list[float] = []
+        read = [pending.token]
+        ends_at = pending.ends_at
+        for _ in range(max_steps):
+            if now >= until:
+                break
+            starts.append(now)
+            seconds = fixed + per_token * context
+            idle = now - free_at
+            if idle > 0 and wake:
+                now += profile.idle_wake_seconds(idle)
+            now += step_host
+            start = now
+            host = launch_fixed + launch_per_token * context if hosted else 0.0
+            if setup is not None:
+                host += setup
+                setup = None
+            now += host * factor
+            if graph:
+                free_at = max(free_at, now) + seconds
+            else:
+                free_at = max(max(free_at, start) + seconds, now)
+            simulated += seconds
+            num_steps += 1
+            read.append(tokens[num_steps % len(tokens)])
+            now = max(now, ends_at)  # the step before's tokens
+            ends_at = free_at
+            ends.append(now)
+            context += num
+        clock.now, self.device_free_at, self.simulated_seconds, self.num_steps = now, free_at, simulated, num_steps
+        if starts:
+            self.sampling_rows = rows
+        token = read.pop()
         return DecodeRun(starts, ends, read, SimulatedStep(num, list(range(num)), token, clock, ends_at))
 
     def describe(self) -> dict:
