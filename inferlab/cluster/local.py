@@ -156,11 +156,11 @@ class LocalFleet:
         replica.scheduled = False
         engine = replica.engine
         if until is not None and self.decode_runs:
+            num = replica.num_running  # each step's batch (some may finish in the last)
             spans = engine.run_decodes(until)
             if spans:
                 self.now = max(self.now, spans[-1][1])
                 self.schedule(replica)
-                num = replica.num_running
                 output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
                 return [(replica, output, start, end) for start, end in spans]
         start = engine.clock()

@@ -619,10 +619,11 @@ class LLMEngine:
                 or (not params.ignore_eos and request.eos_token_id in sampled)
             ):
                 return 0
-            # step n appends the request's (num_tokens + n)th token; the step that reaches a limit finishes it
-            steps = min(steps, params.max_tokens - (num_tokens - request.num_prompt_tokens) - 1)
+            # step n appends the request's (num_tokens + n)th token; the step that reaches a limit
+            # finishes it, and ends the run (the next step reports it)
+            steps = min(steps, params.max_tokens - (num_tokens - request.num_prompt_tokens))
             if request.max_model_len is not None:
-                steps = min(steps, request.max_model_len - num_tokens - 1)
+                steps = min(steps, request.max_model_len - num_tokens)
             books.append((request.num_computed_tokens, len(kv.block_table(request))))
         if steps <= 0:
             return 0
@@ -654,8 +655,14 @@ class LLMEngine:
         # allocates (scheduling) before it commits (advancing), request by request; every request
         # commits after the first step (whatever it had left uncommitted).
         events = []
+        finishing = []  # rows that reach max_tokens or max_model_len in the last step
         for row, (request, c) in enumerate(zip(running, computed)):
             held = len(kv.block_table(request))
+            num_tokens = len(request.token_ids) + num_steps
+            if num_tokens - request.num_prompt_tokens >= request.params.max_tokens or (
+                request.max_model_len is not None and num_tokens >= request.max_model_len
+            ):
+                finishing.append(row)
             events.extend((n, 0, row) for n in range(held * bs - c + 1, num_steps + 1, bs))
             first_full = bs - c % bs
             events.extend((n, 1, row) for n in range(first_full, num_steps + 1, bs) if n != 1)
@@ -666,6 +673,9 @@ class LLMEngine:
             token_ids.append(-(row + 1))  # the last step's placeholder, as advance appends it
             request.token_times.extend(times)
         events.sort()
+        if finishing:  # they finish in the last step's advance, before it commits
+            last = set(finishing)
+            events = [e for e in events if not (e[1] and e[0] == num_steps and e[2] in last)]
         for n, commit, row in events:
             request = running[row]
             if commit:
@@ -677,6 +687,10 @@ class LLMEngine:
                     raise RuntimeError(f"request {request.request_id}: a decode run found no free block")
         for request, c in zip(running, computed):
             request.num_computed_tokens = c + num_steps
+        if finishing:  # as advance finishes them: out of the running queue, their blocks freed
+            for row in finishing:
+                scheduler._finish(running[row], "length")
+            scheduler.release()
         self.pending = ([(request, row, len(request.token_ids) - 1) for row, request in enumerate(running)], run.handle)
         scheduler.num_steps += num_steps
         stats = self.stats
