@@ -22,6 +22,7 @@ class LocalReplica:
     def __init__(self, replica_id: int, engine: LLMEngine):
         self.replica_id = replica_id
         self.engine = engine
+        self.scheduler = engine.scheduler  # its queues, which a router reads at every arrival
         kv = engine.kv_manager
         self.num_blocks = kv.num_blocks
         self.block_size = kv.block_size
@@ -34,11 +35,11 @@ class LocalReplica:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return len(self.scheduler.running)
 
     @property
     def num_free_blocks(self) -> int:
