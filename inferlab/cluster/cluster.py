@@ -255,12 +255,20 @@ class Cluster:
         self.refuse_closed("is_finished")
         return not self.arrivals and not self.unreported and self.fleet.idle()
 
-    def step(self) -> StepOutput:
+    def step(self, until: float | None = None) -> StepOutput:
         """Routes the requests that have arrived, then one replica steps (the next in order; on Ray,
-        whichever replicas reported). Returns the requests finished since the previous step."""
+        whichever replicas reported). Returns the requests finished since the previous step.
+
+        until: the caller's promise that it adds no request arriving before that time (a driver
+        that knows its workload). On virtual clocks the replica then runs at once the decode steps
+        that start before it and before the next arrival it was given, where nothing can change
+        them (LLMEngine.run_decodes): the same steps, without their work per request."""
         self.refuse_closed("step")
         with self.lock:
             fleet = self.fleet
+            horizon = None
+            if until is not None and fleet.virtual:
+                horizon = min(until, self.arrivals[0][0]) if self.arrivals else until
             while self.arrivals and self.arrivals[0][0] <= fleet.next_step_time():  # in time order
                 request = heapq.heappop(self.arrivals)[2]
                 try:
@@ -271,7 +279,7 @@ class Cluster:
             for request in finished:
                 self.requests.pop(request.request_id, None)
             output = ClusterStepOutput(finished, 0, 0, 0, [])
-            for replica, step, start, end in fleet.step():
+            for replica, step, start, end in fleet.step() if horizon is None else fleet.step(horizon):
                 output.num_prefill_tokens += step.num_prefill_tokens
                 output.num_decode_tokens += step.num_decode_tokens
                 output.num_requests += step.num_requests

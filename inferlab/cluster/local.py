@@ -22,6 +22,7 @@ class LocalReplica:
     def __init__(self, replica_id: int, engine: LLMEngine):
         self.replica_id = replica_id
         self.engine = engine
+        self.scheduler = engine.scheduler  # its queues, which a router reads at every arrival
         kv = engine.kv_manager
         self.num_blocks = kv.num_blocks
         self.block_size = kv.block_size
@@ -34,11 +35,11 @@ class LocalReplica:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return len(self.scheduler.running)
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +90,8 @@ class LocalFleet:
         runners = [engine.runner for engine in engines]
         self.virtual = all(isinstance(r, VirtualTime) and r.virtual_time for r in runners)
         self.simulated = all(isinstance(r, SimulatedDevice) for r in runners)
+        # whether the replicas may run decode steps at once (LLMEngine.run_decodes); False: one at a time
+        self.decode_runs = self.virtual and all(engine.decode_runs for engine in engines)
         self.heap: list[tuple[float, int, int]] = []  # (when it steps next, replica_id, heap_version)
         self.now = max(engine.clock() for engine in engines) if self.virtual else 0.0
 
@@ -142,15 +145,25 @@ class LocalFleet:
         else:
             self.front.wait_until(t)
 
-    def step(self) -> list[tuple[LocalReplica, StepOutput, float, float]]:
+    def step(self, until: float | None = None) -> list[tuple[LocalReplica, StepOutput, float, float]]:
         """Steps the replica next in order: [(replica, its step's output, start, end on its clock)],
-        empty when none has work."""
+        empty when none has work. With `until` (virtual clocks: nothing reaches the replicas before
+        it), the replica runs at once the decode steps before it that nothing can change, one
+        entry each."""
         if self.next_step_time() == float("inf"):
             return []
         _, replica_id, _ = heapq.heappop(self.heap)
         replica = self.replicas[replica_id]
         replica.scheduled = False
         engine = replica.engine
+        if until is not None and self.decode_runs:
+            num = replica.num_running  # each step's batch (some may finish in the last)
+            spans = engine.run_decodes(until)
+            if spans:
+                self.now = max(self.now, spans[-1][1])
+                self.schedule(replica)
+                output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
+                return [(replica, output, start, end) for start, end in spans]
         start = engine.clock()
         output = engine.step()
         end = engine.clock()

@@ -25,6 +25,8 @@ from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
 from inferlab.core.plugins import ENGINE_KINDS, PluginRegistry, get_registry, validated_options
 from inferlab.core.protocols import (
     AdmissionCost,
+    BlockAligned,
+    DecodeRuns,
     LogitsProcessingSampler,
     LogprobsSampler,
     PrefixCacheReset,
@@ -255,6 +257,9 @@ class LLMEngine:
         samples = isinstance(runner, SamplesLogits)
         self.sampler = runner.sampler if samples else None
         self.reads_logprobs = samples  # its handles are LogprobsStepHandles
+        kv = self.kv_manager
+        # Runs of decode steps at once (run_decodes): a simulation's, over block-aligned books
+        self.decode_runs = isinstance(runner, DecodeRuns) and isinstance(kv, BlockAligned) and kv.block_aligned
         log.info("engine ready in %.1f s", perf_counter() - started)
 
     # -- requests -----------------------------------------------------------------------------
@@ -551,6 +556,154 @@ class LLMEngine:
             if done:
                 interrupts.restore()
         return output
+
+    def run_decodes(self, until: float) -> list[tuple[float, float]]:
+        """A simulation's shortcut: runs at once the decode steps that step() would run next and
+        that start before `until` on the clock, as long as nothing can change them, and returns
+        each one's (start, end) on the clock; [] where the next step is not such a step (step()
+        then runs it). The requests, the KV books, the counters and the clock end as those steps
+        one at a time would leave them, the step after the run reading the last one's tokens.
+
+        Nothing can change a step when: the runner times decode runs (DecodeRuns) on a virtual
+        clock and the KV manager is BlockAligned; the steps overlap and the step launched last
+        computed the running requests' last tokens, in order; nothing waits, and nothing is left to
+        report or free; the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
+        no request reads logprobs, has a constraint, stop strings or stop ids, or could sample EOS
+        without ignoring it; and none reaches max_tokens or max_model_len, nor needs more blocks
+        than are free, within the run. The caller promises that no request is queued before
+        `until` (a cluster's next arrival)."""
+        self.refuse_reentry("run_decodes")
+        with self.lock:
+            if not self.decode_runs:
+                return []
+            num_steps = self._decode_run_length()
+            if num_steps <= 0:
+                return []
+            interrupts.install()
+            with DEFERRED:
+                return self._run_decodes(until, num_steps)
+
+    def _decode_run_length(self) -> int:
+        """How many decode steps of the running requests nothing can change (0: not such a step)."""
+        scheduler, pending = self.scheduler, self.pending
+        if (
+            pending is None
+            or not self.overlap
+            or scheduler.waiting
+            or scheduler.to_free
+            or scheduler.ended
+            or self.unreported
+            or self.held
+            or self.constrained
+            or scheduler.budgeted
+            or scheduler.observing
+            or self.reads_logprobs
+        ):
+            return 0
+        running, (appended, _) = scheduler.running, pending
+        if not running or len(running) > scheduler.max_num_batched_tokens or len(appended) != len(running):
+            return 0
+        sampled = self.runner.sampled_token_ids
+        kv = self.kv_manager
+        bs, free = kv.block_size, kv.num_free_blocks
+        steps = math.inf
+        books = []  # (tokens computed, blocks held) of each request
+        for row, request in enumerate(running):
+            num_tokens = len(request.token_ids)
+            entry = appended[row]
+            params = request.params
+            if (
+                entry[0] is not request
+                or entry[1] != row
+                or entry[2] != num_tokens - 1
+                or request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens != num_tokens - 1
+                or request.error is not None
+                or params.stop
+                or params.stop_token_ids
+                or (not params.ignore_eos and request.eos_token_id in sampled)
+            ):
+                return 0
+            # step n appends the request's (num_tokens + n)th token; the step that reaches a limit
+            # finishes it, and ends the run (the next step reports it)
+            steps = min(steps, params.max_tokens - (num_tokens - request.num_prompt_tokens))
+            if request.max_model_len is not None:
+                steps = min(steps, request.max_model_len - num_tokens)
+            books.append((request.num_computed_tokens, len(kv.block_table(request))))
+        if steps <= 0:
+            return 0
+
+        def blocks_needed(n: int) -> int:  # step n computes token c + n - 1 of each request, in block (c + n - 1) // bs
+            return sum(max(0, -(-(c + n) // bs) - held) for c, held in books)
+
+        if blocks_needed(steps) > free:  # the longest run whose blocks are free: no step preempts
+            low, high = 0, steps
+            while low < high:
+                middle = (low + high + 1) // 2
+                if blocks_needed(middle) <= free:
+                    low = middle
+                else:
+                    high = middle - 1
+            steps = low
+        return steps
+
+    def _run_decodes(self, until: float, max_steps: int) -> list[tuple[float, float]]:
+        scheduler, kv = self.scheduler, self.kv_manager
+        running = list(scheduler.running)
+        run = self.runner.launch_decodes(running, self.pending[1], until, max_steps)
+        num_steps = len(run.starts)
+        if not num_steps:
+            return []
+        read, times, bs = run.read_tokens, run.ends, kv.block_size
+        computed = [request.num_computed_tokens for request in running]
+        # The KV books at the steps that touch them, in the order stepping would: each step
+        # allocates (scheduling) before it commits (advancing), request by request; every request
+        # commits after the first step (whatever it had left uncommitted).
+        events = []
+        finishing = []  # rows that reach max_tokens or max_model_len in the last step
+        for row, (request, c) in enumerate(zip(running, computed)):
+            held = len(kv.block_table(request))
+            num_tokens = len(request.token_ids) + num_steps
+            if num_tokens - request.num_prompt_tokens >= request.params.max_tokens or (
+                request.max_model_len is not None and num_tokens >= request.max_model_len
+            ):
+                finishing.append(row)
+            events.extend((n, 0, row) for n in range(held * bs - c + 1, num_steps + 1, bs))
+            first_full = bs - c % bs
+            events.extend((n, 1, row) for n in range(first_full, num_steps + 1, bs) if n != 1)
+            events.append((1, 1, row))
+            token_ids = request.token_ids
+            token_ids[-1] = read[0]  # the pending step's placeholder
+            token_ids.extend(read[1:])
+            token_ids.append(-(row + 1))  # the last step's placeholder, as advance appends it
+            request.token_times.extend(times)
+        events.sort()
+        if finishing:  # they finish in the last step's advance, before it commits
+            last = set(finishing)
+            events = [e for e in events if not (e[1] and e[0] == num_steps and e[2] in last)]
+        for n, commit, row in events:
+            request = running[row]
+            if commit:
+                request.num_computed_tokens = computed[row] + n
+                kv.commit(request)
+            else:
+                request.num_computed_tokens = computed[row] + n - 1
+                if not kv.allocate(request, 1):
+                    raise RuntimeError(f"request {request.request_id}: a decode run found no free block")
+        for request, c in zip(running, computed):
+            request.num_computed_tokens = c + num_steps
+        if finishing:  # as advance finishes them: out of the running queue, their blocks freed
+            for row in finishing:
+                scheduler._finish(running[row], "length")
+            scheduler.release()
+        self.pending = ([(request, row, len(request.token_ids) - 1) for row, request in enumerate(running)], run.handle)
+        scheduler.num_steps += num_steps
+        stats = self.stats
+        stats.num_steps += num_steps
+        stats.num_decode_tokens += num_steps * len(running)
+        for start, end in zip(run.starts, times):
+            stats.decode_seconds += end - start
+        return list(zip(run.starts, times))
 
     def _step(self) -> StepOutput:
         scheduler = self.scheduler

@@ -45,7 +45,9 @@ def register_kv_caches(register):
     Optional capabilities of the manager: PrefixCacheStats (prefix hits in a run's
     records), PrefixCacheReset (a bench's timed pass starts with an empty prefix cache),
     CachedPrefixLookup (a router's question about a cached prefix, from the prompt's block names),
-    KVCacheEvents (which block names enter and leave the cache, for a router in another process)."""
+    KVCacheEvents (which block names enter and leave the cache, for a router in another process),
+    BlockAligned (its decode books change only at block boundaries, so a simulation may run decode
+    steps at once)."""
 
 
 @hookspec
@@ -92,6 +94,7 @@ def register_executors(register):
     on a clock not the host's), OnDevice (the device, dtypes and attention backend a bench records
     and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device), VirtualTime (its clock is a
     simulation's own, so that a cluster runs such replicas in the order of their clocks),
+    DecodeRuns (times a run of decode steps of one batch at once, for a simulated fleet),
     SamplesLogits (its sampler, whose capabilities decide what requests may ask beyond plain
     sampling; its launch then returns a LogprobsStepHandle, whose logprobs() the engine reads)."""
 

@@ -494,6 +494,49 @@ class VirtualTime(Protocol):
 
 
 @runtime_checkable
+class DecodeRuns(Protocol):
+    """Optional Runner capability (a simulation on a virtual clock): the steps of a run of
+    decode-only steps of one unchanging batch, timed at once. The engine asks for one only where
+    stepping one at a time would give the same steps (LLMEngine.run_decodes says when), and does
+    the requests' books for the whole run itself.
+
+    sampled_token_ids: every token id its steps may sample (the engine checks stop conditions
+    against them)."""
+
+    sampled_token_ids: frozenset[int]
+
+    def launch_decodes(self, requests: list, pending: Any, until: float, max_steps: int) -> "DecodeRun":
+        """Times up to max_steps decode steps of `requests` (each computing its one last token,
+        sampling one), each as launch() would time it followed by the wait for the tokens of the
+        step before it (`pending`, the handle of the step launched last, whose tokens the first step
+        reads); stops before a step that would start at or after `until` on its clock. Its clock
+        and counters move as that many launches and waits move them."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """What a DecodeRuns runner ran: each step's start and end on its clock (a step ends once the
+    tokens of the step before it are read, as a step of the overlapping engine does), the token
+    each step read (that of the step before it), and the handle of the last step, whose tokens are
+    read by the next step."""
+
+    starts: list[float]
+    ends: list[float]
+    read_tokens: list[int]
+    handle: Any
+
+
+@runtime_checkable
+class BlockAligned(Protocol):
+    """Optional KV manager capability: with block_aligned True, allocate for tokens that fit in the
+    blocks a request holds changes nothing (and returns True), and commit changes something only
+    when request.num_computed_tokens has reached a multiple of block_size since the last commit, so
+    that a run of decode steps (DecodeRuns) calls them only at block boundaries."""
+
+    block_aligned: bool
+
+
+@runtime_checkable
 class SimulatedDevice(Protocol):
     """Optional Runner capability: the runner's steps take modeled time, not measured time. A bench
     reports what stood in for the device and what the simulation cost the host."""

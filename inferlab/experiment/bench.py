@@ -256,7 +256,7 @@ def summary_lines(result: dict, path: str) -> str:
         )
     if "simulated" in result:
         lines.append(
-            f"simulated on {result['simulated']['profile']}: {result['simulated']['num_steps']} steps in "
+            f"simulated on {result['simulated']['profile']}: {result['num_steps']} steps in "
             f"{result['simulator_seconds']:.1f} s on this host ({result['simulator_us_per_step']:.0f} µs a step, "
             f"{result['simulated_requests_per_host_s']:.0f} simulated requests a second of host time)"
         )

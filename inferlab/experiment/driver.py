@@ -12,6 +12,7 @@ that stamps requests on the engine's clock (the bench job here, a server's runs)
 engine's surface and is driven alike; its records say which replica served each request.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
@@ -149,7 +150,9 @@ def run_workload(
                     wait_until(due[next_index])  # idle until the next arrival
                     continue
                 step_start = clock()
-                output = step()
+                # a cluster is told when the next request arrives: a simulated one runs what
+                # nothing before it can change at once
+                output = step(due[next_index] if next_index < num_requests else math.inf) if cluster else step()
                 step_end = clock()
                 for request in output.finished:
                     index, _ = in_flight.pop(request.request_id, (None, None))

@@ -147,6 +147,12 @@ class MeasuredCostModel:
     def _context_seconds(self, requests: int, context: int) -> float:
         return self._fit(True)._at(self._fit(True).per_token, requests) * context if requests else 0.0
 
+    def decode_line(self, requests: int, graph: bool) -> tuple[float, float]:
+        """(fixed, per context token) of a decode-only step of `requests` (> 0) requests: its
+        seconds are fixed + per_token * decode_context, as __call__ computes them."""
+        fit = self._fit(graph)
+        return fit._at(fit.fixed, requests), fit._at(fit.per_token, requests)
+
     def __call__(self, shape: StepShape) -> float:
         if not shape.prefill_tokens:
             return self._fit(shape.graph)(shape.decode_requests, shape.decode_context) if shape.decode_requests else 0.0
@@ -230,7 +236,8 @@ class HostLaunchModel:
             if points:
                 rows = np.array([self._row(StepShape.from_measurement(m)) for m in points])
                 host = np.array([m["host_seconds"] for m in points])
-                self.coefficients[graph] = nonnegative_least_squares(rows / host[:, None], np.ones_like(host))
+                fitted = nonnegative_least_squares(rows / host[:, None], np.ones_like(host))
+                self.coefficients[graph] = tuple(float(c) for c in fitted)
         if not self.coefficients:
             raise ValueError("the profile's measurements hold no host_seconds")
 
@@ -245,8 +252,24 @@ class HostLaunchModel:
         ]
 
     def __call__(self, shape: StepShape) -> float:
-        coefficients = self.coefficients.get(bool(shape.graph)) or next(iter(self.coefficients.values()))
-        return float(np.dot(self._row(shape), coefficients))
+        base, with_prefill, per_request, per_prefill_token, per_context = self._coefficients(shape.graph)
+        # summed left to right, term by term as _row lists them (decode_line's sums are its prefix)
+        return (
+            base
+            + with_prefill * (1.0 if shape.prefill_tokens else 0.0)
+            + per_request * (shape.prefill_requests + shape.decode_requests)
+            + per_prefill_token * shape.prefill_tokens
+            + per_context * shape.decode_context
+        )
+
+    def _coefficients(self, graph: bool) -> tuple[float, ...]:
+        return self.coefficients.get(bool(graph)) or next(iter(self.coefficients.values()))
+
+    def decode_line(self, requests: int, graph: bool) -> tuple[float, float]:
+        """(fixed, per context token) of a decode-only step of `requests` requests: its launch
+        takes fixed + per_token * decode_context, as __call__ computes it."""
+        base, with_prefill, per_request, per_prefill_token, per_context = self._coefficients(graph)
+        return base + with_prefill * 0.0 + per_request * requests + per_prefill_token * 0, per_context
 
     def describe(self) -> dict:
         names = ("base_s", "with_prefill_s", "per_request_s", "per_prefill_token_s", "per_decode_context_token_s")

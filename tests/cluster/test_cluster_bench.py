@@ -54,6 +54,7 @@ def test_bench_on_a_simulated_cluster(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "3 replicas (local), router prefix_aware: load imbalance" in out
     assert "simulated requests a second of host time" in out
+    assert f": {result['num_steps']} steps in " in out  # every replica's steps, not the first one's
 
 
 def test_each_repeat_reseeds_every_simulated_replicas_noise(tmp_path):

@@ -29,12 +29,14 @@ from time import perf_counter
 
 import torch
 
+from inferlab.core.batch import ScheduledBatch
 from inferlab.core.checkpoint import Checkpoint, fit_model_len, load_checkpoint_files, open_checkpoint
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
 from inferlab.core.model_runner import sleep_until
-from inferlab.sim.cost_model import StepNoise, StepShape
+from inferlab.core.protocols import DecodeRun
+from inferlab.sim.cost_model import MeasuredCostModel, StepNoise, StepShape
 from inferlab.sim.profile import (
     KNOWN_DEVICES,
     SIZE_FIELDS,
@@ -177,7 +179,7 @@ def profile_model_config(profile: Profile, config_defaults: dict[str, dict]):
 
 class SimulatedRunner:
     """The `simulated` executor's runner (inferlab.core.protocols.Runner, AdmissionCost,
-    SimulatedDevice, VirtualTime): launch() and handles as the real runner's, no device work."""
+    SimulatedDevice, VirtualTime, DecodeRuns): launch() and handles as the real runner's, no device work."""
 
     runs_ahead = True  # it stands in for a GPU engine, so it overlaps as that engine would
 
@@ -203,6 +205,7 @@ class SimulatedRunner:
         self.graph_limits = profile.graph_limits(config)
         self.num_kv_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else self._blocks_from_profile()
         self.tokens = synthetic_tokens(checkpoint.tokenizer, checkpoint.hf_config.vocab_size)
+        self.sampled_token_ids = frozenset(self.tokens)  # inferlab.core.protocols.DecodeRuns
         self.num_steps = 0
         self.simulated_seconds = 0.0
 
@@ -284,6 +287,20 @@ class SimulatedRunner:
         than its launch. Back to back, a device step longer than the next launch hides that
         launch; a step onto an idle device waits for its own."""
         shape = StepShape.of(batch, self.graph_limits)
+        requests = batch.requests
+        sample_rows = [
+            row
+            for row, (request, num_tokens) in enumerate(zip(requests, batch.num_scheduled_tokens))
+            if request.num_computed_tokens + num_tokens == len(request.token_ids)
+        ]
+        rows = [requests[row].request_id for row in sample_rows]
+        token = self._launched(shape, len(requests), rows)
+        return SimulatedStep(len(requests), sample_rows, token, self.clock, self.device_free_at)
+
+    def _launched(self, shape: StepShape, num_requests: int, rows: list[int]) -> int:
+        """launch()'s timing of a step of this shape and request count whose sampling rows are
+        these request ids: moves the clock and the device's end, counts the step, and returns the
+        token its rows sample."""
         seconds = self.cost_model(shape)
         if self.noise.active:
             seconds = self.noise(shape, seconds)
@@ -292,17 +309,10 @@ class SimulatedRunner:
         if idle > 0 and profile.idle_wake:
             clock.spend(profile.idle_wake_seconds(idle))
         if not self.real_time:  # in real time the engine's own work takes this host's time already
-            clock.spend(profile.step_host_seconds(len(batch.requests), shape.prefill_tokens))
+            clock.spend(profile.step_host_seconds(num_requests, shape.prefill_tokens))
         start = clock()
-        requests = batch.requests
-        sample_rows = [
-            row
-            for row, (request, num_tokens) in enumerate(zip(requests, batch.num_scheduled_tokens))
-            if request.num_computed_tokens + num_tokens == len(request.token_ids)
-        ]
         host = self.host_launch_model(shape) if self.host_launch_model else 0.0
-        if sample_rows:
-            rows = [requests[row].request_id for row in sample_rows]
+        if rows:
             if rows != self.sampling_rows:
                 host += profile.sampling_setup_seconds(len(rows))
                 self.sampling_rows = rows
@@ -314,8 +324,91 @@ class SimulatedRunner:
             self.device_free_at = max(max(self.device_free_at, start) + seconds, launched)
         self.simulated_seconds += seconds
         self.num_steps += 1
-        token = self.tokens[self.num_steps % len(self.tokens)]  # every row of a step samples the same one
-        return SimulatedStep(len(requests), sample_rows, token, clock, self.device_free_at)
+        return self.tokens[self.num_steps % len(self.tokens)]  # every row of a step samples the same one
+
+    def launch_decodes(self, requests: list, pending: "SimulatedStep", until: float, max_steps: int) -> DecodeRun:
+        """inferlab.core.protocols.DecodeRuns: the steps launch() would time for a run of decode
+        steps of these requests, each followed by the wait for the step before's tokens, with no
+        work per request (a step's context grows by one token a request)."""
+        num = len(requests)
+        shape = StepShape.of(ScheduledBatch(requests, [1] * num, []), self.graph_limits)
+        rows = [request.request_id for request in requests]
+        clock = self.clock
+        starts: list[float] = []
+        ends: list[float] = []
+        read = [pending.token]
+        ends_at = pending.ends_at
+        if self.real_time:
+            return DecodeRun(starts, ends, [], pending)
+        lines = isinstance(self.cost_model, MeasuredCostModel) and not self.noise.active
+        if lines and isinstance(self.clock, VirtualClock):
+            return self._decode_lines(shape, rows, pending, until, max_steps)
+        for _ in range(max_steps):
+            start = clock()
+            if start >= until:
+                break
+            starts.append(start)
+            read.append(self._launched(shape, num, rows))
+            clock.advance_to(ends_at)
+            ends_at = self.device_free_at
+            ends.append(clock())
+            shape = StepShape(0, 0, 0, num, shape.decode_context + num, shape.graph, 0)
+        token = read.pop()  # the last step's, read by the step after the run
+        return DecodeRun(starts, ends, read, SimulatedStep(num, list(range(num)), token, clock, ends_at))
+
+    def _decode_lines(
+        self, shape: StepShape, rows: list[int], pending: "SimulatedStep", until: float, max_steps: int
+    ) -> DecodeRun:
+        """launch_decodes without a call a step: a measured profile's decode steps and launches
+        take a fixed time plus one per context token, which grows by one a request each step;
+        every sum is the one _launched makes, in its order."""
+        num, graph, context = shape.decode_requests, shape.graph, shape.decode_context
+        profile, clock, tokens = self.profile, self.clock, self.tokens
+        fixed, per_token = self.cost_model.decode_line(num, graph)
+        launch_fixed, launch_per_token = (
+            self.host_launch_model.decode_line(num, graph) if self.host_launch_model else (0.0, 0.0)
+        )
+        hosted = self.host_launch_model is not None
+        wake = bool(profile.idle_wake)
+        step_host = profile.step_host_seconds(num, 0)
+        factor = profile.launch_in_run_factor
+        setup = profile.sampling_setup_seconds(num) if rows != self.sampling_rows else None
+        now, free_at, simulated, num_steps = clock.now, self.device_free_at, self.simulated_seconds, self.num_steps
+        starts: list[float] = []
+        ends: list[float] = []
+        read = [pending.token]
+        ends_at = pending.ends_at
+        for _ in range(max_steps):
+            if now >= until:
+                break
+            starts.append(now)
+            seconds = fixed + per_token * context
+            idle = now - free_at
+            if idle > 0 and wake:
+                now += profile.idle_wake_seconds(idle)
+            now += step_host
+            start = now
+            host = launch_fixed + launch_per_token * context if hosted else 0.0
+            if setup is not None:
+                host += setup
+                setup = None
+            now += host * factor
+            if graph:
+                free_at = max(free_at, now) + seconds
+            else:
+                free_at = max(max(free_at, start) + seconds, now)
+            simulated += seconds
+            num_steps += 1
+            read.append(tokens[num_steps % len(tokens)])
+            now = max(now, ends_at)  # the step before's tokens
+            ends_at = free_at
+            ends.append(now)
+            context += num
+        clock.now, self.device_free_at, self.simulated_seconds, self.num_steps = now, free_at, simulated, num_steps
+        if starts:
+            self.sampling_rows = rows
+        token = read.pop()
+        return DecodeRun(starts, ends, read, SimulatedStep(num, list(range(num)), token, clock, ends_at))
 
     def describe(self) -> dict:
         """What stood in for the device: the profile and the fitted cost model."""

@@ -19,6 +19,8 @@ NO_BLOCKS: list[int] = []  # the table of a request holding none; never changed
 
 
 class PagedKVCache:
+    block_aligned = True  # inferlab.core.protocols.BlockAligned: decode steps touch the books at block boundaries only
+
     def __init__(self, config, num_blocks: int):
         self.block_size = config.kvcache_block_size
         self.num_blocks = num_blocks

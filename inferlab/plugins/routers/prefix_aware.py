@@ -85,7 +85,9 @@ class PrefixAwareRouter:
             if best is not None and matched * block_size > self.cache_threshold * request.num_prompt_tokens:
                 choice = best
             else:
-                choice = min(replicas, key=lambda r: (len(self.owned.get(r.replica_id, ())), r.replica_id))
+                owned = self.owned  # the smallest tree, the lowest replica_id among equals (replicas come in its order)
+                sizes = [len(owned.get(r.replica_id, ())) for r in replicas]
+                choice = replicas[sizes.index(min(sizes))]
         self.insert(names, choice.replica_id, state.now)
         return choice
 

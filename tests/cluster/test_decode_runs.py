@@ -1,0 +1,89 @@
+"""A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes) give exactly what
+stepping one at a time gives: every request's token ids, token times, TTFT, TPOT, preemptions
+and cache hits, the replicas' counters and KV books, and the step records."""
+
+import dataclasses
+import math
+
+import pytest
+
+from inferlab import Cluster
+from inferlab.conf import compose
+from inferlab.experiment.driver import run_workload
+from inferlab.experiment.latency import latency_figures
+from inferlab.experiment.workload import build_workload
+from inferlab.sim.profile import load_profile
+
+
+@pytest.fixture(scope="module")
+def noisy_profile(tmp_path_factory) -> str:
+    """The shipped small-model profile with a measured spread, so that step times are draws."""
+    profile = load_profile("h200-qwen3-0.6b-triton")
+    for m in profile.measurements:
+        m["seconds_std"] = 0.05 * m["seconds"]
+    path = tmp_path_factory.mktemp("profile") / "noisy.json"
+    profile.save(str(path))
+    return str(path)
+
+
+def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: float, noise: float):
+    """60 requests of up to 400 prompt and output tokens, arriving at `rate` a second, each behind
+    one of 3 shared prefixes, on 3 replicas with small caches of 16-token blocks."""
+    bench = compose(
+        [
+            "bench.arrival=poisson",
+            f"bench.request_rate={rate}",
+            "bench.num_seqs=60",
+            "bench.max_len=400",
+            "bench.shared_prefix_len=64",
+            "bench.num_prefixes=3",
+        ]
+    ).bench
+    settings = dict(
+        executor="simulated",
+        executor_options={"profile": profile, "noise": noise},
+        kvcache_block_size=16,
+        num_kvcache_blocks=num_blocks,
+        max_model_len=2048,
+    )
+    with Cluster(replicas=3, router=router, **settings) as cluster:
+        workload = build_workload(bench, cluster.hf_config.vocab_size, cluster.config.max_model_len)
+        cluster.fleet.decode_runs = decode_runs
+        calls = []
+        for engine in cluster.fleet.engines:
+            run_decodes = engine.run_decodes
+            engine.run_decodes = lambda until, f=run_decodes: calls.append(f(until)) or calls[-1]
+        run = run_workload(cluster, workload.requests, workload.sampling_params(bench))
+        kv = [
+            (dict(e.kv_manager.cached), list(e.kv_manager.free_queue), e.kv_manager.prefix_cache_stats())
+            for e in cluster.fleet.engines
+        ]
+        stats = [dataclasses.replace(s, wait_seconds=0.0) for s in cluster.fleet.replica_stats()]
+        runners = [(e.runner.num_steps, e.runner.simulated_seconds) for e in cluster.fleet.engines]
+        fast_steps = sum(len(spans) for spans in calls)
+    return run, kv, stats, runners, fast_steps
+
+
+@pytest.mark.parametrize(
+    "router, num_blocks, rate, noise",
+    [("prefix_aware", 400, 20.0, 1.0), ("kv_aware", 100, 50.0, 0.0), ("least_load", 100, 50.0, 1.0)],
+)
+def test_runs_of_decode_steps_give_exactly_the_records_of_one_step_at_a_time(
+    noisy_profile, router, num_blocks, rate, noise
+):
+    """With noise, each step's time is drawn as one at a time draws it; without, a run's times
+    come from the profile's lines without a call a step."""
+    one, kv_one, stats_one, runners_one, none = replay(noisy_profile, False, router, num_blocks, rate, noise)
+    fast, kv_fast, stats_fast, runners_fast, fast_steps = replay(noisy_profile, True, router, num_blocks, rate, noise)
+    assert none == 0 and fast_steps > sum(s.num_steps for s in stats_fast) / 3  # many steps ran in runs
+    assert fast.requests == one.requests  # token times, TTFT, preemptions, cache hits, replicas: every field
+    assert sorted(map(dataclasses.astuple, fast.steps)) == sorted(map(dataclasses.astuple, one.steps))
+    assert fast.wall_time_s == one.wall_time_s
+    assert stats_fast == stats_one and kv_fast == kv_one and runners_fast == runners_one
+    figures = latency_figures(fast.requests, fast.wall_time_s)
+    assert figures == latency_figures(one.requests, one.wall_time_s)
+    assert sum(r.num_output_tokens for r in fast.requests) > 10_000
+    if num_blocks == 100:  # the small cache preempts and evicts: runs stop short of what they cannot allocate
+        assert sum(r.num_preemptions for r in fast.requests) > 0
+    assert sum(r.num_cached_tokens for r in fast.requests) > 0
+    assert not any(math.isnan(t) for r in fast.requests for t in r.token_times_s)
