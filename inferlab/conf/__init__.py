@@ -23,8 +23,9 @@ from inferlab.conf.cluster import ClusterConfig, validate_cluster
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import ENGINE_KINDS, KINDS, PluginRegistry, get_registry
 
-# Kinds whose `auto` the engine resolves (the device's best backend, the checkpoint's model).
-AUTO_CHOICE_KINDS = ("attention", "model")
+# Kinds whose `auto` is resolved where they are built: the engine's (the device's best attention
+# backend, the checkpoint's model) and a disaggregated cluster's (the transfer its replicas can use).
+AUTO_CHOICE_KINDS = ("attention", "model", "kv_transfer")
 PLUGIN_FIELDS = {"model_path", *KINDS, *(f"{kind}_options" for kind in KINDS)}
 PROMPTS = ["Hello, world! How are you today?", "The quick brown fox", "Once upon a time,"]
 
@@ -139,6 +140,7 @@ class InferlabConfig:
     sampler: Any = MISSING
     executor: Any = MISSING
     router: Any = MISSING
+    kv_transfer: Any = MISSING
     engine: EngineSettings = field(default_factory=EngineSettings)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job: JobConfig = MISSING

@@ -21,12 +21,14 @@ from tqdm.auto import tqdm
 from inferlab.core import interrupts
 from inferlab.core.blocks import BlockPrompt
 from inferlab.core.config import EngineConfig
+from inferlab.core.handoff import KVHandoff
 from inferlab.core.interrupts import ALLOWED, DEFERRED, INSTALLED
 from inferlab.core.plugins import ENGINE_KINDS, PluginRegistry, get_registry, validated_options
 from inferlab.core.protocols import (
     AdmissionCost,
     BlockAligned,
     DecodeRuns,
+    KVTransfer,
     LogitsProcessingSampler,
     LogprobsSampler,
     PrefixCacheReset,
@@ -67,6 +69,10 @@ class EngineStats:
     num_preemptions: int = 0  # the core scheduler's count: requests evicted to be recomputed
     num_aborted_requests: int = 0
     num_failed_requests: int = 0  # answered with an error result (too large for the cache, undecodable tokens)
+    # prefill/decode disaggregation: KV bytes this engine sent and received, and moves that failed here
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    num_failed_kv_transfers: int = 0
 
 
 # What the interpreter itself keeps frozen (375 tuples on Python 3.12, none on 3.11 or 3.13): more than
@@ -260,6 +266,7 @@ class LLMEngine:
         kv = self.kv_manager
         # Runs of decode steps at once (run_decodes): a simulation's, over block-aligned books
         self.decode_runs = isinstance(runner, DecodeRuns) and isinstance(kv, BlockAligned) and kv.block_aligned
+        self.handoff: KVHandoff | None = None  # prefill/decode disaggregation, once connect_kv_transfer ran
         log.info("engine ready in %.1f s", perf_counter() - started)
 
     # -- requests -----------------------------------------------------------------------------
@@ -417,15 +424,54 @@ class LLMEngine:
         """Queues a request that make_request built: this engine's, or another's with the same
         settings (a cluster makes each request once, with an id unique in the cluster, and queues
         it on the replica its router chose). RequestTooLargeError if this engine's cache could
-        never hold it; ValueError if a request with its id is pending here."""
+        never hold it; ValueError if a request with its id is pending here.
+
+        Under disaggregation (connect_kv_transfer) request.kv_send has this engine prefill it and
+        hand it off after its first token (reported finished with finish_reason "handoff", its
+        blocks held until sent), and request.kv_receive has it take over such a request, its
+        prompt's K/V received rather than computed."""
         self.refuse_reentry("queue")
         with self.lock:
             interrupts.install()
             with DEFERRED:
                 if request.request_id in self.requests:
                     raise ValueError(f"request id {request.request_id} is already pending on this engine")
+                if request.kv_send is not None or request.kv_receive is not None:
+                    if self.handoff is None:
+                        raise ValueError(
+                            f"request {request.request_id} moves its K/V between replicas, but this engine has no "
+                            f"KV transfer: call connect_kv_transfer first"
+                        )
+                    self.handoff.check(request)
                 self.check_fits_cache(request.num_prompt_tokens, request.params)
                 self._add(request)
+
+    def connect_kv_transfer(self, transfer: KVTransfer, endpoint: int) -> None:
+        """Makes this engine replica `endpoint` of a disaggregated cluster: requests queued with
+        kv_send or kv_receive move their K/V through `transfer` (a kv_transfer plugin serving
+        every engine of this process). Once, before any such request."""
+        if not isinstance(transfer, KVTransfer):
+            raise TypeError(f"transfer must be a kv_transfer plugin (KVTransfer), got {type(transfer).__name__}")
+        if not isinstance(endpoint, int) or isinstance(endpoint, bool) or endpoint < 0:
+            raise ValueError(f"endpoint must be a replica id, an integer >= 0; got {endpoint!r}")
+        self.refuse_reentry("connect_kv_transfer")
+        with self.lock:
+            if self.handoff is not None:
+                raise ValueError(f"this engine is replica {self.handoff.endpoint} of a KV transfer already")
+            transfer.attach(endpoint, self.runner, self.kv_manager.block_size)
+            self.handoff = KVHandoff(transfer, endpoint, self.scheduler, self.kv_manager, lambda: self.stats)
+
+    def poll_kv_transfer(self) -> None:
+        """Applies what the KV transfer reports (each step does): blocks of sends that ended are
+        freed, receives that ended decode on, failed ones end with an error (reported by the next
+        step). For a replica that is not stepping, such as an idle prefill replica holding blocks."""
+        self.refuse_reentry("poll_kv_transfer")
+        with self.lock, DEFERRED:
+            if self.handoff is not None:
+                try:
+                    self.handoff.poll()
+                finally:  # failed receives: the next step reports them
+                    self.unreported, self.scheduler.ended = self.unreported + self.scheduler.ended, []
 
     def _add(self, request: Request) -> None:
         """Queues a request made by make_request: its first choice, while the others wait for its
@@ -484,8 +530,11 @@ class LLMEngine:
             request.finish_reason, request.finish_time = "abort", self.clock()
             ended = [*self.scheduler.ended, request]  # the next step reports it
             request.status, request.reported, self.scheduler.ended = RequestStatus.FINISHED, True, ended
-        elif not self.scheduler.abort(request):  # the next step reports it
-            return False
+        else:
+            if self.handoff is not None:
+                self.handoff.cancel(request)  # a receive in flight stops writing into its blocks
+            if not self.scheduler.abort(request):  # the next step reports it
+                return False
         self.stats.num_aborted_requests += 1
         return True
 
@@ -706,7 +755,7 @@ class LLMEngine:
         return list(zip(run.starts, times))
 
     def _step(self) -> StepOutput:
-        scheduler = self.scheduler
+        scheduler, handoff = self.scheduler, self.handoff
         if self.constrained and self.pending is not None:
             self.constrained &= self.requests.keys()  # some may have left without being reported
             if self.constrained:
@@ -714,12 +763,21 @@ class LLMEngine:
         if self.held:
             self._release_choices()
         try:
+            if handoff is not None:
+                handoff.start_sends()  # those a step that raised left
+                handoff.poll()
             batch = scheduler.schedule()
-        finally:  # requests the scheduler ended (a policy's fault pinned on them, an abort): this step reports them
+            if handoff is not None and scheduler.receiving:
+                handoff.start_receives()
+        finally:  # requests the scheduler ended (a policy's fault pinned on them, an abort, a failed move): this step reports them
             self.unreported, scheduler.ended = self.unreported + scheduler.ended, []
         self.stats.num_preemptions = scheduler.num_preemptions
         if not batch.requests and self.pending is None:
             if not scheduler.has_unfinished():
+                return StepOutput([], 0, 0, 0)
+            if (scheduler.receiving or scheduler.sending) and not scheduler.running:
+                # nothing to compute until K/V arrives, or a send ends and frees the blocks it holds
+                handoff.wait()
                 return StepOutput([], 0, 0, 0)
             raise SchedulerStallError(
                 f"scheduler {self.config.scheduler!r} scheduled nothing while {len(scheduler.waiting)} requests "
@@ -762,6 +820,8 @@ class LLMEngine:
             raise
         finally:
             self.unreported, scheduler.ended = self.unreported + scheduler.ended, []
+        if handoff is not None and scheduler.handed_off:
+            handoff.start_sends()  # before the step reports them handed off
         elapsed = self.clock() - start
         stats = self.stats
         stats.num_steps += 1

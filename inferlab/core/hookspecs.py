@@ -96,7 +96,9 @@ def register_executors(register):
     simulation's own, so that a cluster runs such replicas in the order of their clocks),
     DecodeRuns (times a run of decode steps of one batch at once, for a simulated fleet),
     SamplesLogits (its sampler, whose capabilities decide what requests may ask beyond plain
-    sampling; its launch then returns a LogprobsStepHandle, whose logprobs() the engine reads)."""
+    sampling; its launch then returns a LogprobsStepHandle, whose logprobs() the engine reads),
+    KVBlockStore (its KV blocks read and written as data: kv_transfer=local and distributed move
+    them), KVBlockBytes (a KV block's size: kv_transfer=simulated prices moving it)."""
 
 
 @hookspec
@@ -105,3 +107,12 @@ def register_routers(register):
     `cluster.replicas=N`, docs/cluster.md). factory(**options) -> Router. A router decides over
     read-only views (inferlab.core.routing); the cluster carries its choice out.
     Optional capabilities of the router: ObservingRouter (each routed request's end, on its replica)."""
+
+
+@hookspec
+def register_kv_transfers(register):
+    """KV transfers: how a request's KV blocks move from the replica that prefilled it to the one
+    that decodes it (prefill/decode disaggregation). factory(**options) -> KVTransfer. One object
+    serves every engine of a process (each attached as an endpoint); the cluster builds it, not an
+    engine. A transfer reads what it needs of the engines' runners through their capabilities
+    (register_executors lists them): the blocks as data, or a block's size."""

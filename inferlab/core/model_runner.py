@@ -97,8 +97,9 @@ def sleep_until(t: float) -> None:
 
 
 class ModelRunner:
-    """The `real` executor's runner (inferlab.core.protocols.Runner, OnDevice): the model, its KV
-    cache and sampler on one device, or one tensor-parallel rank of them."""
+    """The `real` executor's runner (inferlab.core.protocols.Runner, OnDevice, KVBlockBytes,
+    KVBlockStore): the model, its KV cache and sampler on one device, or one tensor-parallel rank of
+    them."""
 
     clock = staticmethod(perf_counter)
     wait_until = staticmethod(sleep_until)
@@ -177,6 +178,8 @@ class ModelRunner:
             self.num_kv_blocks = int(counts.item())
         self.kv_cache = self._new_kv_cache(self.num_kv_blocks)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.kv_block_bytes = self._kv_block_bytes()
+        self.kv_block_axis = self._kv_block_axis()
         log.info(
             "KV cache: %d blocks of %d tokens in %s (%.2f GiB)",
             self.num_kv_blocks,
@@ -339,6 +342,27 @@ class ModelRunner:
             if any(a in names for a in architectures):
                 return name
         raise PluginError(f"no model plugin serves architectures {architectures}; available: {served}")
+
+    def _kv_block_axis(self) -> int:
+        """Which axis of the whole cache ([layers, *the backend's layout]) counts the blocks."""
+        _, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        one, two = (self.backend.kv_cache_shape(n, self.block_size, num_kv_heads, head_dim) for n in (1, 2))
+        return 1 + next(axis for axis, (a, b) in enumerate(zip(one, two)) if a != b)
+
+    def read_kv_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """KVBlockStore: the blocks of every layer as bytes (whatever the cache's dtype), in the
+        cache's layout with len(blocks) blocks."""
+        index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.kv_cache.view(torch.uint8).index_select(self.kv_block_axis, index)
+
+    def write_kv_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=True)
+        self.kv_cache.view(torch.uint8).index_copy_(self.kv_block_axis, index, data.to(self.device))
+
+    def empty_kv_blocks(self, num_blocks: int) -> torch.Tensor:
+        shape = list(self.kv_cache.view(torch.uint8).shape)
+        shape[self.kv_block_axis] = num_blocks
+        return torch.empty(shape, dtype=torch.uint8, device=self.device)
 
     def _kv_block_bytes(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()

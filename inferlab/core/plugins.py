@@ -27,9 +27,11 @@ KINDS: dict[str, tuple[str, type]] = {
     "sampler": ("register_samplers", protocols.Sampler),
     "executor": ("register_executors", protocols.Runner),
     "router": ("register_routers", protocols.Router),
+    "kv_transfer": ("register_kv_transfers", protocols.KVTransfer),
 }
-# The kinds an engine is built from: a router chooses between engines, so a cluster holds it.
-ENGINE_KINDS = tuple(kind for kind in KINDS if kind != "router")
+# The kinds an engine is built from: a router chooses between engines and a KV transfer serves the
+# engines of a process together, so a cluster holds them.
+ENGINE_KINDS = tuple(kind for kind in KINDS if kind not in ("router", "kv_transfer"))
 
 
 class PluginError(LookupError):

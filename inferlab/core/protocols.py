@@ -625,3 +625,99 @@ class StructuredOutputSampler(Protocol):
         """A factory of fresh TokenConstraints (one per generated sequence) for spec (a
         StructuredOutputs) over the tokenizer's vocabulary, padded to vocab_size (the model's
         logits width). Raises ValueError naming what the library rejects in spec."""
+
+
+@runtime_checkable
+class KVBlockBytes(Protocol):
+    """Optional Runner capability: the size of one KV block, for a transfer that prices moving
+    blocks (kv_transfer=simulated)."""
+
+    kv_block_bytes: int  # one block of K and V, every layer, on this runner (one tensor-parallel rank)
+
+
+@runtime_checkable
+class KVBlockStore(Protocol):
+    """Optional Runner capability: a request's KV blocks as data, for a transfer that moves them
+    between engines (kv_transfer=local, distributed). The data's layout is the runner's own: it
+    goes into an engine with the same model, KV cache dtype, block size and attention backend."""
+
+    def read_kv_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A contiguous copy of the blocks' K and V in every layer, on the runner's device, as bytes
+        (uint8): the shape empty_kv_blocks(len(blocks)) has. Queued on the device after every step
+        launched so far."""
+
+    def write_kv_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Stores what read_kv_blocks returned (here or on a like engine, on any device) into the
+        blocks, queued before any step launched after it."""
+
+    def empty_kv_blocks(self, num_blocks: int) -> torch.Tensor:
+        """An uninitialized tensor of the shape and dtype read_kv_blocks gives num_blocks blocks:
+        a buffer to receive them into."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """One request's K/V moving from the replica that computed its prompt (sender) to the one that
+    decodes it (receiver); replicas are named by their ids, the transfer's endpoints."""
+
+    request_id: int
+    sender: int
+    receiver: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVMoveEnded:
+    """What a transfer reports of a move at one endpoint: it ended there, well or (error) not."""
+
+    move: KVMove
+    error: str | None = None  # why it failed; None when the blocks moved
+    seconds: float = 0.0  # how long the blocks took to move, from the receive's start
+    num_bytes: int = 0  # bytes moved
+
+
+@runtime_checkable
+class KVTransfer(Protocol):
+    """A kv_transfer plugin: moves a request's KV blocks from the engine that prefilled it to the
+    engine that decodes it (prefill/decode disaggregation). One object serves the engines of this
+    process, each attached as an endpoint; a move between processes or machines goes through a
+    library (torch.distributed, NIXL), never a transport of inferlab's own.
+
+    The core calls, for each move: send on the sender once the prompt's K/V and first token are
+    computed (the blocks stay held there); receive on the receiver once it has allocated blocks for
+    the prompt; poll on each side until the move is reported there, then frees the sender's blocks,
+    and on the receiver counts the blocks computed and decodes on, or fails the request. Each move
+    is reported once at each endpoint. A move fails rather than hangs: the plugin reports a move
+    that takes longer than its own timeout as an error, on both sides."""
+
+    def attach(self, endpoint: int, runner: Runner, block_size: int) -> None:
+        """The engine whose runner this is, with KV blocks of block_size tokens, is endpoint
+        (its replica id) here. Called once per engine, before any move names it; the runner's
+        clock is the endpoint's."""
+
+    def send(self, move: KVMove, blocks: list[int]) -> None:
+        """Called on move.sender: blocks (in order) hold the K/V of the request's prompt, and stay
+        untouched until the move is reported at the sender."""
+
+    def receive(self, move: KVMove, blocks: list[int], first_block: int) -> None:
+        """Called on move.receiver: fill blocks with the sender's blocks first_block,
+        first_block + 1, ... (the receiver's prefix cache held the ones before). May come before the
+        matching send (another process), or with no blocks (the cache held all of them): the move
+        still ends at both sides."""
+
+    def poll(self, endpoint: int) -> list[KVMoveEnded]:
+        """The moves that ended at endpoint since the previous call, each once: at the sender, its
+        blocks may be freed; at the receiver, its blocks hold the data. Never blocks."""
+
+    def wait(self, endpoint: int) -> None:
+        """Called by an engine with nothing to compute while moves of its own are in flight (K/V
+        to receive, or sends holding the blocks it needs): returns once one of them may have ended
+        there, or soon (a short sleep, or at once when the move waits for another engine of this
+        process); a simulated transfer moves the endpoint's virtual clock to the earliest known end
+        instead."""
+
+    def cancel(self, move: KVMove, endpoint: int) -> None:
+        """The core frees the move's blocks at endpoint before it ended there (the request was
+        aborted): the plugin must not read or write them any more, nor report the move there."""
+
+    def close(self) -> None:
+        """Releases what the transfer holds (threads, process groups); called once by its owner."""

@@ -9,7 +9,7 @@ from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.text import TextStream
 
 if TYPE_CHECKING:
-    from inferlab.core.protocols import KVCacheManager
+    from inferlab.core.protocols import KVCacheManager, KVMove
 
 
 class RequestStatus(Enum):
@@ -26,6 +26,10 @@ class Request:
     Under overlap scheduling the newest output token may be a placeholder (a negative id) until
     the step that sampled it is read back; token_times holds one host time per output token
     already known, so the known outputs are output_token_ids[:len(token_times)].
+
+    Under prefill/decode disaggregation kv_send (on the replica that prefills it) says where its
+    K/V goes once its prompt and first token are computed, and kv_receive (on the replica that
+    decodes it) where its prompt's K/V comes from; the same request then continues there.
     """
 
     __slots__ = (
@@ -57,6 +61,10 @@ class Request:
         "constraint",
         "stop_text",
         "reported",
+        "kv_send",
+        "kv_receive",
+        "kv_transfer_s",
+        "kv_transfer_bytes",
     )
 
     def __init__(
@@ -105,6 +113,21 @@ class Request:
         self.constraint = None  # the TokenConstraint deciding which token may come next, if any
         self.stop_text: TextStream | None = None  # its output's text, for its stop strings (made by the core scheduler)
         self.reported = False  # finished and listed for the engine to report (Scheduler.ended)
+        self.kv_send: KVMove | None = None  # prefill here, then hand the K/V over to kv_send.receiver
+        self.kv_receive: KVMove | None = None  # the prompt's K/V comes from kv_receive.sender
+        self.kv_transfer_s: float | None = None  # how long its K/V took to move here (disaggregated)
+        self.kv_transfer_bytes = 0
+
+    def __getstate__(self) -> dict:
+        # a request travels to another process (a disaggregated replica) without its view, which
+        # holds this process's KV manager, and its stop-string stream, which holds its tokenizer:
+        # the scheduler that queues it makes a new view, and its stream is rebuilt when first read
+        return {name: getattr(self, name) for name in self.__slots__ if name not in ("view", "stop_text")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.view = self.stop_text = None
+        for name, value in state.items():
+            setattr(self, name, value)
 
     def __repr__(self):
         return (

@@ -17,6 +17,12 @@ step schedules anything). So whatever raises in the middle of a call (a plugin, 
 call's handler (settle) puts every request back in the one queue its status names, with its
 progress consistent and its blocks accounted, and the error goes on up. A policy's exception
 that one request's fields cause fails that request alone (_ask).
+
+Under prefill/decode disaggregation a request may also leave after its first token (kv_send: it is
+handed off, its blocks held in `sending` until the transfer reports them sent) or come with its
+prompt's K/V computed elsewhere (kv_receive: admitted by allocating blocks for the prompt, it waits
+in `receiving` while they fill, then decodes as if it had computed them). The engine drives the
+transfer (inferlab.core.handoff); this module only keeps the books.
 """
 
 from collections import deque
@@ -39,6 +45,7 @@ from inferlab.core.request import Request, RequestStatus, RequestView
 from inferlab.core.text import TextStream
 
 RUNNING, WAITING, FINISHED = RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.FINISHED
+HANDOFF = "handoff"  # the finish_reason of a request handed to another engine after its first token
 VIEW_OF = attrgetter("view")  # a request's view, in C: the waiting queue can hold thousands
 REQUEST_ID = attrgetter("request_id")
 NOBODY: frozenset = frozenset()
@@ -95,6 +102,12 @@ class Scheduler:
         # Requests that ended outside advance and resolve (a policy's fault pinned on them, or
         # finished while a call was cut short), for the engine to report.
         self.ended: list[Request] = []
+        # Disaggregation: admitted requests whose prompt's K/V is arriving (by id), requests handed
+        # off whose blocks are held until sent (by id), and those handed off since the engine last
+        # started sends.
+        self.receiving: dict[int, Request] = {}
+        self.sending: dict[int, Request] = {}
+        self.handed_off: list[Request] = []
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -115,7 +128,9 @@ class Scheduler:
     def add(self, request: Request, front: bool = False) -> None:
         """Queues a request: at the back, or in front (choices of a prompt whose first choice ran)."""
         view = RequestView(request, self.kv)
-        request.status, request.view, self._waiting_views = WAITING, view, None
+        # a request handed over by another engine arrives finished there ("handoff") and reported
+        request.finish_reason = request.finish_time = None
+        request.status, request.view, request.reported, self._waiting_views = WAITING, view, False, None
         # last: until here the request is in no queue and holds nothing
         if front:
             self.waiting.appendleft(request)
@@ -123,7 +138,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.receiving)
 
     def abort(self, request: Request) -> bool:
         """Finishes the request with reason "abort" (listing it in `ended`); False if it had
@@ -144,8 +159,8 @@ class Scheduler:
             raise
 
     def _finish(self, request: Request, reason: str, report: bool = False) -> None:
-        """Ends a waiting or running request now (listing it in `ended` when report); its blocks
-        are freed by the next release()."""
+        """Ends a waiting, running or receiving request now (listing it in `ended` when report);
+        its blocks are freed by the next release()."""
         if request.status is FINISHED:
             return
         queue = self.running if request.status is RUNNING else self.waiting
@@ -159,10 +174,11 @@ class Scheduler:
             to_free,
             ended,
         )
-        if request in queue:  # absent only when the call that added it was cut short
+        if request in queue:  # absent when the call that added it was cut short, or while it receives
             queue.remove(request)
         if queue is self.waiting:
             self._waiting_views = None
+        self.receiving.pop(request.request_id, None)
 
     def release(self) -> None:
         """Has the KV manager free the blocks of the requests in to_free, oldest first. One it
@@ -179,12 +195,16 @@ class Scheduler:
         front of the waiting queue), a running request's progress short of its tokens (its last
         one is computed again), one at its max_tokens or max_model_len finished, a waiting one
         holding no blocks; then frees what it can. A step's tokens left unresolved are the
-        caller's to resolve again (resolve is re-entrant, and reports what finished)."""
-        running = dict.fromkeys(r for r in (*self.running, *self.waiting) if r.status is RUNNING)
+        caller's to resolve again (resolve is re-entrant, and reports what finished). A request
+        still receiving is one whose K/V has not arrived (kv_receive set), and it is in no other
+        queue; one handed off (sending) keeps its blocks."""
+        self.receiving = {i: r for i, r in self.receiving.items() if r.status is RUNNING and r.kv_receive is not None}
+        receiving = set(self.receiving.values())
+        running = dict.fromkeys(r for r in (*self.running, *self.waiting) if r.status is RUNNING and r not in receiving)
         preempted = [r for r in reversed(self.running) if r.status is WAITING]
         waiting = dict.fromkeys(r for r in (*preempted, *self.waiting) if r.status is WAITING)
         for request in dict.fromkeys((*self.running, *self.waiting)):
-            if request.status is FINISHED and request not in self.to_free:
+            if request.status is FINISHED and request not in self.to_free and request.request_id not in self.sending:
                 self.to_free = [*self.to_free, request]  # cut short before its queue was left: ended since
         for request in waiting:
             request.num_computed_tokens = 0
@@ -431,29 +451,41 @@ class Scheduler:
                 request = self._own(view, WAITING, "admission_order")
                 if request in step.blamed:
                     continue
-                if len(self.running) >= self.max_num_seqs and not self._make_room(view, step, admitted):
+                if self._num_admitted() >= self.max_num_seqs and not self._make_room(view, step, admitted):
                     if request in step.blamed:
                         continue
                     break
+                # A request whose prompt's K/V arrives from another engine takes blocks for the whole
+                # prompt (its prefix-cache hits here move no data) and computes nothing this step.
+                receives = request.kv_receive is not None
                 while True:
                     # prompt logprobs need every prompt token's logits: computed, not taken from the cache
                     cached = kv.num_cached_prefix_tokens(request) if request.prompt_logprobs is None else 0
-                    num_tokens = self._num_new_tokens(request, cached, step.budget, step)
-                    if not num_tokens or kv.allocate(request, num_tokens, cached):
-                        break
+                    if receives:
+                        num_tokens = request.num_prompt_tokens - cached
+                        if kv.allocate(request, num_tokens, cached):
+                            break
+                    else:
+                        num_tokens = self._num_new_tokens(request, cached, step.budget, step)
+                        if not num_tokens or kv.allocate(request, num_tokens, cached):
+                            break
                     if not self._make_room(view, step, admitted):
-                        num_tokens = 0
+                        num_tokens, receives = 0, False
                         break
                 if request in step.blamed:
                     continue
-                if not num_tokens:
+                if not num_tokens and not receives:
                     break
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = step.now
                 request.num_cached_tokens = cached  # its view reads the KV manager's answer until it runs
                 request.status, request.num_computed_tokens = RUNNING, cached  # one line: all or none
-                self.running.append(request)
                 admitted.append(request)
+                if receives:  # it waits for its K/V, holding its blocks and a sequence slot
+                    self.receiving[request.request_id] = request
+                    step.invalidate()
+                    continue
+                self.running.append(request)
                 step.add(request, num_tokens)
         except BaseException:
             if request is not None and request.status is WAITING and request not in self.to_free:
@@ -462,6 +494,10 @@ class Scheduler:
         finally:  # also when a policy raises midway: an admitted request must not stay in the queue
             if admitted:
                 self._remove_waiting(admitted)
+
+    def _num_admitted(self) -> int:
+        """Requests holding a sequence slot: running, or admitted while their K/V arrives."""
+        return len(self.running) + len(self.receiving)
 
     def _make_room(self, view: RequestView, step: "_Step", admitted: list[Request]) -> bool:
         """Asks a preemptive policy for a running request to give way to `view`; False if it
@@ -559,6 +595,8 @@ class Scheduler:
                     request.max_model_len is not None and len(token_ids) >= request.max_model_len
                 ):
                     self._finish(request, "length")  # reported by resolve, once its token is known
+                elif request.kv_send is not None:
+                    self._hold_for_sending(request)
             self._commit(batch)
             self.release()
         except BaseException:
@@ -572,13 +610,40 @@ class Scheduler:
         error = None
         commit = self.kv.commit
         for request in batch.requests:
-            if request.status is RUNNING:
+            if request.status is RUNNING or request.request_id in self.sending:
                 try:
                     commit(request)
                 except Exception as e:
                     error = error or e
         if error is not None:
             raise error
+
+    def _hold_for_sending(self, request: Request) -> None:
+        """A request to be handed off has its prompt's K/V and first token: it leaves this engine's
+        steps, its blocks held until the transfer reports them sent. resolve hands it off, or
+        finishes it here when that first token ends it."""
+        self.sending[request.request_id] = request  # first: settle keeps the blocks of those listed
+        request.finish_reason, request.finish_time = HANDOFF, self.clock()
+        request.status = FINISHED
+        self.running.remove(request)
+
+    def release_sent(self, request_id: int) -> None:
+        """Frees the blocks of a handed-off request, once the transfer reports them sent (or the
+        send failed)."""
+        request = self.sending.get(request_id)
+        if request is not None:
+            self.to_free = [*self.to_free, request]
+            del self.sending[request_id]
+            self.release()
+
+    def received(self, request: Request) -> None:
+        """A receiving request's prompt K/V has arrived: its blocks count as computed (the full ones
+        enter the prefix cache) and it decodes on, as the newest running request."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.commit(request)
+        request.kv_receive = None  # the truth that it has its K/V; preempted later, it is recomputed here
+        self.running.append(request)
+        del self.receiving[request.request_id]
 
     def resolve(self, appended: list[tuple[Request, int, int]], tokens: list[int | None]) -> list[Request]:
         """Writes the sampled tokens in place of what advance appended, records when they became
@@ -594,16 +659,23 @@ class Scheduler:
                     continue  # not appended after all (advance was cut short), or resolved already
                 token = token_ids[position] = tokens[row]
                 params = request.params
-                if (
+                stopped = (
                     (token == request.eos_token_id and not params.ignore_eos)
                     or (params.stop_token_ids and token in params.stop_token_ids)
                     or (params.stop and self._hits_stop_string(request, position))
-                ):
+                )
+                if stopped and request.finish_reason != HANDOFF:
                     reason = "stop" if request.error is None else "error"
                     if request.status is not FINISHED:
                         self._finish(request, reason)
                     elif request.finish_reason == "length":  # the token decides, as when it was known at once
                         request.finish_reason = reason
+                if request.finish_reason == HANDOFF and not request.reported:
+                    if stopped:  # its first token ends it here: nothing to hand off
+                        request.finish_reason = "stop" if request.error is None else "error"
+                        self.release_sent(request.request_id)
+                    elif request not in self.handed_off:
+                        self.handed_off = [*self.handed_off, request]
                 if request.status is FINISHED and not request.reported:
                     request.reported, self.ended = True, [*self.ended, request]  # one line: all or none
                     finished.append(request)

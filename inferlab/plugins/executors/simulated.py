@@ -179,7 +179,7 @@ def profile_model_config(profile: Profile, config_defaults: dict[str, dict]):
 
 class SimulatedRunner:
     """The `simulated` executor's runner (inferlab.core.protocols.Runner, AdmissionCost,
-    SimulatedDevice, VirtualTime, DecodeRuns): launch() and handles as the real runner's, no device work."""
+    SimulatedDevice, VirtualTime, DecodeRuns, KVBlockBytes): launch() and handles as the real runner's, no device work."""
 
     runs_ahead = True  # it stands in for a GPU engine, so it overlaps as that engine would
 
@@ -203,18 +203,23 @@ class SimulatedRunner:
         self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
         self.block_size = config.kvcache_block_size
         self.graph_limits = profile.graph_limits(config)
-        self.num_kv_blocks = config.num_kvcache_blocks if config.num_kvcache_blocks > 0 else self._blocks_from_profile()
+        self.kv_block_bytes = self._block_bytes()  # inferlab.core.protocols.KVBlockBytes
+        self.num_kv_blocks = (
+            config.num_kvcache_blocks
+            if config.num_kvcache_blocks > 0
+            else max(1, profile.kv_cache_bytes // self.kv_block_bytes)
+        )
         self.tokens = synthetic_tokens(checkpoint.tokenizer, checkpoint.hf_config.vocab_size)
         self.sampled_token_ids = frozenset(self.tokens)  # inferlab.core.protocols.DecodeRuns
         self.num_steps = 0
         self.simulated_seconds = 0.0
 
-    def _blocks_from_profile(self) -> int:
+    def _block_bytes(self) -> int:
+        """One KV block's bytes on one rank of the profiled model."""
         model = self.profile.model
         kv_heads = max(1, model["num_key_value_heads"] // self.profile.tensor_parallel_size)
         block_bytes = 2 * model["num_hidden_layers"] * kv_heads * model["head_dim"] * self.block_size
-        block_bytes *= self.kv_cache_dtype.itemsize
-        return max(1, self.profile.kv_cache_bytes // block_bytes)
+        return block_bytes * self.kv_cache_dtype.itemsize
 
     def _check_shape(self, hf_config, profile_name: str) -> None:
         """A measured profile predicts only the model it was measured on."""
