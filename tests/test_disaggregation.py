@@ -3,6 +3,7 @@ handed to another (kv_receive) through a kv_transfer plugin decodes exactly as o
 whatever happens to it on either side, and a move that fails fails that request alone."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -270,3 +271,19 @@ def test_the_kv_transfer_group_composes_with_typed_options_outside_the_engine():
     assert compose().kv_transfer.name == "auto"
     with pytest.raises(Exception, match="kv_transfer.link must be one of \\['infiniband', 'nvlink'\\], got 'pcie'"):
         get_registry().create("kv_transfer", "simulated", options={"link": "pcie"})
+
+
+def test_run_records_summarize_each_requests_move():
+    from inferlab.experiment.driver import request_record
+    from inferlab.experiment.latency import latency_figures
+
+    a, b = pair()
+    _, requests = disaggregated(a, b, make_prompts(count=5))
+    records = [request_record(r, 0.0) for r in requests]
+    figures = latency_figures(records, wall_time_s=10.0, slo_ttft_s=100.0, slo_tpot_s=100.0)
+    moves = sorted(r.kv_transfer_s for r in requests)
+    assert figures["num_kv_transfers"] == 5 and figures["kv_transfer_bytes"] == b.stats.kv_bytes_received
+    assert figures["kv_transfer_s"]["p50"] == pytest.approx(moves[2]) and figures["kv_transfer_s"]["p99"] <= moves[-1]
+    assert figures["goodput"] == pytest.approx(0.5)
+    colocated = [replace(record, kv_transfer_s=None, kv_transfer_bytes=0) for record in records]
+    assert "kv_transfer_s" not in latency_figures(colocated, wall_time_s=10.0)  # no moves to summarize

@@ -69,6 +69,8 @@ def request_record(
         error=request.error if request.finish_reason == "error" else None,
         replica_id=replica_id,
         all_token_times=all_token_times,
+        kv_transfer_s=request.kv_transfer_s,
+        kv_transfer_bytes=request.kv_transfer_bytes,
     )
 
 

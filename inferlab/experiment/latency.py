@@ -18,7 +18,10 @@ when its TTFT and TPOT are at most its bounds (one without TPOT meets any TPOT b
 produced no token misses all): a request's own bounds are its metadata's "slo_ttft_s" and
 "slo_tpot_s" (from its class or its trace line), else the run's (bench.slo_ttft_s,
 bench.slo_tpot_s); slo_attainment is the fraction that does and goodput the number that does per
-second of the run (DistServe's goodput, as vLLM's serving benchmark computes it). jain_fairness is
+second of the run (DistServe's goodput, as vLLM's serving benchmark computes it). Under
+prefill/decode disaggregation, kv_transfer_s summarizes how long each request's K/V took to move to
+its decode replica, kv_transfer_bytes sums the bytes moved and num_kv_transfers counts the moves.
+jain_fairness is
 Jain's index (sum x)^2 / (n sum x^2) over the requests' normalized latencies: 1 when every request
 waits the same time per output token, towards 1/n when one request bears all the waiting.
 When requests carry more than one priority, per_priority holds each priority's count, TTFT and
@@ -84,6 +87,9 @@ class RequestRecord:
     error: str | None = None  # why it could not be served (finish_reason "error")
     replica_id: int | None = None  # the cluster replica that served it (None: a single engine)
     all_token_times: bool = True  # False: token_times_s keeps the first and last only
+    # disaggregated: how long its prompt's K/V took to move to its decode replica, and the bytes moved
+    kv_transfer_s: float | None = None
+    kv_transfer_bytes: int = 0
 
     def __post_init__(self):
         where = f"request {self.request_id!r}"
@@ -238,6 +244,11 @@ def latency_figures(
         "normalized_latency_s": distribution(normalized),
         "jain_fairness": jain_index(normalized),
     }
+    moved = [r for r in records if r.kv_transfer_s is not None]
+    if moved:
+        figures["num_kv_transfers"] = len(moved)
+        figures["kv_transfer_s"] = distribution(r.kv_transfer_s for r in moved)
+        figures["kv_transfer_bytes"] = sum(r.kv_transfer_bytes for r in moved)
     slos = has_slos(records, slo_ttft_s, slo_tpot_s)
     if slos:
         good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records)
