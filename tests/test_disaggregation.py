@@ -287,3 +287,12 @@ def test_run_records_summarize_each_requests_move():
     assert figures["goodput"] == pytest.approx(0.5)
     colocated = [replace(record, kv_transfer_s=None, kv_transfer_bytes=0) for record in records]
     assert "kv_transfer_s" not in latency_figures(colocated, wall_time_s=10.0)  # no moves to summarize
+
+
+def test_requests_jsonl_carries_a_move_only_where_there_was_one():
+    from inferlab.experiment.latency import RequestRecord, request_line
+
+    record = RequestRecord(0, 0.0, 0.1, 0.2, [0.2, 0.3], 0.3, num_prompt_tokens=5, num_output_tokens=2)
+    assert "kv_transfer_s" not in request_line(record, 0)
+    line = request_line(replace(record, kv_transfer_s=0.004, kv_transfer_bytes=4096), 0)
+    assert line["kv_transfer_s"] == 0.004 and line["kv_transfer_bytes"] == 4096

@@ -46,7 +46,8 @@ import numpy as np
 
 PERCENTILES = (50, 90, 99)
 UNSERVED = ("error", "abort")  # finish reasons of requests that did not complete
-LINE_SKIPS = ("token_times_s", "all_token_times", "replica_id")  # what requests.jsonl leaves out (or writes when set)
+# what requests.jsonl leaves out (or writes when set): token times, and a cluster's or a KV move's fields
+LINE_SKIPS = ("token_times_s", "all_token_times", "replica_id", "kv_transfer_s", "kv_transfer_bytes")
 DISTRIBUTIONS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "normalized_latency_s")
 # The figures whose mean over repeats gets a 95% confidence interval (ci95): distributions carry
 # theirs inside, the rates and attainment under their dict's "ci95".
@@ -407,11 +408,13 @@ def aggregate_repeats(figures_per_repeat: Sequence[dict]) -> dict:
 
 def request_line(record: RequestRecord, repeat: int) -> dict:
     """One line of requests.jsonl: the record less its token times, plus its latencies; replica_id
-    only for a cluster's requests."""
+    only for a cluster's requests, its KV move's time and bytes only when it moved (disaggregated)."""
     # Field by field, not asdict: asdict deep-copies every token time only for them to be dropped.
     line = {"repeat": repeat, **{f.name: getattr(record, f.name) for f in fields(record) if f.name not in LINE_SKIPS}}
     if record.replica_id is not None:
         line["replica_id"] = record.replica_id
+    if record.kv_transfer_s is not None:
+        line.update(kv_transfer_s=record.kv_transfer_s, kv_transfer_bytes=record.kv_transfer_bytes)
     line.update(ttft_s=record.ttft_s, tpot_s=record.tpot_s, e2e_s=record.e2e_s, queue_s=record.queue_s)
     return line
 
