@@ -28,7 +28,7 @@ def prompts_of(count, seed=0, shared_prefix=0):
     return [prefix + [rng.randrange(3, 300) for _ in range(rng.randrange(5, 50))] for _ in range(count)]
 
 
-def endpoint(rank, address, prompts, handoffs, results, options):
+def endpoint(rank, address, prompts, handoffs, results, options, forged=None):
     """One process: replica 0 prefills and hands off, replica 1 decodes what it is handed."""
     import time
 
@@ -50,13 +50,17 @@ def endpoint(rank, address, prompts, handoffs, results, options):
             while not engine.is_finished():
                 for request in engine.step().finished:
                     handoffs.put(pickle.dumps(request))
+                    if forged is not None and request.request_id == 0:  # a handoff this replica never sent
+                        copy = pickle.loads(pickle.dumps(request))
+                        copy.request_id = forged
+                        handoffs.put(pickle.dumps(copy))
             kv = engine.kv_manager
             while kv.num_free_blocks < kv.num_blocks and time.monotonic() < deadline:
                 engine.poll_kv_transfer()  # frees the blocks of each send once it ended
                 time.sleep(0.01)
             results.put(("prefill", kv.num_free_blocks == kv.num_blocks, engine.stats.kv_bytes_sent))
         else:
-            outputs, pending = {}, len(prompts)
+            outputs, pending = {}, len(prompts) + (forged is not None)
             while len(outputs) < pending and time.monotonic() < deadline:
                 try:
                     while True:
@@ -75,12 +79,13 @@ def endpoint(rank, address, prompts, handoffs, results, options):
         raise
 
 
-def run_pair(prompts, **options):
+def run_pair(prompts, forged=None, **options):
     ctx = mp.get_context("spawn")
     handoffs, results = ctx.Queue(), ctx.Queue()
     address = f"127.0.0.1:{free_port()}"
     processes = [
-        ctx.Process(target=endpoint, args=(rank, address, prompts, handoffs, results, options)) for rank in (0, 1)
+        ctx.Process(target=endpoint, args=(rank, address, prompts, handoffs, results, options, forged))
+        for rank in (0, 1)
     ]
     for p in processes:
         p.start()
@@ -110,6 +115,21 @@ def test_greedy_outputs_across_processes_equal_one_engines():
     assert [outputs[i]["token_ids"] for i in range(len(prompts))] == [e["token_ids"] for e in expected]
     assert prefill_freed and decode_freed
     assert bytes_sent == bytes_received > 0
+
+
+@pytest.mark.slow
+def test_a_move_the_sender_never_made_fails_alone_and_the_pair_goes_on():
+    """The decode replica is handed a request whose K/V the prefill replica never sent: its move
+    fails after the timeout, with both replicas named, and the moves after it still pair up."""
+    prompts = prompts_of(3, seed=1)
+    with LLM(**SETTINGS) as alone:
+        expected = alone.generate(prompts, PARAMS, use_tqdm=False)
+    got = run_pair(prompts, forged=99, timeout_s=3)
+    outputs, decode_freed, _ = got["decode"]
+    assert outputs[99]["finish_reason"] == "error"
+    assert "the KV transfer of request 99 from replica 0 to replica 1 failed" in outputs[99]["error"]
+    assert [outputs[i]["token_ids"] for i in range(3)] == [e["token_ids"] for e in expected]
+    assert decode_freed and got["prefill"][0]
 
 
 def test_options_are_checked():

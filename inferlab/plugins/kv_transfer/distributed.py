@@ -6,8 +6,9 @@ address and world_size, and endpoint 0 serves the rendezvous store there.
 The receiver pulls: once it has allocated blocks it posts its receives and asks the sender, through
 the store, for move k of their pair; the sender answers the asks of each receiver in order, so the
 two sides' point-to-point operations pair up in the same order (NCCL matches them by order alone).
-An answer is a header (whether the sender still holds the blocks, how many) and the blocks; a move
-the sender cannot serve still sends both, marked failed, so later moves stay paired. Each pair and
+An answer is a header (whether the sender holds the blocks, how many) and the blocks; a move the
+sender cannot serve (it never sent it: a replica sends before it hands the request over, so before
+any ask) still sends both, marked failed, so later moves stay paired. Each pair and
 direction has a thread that waits for its operations in order. An endpoint either sends or receives
 over a pair, never both (a prefill replica sends, a decode replica receives)."""
 
@@ -25,6 +26,7 @@ from inferlab.core.hookspecs import hookimpl
 from inferlab.core.protocols import KVBlockStore, KVMove, KVMoveEnded, OnDevice, Runner
 
 POLL_S = 0.0005  # how long a thread sleeps between looks at a pending operation
+ASK_POLL_S = 0.001  # between looks at the store for a receiver's next ask (a round trip each)
 
 
 @dataclass
@@ -173,15 +175,15 @@ class DistributedTransfer:
         receiver = channel.peer
         while not self.closing.is_set():
             key = ask_key(self.rank, receiver, channel.next_seq)
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=0.1))
-            except Exception:  # not asked yet
+            if not self.store.check([key]):  # not asked yet
+                time.sleep(ASK_POLL_S)
                 continue
             request_id, first, num_blocks = map(int, self.store.get(key).decode().split())
             self.store.delete_key(key)
             channel.next_seq += 1
             started = perf_counter()
-            entry = self._take_send(request_id)
+            with self.lock:  # the sender sent before its replica handed the request over, so before this ask
+                entry = self.sends.pop(request_id, None)
             ok = entry is not None and not entry.cancelled and first + num_blocks <= len(entry.blocks)
             header = torch.tensor([1 if ok else 0, num_blocks], dtype=torch.long, device=self.device)
             works, data = [self.group.send([header], receiver, 0)], None
@@ -201,18 +203,6 @@ class DistributedTransfer:
                 num_bytes = data.numel() if ok and data is not None else 0
                 with self.lock:
                     self.ended.append(KVMoveEnded(entry.move, error, perf_counter() - started, num_bytes))
-
-    def _take_send(self, request_id: int) -> Send | None:
-        """The send a receiver asked for, once it is posted (a receiver may ask first); None if it
-        never is within the timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        with self.lock:
-            while request_id not in self.sends:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.closing.is_set():
-                    return None
-                self.lock.wait(timeout=remaining)
-            return self.sends.pop(request_id)
 
     # -- both sides ---------------------------------------------------------------------------
 
