@@ -115,6 +115,17 @@ def test_decode_side_preemption_recomputes_there():
     assert all_free(a, b)
 
 
+def test_seeded_sampling_draws_what_one_engine_draws():
+    """A request's sampling noise is a function of its seed and position, wherever it runs."""
+    prompts = make_prompts(count=4)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=8, seed=i, ignore_eos=True) for i in range(4)]
+    with LLM(**BASE) as alone:
+        expected = alone.generate(prompts, params, use_tqdm=False)
+    a, b = pair()
+    outputs, _ = disaggregated(a, b, prompts, params)
+    assert [o["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
+
+
 def test_a_first_token_that_ends_the_request_ends_it_on_the_prefill_side():
     prompts = make_prompts(count=4)
     params = [SamplingParams(temperature=0, max_tokens=1), GREEDY, SamplingParams(temperature=0, max_tokens=1), GREEDY]
@@ -236,6 +247,10 @@ def test_requests_that_move_kv_need_a_transfer_and_their_own_endpoints():
     request = a.make_request([1, 2, 3], GREEDY)
     request.kv_receive = KVMove(request.request_id, 0, 1)
     with pytest.raises(ValueError, match="to receive its K/V on replica 1, not on this engine \\(replica 0\\)"):
+        a.queue(request)
+    request = a.make_request([1, 2, 3], SamplingParams(n=2))
+    request.kv_send = KVMove(request.request_id, 0, 1)
+    with pytest.raises(ValueError, match="asks for n=2 choices.*takes n=1"):
         a.queue(request)
     with pytest.raises(ValueError, match="replica 0 is attached to this KV transfer already"):
         a.handoff.transfer.attach(0, b.runner, 16)

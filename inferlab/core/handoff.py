@@ -43,6 +43,11 @@ class KVHandoff:
                 f"engine (replica {self.endpoint})"
             )
         move = send or receive
+        if move is not None and request.params.n > 1:
+            raise ValueError(
+                f"request {request.request_id} asks for n={request.params.n} choices, which share its prefill on one "
+                f"engine: a request whose K/V moves between replicas takes n=1"
+            )
         if move is not None and (move.sender == move.receiver or move.request_id != request.request_id):
             raise ValueError(f"request {request.request_id}: {move} must move that request's K/V between two replicas")
 
