@@ -16,7 +16,8 @@ from inferlab.core.hookspecs import hookimpl
 from inferlab.core.plugins import ENGINE_KINDS, KINDS, PluginRegistry, get_registry
 from inferlab.plugins.schedulers.fcfs import FCFSPolicy
 
-OPTIONS = [  # the router and kv_transfer groups' options are a cluster's (tests/plugins/test_routers.py, tests/test_disaggregation.py)
+OPTIONS = [  # the router and kv_transfer groups' options are a cluster's (tests/plugins/test_routers.py,
+    # tests/core/test_disaggregation.py)
     (kind, name)
     for kind in ENGINE_KINDS
     for name in get_registry().names(kind) + (["auto"] if kind in ("attention", "model") else [])

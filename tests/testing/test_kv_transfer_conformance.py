@@ -1,6 +1,6 @@
 """The built-in KV transfers whose endpoints share a process pass the suite plugin authors run
 (kv_transfer=distributed, one endpoint a process, is tested across processes in
-test_kv_transfer_distributed.py)."""
+tests/plugins/test_kv_transfer_distributed.py)."""
 
 from inferlab.testing import KVTransferSuite
 
