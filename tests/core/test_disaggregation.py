@@ -150,6 +150,47 @@ class FailingTransfer(LocalTransfer):
         super()._copy(entry)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_first_token_that_stops_the_request_ends_it_on_the_prefill_side(overlap):
+    """A stop token as the first token: the request ends there ("stop"), nothing moves, and its
+    blocks held for sending are freed (under overlap the token is known a step later)."""
+    prompts = make_prompts(count=4)
+    with LLM(**BASE) as alone:
+        firsts = [o["token_ids"][0] for o in alone.generate(prompts, replace(GREEDY, max_tokens=1), use_tqdm=False)]
+        params = [
+            replace(GREEDY, ignore_eos=False, stop_token_ids=[t] if i % 2 == 0 else []) for i, t in enumerate(firsts)
+        ]
+        expected = alone.generate(prompts, params, use_tqdm=False)
+    a, b = pair(prefill=dict(overlap_scheduling=overlap), decode=dict(overlap_scheduling=overlap))
+    outputs, requests = disaggregated(a, b, prompts, params)
+    assert [o["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
+    assert [o["finish_reason"] for o in outputs] == [e["finish_reason"] for e in expected]
+    assert [o["finish_reason"] for o in outputs[::2]] == ["stop", "stop"]
+    assert [r.kv_transfer_s is None for r in requests] == [True, False, True, False]
+    assert a.stats.kv_bytes_sent == b.stats.kv_bytes_received and not a.scheduler.sending
+    assert all_free(a, b)
+
+
+def test_a_send_that_raises_fails_that_request_alone_on_the_prefill_side():
+    class Raising(LocalTransfer):
+        def send(self, move, blocks):
+            if move.request_id == 1:
+                raise RuntimeError("no route to replica 1")
+            super().send(move, blocks)
+
+    prompts = make_prompts(count=3)
+    with LLM(**BASE) as alone:
+        expected = alone.generate(prompts, GREEDY, use_tqdm=False)
+    a, b = pair(Raising())
+    outputs, _ = disaggregated(a, b, prompts)
+    assert [o["finish_reason"] for o in outputs] == ["length", "error", "length"]
+    assert "from replica 0 to replica 1 failed: send raised RuntimeError: no route to replica 1" in outputs[1]["error"]
+    assert outputs[1]["token_ids"] == expected[1]["token_ids"][:1]  # the prefill side's first token
+    assert [outputs[i]["token_ids"] for i in (0, 2)] == [expected[i]["token_ids"] for i in (0, 2)]
+    assert a.stats.num_failed_kv_transfers == 1 and a.stats.num_failed_requests == 1
+    assert all_free(a, b)
+
+
 def test_a_failed_move_fails_that_request_alone():
     prompts = make_prompts(count=6)
     with LLM(**BASE) as alone:
