@@ -7,6 +7,11 @@ routed when its arrival comes: on the host's clock at the next step, on virtual 
 order among the replicas' steps. The router gets read-only views (inferlab.core.routing); a choice
 it cannot make (it raised, or returned something it was not offered) fails that request alone with
 a PolicyError naming the router.
+
+Disaggregated (prefill_replicas and decode_replicas, docs/disaggregation.md), the router picks a
+prefill and a decode replica for each request; the prefill replica hands it off after its first
+token, and the cluster queues it on the decode replica, its K/V moving through the kv_transfer
+plugin the cluster built for its replicas.
 """
 
 import heapq
@@ -31,7 +36,7 @@ from inferlab.core.engine import (
     per_prompt,
 )
 from inferlab.core.plugins import ENGINE_KINDS, PluginRegistry, get_registry, validated_options
-from inferlab.core.protocols import ClusterState, ObservingRouter
+from inferlab.core.protocols import ClusterState, KVMove, ObservingRouter, PairRouter
 from inferlab.core.request import Request, RequestStatus
 from inferlab.core.routing import ReplicaView, RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
@@ -52,7 +57,11 @@ class Cluster:
     """Cluster(model_path, replicas=N, router="round_robin", router_options={}, backend="local",
     gpus_per_replica=1.0, ray_address=None, **engine settings): N engines, each built with the
     engine settings (as LLM takes them), behind the router. With executor="simulated" the replicas
-    run on virtual clocks, one event at a time in time order."""
+    run on virtual clocks, one event at a time in time order.
+
+    prefill_replicas=P, decode_replicas=D (instead of replicas) split prefill from decode: replicas
+    0..P-1 prefill, P..P+D-1 decode, the K/V moving through kv_transfer ("auto": simulated for a
+    simulated executor, else local) with kv_transfer_options."""
 
     def __init__(
         self,
@@ -65,13 +74,31 @@ class Cluster:
         backend: str = "local",
         gpus_per_replica: float = 1.0,
         ray_address: str | None = None,
+        prefill_replicas: int | None = None,
+        decode_replicas: int | None = None,
+        kv_transfer: str = "auto",
+        kv_transfer_options: Mapping[str, Any] | None = None,
         registry: PluginRegistry | None = None,
         **settings,
     ):
         self.lock = threading.RLock()
         self.closed = False
         self.fleet = None
-        validate_cluster(ClusterConfig(replicas, backend, gpus_per_replica, ray_address))
+        self.transfer = None
+        validate_cluster(
+            ClusterConfig(
+                replicas,
+                backend,
+                gpus_per_replica,
+                ray_address,
+                prefill_replicas=prefill_replicas,
+                decode_replicas=decode_replicas,
+            )
+        )
+        self.roles: list[str] | None = None  # each replica's, when prefill is split from decode
+        if prefill_replicas is not None:
+            replicas = prefill_replicas + decode_replicas
+            self.roles = ["prefill"] * prefill_replicas + ["decode"] * decode_replicas
         self.registry = registry or get_registry()
         # Everything that can be refused is refused before a replica is built.
         config = EngineConfig.from_kwargs(model_path, dict(settings))
@@ -83,6 +110,14 @@ class Cluster:
         self.router_options = validated_options(self.registry.get("router", router), router_options or {})
         self.router = self.registry.create("router", router, options=self.router_options)
         self.observing = isinstance(self.router, ObservingRouter)
+        self.pairs = isinstance(self.router, PairRouter)
+        if self.roles is not None:
+            if kv_transfer == "auto":
+                kv_transfer = "simulated" if config.executor == "simulated" else "local"
+            self.kv_transfer_name = kv_transfer
+            self.kv_transfer_options = validated_options(
+                self.registry.get("kv_transfer", kv_transfer), kv_transfer_options or {}
+            )
         self.backend = backend
         if backend == "ray":
             from inferlab.cluster.ray_backend import RayFleet  # Ray is an optional extra
@@ -95,11 +130,19 @@ class Cluster:
             try:
                 for _ in range(replicas):
                     engines.append(LLMEngine(model_path, registry=self.registry, **settings))
+                if self.roles is not None:
+                    self.transfer = self.registry.create(
+                        "kv_transfer", self.kv_transfer_name, options=self.kv_transfer_options
+                    )
+                    for replica_id, engine in enumerate(engines):
+                        engine.connect_kv_transfer(self.transfer, replica_id)
             except BaseException:
                 for engine in engines:
                     engine.close()
+                if self.transfer is not None:
+                    self.transfer.close()
                 raise
-            self.fleet = LocalFleet(engines)
+            self.fleet = LocalFleet(engines, self.roles)
         front = self.fleet.front
         self.config, self.hf_config, self.tokenizer, self.model_path = (
             front.config,
@@ -115,6 +158,9 @@ class Cluster:
         self.routed: dict[int, RoutedRequest] = {}  # routed and pending: what observe is given
         self.placement: dict[int, int] = {}  # request id -> the replica it was routed to
         self.arrivals: list[tuple[float, int, Request]] = []  # added, not yet routed: a heap by arrival
+        # handed off by their prefill replica, not yet queued on their decode one: a heap by the time
+        # of the handoff (virtual clocks: queued when that time comes among the replicas' steps)
+        self.handoffs: list[tuple[float, int, Request]] = []
         self.arrival_order = count()
         self.unreported: list[Request] = []  # finished outside a replica's step (routing failed, aborted unrouted)
         self.num_routed = 0
@@ -169,16 +215,15 @@ class Cluster:
             self._fail(request, "no replica is alive: every replica of the cluster died", now)
             return
         state = ClusterState(now=now, num_routed=self.num_routed, num_replicas=len(self.views))
-        choice, error = None, None
+        choice, decoder, error = None, None, None
         started = perf_counter()
         try:
-            answer = self.router.route(routed, offered, state)
-            choice = next((view for view in offered if view is answer), None)
-            if choice is None:
-                error = PolicyError(
-                    f"router {self.router_name!r}: route returned {answer!r}, which is not one of the replicas "
-                    f"offered (replica_ids {[view.replica_id for view in offered]})"
-                )
+            if self.roles is None:
+                choice = self._choose(self.router.route(routed, offered, state), offered, "route")
+            else:
+                choice, decoder = self._choose_pair(routed, offered, state)
+        except PolicyError as e:
+            error = e
         except Exception as e:
             error = PolicyError(f"router {self.router_name!r}: route raised {type(e).__name__}: {e}")
         finally:
@@ -188,6 +233,9 @@ class Cluster:
         if error is not None:
             self._fail(request, f"{type(error).__name__}: {error}", now)
             return
+        if decoder is not None:
+            request.kv_send = KVMove(request.request_id, choice.replica_id, decoder.replica_id)
+            self.fleet.expect(decoder._replica, request)
         replica = choice._replica
         try:
             self.fleet.queue(replica, request)
@@ -196,6 +244,51 @@ class Cluster:
             raise kind(f"replica {replica.replica_id} refused the request: {e}") from e
         self.placement[request.request_id] = replica.replica_id
         self.routed[request.request_id] = routed
+
+    def _choose(self, answer, offered: tuple[ReplicaView, ...], method: str) -> ReplicaView:
+        """The offered view the router answered, or a PolicyError naming the router."""
+        choice = next((view for view in offered if view is answer), None)
+        if choice is None:
+            raise PolicyError(
+                f"router {self.router_name!r}: {method} returned {answer!r}, which is not one of the replicas "
+                f"offered (replica_ids {[view.replica_id for view in offered]})"
+            )
+        return choice
+
+    def _choose_pair(self, routed: RoutedRequest, offered, state: ClusterState) -> tuple[ReplicaView, ReplicaView]:
+        """A prefill and a decode replica for the request: the router's route_pair (PairRouter), or
+        its route over the prefill replicas, then over the decode ones."""
+        prefill = tuple(view for view in offered if view.role == "prefill")
+        decode = tuple(view for view in offered if view.role == "decode")
+        if not prefill or not decode:
+            raise PolicyError(f"no {'prefill' if not prefill else 'decode'} replica is alive")
+        if not self.pairs:
+            return (
+                self._choose(self.router.route(routed, prefill, state), prefill, "route"),
+                self._choose(self.router.route(routed, decode, state), decode, "route"),
+            )
+        answer = self.router.route_pair(routed, prefill, decode, state)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            raise PolicyError(
+                f"router {self.router_name!r}: route_pair returned {answer!r}, not a (prefill replica, decode "
+                f"replica) pair"
+            )
+        return self._choose(answer[0], prefill, "route_pair"), self._choose(answer[1], decode, "route_pair")
+
+    def _hand_over(self, request: Request, at: float) -> None:
+        """Queues a request its prefill replica handed off on its decode replica, at `at` (the
+        end of the prefill replica's step, on its clock); one the decode replica refuses fails."""
+        move = request.kv_send
+        request.kv_send, request.kv_receive = None, move
+        self.fleet.unexpect(self.fleet.replicas[move.receiver], request)
+        try:
+            self.fleet.queue(self.fleet.replicas[move.receiver], request, at)
+        except (ValueError, TypeError) as e:
+            self.transfer.cancel(move, move.receiver)  # the sender frees its blocks
+            request.status, request.kv_receive = FINISHED, None
+            self._fail(request, f"decode replica {move.receiver} refused the request: {e}", at)
+            return
+        self.placement[request.request_id] = move.receiver
 
     def _fail(self, request: Request, why: str, now: float) -> None:
         request.status = FINISHED
@@ -221,6 +314,18 @@ class Cluster:
                 self.num_unrouted_aborts += 1
                 return True
             replica = self.fleet.replicas[replica_id]
+            if any(entry[2] is request for entry in self.handoffs):  # between its two replicas
+                self.handoffs = [entry for entry in self.handoffs if entry[2] is not request]
+                heapq.heapify(self.handoffs)
+                move = request.kv_send
+                self.fleet.unexpect(self.fleet.replicas[move.receiver], request)
+                self.transfer.cancel(move, move.receiver)  # its prefill replica frees the blocks
+                request.status, request.finish_reason, request.finish_time = FINISHED, "abort", self.clock()
+                self.unreported.append(request)  # the next step reports it
+                self._observe(request, replica_id)
+                return True
+            if request.kv_send is not None:  # on its prefill replica still
+                self.fleet.unexpect(self.fleet.replicas[request.kv_send.receiver], request)
             aborted = self.fleet.abort(replica, request_id)
             self._observe(request, replica_id)
             return aborted
@@ -243,7 +348,11 @@ class Cluster:
         fleet = self.fleet
         if not fleet.virtual:
             return fleet.clock()
-        next_event = min(self.arrivals[0][0] if self.arrivals else float("inf"), fleet.next_step_time())
+        next_event = min(
+            self.arrivals[0][0] if self.arrivals else float("inf"),
+            self.handoffs[0][0] if self.handoffs else float("inf"),
+            fleet.next_step_time(),
+        )
         return next_event if next_event != float("inf") else fleet.now
 
     def wait_until(self, t: float) -> None:
@@ -253,7 +362,7 @@ class Cluster:
 
     def is_finished(self) -> bool:
         self.refuse_closed("is_finished")
-        return not self.arrivals and not self.unreported and self.fleet.idle()
+        return not self.arrivals and not self.handoffs and not self.unreported and self.fleet.idle()
 
     def step(self, until: float | None = None) -> StepOutput:
         """Routes the requests that have arrived, then one replica steps (the next in order; on Ray,
@@ -266,15 +375,23 @@ class Cluster:
         self.refuse_closed("step")
         with self.lock:
             fleet = self.fleet
-            horizon = None
-            if until is not None and fleet.virtual:
-                horizon = min(until, self.arrivals[0][0]) if self.arrivals else until
-            while self.arrivals and self.arrivals[0][0] <= fleet.next_step_time():  # in time order
+            while True:  # arrivals and handoffs, in time order, before any step that starts later
+                next_step = fleet.next_step_time()
+                arrival = self.arrivals[0][0] if self.arrivals else float("inf")
+                handoff = self.handoffs[0][0] if self.handoffs else float("inf")
+                if min(arrival, handoff) > next_step or not (self.arrivals or self.handoffs):
+                    break
+                if handoff < arrival:
+                    self._hand_over(heapq.heappop(self.handoffs)[2], handoff)
+                    continue
                 request = heapq.heappop(self.arrivals)[2]
                 try:
                     self._route(request)
                 except (ValueError, TypeError) as e:  # a replica whose cache is smaller than the first's
                     self._fail(request, str(e), request.arrival_time)
+            horizon = None
+            if until is not None and fleet.virtual:
+                horizon = min(until, self.arrivals[0][0]) if self.arrivals else until
             finished, self.unreported = self.unreported, []
             for request in finished:
                 self.requests.pop(request.request_id, None)
@@ -284,6 +401,18 @@ class Cluster:
                 output.num_decode_tokens += step.num_decode_tokens
                 output.num_requests += step.num_requests
                 output.replica_steps.append((replica.replica_id, start, end, step))
+                if replica.role == "prefill":
+                    handed = [r for r in step.finished if r.finish_reason == "handoff"]
+                    if handed:
+                        step.finished = [r for r in step.finished if r.finish_reason != "handoff"]
+                        for request in handed:
+                            if fleet.virtual:
+                                heapq.heappush(self.handoffs, (end, next(self.arrival_order), request))
+                            else:
+                                self._hand_over(request, end)
+                    for request in step.finished:  # ended there (its first token stopped it, or it failed)
+                        if request.kv_send is not None:
+                            self.fleet.unexpect(self.fleet.replicas[request.kv_send.receiver], request)
                 for request in step.finished:
                     self.requests.pop(request.request_id, None)
                     self._observe(request, replica.replica_id)
@@ -419,6 +548,8 @@ class Cluster:
             self.closed = True
             if self.fleet is not None:
                 self.fleet.close()
+            if self.transfer is not None:
+                self.transfer.close()
 
     def __enter__(self):
         return self

@@ -4,6 +4,10 @@ On the host's clock the busy replica that stepped least recently steps next, so 
 turns. On virtual clocks (a simulated fleet) each replica's clock is its own and the one whose
 next step starts earliest steps next: a heap of (start time, replica), in which only replicas with
 work have an entry. A step is one event at its start.
+
+Disaggregated (roles), a replica can have work it cannot do yet: a prefill replica whose blocks are
+held by sends that no decode replica has taken yet. A step of it that did nothing (no tokens, its
+clock unmoved) parks it until another replica has stepped, so that the others run meanwhile.
 """
 
 import heapq
@@ -19,8 +23,9 @@ from inferlab.core.sampling_params import SamplingParams
 class LocalReplica:
     """One in-process replica and what its ReplicaView reads (inferlab.core.routing.ReplicaState)."""
 
-    def __init__(self, replica_id: int, engine: LLMEngine):
+    def __init__(self, replica_id: int, engine: LLMEngine, role: str | None = None):
         self.replica_id = replica_id
+        self.role = role  # "prefill" or "decode" in a disaggregated cluster
         self.engine = engine
         self.scheduler = engine.scheduler  # its queues, which a router reads at every arrival
         kv = engine.kv_manager
@@ -30,6 +35,8 @@ class LocalReplica:
         self._sums: tuple[int, int, int] | None = None  # (version, queued prompt tokens, outstanding tokens)
         self.fleet_probes: list = []  # the fleet's list of replicas asked about the request being routed
         self.alive = True  # an in-process replica fails only with the process
+        # A decode replica's requests still being prefilled elsewhere (by id): its load to come
+        self.incoming: dict[int, Request] = {}
         self.heap_version = 0  # the entry of the fleet's heap that is current for it
         self.scheduled = False  # whether it has a current entry
 
@@ -52,6 +59,9 @@ class LocalReplica:
             queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
             outputs = sum(r.params.max_tokens - r.num_output_tokens for r in scheduler.waiting)
             outputs += sum(r.params.max_tokens - r.num_output_tokens for r in scheduler.running)
+            if self.incoming:
+                queued += sum(r.num_prompt_tokens for r in self.incoming.values())
+                outputs += sum(r.params.max_tokens for r in self.incoming.values())
             self._sums = (self.version, queued, queued + outputs)
         return self._sums[1], self._sums[2]
 
@@ -79,8 +89,10 @@ class LocalReplica:
 class LocalFleet:
     """The replicas of a local cluster and the order in which they step."""
 
-    def __init__(self, engines: list[LLMEngine]):
-        self.replicas = [LocalReplica(i, engine) for i, engine in enumerate(engines)]
+    def __init__(self, engines: list[LLMEngine], roles: list[str] | None = None):
+        roles = roles or [None] * len(engines)
+        self.replicas = [LocalReplica(i, engine, role) for i, (engine, role) in enumerate(zip(engines, roles))]
+        self.parked: list[LocalReplica] = []  # busy replicas whose last step did nothing (see the module's docstring)
         self.probed: list[LocalReplica] = []  # asked about the request being routed, through its KV manager
         for replica in self.replicas:
             replica.fleet_probes = self.probed
@@ -117,14 +129,37 @@ class LocalFleet:
         heap = self.heap
         while heap and heap[0][2] != self.replicas[heap[0][1]].heap_version:
             heapq.heappop(heap)  # stale: the replica acted since
+        if not heap and self.parked:  # nothing else can run: the parked ones try again
+            self.unpark()
+            return self.next_step_time()
         return heap[0][0] if heap else float("inf")
 
-    def queue(self, replica: LocalReplica, request: Request) -> None:
+    def unpark(self) -> None:
+        parked, self.parked = self.parked, []
+        for replica in parked:
+            self.schedule(replica)
+
+    def queue(self, replica: LocalReplica, request: Request, at: float | None = None) -> None:
+        """Queues the request on the replica at `at` (its arrival, or when its prefill replica
+        handed it over): on virtual clocks an idle replica's clock catches up with it."""
         engine = replica.engine
-        if self.virtual and engine.clock() < request.arrival_time:
-            engine.wait_until(request.arrival_time)  # an idle replica's clock catches up with the arrival
+        at = request.arrival_time if at is None else at
+        if self.virtual and engine.clock() < at:
+            engine.wait_until(at)
         engine.queue(request)
+        if replica in self.parked:
+            self.parked.remove(replica)
         self.schedule(replica)
+
+    def expect(self, replica: LocalReplica, request: Request) -> None:
+        """The request, routed to the replica as its decode replica, counts in its load from now."""
+        replica.incoming[request.request_id] = request
+        replica.version += 1
+
+    def unexpect(self, replica: LocalReplica, request: Request) -> None:
+        """It no longer does: it reached the replica, or ended on its prefill replica."""
+        if replica.incoming.pop(request.request_id, None) is not None:
+            replica.version += 1
 
     def forget_probes(self, request: Request, chosen: LocalReplica | None) -> None:
         """Drops what the KV managers asked about `request` keep of it, but on the chosen replica."""
@@ -169,7 +204,15 @@ class LocalFleet:
         end = engine.clock()
         if self.virtual:
             self.now = max(self.now, end)
-        self.schedule(replica)
+        if output.num_requests or output.finished or end > start or not replica.busy():
+            self.unpark()
+            self.schedule(replica)
+            for other in self.replicas:  # an idle prefill replica frees the blocks of sends that ended
+                if other.engine.scheduler.sending and not other.scheduled and other not in self.parked:
+                    other.engine.poll_kv_transfer()
+        else:
+            replica.version += 1
+            self.parked.append(replica)
         return [(replica, output, start, end)]
 
     def output(self, request: Request) -> dict:

@@ -191,6 +191,7 @@ class RayReplica:
 
     def __init__(self, replica_id: int, actor, info: dict, offset: float):
         self.replica_id = replica_id
+        self.role = None  # roles run on the local backend (inferlab.conf.cluster.role_problems)
         self.actor = actor
         self.num_blocks = info["num_blocks"]
         self.block_size = info["block_size"]

@@ -212,13 +212,21 @@ def engine_arguments(cfg: DictConfig) -> tuple[str | None, dict]:
 
 def cluster_arguments(cfg: DictConfig) -> dict | None:
     """The keyword arguments Cluster takes besides the engine's (replicas, router and its options,
-    backend, gpus_per_replica, ray_address), or None when cfg describes today's single engine (one
-    replica, local)."""
+    backend, gpus_per_replica, ray_address; with prefill/decode roles, prefill_replicas,
+    decode_replicas and the kv_transfer with its options), or None when cfg describes today's single
+    engine (one replica, local)."""
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
-    if cluster["replicas"] == 1 and cluster["backend"] == "local":
+    roles = cluster["prefill_replicas"] is not None
+    if not roles:  # colocated: the arguments a cluster without roles always took
+        del cluster["prefill_replicas"], cluster["decode_replicas"]
+    if cluster["replicas"] == 1 and cluster["backend"] == "local" and not roles:
         return None
     router = OmegaConf.to_container(cfg.router, resolve=True)
-    return {**cluster, "router": router.pop("name"), "router_options": router}
+    arguments = {**cluster, "router": router.pop("name"), "router_options": router}
+    if roles:
+        transfer = OmegaConf.to_container(cfg.kv_transfer, resolve=True)
+        arguments.update(kv_transfer=transfer.pop("name"), kv_transfer_options=transfer)
+    return arguments
 
 
 def flat_choices(cfg: DictConfig) -> dict[str, Any]:

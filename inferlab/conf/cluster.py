@@ -16,6 +16,10 @@ class ClusterConfig:
     backend: str = "local"  # local: every replica in this process; ray: each a Ray actor
     gpus_per_replica: float = 1.0  # ray: each actor's share of a GPU (0.5 puts two on one GPU)
     ray_address: str | None = None  # ray: an existing Ray cluster ("auto", "ray://host:10001"); None starts one here
+    # Prefill/decode disaggregation (docs/disaggregation.md): P replicas compute prompts and first
+    # tokens, D decode; the K/V moves through the kv_transfer plugin. Unset: colocated replicas.
+    prefill_replicas: int | None = None
+    decode_replicas: int | None = None
 
 
 def cluster_problems(cluster) -> list[str]:
@@ -37,7 +41,37 @@ def cluster_problems(cluster) -> list[str]:
         problems.append(f"cluster.ray_address must be an address string or null, got {address!r}")
     if cluster.backend == "local" and address is not None:
         problems.append("cluster.ray_address applies to cluster.backend=ray")
-    return problems
+    return problems + role_problems(cluster)
+
+
+def role_problems(cluster) -> list[str]:
+    """What is wrong with the prefill/decode split: asking for roles takes at least one replica of
+    each, and cluster.replicas is then their sum."""
+    prefill, decode = cluster.prefill_replicas, cluster.decode_replicas
+    if prefill is None and decode is None:
+        return []
+    counts = {"cluster.prefill_replicas": prefill, "cluster.decode_replicas": decode}
+    bad = [
+        f"{name}={value!r}"
+        for name, value in counts.items()
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1
+    ]
+    if bad:
+        return [
+            f"splitting prefill from decode takes cluster.prefill_replicas and cluster.decode_replicas, each a whole "
+            f"number >= 1 (got {', '.join(bad)}); leave both unset for colocated replicas"
+        ]
+    if cluster.replicas not in (1, prefill + decode):
+        return [
+            f"cluster.replicas={cluster.replicas} but cluster.prefill_replicas + cluster.decode_replicas = "
+            f"{prefill + decode}: with roles the cluster is those replicas; leave cluster.replicas unset"
+        ]
+    if cluster.backend != "local":
+        return [
+            f"prefill/decode roles run on cluster.backend=local (in this process, or a simulated fleet), not "
+            f"{cluster.backend!r}"
+        ]
+    return []
 
 
 class ClusterConfigError(ValueError):

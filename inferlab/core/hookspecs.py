@@ -106,7 +106,8 @@ def register_routers(register):
     """Routers: which replica of a cluster serves each request (`router=name` with
     `cluster.replicas=N`, docs/cluster.md). factory(**options) -> Router. A router decides over
     read-only views (inferlab.core.routing); the cluster carries its choice out.
-    Optional capabilities of the router: ObservingRouter (each routed request's end, on its replica)."""
+    Optional capabilities of the router: ObservingRouter (each routed request's end, on its replica),
+    PairRouter (a disaggregated cluster's prefill and decode replica of a request, chosen together)."""
 
 
 @hookspec

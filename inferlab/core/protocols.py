@@ -215,6 +215,26 @@ class ObservingRouter(Protocol):
 
 
 @runtime_checkable
+class PairRouter(Protocol):
+    """Optional router capability: in a disaggregated cluster (cluster.prefill_replicas and
+    cluster.decode_replicas, docs/disaggregation.md), both replicas of a request chosen together:
+    the one that computes its prompt and first token, and the one its K/V moves to for decoding.
+    Without it the cluster asks route() twice: over the prefill replicas, then the decode ones."""
+
+    def route_pair(
+        self,
+        request: RoutedRequest,
+        prefill: tuple[ReplicaView, ...],
+        decode: tuple[ReplicaView, ...],
+        state: ClusterState,
+    ) -> tuple[ReplicaView, ReplicaView]:
+        """(one of `prefill`, one of `decode`) for `request`, called once per request when it
+        arrives (each tuple holds at least one view, in replica_id order, alive ones only). An answer
+        that is not such a pair, or an exception, fails that request with a PolicyError naming the
+        router; the others go on."""
+
+
+@runtime_checkable
 class AttentionBackend(Protocol):
     """Paged attention: declares its KV layout and constraints, builds per-batch metadata and
     computes attention for prefill (cached prefix, chunks) and decode.

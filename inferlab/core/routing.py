@@ -91,6 +91,7 @@ class ReplicaState(Protocol):
     actor reported with its latest step)."""
 
     replica_id: int
+    role: str | None
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -107,6 +108,7 @@ class ReplicaView:
     """A replica as a router sees it: read-only, current as of its latest step.
 
     - replica_id: its index in the cluster, 0..replicas-1;
+    - role: "prefill" or "decode" in a disaggregated cluster (docs/disaggregation.md), else None;
     - num_waiting, num_running: its engine's queues;
     - num_free_blocks, num_blocks, block_size: its KV cache (free counts cached blocks no request holds);
     - num_queued_prompt_tokens: tokens queued but not yet computed (whole waiting requests, what
@@ -130,6 +132,10 @@ class ReplicaView:
     @property
     def replica_id(self) -> int:
         return self._replica.replica_id
+
+    @property
+    def role(self) -> str | None:
+        return self._replica.role
 
     @property
     def num_waiting(self) -> int:
@@ -163,3 +169,18 @@ class ReplicaView:
         if not isinstance(request, RoutedRequest):
             raise TypeError(f"cached_prefix_tokens takes the RoutedRequest being routed, got {type(request).__name__}")
         return self._replica.cached_prefix_tokens(request)
+
+
+def decode_replica_by_room(request: RoutedRequest, replicas: tuple[ReplicaView, ...]) -> ReplicaView:
+    """The decode replica for a request by KV room and load, the built-in routers' pairing: of those
+    whose free blocks hold its prompt and first token beyond what their queues will take, the one
+    with the fewest outstanding tokens; when none has that room, the one with the most (ties: the
+    lowest replica_id)."""
+
+    def room(replica: ReplicaView) -> int:  # tokens its cache can take beyond what it has queued
+        return replica.num_free_blocks * replica.block_size - replica.num_queued_prompt_tokens
+
+    fits = [r for r in replicas if room(r) > request.num_prompt_tokens]
+    if fits:
+        return min(fits, key=lambda r: (r.num_outstanding_tokens, r.replica_id))
+    return max(replicas, key=lambda r: (room(r), -r.replica_id))

@@ -87,7 +87,23 @@ def replica_figures(cluster: Cluster, run: RunRecords) -> dict:
             }
         )
     mean_busy = sum(busy) / len(busy)
-    return {"replicas": replicas, "load_imbalance": max(busy) / mean_busy if mean_busy else None}
+    figures = {"replicas": replicas, "load_imbalance": max(busy) / mean_busy if mean_busy else None}
+    if cluster.roles is not None:
+        figures["disaggregation"] = role_figures(cluster, [r["busy_fraction"] for r in replicas])
+    return figures
+
+
+def role_figures(cluster: Cluster, busy_fractions: list[float]) -> dict:
+    """A disaggregated cluster's roles: how many replicas each, the mean share of the run they spent
+    stepping, and the KV bytes moved from prefill to decode replicas."""
+    figures = {}
+    for role in ("prefill", "decode"):
+        shares = [share for share, r in zip(busy_fractions, cluster.roles) if r == role]
+        figures[f"{role}_replicas"] = len(shares)
+        figures[f"{role}_busy_fraction"] = sum(shares) / len(shares)
+    figures["kv_bytes_moved"] = sum(stats.kv_bytes_received for stats in cluster.fleet.replica_stats())
+    figures["kv_transfer"] = cluster.kv_transfer_name
+    return figures
 
 
 def measure(
@@ -254,6 +270,15 @@ def summary_lines(result: dict, path: str) -> str:
             f"load imbalance {result['load_imbalance']:.3g} (busiest replica's stepping time over the mean), "
             f"{min(served)}-{max(served)} requests a replica, {result['router_us_per_request']:.0f} µs routing each"
         )
+    if "disaggregation" in result:
+        split = result["disaggregation"]
+        moves = result.get("kv_transfer_s")
+        lines.append(
+            f"prefill/decode: {split['prefill_replicas']} + {split['decode_replicas']} replicas, busy "
+            f"{split['prefill_busy_fraction']:.2f} / {split['decode_busy_fraction']:.2f} of the run; "
+            f"{split['kv_bytes_moved'] / 2**30:.3g} GiB of K/V moved ({split['kv_transfer']})"
+            + (f", a move p50 {moves['p50'] * 1e3:.3g} ms, p99 {moves['p99'] * 1e3:.3g} ms" if moves else "")
+        )
     if "simulated" in result:
         lines.append(
             f"simulated on {result['simulated']['profile']}: {result['num_steps']} steps in "
@@ -261,6 +286,15 @@ def summary_lines(result: dict, path: str) -> str:
             f"{result['simulated_requests_per_host_s']:.0f} simulated requests a second of host time)"
         )
     return "\n".join(lines)
+
+
+def cluster_summary(cluster: dict, llm: Cluster) -> dict:
+    """result.json's `cluster`: its settings, with roles when prefill is split from decode."""
+    summary = {k: cluster[k] for k in ("replicas", "backend", "gpus_per_replica")}
+    summary["replicas"] = len(llm.fleet.replicas)
+    if llm.roles is not None:
+        summary.update(prefill_replicas=cluster["prefill_replicas"], decode_replicas=cluster["decode_replicas"])
+    return summary
 
 
 def _bench_figures(cfg: DictConfig, output_dir: str) -> dict:
@@ -310,9 +344,13 @@ def _bench_figures(cfg: DictConfig, output_dir: str) -> dict:
             **({"timeline_files": timeline_files} if timeline_files else {}),
             "workload": first.summary(),
             "plugins": resolved_plugins(llm),
-            "plugin_options": {**plugin_options, **({"router": cluster["router_options"]} if cluster else {})},
+            "plugin_options": {
+                **plugin_options,
+                **({"router": cluster["router_options"]} if cluster else {}),
+                **({"kv_transfer": llm.kv_transfer_options} if cluster and llm.roles is not None else {}),
+            },
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in PLUGIN_FIELDS},
-            **({"cluster": {k: cluster[k] for k in ("replicas", "backend", "gpus_per_replica")}} if cluster else {}),
+            **({"cluster": cluster_summary(cluster, llm)} if cluster else {}),
             "num_kvcache_blocks": num_kvcache_blocks(llm),
             "model_path": llm.model_path,
             **environment(llm),

@@ -26,9 +26,12 @@ TRUE_VALUES = ("1", "true", "yes", "on")  # how Triton reads TRITON_INTERPRET
 
 def resolved_plugins(llm) -> dict[str, str]:
     """The plugin actually serving each kind (`auto` resolved); for a cluster, its replicas' and
-    its router."""
+    its router (and, prefill split from decode, its KV transfer)."""
     if isinstance(llm, Cluster):
-        return {**llm.fleet.on_front(resolved_plugins), "router": llm.router_name}
+        plugins = {**llm.fleet.on_front(resolved_plugins), "router": llm.router_name}
+        if llm.roles is not None:  # `auto` resolved to the transfer its replicas use
+            plugins["kv_transfer"] = llm.kv_transfer_name
+        return plugins
     config = llm.config
     plugins = {kind: getattr(config, kind) for kind in ("model", "scheduler", "kv_cache", "attention", "sampler")}
     runner = llm.runner

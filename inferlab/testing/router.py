@@ -9,8 +9,9 @@
 A hypothesis state machine routes requests (sharing prefixes now and then) over a few replicas
 whose views change under it: queues grow and drain, KV blocks fill, prefixes get cached, time
 passes, replicas die (and are no longer offered). Every answer must be one of the views offered;
-an ObservingRouter sees each request end. A second test runs the router in a cluster of engines on
-the embedded model: every request completes with the tokens a lone engine gives.
+an ObservingRouter sees each request end; a PairRouter's route_pair answers one offered prefill
+view and one offered decode view. Then the router runs in a cluster of engines on the embedded model,
+colocated and disaggregated: every request completes with the tokens a lone engine gives.
 """
 
 import random
@@ -23,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from inferlab.core.blocks import block_hashes
 from inferlab.core.plugins import get_registry
-from inferlab.core.protocols import ClusterState, ObservingRouter
+from inferlab.core.protocols import ClusterState, ObservingRouter, PairRouter
 from inferlab.core.request import Request, RequestStatus
 from inferlab.core.routing import ReplicaView, RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class FakeReplica:
 
     def __init__(self, replica_id: int, block_size: int, num_blocks: int):
         self.replica_id = replica_id
+        self.role = None  # the machine's pairs give its replicas roles for one routing
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_free_blocks = num_blocks
@@ -114,6 +116,27 @@ class RouterMachine(RuleBasedStateMachine):
         if len(offered) < len(self.views):
             self.seen["a replica not offered"] += 1
 
+    @rule(data=st.data())
+    def route_pair(self, data):
+        """A disaggregated cluster's question, over the offered replicas split into roles."""
+        offered = tuple(v for v, alive in zip(self.views, self.alive) if alive)
+        if not isinstance(self.instance, PairRouter) or len(offered) < 2:
+            return
+        split = data.draw(st.integers(1, len(offered) - 1), label="prefill replicas")
+        prefill, decode = offered[:split], offered[split:]
+        for view in offered:
+            view._replica.role = "prefill" if view in prefill else "decode"
+        tokens = data.draw(st.lists(TOKENS, min_size=1, max_size=20))
+        request = Request(10_000 + len(self.prompts), tokens, SamplingParams(max_tokens=4), arrival_time=self.now)
+        answer = self.instance.route_pair(RoutedRequest(request), prefill, decode, self.state())
+        for view in offered:
+            view._replica.role = None
+        assert isinstance(answer, tuple) and len(answer) == 2, f"route_pair returned {answer!r}, not a pair"
+        assert any(answer[0] is v for v in prefill) and any(answer[1] is v for v in decode), (
+            f"router {self.router!r}: route_pair returned {answer!r}, not (one of {prefill}, one of {decode})"
+        )
+        self.seen["pair"] += 1
+
     @precondition(lambda self: self.routed)
     @rule(data=st.data())
     def run(self, data):
@@ -185,6 +208,8 @@ class RouterSuite:
             self.machine, self.hypothesis_settings, router=self.router, router_options=self.router_options
         )
         assert seen["routed"] > 0 and seen["a replica not offered"] > 0
+        if isinstance(get_registry().create("router", self.router, options=self.router_options), PairRouter):
+            assert seen["pair"] > 0
 
     def test_serves_a_cluster(self):
         """The router in front of three engines on the embedded model, prompts sharing prefixes:
@@ -204,7 +229,12 @@ class RouterSuite:
             assert cluster.is_finished()
             served = Counter(cluster.replica_of(i) for i in range(len(prompts)))
         assert sum(served.values()) == len(prompts)
+        with Cluster(
+            prefill_replicas=1, decode_replicas=2, router=self.router, router_options=self.router_options, **settings_
+        ) as cluster:
+            split = cluster.generate(prompts, params, use_tqdm=False)
         with LLM(**settings_) as alone:
-            for prompt, p, out in zip(prompts, params, outputs):
+            for prompt, p, out, out_split in zip(prompts, params, outputs, split):
                 assert out["finish_reason"] == "length" and len(out["token_ids"]) == p.max_tokens
                 assert out["token_ids"] == alone.generate([prompt], p, use_tqdm=False)[0]["token_ids"]
+                assert out_split["token_ids"] == out["token_ids"], "prefill on one replica, decode on another"

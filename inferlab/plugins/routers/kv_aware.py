@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from inferlab.core.hookspecs import hookimpl
+from inferlab.core.routing import decode_replica_by_room
 
 
 @dataclass
@@ -36,6 +37,11 @@ class KVAwareRouter:
 
     def route(self, request, replicas, state):
         return min(replicas, key=lambda r: (self.cost(request, r), r.replica_id))
+
+    def route_pair(self, request, prefill, decode, state):
+        """Disaggregated: the prefill replica as route picks one, the decode replica by KV room and
+        load (inferlab.core.routing.decode_replica_by_room)."""
+        return self.route(request, prefill, state), decode_replica_by_room(request, decode)
 
 
 @hookimpl

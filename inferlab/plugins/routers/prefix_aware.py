@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from inferlab.core.hookspecs import hookimpl
+from inferlab.core.routing import decode_replica_by_room
 
 
 @dataclass
@@ -90,6 +91,11 @@ class PrefixAwareRouter:
                 choice = replicas[sizes.index(min(sizes))]
         self.insert(names, choice.replica_id, state.now)
         return choice
+
+    def route_pair(self, request, prefill, decode, state):
+        """Disaggregated: the prefill replica as route picks one, the decode replica by KV room and
+        load (inferlab.core.routing.decode_replica_by_room)."""
+        return self.route(request, prefill, state), decode_replica_by_room(request, decode)
 
     def longest_match(self, names, replicas):
         """(blocks matched, the replica whose tree holds the longest prefix, most recently used

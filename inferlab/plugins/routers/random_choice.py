@@ -19,6 +19,10 @@ class RandomRouter:
     def route(self, request, replicas, state):
         return replicas[self.rng.randrange(len(replicas))]
 
+    def route_pair(self, request, prefill, decode, state):
+        """Disaggregated: both replicas drawn at random (the baseline)."""
+        return self.route(request, prefill, state), self.route(request, decode, state)
+
 
 @hookimpl
 def register_routers(register):
