@@ -68,6 +68,22 @@ def test_greedy_outputs_equal_one_engines_whatever_the_router(router):
         assert drained(cluster)
 
 
+def test_greedy_outputs_equal_one_engines_under_chunked_prefill_and_preemption_on_both_sides():
+    """Small caches and a small token budget: prompts are prefilled in chunks, prefill replicas
+    preempt while their blocks wait to be sent, decode replicas preempt and recompute."""
+    prompts = prompts_of(count=10, seed=5, shared=20)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tight = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=7, max_num_batched_tokens=24)
+    with LLM(**CPU) as alone:
+        expected = alone.generate(prompts, params, use_tqdm=False)
+    with Cluster(prefill_replicas=1, decode_replicas=1, router="least_load", **tight) as cluster:
+        outputs = cluster.generate(prompts, params, use_tqdm=False)
+        assert [o["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
+        prefill, decode = (engine.stats for engine in cluster.fleet.engines)
+        assert prefill.num_preemptions > 0 and decode.num_preemptions > 0
+        assert drained(cluster)
+
+
 def test_roles_need_a_replica_of_each_and_the_right_count():
     for roles, message in [
         (dict(prefill_replicas=2, decode_replicas=0), "cluster.decode_replicas=0"),
