@@ -392,6 +392,9 @@ class Cluster:
             horizon = None
             if until is not None and fleet.virtual:
                 horizon = min(until, self.arrivals[0][0]) if self.arrivals else until
+                if self.roles is not None:  # a handoff reaches a decode replica like an arrival
+                    handoff = self.handoffs[0][0] if self.handoffs else horizon
+                    horizon = min(horizon, handoff, fleet.earliest_handoff())
             finished, self.unreported = self.unreported, []
             for request in finished:
                 self.requests.pop(request.request_id, None)

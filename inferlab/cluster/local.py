@@ -196,7 +196,7 @@ class LocalFleet:
             spans = engine.run_decodes(until)
             if spans:
                 self.now = max(self.now, spans[-1][1])
-                self.schedule(replica)
+                self.acted(replica)
                 output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
                 return [(replica, output, start, end) for start, end in spans]
         start = engine.clock()
@@ -205,15 +205,26 @@ class LocalFleet:
         if self.virtual:
             self.now = max(self.now, end)
         if output.num_requests or output.finished or end > start or not replica.busy():
-            self.unpark()
-            self.schedule(replica)
-            for other in self.replicas:  # an idle prefill replica frees the blocks of sends that ended
-                if other.engine.scheduler.sending and not other.scheduled and other not in self.parked:
-                    other.engine.poll_kv_transfer()
+            self.acted(replica)
         else:
             replica.version += 1
             self.parked.append(replica)
         return [(replica, output, start, end)]
+
+    def acted(self, replica: LocalReplica) -> None:
+        """After a replica's step (or run of decode steps) did something: the parked replicas try
+        again, it steps next at its clock, and an idle prefill replica frees the blocks of sends
+        that ended."""
+        self.unpark()
+        self.schedule(replica)
+        for other in self.replicas:
+            if other.engine.scheduler.sending and not other.scheduled and other not in self.parked:
+                other.engine.poll_kv_transfer()
+
+    def earliest_handoff(self) -> float:
+        """No prefill replica hands a request over before this time: the earliest clock of those
+        with work (a handoff comes at the end of one of their steps), inf when none has any."""
+        return min((r.engine.clock() for r in self.replicas if r.role == "prefill" and r.busy()), default=float("inf"))
 
     def output(self, request: Request) -> dict:
         return self.front.output(request)

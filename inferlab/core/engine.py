@@ -616,7 +616,7 @@ class LLMEngine:
         Nothing can change a step when: the runner times decode runs (DecodeRuns) on a virtual
         clock and the KV manager is BlockAligned; the steps overlap and the step launched last
         computed the running requests' last tokens, in order; nothing waits, and nothing is left to
-        report or free; the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
+        report or free, and no K/V moves to or from it (disaggregated); the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
         no request reads logprobs, has a constraint, stop strings or stop ids, or could sample EOS
         without ignoring it; and none reaches max_tokens or max_model_len, nor needs more blocks
         than are free, within the run. The caller promises that no request is queued before
@@ -639,6 +639,8 @@ class LLMEngine:
             pending is None
             or not self.overlap
             or scheduler.waiting
+            or scheduler.receiving  # a move that ends mid-run would change the running requests
+            or scheduler.sending
             or scheduler.to_free
             or scheduler.ended
             or self.unreported

@@ -26,9 +26,10 @@ def noisy_profile(tmp_path_factory) -> str:
     return str(path)
 
 
-def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: float, noise: float):
+def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: float, noise: float, split=False):
     """60 requests of up to 400 prompt and output tokens, arriving at `rate` a second, each behind
-    one of 3 shared prefixes, on 3 replicas with small caches of 16-token blocks."""
+    one of 3 shared prefixes, on 3 replicas with small caches of 16-token blocks (split: one
+    prefill and two decode replicas, their K/V moving through kv_transfer=simulated)."""
     bench = compose(
         [
             "bench.arrival=poisson",
@@ -46,7 +47,8 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
         num_kvcache_blocks=num_blocks,
         max_model_len=2048,
     )
-    with Cluster(replicas=3, router=router, **settings) as cluster:
+    replicas = dict(prefill_replicas=1, decode_replicas=2) if split else dict(replicas=3)
+    with Cluster(router=router, **replicas, **settings) as cluster:
         workload = build_workload(bench, cluster.hf_config.vocab_size, cluster.config.max_model_len)
         cluster.fleet.decode_runs = decode_runs
         calls = []
@@ -87,3 +89,18 @@ def test_runs_of_decode_steps_give_exactly_the_records_of_one_step_at_a_time(
         assert sum(r.num_preemptions for r in fast.requests) > 0
     assert sum(r.num_cached_tokens for r in fast.requests) > 0
     assert not any(math.isnan(t) for r in fast.requests for t in r.token_times_s)
+
+
+@pytest.mark.parametrize("router, noise", [("least_load", 1.0), ("kv_aware", 0.0)])
+def test_a_disaggregated_fleets_decode_runs_end_before_any_handoff_could_reach_them(noisy_profile, router, noise):
+    """A decode replica runs decode steps at once only up to the earliest time a prefill replica
+    could hand it a request, and not while K/V moves to it: the records equal one step at a time."""
+    one, kv_one, stats_one, runners_one, none = replay(noisy_profile, False, router, 100, 50.0, noise, split=True)
+    fast, kv_fast, stats_fast, runners_fast, fast_steps = replay(
+        noisy_profile, True, router, 100, 50.0, noise, split=True
+    )
+    assert none == 0 and fast_steps > 0
+    assert fast.requests == one.requests
+    assert sorted(map(dataclasses.astuple, fast.steps)) == sorted(map(dataclasses.astuple, one.steps))
+    assert fast.wall_time_s == one.wall_time_s
+    assert stats_fast == stats_one and kv_fast == kv_one and runners_fast == runners_one
