@@ -99,7 +99,7 @@ class MeasuredCostModel:
     def __init__(self, measurements: list[dict]):
         if not measurements:
             raise ValueError("a measured cost model needs measurements; the profile has none")
-        shapes = [(StepShape.from_measurement(m), float(m["seconds"])) for m in measurements]
+        shapes = [(StepShape.from_measurement(m), device_part(m)) for m in measurements]
         self.decode = {
             graph: _DecodeFit([(s, t) for s, t in shapes if not s.prefill_tokens and s.graph == graph])
             for graph in (True, False)
@@ -185,6 +185,20 @@ class MeasuredCostModel:
             "with_prefill": {"host_floor_s": self.host_floor_s, **terms(self.prefill_coefficients)},
             "with_prefill_graph": terms(self.graph_prefill_coefficients),
         }
+
+
+def device_part(measurement: dict) -> float:
+    """The seconds a measurement gives the device model. A decode-only step replayed from a CUDA
+    graph takes the device's own time where the profile recorded it: the simulator puts the host's
+    launch on its clock itself, and the interval between reads would count it again where it bounds
+    the step, along with any slowness of the host's during the measurement (one composition measured
+    on a slow host skews the fit of every batch size around it). Other steps keep the interval: an
+    eager step's launch is its device work, and graphed steps with prefill run steadily above their
+    bracketed device time."""
+    device = measurement.get("device_seconds")
+    if device and measurement.get("graph") and not measurement.get("prefill_tokens"):
+        return float(device)
+    return float(measurement["seconds"])
 
 
 class _DecodeFit:

@@ -567,6 +567,36 @@ def test_the_roofline_profile_serves_any_shape(checkpoint):
     assert llm.clock() > 0
 
 
+def test_a_slow_host_in_one_graphed_decode_measurement_leaves_the_device_model_alone():
+    """Decode steps replayed from graphs are fitted to the device's own time where the profile
+    recorded it: a host slow throughout one composition's measurement (its interval three times
+    its device time, as in the H100 profile's batch 8) must not raise the neighbouring batch sizes'
+    predictions; without device times the interval is all there is."""
+    points = measured(GRID)
+    for m in points:
+        if m["graph"] and not m["prefill_tokens"]:
+            m["device_seconds"] = m["seconds"]
+    paused = next(m for m in points if m["graph"] and m["decode_requests"] == 4 and not m["prefill_tokens"])
+    paused["seconds"] *= 3
+    model = MeasuredCostModel(points)
+    for batch in (2, 4, 8):
+        shape = StepShape(decode_requests=batch, decode_context=batch * 700, graph=True)
+        assert model(shape) == pytest.approx(linear_truth(shape), rel=1e-6)
+    for m in points:
+        m.pop("device_seconds", None)
+    shape = StepShape(decode_requests=4, decode_context=4 * 700, graph=True)
+    assert MeasuredCostModel(points)(shape) > 1.5 * linear_truth(shape)
+
+
+def test_the_shipped_h100_profile_predicts_decode_steps_rising_with_the_batch():
+    """The H100 profile's measurement of batch 8 at 129 tokens of context ran on a slow host
+    (interval 3.7 ms, launches 2.6 ms, device 1.2 ms): batches between 4 and 16 must still cost
+    between them."""
+    model = load_profile("h100-qwen3-0.6b-triton").cost_model()
+    times = [model(StepShape(decode_requests=b, decode_context=b * 700, graph=True)) for b in (4, 6, 8, 12, 16)]
+    assert times == sorted(times)
+
+
 @pytest.mark.parametrize("name", shipped_profiles())
 def test_shipped_profiles_load_and_fit(name):
     profile = load_profile(name)
