@@ -20,14 +20,19 @@ still leaves what it measured.
 The simulated engine runs each workload with the full model and with ablations (the host costs
 that relaunching hides left out; no step-time noise), to show what each part of the model does.
 
+`--real-from DIR/sim_vs_real.json` runs the simulations alone (any host) against that call's real runs and
+profile (the shipped one of its name, or `--profile FILE`): a simulator change checked against the device.
+
 `--tiny` runs the same on the CPU with the embedded tiny model and tiny settings, to check the
 script end to end before spending GPU time (tests/test_sim_vs_real_script.py does).
 """
 
 import argparse
 import copy
+import functools
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +49,7 @@ from inferlab.experiment.profile_job import TimedSteps, host_cost_lines, run_pro
 from inferlab.experiment.report import figure
 from inferlab.experiment.traces import read_trace
 from inferlab.experiment.workload import build_workload
-from inferlab.sim.profile import load_profile
+from inferlab.sim.profile import PROFILE_DIR, load_profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu import SHAPES, build_checkpoint  # noqa: E402
@@ -357,21 +362,47 @@ def measure_size(size: str, args, engine: dict, device_name: str, deadline: floa
         run_workloads(llm, workloads, deadline, 45, "real", log, diagnostics)
         diagnostics.close()
 
-    def written() -> None:
-        report["sizes"][size] = {
-            "profile": os.path.basename(profile_path),
-            "workloads": {w.name: {"bench": w.bench, **w.results} for w in workloads},
-            "host_diagnostics": diagnostics.by_workload,
-        }
-        markdown[section:] = [tables(size, device_name, workloads, list(VARIANTS), diagnostics)]
-        with open(os.path.join(args.out, "sim_vs_real.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(os.path.join(args.out, "sim_vs_real.md"), "w") as f:
-            f.write("\n".join(markdown))
-
+    profile_file = os.path.basename(profile_path)
+    written = functools.partial(
+        write, args.out, report, markdown, size, section, device_name, workloads, diagnostics, profile_file
+    )
     written()  # the real runs, before the simulations
     simulate(model_path, engine, profile_path, workloads, deadline, log, VARIANTS, written)
     log(f"{size}: written sim_vs_real.md and .json")
+
+
+def write(out, report, markdown, size, section, device, workloads, diagnostics, profile) -> None:
+    """sim_vs_real.json and .md under out, with what size has so far."""
+    by_workload = diagnostics.by_workload if diagnostics else {}
+    workloads_json = {w.name: {"bench": w.bench, **w.results} for w in workloads}
+    report["sizes"][size] = {"profile": profile, "workloads": workloads_json, "host_diagnostics": by_workload}
+    markdown[section:] = [tables(size, device, workloads, list(VARIANTS), diagnostics)]
+    with open(os.path.join(out, "sim_vs_real.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out, "sim_vs_real.md"), "w") as f:
+        f.write("\n".join(markdown))
+
+
+def resimulate(args, log) -> None:
+    """--real-from: each size's simulations against an earlier call's real runs, on its profile."""
+    with open(args.real_from) as f:
+        earlier = json.load(f)
+    report, markdown = {"device": earlier["device"], "args": dict(vars(args)), "sizes": {}}, []
+    ran_with = earlier["args"]
+    engine = TINY_ENGINE if ran_with.get("tiny") else dict(attention="triton", max_model_len=ran_with["max_model_len"])
+    for size, part in earlier["sizes"].items():
+        profile_path = shutil.copy(args.profile or os.path.join(PROFILE_DIR, part["profile"]), args.out)
+        workloads = []
+        for name, ran in part["workloads"].items():
+            bench = {**ran["bench"], **({"trace": args.trace} if "trace" in ran["bench"] else {})}
+            workloads.append(Workload(name, bench, 0.0, kind=bench["arrival"], results={"real": ran["real"]}))
+        for kind in {w.kind for w in workloads}:  # the last of each kind was the capacity run
+            [w for w in workloads if w.kind == kind][-1].saturating = True
+        written = functools.partial(
+            write, args.out, report, markdown, size, len(markdown), earlier["device"], workloads, None, part["profile"]
+        )
+        simulate(None, engine, profile_path, workloads, time.monotonic() + args.budget_s, log, VARIANTS, written)
+    print("\n".join(markdown))
 
 
 def main(argv=None) -> None:
@@ -390,6 +421,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--profile-repeats", type=int, default=6)
     parser.add_argument("--tiny", action="store_true", help="the CPU, the embedded tiny model, tiny settings")
+    parser.add_argument("--real-from", help="an earlier call's sim_vs_real.json: simulate alone against its real runs")
+    parser.add_argument("--profile", help="with --real-from: the profile file (default: the shipped one of its name)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     started = time.monotonic()
@@ -403,6 +436,8 @@ def main(argv=None) -> None:
         log_file.write(line + "\n")
         log_file.flush()
 
+    if args.real_from:
+        return resimulate(args, log)
     args.lengths = {}
     if args.tiny:
         args.trace, args.fit = SMALL_TRACE, "scale"

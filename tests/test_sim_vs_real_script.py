@@ -36,3 +36,20 @@ def test_the_sim_vs_real_script_runs_on_the_cpu(tmp_path):
     assert profile["kind"] == "measured" and profile["launch_in_run_factor"] > 0
     table = (tmp_path / "sim_vs_real.md").read_text()
     assert "| trace x0.2 |" in table and "host time in the real runs" in table
+
+    # --real-from: the simulations alone against that call's real runs give the same figures
+    again = tmp_path / "again"
+    command = [*command[:2], "--real-from", str(tmp_path / "sim_vs_real.json"), "--out", str(again)]
+    command += ["--profile", str(tmp_path / "cpu-tiny-torch.json")]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    resimulated = json.loads((again / "sim_vs_real.json").read_text())["sizes"]["0.6b"]["workloads"]
+    assert set(resimulated) == set(workloads)
+    for name, figures in resimulated.items():
+        assert figures["real"] == workloads[name]["real"]
+        for label in ("sim", "sim, no noise"):
+            for key in ("output_tokens_per_s", "ttft_s", "tpot_s", "num_preemptions"):
+                assert figures[label][key] == workloads[name][label][key], (name, label, key)
+    assert "| poisson 40/s |" in (again / "sim_vs_real.md").read_text()
