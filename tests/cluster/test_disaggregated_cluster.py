@@ -193,6 +193,20 @@ def test_an_abort_between_the_two_replicas_frees_the_senders_blocks_and_is_repor
         assert drained(cluster)
 
 
+def test_a_move_that_times_out_fails_its_request_naming_both_replicas_and_the_others_go_on():
+    """A link so slow that moves of long prompts outlast kv_transfer.timeout_s: those requests end
+    with an error naming their prefill and decode replica, short ones decode on, blocks all free."""
+    prompts = [[7] * 20, [8] * 30, [9] * 500, [10] * 400]  # 2 and 25-32 blocks of 16 tokens
+    slow = dict(bandwidth_bytes_per_s=20 * 4096, timeout_s=0.5)  # 20 of the simulated model's blocks a second
+    with Cluster(prefill_replicas=1, decode_replicas=1, kv_transfer_options=slow, **SIM) as cluster:
+        outputs = cluster.generate(prompts, GREEDY, use_tqdm=False)
+        assert cluster.fleet.engines[0].runner.kv_block_bytes == 4096
+        assert [o["finish_reason"] for o in outputs] == ["length", "length", "error", "error"]
+        for out, request_id in ((outputs[2], 2), (outputs[3], 3)):
+            assert f"request {request_id} from replica 0 to replica 1 failed: timed out after 0.5 s" in out["error"]
+        assert drained(cluster)
+
+
 def simulated_workload(count=60, rate=100.0, seed=3):
     rng = random.Random(seed)
     t, requests = 0.0, []
