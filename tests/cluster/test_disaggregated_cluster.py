@@ -52,7 +52,8 @@ def registry_with(**routers) -> PluginRegistry:
     return registry
 
 
-@pytest.mark.parametrize("router", ["round_robin", "random", "least_load", "prefix_aware", "kv_aware"])
+# RouterSuite.test_serves_a_cluster checks every built-in router's pairs against a lone engine too
+@pytest.mark.parametrize("router", ["round_robin", "kv_aware"])
 def test_greedy_outputs_equal_one_engines_whatever_the_router(router):
     prompts = prompts_of(shared=20)
     with LLM(**CPU) as alone:
@@ -61,7 +62,7 @@ def test_greedy_outputs_equal_one_engines_whatever_the_router(router):
         outputs = cluster.generate(prompts, GREEDY, use_tqdm=False)
         assert [o["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
         served = {cluster.replica_of(i) for i in range(len(prompts))}
-        assert served <= {1, 2} and (router == "random" or served == {1, 2})  # the pairing spreads decodes
+        assert served == {1, 2}  # the pairing spreads decodes
         stats = [engine.stats for engine in cluster.fleet.engines]
         assert stats[0].num_decode_tokens == 0 and stats[1].num_prefill_tokens == stats[2].num_prefill_tokens == 0
         assert stats[0].kv_bytes_sent == stats[1].kv_bytes_received + stats[2].kv_bytes_received > 0
