@@ -545,14 +545,12 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         self.refuse_closed("is_finished")
+        return not self.unreported and self._idle()
+
+    def _idle(self) -> bool:
+        """Nothing pending but requests finished and not yet reported."""
         scheduler = self.scheduler
-        return (
-            not scheduler.has_unfinished()
-            and self.pending is None
-            and not self.unreported
-            and not scheduler.ended
-            and not self.held
-        )
+        return not scheduler.has_unfinished() and self.pending is None and not scheduler.ended and not self.held
 
     def reset_prefix_cache(self) -> None:
         """Drops the prefix cache's unreferenced blocks, where the KV manager can."""
@@ -594,15 +592,14 @@ class LLMEngine:
             interrupts.install()
             with DEFERRED:
                 output = self._step()
+                # whether it went idle, before the output is taken: a fault here leaves the output for
+                # the next step to report (no try block: on Python 3.11 an exception that a trace
+                # function raises at a `try:` line skips the enclosing with blocks' exits)
+                idle = self._idle()
                 output.finished = self._take_finished()
-                try:
-                    done = self.is_finished()
-                except BaseException:  # the output never reaches the caller: the next step reports its requests
-                    self.unreported[:0] = output.finished
-                    raise
                 if interrupts.held_back():  # raised on the way out, losing the output: the next step reports these
                     self.unreported[:0] = output.finished
-            if done:
+            if idle:
                 interrupts.restore()
         return output
 

@@ -479,13 +479,15 @@ class Scheduler:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = step.now
                 request.num_cached_tokens = cached  # its view reads the KV manager's answer until it runs
-                request.status, request.num_computed_tokens = RUNNING, cached  # one line: all or none
-                admitted.append(request)
                 if receives:  # it waits for its K/V, holding its blocks and a sequence slot
-                    self.receiving[request.request_id] = request
+                    receiving = {**self.receiving, request.request_id: request}
+                    request.status, request.num_computed_tokens, self.receiving = RUNNING, cached, receiving  # one line
+                    admitted.append(request)
                     step.invalidate()
                     continue
-                self.running.append(request)
+                request.status, request.num_computed_tokens = RUNNING, cached  # one line: all or none
+                self.running.append(request)  # in its new queue before admitted takes it out of the old
+                admitted.append(request)
                 step.add(request, num_tokens)
         except BaseException:
             if request is not None and request.status is WAITING and request not in self.to_free:
