@@ -3,11 +3,12 @@ sampling settings, random small KV budgets and batch limits, block size 16. Ever
 with every block free, and the tokens of each request must not depend on the budgets, the batch
 it shared, the submission order or a warm prefix cache."""
 
+import random
 from collections import Counter
 
 import pytest
 from engine_books import assert_books_clean
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import ENGINE_EXAMPLES, QUICK_ENGINE_EXAMPLES, quick_and_thorough
 
@@ -45,6 +46,12 @@ def workloads(draw):
     return max_model_len, prompts, params
 
 
+PATHS_TAKEN = (
+    64,
+    [list(range(1, 41)), *(list(range(50 + 20 * i, 66 + 20 * i)) for i in range(3))],
+    [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 4,
+)
+TIGHT = {"num_kvcache_blocks": 4, "max_num_seqs": 4, "max_num_batched_tokens": 64, "enable_prefix_caching": False}
 budgets = st.fixed_dictionaries(
     {
         "num_kvcache_blocks": st.integers(1, 12),
@@ -66,6 +73,9 @@ def test_engine_fuzz(path, examples):
 
     @settings(max_examples=examples)
     @given(workload=workloads(), first=budgets, second=budgets, order_seed=st.randoms(use_true_random=False))
+    # The paths the final check asks for, whatever the draws: a request too long for a 2-block cache
+    # (an error result) and four requests that do not fit a 4-block cache together (preemption).
+    @example(workload=PATHS_TAKEN, first=TIGHT | {"num_kvcache_blocks": 2}, second=TIGHT, order_seed=random.Random(0))
     def engines_agree(workload, first, second, order_seed):
         max_model_len, prompts, params = workload
         engine_a = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=max_model_len, **first)
