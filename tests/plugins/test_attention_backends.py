@@ -98,7 +98,7 @@ def test_flash_attn_backend_builds_and_stores_kv_without_triton(monkeypatch):
         return torch.zeros_like(q)
 
     fake = types.ModuleType("flash_attn")
-    fake.flash_attn_varlen_func = fake.flash_attn_with_kvcache = attend
+    fake.flash_attn_varlen_func = fake.flash_attn_with_kvcache = fake.flash_attn_func = attend
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
 
     backend_class = module.FlashAttnBackend
@@ -129,3 +129,23 @@ def test_flash_attn_backend_builds_and_stores_kv_without_triton(monkeypatch):
     torch_backend.forward(q, k, v, expected, torch_backend.build_metadata(inputs), 0.5)
     assert cache.count_nonzero() > 0
     assert torch.equal(cache, expected)
+
+
+def test_flash_attn_validate_names_head_dims_the_installed_build_cannot_run(monkeypatch):
+    """A trimmed flash-attn build serves some head dims only; validate asks the build by a call."""
+    from inferlab.plugins.attention.flash_attn_backend import build_problem
+
+    def flash_attn_func(q, k, v):
+        if q.shape[-1] % 32:
+            raise RuntimeError("This flash attention build does not support headdim not being a multiple of 32.\n...")
+        return q
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    build_problem.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert build_problem(cpu, torch.bfloat16, 64) is None
+        problem = build_problem(cpu, torch.bfloat16, 48)
+        assert "cannot run head_dim 48" in problem and "multiple of 32" in problem and "..." not in problem
+    finally:
+        build_problem.cache_clear()

@@ -3,6 +3,7 @@ where Triton does not import, a torch store) writes new K/V, flash_attn_varlen_f
 tables computes prefill (cached prefixes, chunks) and flash_attn_with_kvcache computes decode.
 flash-attn is imported only when this backend is built."""
 
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -27,6 +28,24 @@ def import_triton_kv_store():
         return importlib.import_module("inferlab.kernels.kv_store")
     except ImportError as e:
         return e
+
+
+@functools.cache
+def build_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the installed flash-attn build cannot run this head_dim, or None: builds may leave head
+    dims out (a trimmed build serves multiples of 32 only), which only a call tells."""
+    if device.type == "cuda" and not torch.cuda.is_available():  # a check on a machine without the GPU
+        return None
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as e:
+        return f"flash-attn does not import ({e})"
+    q = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device=device)
+    try:
+        flash_attn_func(q, q, q)
+    except RuntimeError as e:
+        return f"the installed flash-attn build cannot run head_dim {head_dim}: {str(e).splitlines()[0]}"
+    return None
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -94,6 +113,8 @@ class FlashAttnBackend:
             )
         if head_dim % 8 or head_dim > 256:
             reasons.append(f"flash-attn needs head_dim a multiple of 8 and at most 256, got {head_dim}")
+        elif not reasons and (problem := build_problem(device, dtype, head_dim)):
+            reasons.append(problem)
         return reasons
 
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_dim):
