@@ -1,22 +1,10 @@
-"""Prefill/decode disaggregation on one GPU: a prefill engine and a decode engine of Qwen3-0.6B's
-shapes (random bf16 weights) in one process, sharing the GPU by gpu_memory_utilization, joined by
-kv_transfer=local. Checks that the disaggregated outputs equal the colocated ones and measures each
-move's time against the simulated transfer's cost model. Writes disagg.json.
+"""Prefill/decode disaggregation on one GPU: a prefill and a decode engine of Qwen3-0.6B's shapes
+(random bf16 weights) in one process, joined by kv_transfer=local; the disaggregated outputs against
+the colocated ones, serially and all at once, and each move's time against kv_transfer=simulated's
+cost model. Writes disagg.json; docs/disaggregation.md ("Measured on the device") tells what it does.
 
     python scripts/disagg_gpu.py --out $OUT            # on the GPU (about 2 to 4 minutes)
-    python scripts/disagg_gpu.py --tiny --out /tmp/d   # the same steps on the CPU: the embedded model,
-                                                       # fewer and shorter prompts (a test runs it)
-
-Two passes over the same prompts, colocated first (the prefill engine alone, prefill and decode),
-then disaggregated (prefilled there, decoded on the other engine):
-- serial: one request at a time, so that both passes run the same step shapes and greedy outputs
-  must match token for token;
-- concurrent: every request at once, as a server would see them; bf16 results then depend on the
-  batches a request shares, so the match is reported (tokens before the first difference), and the
-  moves are timed under load.
-Each move's time is the CUDA events around its copy (kv_transfer=local); beside it, what
-kv_transfer=simulated predicts for its bytes over NVLink and over 400 Gb/s InfiniBand, and a least
-squares fit of seconds = latency + bytes / bandwidth over the measured moves.
+    python scripts/disagg_gpu.py --tiny --out /tmp/d   # the same steps on the CPU, a tiny workload
 """
 
 import argparse

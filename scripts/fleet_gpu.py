@@ -1,18 +1,11 @@
-"""A fleet, real against simulated: two replicas with Qwen3-0.6B's shapes (random weights) on one GPU
-through Ray (cluster.gpus_per_replica=0.5), replaying a shared-prefix trace with two routers; then
-the same settings in simulation (executor=simulated), with a profile measured on that card by
-`inferlab job=profile` (or the one --profile names). Writes under --out: ray-check.json (Ray and two
-half-GPU actors), the trace, the profile, each run's result.json, and comparison.json / .md: output
-tokens/s, TTFT and TPOT p50, and the router's host time per request, real and simulated, and their
-differences.
+"""A fleet, real against simulated: two replicas with Qwen3-0.6B's shapes on one GPU through Ray,
+replaying a shared-prefix trace with two routers, then the same settings simulated with a profile
+measured on that card (or the one --profile names). Writes under --out ray-check.json, the trace,
+the profile, each run's result.json and comparison.json / .md; docs/cluster.md ("Real against
+simulated") tells more. Every inferlab run is a process of its own (`python -m inferlab ...`).
 
-    # on the device, one call (about 6-8 minutes), after `source .device/ray/install.sh`:
-    python scripts/fleet_gpu.py --out $OUT
-    # the same steps on this CPU with the embedded model and tiny settings (a slow test runs it):
-    python scripts/fleet_gpu.py --out /tmp/fleet --tiny
-
-Every inferlab run is a process of its own (`python -m inferlab ...`), as a user would run it: the
-profile is measured with the GPU to itself, then each real run starts Ray and its two actors.
+    python scripts/fleet_gpu.py --out $OUT               # on the device (about 6-8 minutes), with Ray
+    python scripts/fleet_gpu.py --out /tmp/fleet --tiny  # the embedded model on this CPU, tiny settings
 """
 
 import argparse
