@@ -129,11 +129,10 @@ def main(argv=None) -> dict:
         # the prefill engine takes 0.45 of the GPU, the decode engine the rest up to 0.9
         settings = [dict(common, gpu_memory_utilization=0.45), dict(common, gpu_memory_utilization=0.9)]
     built = time.perf_counter()
-    prefill = LLM(model_path, **settings[0])
-    decode = LLM(model_path, **settings[1])
+    prefill, decode = engines = [LLM(model_path, **kwargs) for kwargs in settings]
     transfer = LocalTransfer()
-    prefill.connect_kv_transfer(transfer, 0)
-    decode.connect_kv_transfer(transfer, 1)
+    for rank, engine in enumerate(engines):
+        engine.connect_kv_transfer(transfer, rank)
     start_up_s = time.perf_counter() - built
     params = SamplingParams(temperature=0, max_tokens=s["max_tokens"], ignore_eos=True)
     vocab = min(10000, prefill.hf_config.vocab_size)  # the bench's ids, within the tiny model's vocabulary
@@ -152,12 +151,10 @@ def main(argv=None) -> dict:
         batch = prompts[:count]
         prefill.reset_prefix_cache()
         t0 = time.perf_counter()
-        if serial:  # colocated: the prefill engine alone
-            expected = [prefill.generate([p], params, use_tqdm=False)[0] for p in batch]
-        else:
-            expected = prefill.generate(batch, params, use_tqdm=False)
+        groups = [[p] for p in batch] if serial else [batch]  # colocated: the prefill engine alone
+        expected = [out for group in groups for out in prefill.generate(group, params, use_tqdm=False)]
         colocated_s = time.perf_counter() - t0
-        for engine in (prefill, decode):
+        for engine in engines:
             engine.reset_prefix_cache()
             engine.stats = EngineStats()
         t0 = time.perf_counter()
@@ -174,9 +171,9 @@ def main(argv=None) -> dict:
             "kv_bytes_sent": prefill.stats.kv_bytes_sent,
             "kv_bytes_received": decode.stats.kv_bytes_received,
             "transfers": transfers(requests, LINKS),
-            "all_blocks_freed": all(e.kv_manager.num_free_blocks == e.kv_manager.num_blocks for e in (prefill, decode)),
+            "all_blocks_freed": all(e.kv_manager.num_free_blocks == e.kv_manager.num_blocks for e in engines),
         }
-    for engine in (prefill, decode):
+    for engine in engines:
         engine.close()
     result["total_s"] = time.perf_counter() - started
     os.makedirs(args.out, exist_ok=True)
