@@ -19,6 +19,8 @@ import time
 from inferlab.experiment.report import figure
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import QWEN3_0_6B, build_checkpoint  # noqa: E402
+
 ROUTERS = ("round_robin", "kv_aware")
 FIGURES = (("output_tokens_per_s", "output tok/s"), ("ttft_s.p50", "TTFT p50 s"), ("tpot_s.p50", "TPOT p50 s"))
 # Settings for the card (a 2,048-token system prompt per tenant; the same cache for both replicas,
@@ -125,8 +127,6 @@ def main() -> None:
     if args.tiny:
         engine = settings["engine"]
     else:
-        from bench_gpu import QWEN3_0_6B, build_checkpoint
-
         checkpoint = build_checkpoint("/tmp/inferlab-fleet-qwen3-0.6b", 28, QWEN3_0_6B)
         engine = [f"model.path={checkpoint}", *settings["engine"]]
     profile = args.profile or os.path.join(out, "profile.json")
