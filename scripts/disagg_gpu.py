@@ -38,11 +38,10 @@ def workload(num_requests: int, min_len: int, max_len: int, shared_prefix: int, 
     (prefix-cache hits on both engines: the decode engine receives only the blocks it lacks)."""
     rng = random.Random(0)
     prefix = [rng.randrange(1, vocab) for _ in range(shared_prefix)]
-    prompts = []
-    for i in range(num_requests):
-        body = [rng.randrange(1, vocab) for _ in range(rng.randrange(min_len, max_len + 1))]
-        prompts.append(prefix + body if i % 2 else body)
-    return prompts
+    bodies = [
+        [rng.randrange(1, vocab) for _ in range(rng.randrange(min_len, max_len + 1))] for _ in range(num_requests)
+    ]
+    return [prefix + body if i % 2 else body for i, body in enumerate(bodies)]
 
 
 def disaggregated(prefill, decode, prompts, params, serial: bool):
@@ -121,13 +120,11 @@ def main(argv=None) -> dict:
     s = TINY if args.tiny else DEVICE
     started = time.perf_counter()
     common = dict(max_model_len=s["max_len"] + s["shared_prefix"] + s["max_tokens"] + 16)
+    model_path = None if args.tiny else build_checkpoint("/tmp/inferlab-disagg-0.6b", 28, QWEN3_0_6B)
+    # on the GPU the prefill engine takes 0.45 of its memory, the decode engine the rest up to 0.9
+    settings = [dict(common, gpu_memory_utilization=0.45), dict(common, gpu_memory_utilization=0.9)]
     if args.tiny:
-        model_path = None
         settings = [dict(common, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)] * 2
-    else:
-        model_path = build_checkpoint("/tmp/inferlab-disagg-0.6b", 28, QWEN3_0_6B)
-        # the prefill engine takes 0.45 of the GPU, the decode engine the rest up to 0.9
-        settings = [dict(common, gpu_memory_utilization=0.45), dict(common, gpu_memory_utilization=0.9)]
     built = time.perf_counter()
     prefill, decode = engines = [LLM(model_path, **kwargs) for kwargs in settings]
     transfer = LocalTransfer()
