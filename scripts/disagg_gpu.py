@@ -170,15 +170,7 @@ def main(argv=None) -> dict:
             "transfers": transfers(requests, LINKS),
             "all_blocks_freed": all(e.kv_manager.num_free_blocks == e.kv_manager.num_blocks for e in engines),
         }
-    for engine in engines:
-        engine.close()
-    result["total_s"] = time.perf_counter() - started
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "disagg.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    for name in ("serial", "concurrent"):
-        part = result[name]
-        summary = part["transfers"]["summary"]
+        part, summary = result[name], result[name]["transfers"]["summary"]
         print(
             f"{name:<10} equal {part['match']['equal']}/{part['match']['requests']} "
             f"(first differences at {part['match']['first_difference_at'][:8]}); "
@@ -187,6 +179,12 @@ def main(argv=None) -> dict:
             f"measured / nvlink model p50 {summary.get('measured_over_nvlink', {}).get('p50', float('nan')):.2f}; "
             f"fit {summary.get('fit')}; blocks freed {part['all_blocks_freed']}"
         )
+    for engine in engines:
+        engine.close()
+    result["total_s"] = time.perf_counter() - started
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "disagg.json"), "w") as f:
+        json.dump(result, f, indent=1)
     print(f"start-up {start_up_s:.1f} s, total {result['total_s']:.1f} s -> {os.path.join(args.out, 'disagg.json')}")
     return result
 
