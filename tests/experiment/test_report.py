@@ -213,4 +213,5 @@ def test_a_sweep_over_routers_draws_one_line_per_router(tmp_path, capsys):
     assert all(line["x"] == [20.0, 60.0] for line in series)
     assert (tmp_path / "latency.png").read_bytes()[:8] == PNG_MAGIC
     p90 = header.index("TTFT p90 ms")  # the study's table quotes TTFT p90
-    assert len(rows) == 12 and [row[p90] for row in rows] == pytest.approx([1000 * r["ttft_s"]["p90"] for _, r in results])
+    assert len(rows) == 12
+    assert [row[p90] for row in rows] == pytest.approx([1000 * r["ttft_s"]["p90"] for _, r in results])
