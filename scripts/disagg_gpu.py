@@ -1,21 +1,10 @@
-"""Prefill/decode disaggregation on one GPU: a prefill engine and a decode engine of Qwen3-0.6B's
-shapes (random bf16 weights) in one process, sharing the GPU by gpu_memory_utilization, joined by
-kv_transfer=local. Checks that the disaggregated outputs equal the colocated ones and measures each
-move's time against the simulated transfer's cost model. Writes disagg.json.
+"""Prefill/decode disaggregation on one GPU: a prefill and a decode engine of Qwen3-0.6B's shapes
+(random bf16 weights) in one process, joined by kv_transfer=local; the disaggregated outputs against
+the colocated ones, serially and all at once, and each move's time against kv_transfer=simulated's
+cost model. Writes disagg.json; docs/disaggregation.md ("Measured on the device") tells what it does.
 
     python scripts/disagg_gpu.py --out $OUT            # on the GPU (about 2 to 4 minutes)
-    python scripts/disagg_gpu.py --tiny --out /tmp/d   # the same steps on the CPU, the embedded model
-
-Two passes over the same prompts, colocated first (the prefill engine alone, prefill and decode),
-then disaggregated (prefilled there, decoded on the other engine):
-- serial: one request at a time, so that both passes run the same step shapes and greedy outputs
-  must match token for token;
-- concurrent: every request at once, as a server would see them; bf16 results then depend on the
-  batches a request shares, so the match is reported (tokens before the first difference), and the
-  moves are timed under load.
-Each move's time is the CUDA events around its copy (kv_transfer=local); beside it, what
-kv_transfer=simulated predicts for its bytes over NVLink and over 400 Gb/s InfiniBand, and a least
-squares fit of seconds = latency + bytes / bandwidth over the measured moves.
+    python scripts/disagg_gpu.py --tiny --out /tmp/d   # the same steps on the CPU, a tiny workload
 """
 
 import argparse
@@ -23,20 +12,25 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
+import numpy as np
+import torch
+
+from inferlab import LLM, SamplingParams
+from inferlab.core.engine import EngineStats
+from inferlab.core.protocols import KVMove
+from inferlab.experiment.records import git_state
+from inferlab.plugins.kv_transfer.local import LocalTransfer
+from inferlab.plugins.kv_transfer.simulated import LINKS
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import QWEN3_0_6B, build_checkpoint  # noqa: E402
 
-
-def git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
-    except OSError:
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+# The workload on the card, and the tiny one whose prompts fit the embedded model's small cache.
+DEVICE = dict(requests=48, serial_requests=8, min_len=100, max_len=3000, shared_prefix=1024, max_tokens=32)
+TINY = dict(requests=6, serial_requests=3, min_len=5, max_len=60, shared_prefix=32, max_tokens=5)
 
 
 def workload(num_requests: int, min_len: int, max_len: int, shared_prefix: int, vocab: int) -> list[list[int]]:
@@ -44,25 +38,16 @@ def workload(num_requests: int, min_len: int, max_len: int, shared_prefix: int, 
     (prefix-cache hits on both engines: the decode engine receives only the blocks it lacks)."""
     rng = random.Random(0)
     prefix = [rng.randrange(1, vocab) for _ in range(shared_prefix)]
-    prompts = []
-    for i in range(num_requests):
-        body = [rng.randrange(1, vocab) for _ in range(rng.randrange(min_len, max_len + 1))]
-        prompts.append(prefix + body if i % 2 else body)
-    return prompts
+    bodies = [
+        [rng.randrange(1, vocab) for _ in range(rng.randrange(min_len, max_len + 1))] for _ in range(num_requests)
+    ]
+    return [prefix + body if i % 2 else body for i, body in enumerate(bodies)]
 
 
 def disaggregated(prefill, decode, prompts, params, serial: bool):
     """Each prompt prefilled on `prefill`, handed off and decoded on `decode` (serially: one request
     at a time). Returns the outputs in order and the requests."""
-    from inferlab.core.protocols import KVMove
-
     outputs, requests = {}, []
-
-    def submit(prompt):
-        request = prefill.make_request(prompt, params)
-        request.kv_send = KVMove(request.request_id, 0, 1)
-        prefill.queue(request)
-        requests.append(request)
 
     def run_until_idle():
         while not (prefill.is_finished() and decode.is_finished()):
@@ -77,39 +62,28 @@ def disaggregated(prefill, decode, prompts, params, serial: bool):
             prefill.poll_kv_transfer()
 
     for prompt in prompts:
-        submit(prompt)
+        requests.append(prefill.make_request(prompt, params))
+        requests[-1].kv_send = KVMove(requests[-1].request_id, 0, 1)
+        prefill.queue(requests[-1])
         if serial:
             run_until_idle()
     run_until_idle()
     return [outputs[r.request_id] for r in requests], requests
 
 
-def colocated(engine, prompts, params, serial: bool) -> list[dict]:
-    if serial:
-        return [engine.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    return engine.generate(prompts, params, use_tqdm=False)
-
-
 def compare(got: list[dict], expected: list[dict]) -> dict:
     """How far each disaggregated output matches the colocated one."""
-    same, first_diffs = 0, []
-    for g, e in zip(got, expected):
-        if g["token_ids"] == e["token_ids"]:
-            same += 1
-        else:
-            first_diffs.append(next(i for i, (a, b) in enumerate(zip(g["token_ids"], e["token_ids"])) if a != b))
-    return {"requests": len(got), "equal": same, "first_difference_at": first_diffs}
+    pairs = [(g["token_ids"], e["token_ids"]) for g, e in zip(got, expected)]
+    first_diffs = [next(i for i, (a, b) in enumerate(zip(g, e)) if a != b) for g, e in pairs if g != e]
+    return {"requests": len(got), "equal": len(pairs) - len(first_diffs), "first_difference_at": first_diffs}
 
 
 def fit(points: list[tuple[int, float]]) -> dict | None:
     """seconds = latency + bytes / bandwidth, by least squares over the moves."""
-    if len(points) < 2 or len({b for b, _ in points}) < 2:
+    if len({b for b, _ in points}) < 2:
         return None
-    n = len(points)
-    mean_b = sum(b for b, _ in points) / n
-    mean_s = sum(s for _, s in points) / n
-    slope = sum((b - mean_b) * (s - mean_s) for b, s in points) / sum((b - mean_b) ** 2 for b, _ in points)
-    return {"latency_s": mean_s - slope * mean_b, "bandwidth_bytes_per_s": 1 / slope if slope > 0 else None}
+    slope, latency = np.polyfit(*zip(*points), 1)
+    return {"latency_s": float(latency), "bandwidth_bytes_per_s": 1 / float(slope) if slope > 0 else None}
 
 
 def transfers(requests, links: dict) -> dict:
@@ -128,10 +102,8 @@ def transfers(requests, links: dict) -> dict:
     measured = sorted(row["measured_s"] for row in rows)
     summary = {"moves": len(rows), "bytes": sum(row["bytes"] for row in rows)}
     if measured:
-        summary["measured_s"] = {
-            "p50": statistics.median(measured),
-            "p99": measured[min(len(measured) - 1, int(0.99 * len(measured)))],
-        }
+        p99 = measured[min(len(measured) - 1, int(0.99 * len(measured)))]
+        summary["measured_s"] = {"p50": statistics.median(measured), "p99": p99}
         summary["measured_bytes_per_s"] = summary["bytes"] / sum(measured)
         summary["fit"] = fit([(row["bytes"], row["measured_s"]) for row in rows])
         for name in links:
@@ -144,66 +116,42 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for disagg.json")
     parser.add_argument("--tiny", action="store_true", help="the embedded tiny model on the CPU (a check)")
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--requests", type=int, default=48, help="concurrent pass")
-    parser.add_argument("--serial-requests", type=int, default=8)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=3000)
-    parser.add_argument("--shared-prefix", type=int, default=1024)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument(
-        "--prefill-memory", type=float, default=0.45, help="the prefill engine's gpu_memory_utilization"
-    )
-    parser.add_argument("--decode-memory", type=float, default=0.9, help="the decode engine's (both engines' use)")
-    parser.add_argument("--checkpoint", default="/tmp/inferlab-disagg-0.6b")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from inferlab import LLM, SamplingParams
-    from inferlab.core.engine import EngineStats
-    from inferlab.plugins.kv_transfer.local import LocalTransfer
-    from inferlab.plugins.kv_transfer.simulated import LINKS
-
+    s = TINY if args.tiny else DEVICE
     started = time.perf_counter()
-    common = dict(max_model_len=args.max_len + args.shared_prefix + args.max_tokens + 16)
+    common = dict(max_model_len=s["max_len"] + s["shared_prefix"] + s["max_tokens"] + 16)
+    model_path = None if args.tiny else build_checkpoint("/tmp/inferlab-disagg-0.6b", 28, QWEN3_0_6B)
+    # on the GPU the prefill engine takes 0.45 of its memory, the decode engine the rest up to 0.9
+    settings = [dict(common, gpu_memory_utilization=0.45), dict(common, gpu_memory_utilization=0.9)]
     if args.tiny:
-        model_path = None
         settings = [dict(common, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)] * 2
-    else:
-        from bench_gpu import QWEN3_0_6B, build_checkpoint
-
-        model_path = build_checkpoint(args.checkpoint, args.layers, QWEN3_0_6B)
-        settings = [
-            dict(common, gpu_memory_utilization=args.prefill_memory),
-            dict(common, gpu_memory_utilization=args.decode_memory),
-        ]
     built = time.perf_counter()
-    prefill = LLM(model_path, **settings[0])
-    decode = LLM(model_path, **settings[1])
+    prefill, decode = engines = [LLM(model_path, **kwargs) for kwargs in settings]
     transfer = LocalTransfer()
-    prefill.connect_kv_transfer(transfer, 0)
-    decode.connect_kv_transfer(transfer, 1)
+    for rank, engine in enumerate(engines):
+        engine.connect_kv_transfer(transfer, rank)
     start_up_s = time.perf_counter() - built
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=s["max_tokens"], ignore_eos=True)
     vocab = min(10000, prefill.hf_config.vocab_size)  # the bench's ids, within the tiny model's vocabulary
-    prompts = workload(max(args.requests, args.serial_requests), args.min_len, args.max_len, args.shared_prefix, vocab)
+    count = max(s["requests"], s["serial_requests"])
+    prompts = workload(count, s["min_len"], s["max_len"], s["shared_prefix"], vocab)
     result = {
-        "commit": git_commit(),
+        "commit": (git_state()["git_commit"] or "unknown")[:7],
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
-        "model": "tiny" if args.tiny else f"Qwen3-0.6B shapes, {args.layers} layers, random bf16",
+        "model": "tiny" if args.tiny else "Qwen3-0.6B shapes, 28 layers, random bf16",
         "kv_blocks": [prefill.kv_manager.num_blocks, decode.kv_manager.num_blocks],
         "kv_block_bytes": decode.runner.kv_block_bytes,
         "start_up_s": start_up_s,
         "links": {name: {"bandwidth_bytes_per_s": b, "latency_s": lat} for name, (b, lat) in LINKS.items()},
     }
-    for name, count, serial in (("serial", args.serial_requests, True), ("concurrent", args.requests, False)):
+    for name, count, serial in (("serial", s["serial_requests"], True), ("concurrent", s["requests"], False)):
         batch = prompts[:count]
         prefill.reset_prefix_cache()
         t0 = time.perf_counter()
-        expected = colocated(prefill, batch, params, serial)
+        groups = [[p] for p in batch] if serial else [batch]  # colocated: the prefill engine alone
+        expected = [out for group in groups for out in prefill.generate(group, params, use_tqdm=False)]
         colocated_s = time.perf_counter() - t0
-        for engine in (prefill, decode):
+        for engine in engines:
             engine.reset_prefix_cache()
             engine.stats = EngineStats()
         t0 = time.perf_counter()
@@ -220,17 +168,9 @@ def main(argv=None) -> dict:
             "kv_bytes_sent": prefill.stats.kv_bytes_sent,
             "kv_bytes_received": decode.stats.kv_bytes_received,
             "transfers": transfers(requests, LINKS),
-            "all_blocks_freed": all(e.kv_manager.num_free_blocks == e.kv_manager.num_blocks for e in (prefill, decode)),
+            "all_blocks_freed": all(e.kv_manager.num_free_blocks == e.kv_manager.num_blocks for e in engines),
         }
-    for engine in (prefill, decode):
-        engine.close()
-    result["total_s"] = time.perf_counter() - started
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "disagg.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    for name in ("serial", "concurrent"):
-        part = result[name]
-        summary = part["transfers"]["summary"]
+        part, summary = result[name], result[name]["transfers"]["summary"]
         print(
             f"{name:<10} equal {part['match']['equal']}/{part['match']['requests']} "
             f"(first differences at {part['match']['first_difference_at'][:8]}); "
@@ -239,6 +179,12 @@ def main(argv=None) -> dict:
             f"measured / nvlink model p50 {summary.get('measured_over_nvlink', {}).get('p50', float('nan')):.2f}; "
             f"fit {summary.get('fit')}; blocks freed {part['all_blocks_freed']}"
         )
+    for engine in engines:
+        engine.close()
+    result["total_s"] = time.perf_counter() - started
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "disagg.json"), "w") as f:
+        json.dump(result, f, indent=1)
     print(f"start-up {start_up_s:.1f} s, total {result['total_s']:.1f} s -> {os.path.join(args.out, 'disagg.json')}")
     return result
 

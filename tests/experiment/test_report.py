@@ -183,3 +183,35 @@ def test_no_latency_plot_when_the_load_does_not_vary(tmp_path, capsys):
     assert not (tmp_path / "latency.png").exists()
     assert "TTFT p50 ms" in header and [row[1] for row in rows] == ["fcfs", "lpm"]
     assert (tmp_path / "report.png").is_file() and (tmp_path / "report.svg").is_file()
+
+
+ROUTER_OPTIONS = {
+    "random": {"router.seed": 0},
+    "round_robin": {},
+    "least_load": {},
+    "prefix_aware": {"router.cache_threshold": 0.3, "router.balance_abs_threshold": 64},
+}
+
+
+def test_a_sweep_over_routers_draws_one_line_per_router(tmp_path, capsys):
+    """docs/cluster.md's study: four routers in one sweep, kv_aware's overlap_weight in a sweep of
+    its own inside it; every router's options are among its choices, as flat_choices records them."""
+    runs = [(router, options) for router, options in ROUTER_OPTIONS.items()]
+    runs += [(f"kv_aware/{weight}", {"router.overlap_weight": float(weight)}) for weight in (1, 16)]
+    for number, (name, options) in enumerate(runs):
+        router = name.split("/")[0]
+        for step, rate in enumerate((20.0, 60.0)):
+            choices = {**BASE, "router": router, **options, "cluster.replicas": 8, "bench.request_rate": rate}
+            figures = latency(0.1 * (number + 1) * rate, 0.2 * (number + 1) * rate, 0.01, 0.02)
+            figures["ttft_s"]["p90"] = 0.15 * (number + 1) * rate
+            write_run(tmp_path, os.path.join(name, str(step)), choices, **figures)
+    header, rows = report(str(tmp_path))
+    results, _ = load_runs(str(tmp_path))
+    series = latency_series(results, "bench.request_rate", LATENCY_PANELS)
+    labels = ["random", "round_robin", "least_load", "prefix_aware", "kv_aware, overlap_weight=1"]
+    assert sorted(line["label"] for line in series) == sorted(labels + ["kv_aware, overlap_weight=16"])
+    assert all(line["x"] == [20.0, 60.0] for line in series)
+    assert (tmp_path / "latency.png").read_bytes()[:8] == PNG_MAGIC
+    p90 = header.index("TTFT p90 ms")  # the study's table quotes TTFT p90
+    assert len(rows) == 12
+    assert [row[p90] for row in rows] == pytest.approx([1000 * r["ttft_s"]["p90"] for _, r in results])
