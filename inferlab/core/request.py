@@ -156,26 +156,19 @@ class Request:
         return self.token_times[0] if self.token_times else None
 
 
-class RequestView:
-    """What a scheduler policy sees of a request: read-only, always current.
+class ReadOnlyRequest:
+    """What every read-only view of a request shows (a policy's RequestView, a router's
+    RoutedRequest): always current, never writable."""
 
-    num_cached_prefix_tokens asks the KV manager for a waiting request (how much of it the
-    prefix cache would serve if admitted now) and reports what it served for a running one.
-    """
+    __slots__ = ("_request", "_metadata")
 
-    __slots__ = ("_request", "_kv", "_metadata")
-
-    def __init__(self, request: Request, kv: "KVCacheManager"):
+    def __init__(self, request: Request):
         self._request = request
-        self._kv = kv
         self._metadata = MappingProxyType(request.metadata)
-
-    def __repr__(self):
-        r = self._request
-        return f"RequestView(id={r.request_id}, {r.status.value}, priority={r.priority})"
 
     @property
     def request_id(self) -> int:
+        """Its id (what add_request returned)."""
         return self._request.request_id
 
     @property
@@ -192,21 +185,49 @@ class RequestView:
         return self._request.num_prompt_tokens
 
     @property
-    def num_computed_tokens(self) -> int:
-        return self._request.num_computed_tokens
-
-    @property
     def num_output_tokens(self) -> int:
         return self._request.num_output_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self._request.params.max_tokens
+
+    @property
+    def priority(self) -> int:
+        """Lower is served first (vLLM's convention); 0 unless given at submission."""
+        return self._request.priority
+
+    @property
+    def metadata(self) -> MappingProxyType:
+        """The free-form dict given at submission (tenant, deadline, session, ...), read-only."""
+        return self._metadata
+
+
+class RequestView(ReadOnlyRequest):
+    """What a scheduler policy sees of a request: read-only, always current.
+
+    num_cached_prefix_tokens asks the KV manager for a waiting request (how much of it the
+    prefix cache would serve if admitted now) and reports what it served for a running one.
+    """
+
+    __slots__ = ("_kv",)
+
+    def __init__(self, request: Request, kv: "KVCacheManager"):
+        super().__init__(request)
+        self._kv = kv
+
+    def __repr__(self):
+        r = self._request
+        return f"RequestView(id={r.request_id}, {r.status.value}, priority={r.priority})"
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._request.num_computed_tokens
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
         return len(self._request.token_ids)
-
-    @property
-    def max_tokens(self) -> int:
-        return self._request.params.max_tokens
 
     @property
     def num_cached_prefix_tokens(self) -> int:
@@ -218,13 +239,3 @@ class RequestView:
     @property
     def num_preemptions(self) -> int:
         return self._request.num_preemptions
-
-    @property
-    def priority(self) -> int:
-        """Lower is served first (vLLM's convention); 0 unless given at submission."""
-        return self._request.priority
-
-    @property
-    def metadata(self) -> MappingProxyType:
-        """The free-form dict given at submission (tenant, deadline, ...), read-only."""
-        return self._metadata

@@ -1,22 +1,20 @@
 """What a router reads: the request it routes and each replica it may choose, as read-only views
 that the cluster keeps current (the router Protocol is inferlab.core.protocols.Router)."""
 
-from types import MappingProxyType
 from typing import Protocol
 
 from inferlab.core.blocks import block_hashes
-from inferlab.core.request import Request
+from inferlab.core.request import ReadOnlyRequest, Request
 
 
-class RoutedRequest:
+class RoutedRequest(ReadOnlyRequest):
     """A request as a router sees it, in route() (before any replica holds it) and in observe()
     (once it finished on its replica)."""
 
-    __slots__ = ("_request", "_metadata", "_hashes")
+    __slots__ = ("_hashes",)
 
     def __init__(self, request: Request):
-        self._request = request
-        self._metadata = MappingProxyType(request.metadata)
+        super().__init__(request)
         self._hashes: dict[int, tuple[int, ...]] = {}
 
     def __repr__(self):
@@ -24,44 +22,9 @@ class RoutedRequest:
         return f"RoutedRequest(id={r.request_id}, {r.num_prompt_tokens} prompt tokens, {r.status.value})"
 
     @property
-    def request_id(self) -> int:
-        """Its id in the cluster (what add_request returned)."""
-        return self._request.request_id
-
-    @property
-    def arrival_time(self) -> float:
-        return self._request.arrival_time
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self._request.num_prompt_tokens
-
-    @property
-    def max_tokens(self) -> int:
-        return self._request.params.max_tokens
-
-    @property
-    def priority(self) -> int:
-        return self._request.priority
-
-    @property
-    def metadata(self) -> MappingProxyType:
-        """The free-form dict given at submission (tenant, session, ...), read-only."""
-        return self._metadata
-
-    @property
-    def status(self) -> str:
-        """'waiting' or 'running' on its replica, or 'finished'."""
-        return self._request.status.value
-
-    @property
     def finish_reason(self) -> str | None:
         """How it ended ("stop", "length", "abort", "error"); None until it has."""
         return self._request.finish_reason
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._request.num_output_tokens
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
