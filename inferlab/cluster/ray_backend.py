@@ -19,7 +19,7 @@ from inferlab.core.blocks import BlockPrompt
 from inferlab.core.engine import EngineStats, LLMEngine, StepOutput, as_token_ids, outside_range
 from inferlab.core.protocols import KVCacheEvents, PrefixCacheStats
 from inferlab.core.request import Request, RequestStatus
-from inferlab.core.routing import RoutedRequest
+from inferlab.core.routing import RoutedRequest, cached_prefix_from_names
 from inferlab.core.sampling_params import SamplingParams
 
 POLL_S = 0.01  # how long the driver waits for a report before it looks at its own inbox again
@@ -207,12 +207,7 @@ class RayReplica:
         self.poll = None  # the poll in flight
 
     def cached_prefix_tokens(self, request: RoutedRequest) -> int:
-        hits = 0
-        for name in request.cacheable_block_hashes(self.block_size):
-            if name not in self.cached:
-                break
-            hits += 1
-        return hits * self.block_size
+        return cached_prefix_from_names(request, self.block_size, self.cached)
 
 
 class RayFleet:

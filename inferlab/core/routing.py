@@ -1,6 +1,7 @@
 """What a router reads: the request it routes and each replica it may choose, as read-only views
 that the cluster keeps current (the router Protocol is inferlab.core.protocols.Router)."""
 
+from collections.abc import Container
 from typing import Protocol
 
 from inferlab.core.blocks import block_hashes
@@ -47,6 +48,17 @@ class RoutedRequest(ReadOnlyRequest):
             names = block_hashes(request.token_ids, block_size, request.num_prompt_tokens // block_size)
             hashes = self._hashes[block_size] = tuple(names)
         return hashes
+
+
+def cached_prefix_from_names(request: RoutedRequest, block_size: int, cached: Container[int]) -> int:
+    """Leading prompt tokens whose blocks all have their names in cached: a replica's prefix cache
+    known by the names of the blocks it holds (as its KV-cache events tell a router)."""
+    hits = 0
+    for name in request.cacheable_block_hashes(block_size):
+        if name not in cached:
+            break
+        hits += 1
+    return hits * block_size
 
 
 class ReplicaState(Protocol):

@@ -26,7 +26,7 @@ from inferlab.core.blocks import block_hashes
 from inferlab.core.plugins import get_registry
 from inferlab.core.protocols import ClusterState, ObservingRouter, PairRouter
 from inferlab.core.request import Request, RequestStatus
-from inferlab.core.routing import ReplicaView, RoutedRequest
+from inferlab.core.routing import ReplicaView, RoutedRequest, cached_prefix_from_names
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.testing.common import run_machine
 
@@ -50,12 +50,7 @@ class FakeReplica:
         self.cached: set[int] = set()
 
     def cached_prefix_tokens(self, request: RoutedRequest) -> int:
-        hits = 0
-        for name in request.cacheable_block_hashes(self.block_size):
-            if name not in self.cached:
-                break
-            hits += 1
-        return hits * self.block_size
+        return cached_prefix_from_names(request, self.block_size, self.cached)
 
 
 class RouterMachine(RuleBasedStateMachine):
