@@ -4,7 +4,7 @@ On CPU the kernels run only in Triton's interpreter, which never type-checks a k
 compiler does (a loop that changes a variable's shape, say, runs there and fails to compile).
 Loaded as a pytest plugin (`-p kernel_variants`) in an interpreted run, this module records every
 launch of an inferlab kernel into the pickle INFERLAB_KERNEL_LAUNCHES names (start_recording and
-save do the same outside pytest); run as a script (`python kernel_variants.py LAUNCHES...`,
+save do the same outside pytest), of the run's tests or of one shard of them (INFERLAB_KERNEL_SHARD); run as a script (`python kernel_variants.py LAUNCHES...`,
 without TRITON_INTERPRET), it compiles each distinct variant among them for sm_90, with PDL as
 launches there have it, prints a line a kernel and one a failure, and exits 1 on any failure.
 The compiler is the installed Triton's, which may differ from a GPU machine's."""
@@ -14,6 +14,7 @@ import pickle
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 
@@ -68,6 +69,18 @@ def save(path: str) -> None:
 
 def pytest_configure(config):
     start_recording()
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
+def pytest_collection_modifyitems(config, items):
+    """With INFERLAB_KERNEL_SHARD=i/n, runs only every n-th test from the i-th: n processes, one a
+    core, then record all the launches between them in the time of one n-th."""
+    shard = os.environ.get("INFERLAB_KERNEL_SHARD")
+    if shard:
+        index, count = map(int, shard.split("/"))
+        kept = items[index::count]
+        config.hook.pytest_deselected(items=[item for item in items if item not in set(kept)])
+        items[:] = kept
 
 
 def pytest_unconfigure(config):
