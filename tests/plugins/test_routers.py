@@ -2,6 +2,8 @@
 decisions over hand-built replica views; the hook, the registry and the config group."""
 
 import pytest
+from hypothesis import settings
+from hypothesis_profiles import QUICK_EXAMPLES
 
 from inferlab.conf import cluster_arguments, compose
 from inferlab.core.plugins import PluginError, PluginRegistry, get_registry
@@ -12,28 +14,48 @@ from inferlab.core.sampling_params import SamplingParams
 from inferlab.testing import RouterSuite
 from inferlab.testing.router import FakeReplica
 
+# The default run's state machines draw QUICK_EXAMPLES; test_state_machines_with_the_suites_own_examples
+# (-m slow) runs them with the suite's own settings, as a router author's run does.
+QUICK_ROUTER = settings(RouterSuite.hypothesis_settings, max_examples=QUICK_EXAMPLES)
+
 
 class TestRoundRobin(RouterSuite):
     router = "round_robin"
+    hypothesis_settings = QUICK_ROUTER
 
 
 class TestRandom(RouterSuite):
     router = "random"
     router_options = {"seed": 3}
+    hypothesis_settings = QUICK_ROUTER
 
 
 class TestLeastLoad(RouterSuite):
     router = "least_load"
+    hypothesis_settings = QUICK_ROUTER
 
 
 class TestPrefixAware(RouterSuite):
     router = "prefix_aware"
     router_options = {"balance_abs_threshold": 2, "max_tree_size": 4, "eviction_interval_s": 10.0}
+    hypothesis_settings = QUICK_ROUTER
 
 
 class TestKVAware(RouterSuite):
     router = "kv_aware"
     router_options = {"overlap_weight": 2.5}
+    hypothesis_settings = QUICK_ROUTER
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "suite_class", [TestRoundRobin, TestRandom, TestLeastLoad, TestPrefixAware, TestKVAware], ids=lambda c: c.__name__
+)
+def test_state_machines_with_the_suites_own_examples(suite_class):
+    suite = suite_class()
+    suite.hypothesis_settings = RouterSuite.hypothesis_settings
+    assert suite.hypothesis_settings.max_examples > QUICK_EXAMPLES
+    suite.test_state_machine()
 
 
 def views(n: int, block_size: int = 4, **gauges) -> list[ReplicaView]:
