@@ -11,7 +11,7 @@ a PolicyError naming the router.
 Disaggregated (prefill_replicas and decode_replicas, docs/disaggregation.md), the router picks a
 prefill and a decode replica for each request; the prefill replica hands it off after its first
 token, and the cluster queues it on the decode replica, its K/V moving through the kv_transfer
-plugin the cluster built for its replicas.
+plugin the cluster built for its replicas (on Ray, each actor builds its own: kv_transfer=distributed).
 """
 
 import heapq
@@ -35,6 +35,7 @@ from inferlab.core.engine import (
     as_prompt_list,
     per_prompt,
 )
+from inferlab.core.handoff import KVHandoff
 from inferlab.core.plugins import ENGINE_KINDS, PluginRegistry, get_registry, validated_options
 from inferlab.core.protocols import ClusterState, KVMove, ObservingRouter, PairRouter
 from inferlab.core.request import Request, RequestStatus
@@ -60,8 +61,8 @@ class Cluster:
     run on virtual clocks, one event at a time in time order.
 
     prefill_replicas=P, decode_replicas=D (instead of replicas) split prefill from decode: replicas
-    0..P-1 prefill, P..P+D-1 decode, the K/V moving through kv_transfer ("auto": simulated for a
-    simulated executor, else local) with kv_transfer_options."""
+    0..P-1 prefill, P..P+D-1 decode, the K/V moving through kv_transfer ("auto": distributed on
+    Ray, simulated for a simulated executor, else local) with kv_transfer_options."""
 
     def __init__(
         self,
@@ -113,16 +114,42 @@ class Cluster:
         self.pairs = isinstance(self.router, PairRouter)
         if self.roles is not None:
             if kv_transfer == "auto":
-                kv_transfer = "simulated" if config.executor == "simulated" else "local"
+                if backend == "ray":
+                    kv_transfer = "distributed"
+                else:
+                    kv_transfer = "simulated" if config.executor == "simulated" else "local"
+            if backend == "ray" and kv_transfer != "distributed":
+                raise ValueError(
+                    f"prefill/decode roles on cluster.backend=ray move K/V between processes: kv_transfer=distributed "
+                    f"(or auto), got {kv_transfer!r}"
+                )
+            if backend == "ray" and 0 < gpus_per_replica < 1:
+                raise ValueError(
+                    f"prefill/decode roles on cluster.backend=ray move K/V over NCCL, which takes a GPU per replica: "
+                    f"cluster.gpus_per_replica={gpus_per_replica} shares one; use 1 (or 0 for replicas on CPUs), or "
+                    f"cluster.backend=local with kv_transfer=local for replicas sharing a GPU"
+                )
+            given = dict(kv_transfer_options or {})
+            entry = self.registry.get("kv_transfer", kv_transfer)
+            address = None  # on Ray the driver chooses the rendezvous address, unless one is given
+            if backend == "ray":
+                given["world_size"] = replicas  # every replica an endpoint
+                if given.get("address") != next(f.default for f in fields(entry.options) if f.name == "address"):
+                    address = given.get("address")
             self.kv_transfer_name = kv_transfer
-            self.kv_transfer_options = validated_options(
-                self.registry.get("kv_transfer", kv_transfer), kv_transfer_options or {}
-            )
+            self.kv_transfer_options = validated_options(entry, given)
         self.backend = backend
         if backend == "ray":
             from inferlab.cluster.ray_backend import RayFleet  # Ray is an optional extra
 
-            self.fleet = RayFleet(model_path, settings, replicas, gpus_per_replica, ray_address, self.registry)
+            transfer = None
+            if self.roles is not None:
+                transfer = (self.kv_transfer_name, {**self.kv_transfer_options, "address": address})
+            self.fleet = RayFleet(
+                model_path, settings, replicas, gpus_per_replica, ray_address, self.registry, self.roles, transfer
+            )
+            if self.roles is not None:  # what the records show: the address the actors met at
+                self.kv_transfer_options["address"] = self.fleet.kv_address
         else:
             from inferlab.cluster.local import LocalFleet
 
@@ -142,7 +169,7 @@ class Cluster:
                 if self.transfer is not None:
                     self.transfer.close()
                 raise
-            self.fleet = LocalFleet(engines, self.roles)
+            self.fleet = LocalFleet(engines, self.roles, self.transfer)
         front = self.fleet.front
         self.config, self.hf_config, self.tokenizer, self.model_path = (
             front.config,
@@ -284,9 +311,9 @@ class Cluster:
         try:
             self.fleet.queue(self.fleet.replicas[move.receiver], request, at)
         except (ValueError, TypeError) as e:
-            self.transfer.cancel(move, move.receiver)  # the sender frees its blocks
+            self.fleet.cancel_move(move)  # the sender frees its blocks
             request.status, request.kv_receive = FINISHED, None
-            self._fail(request, f"decode replica {move.receiver} refused the request: {e}", at)
+            self._fail(request, KVHandoff.why(move, f"decode replica {move.receiver} refused the request: {e}"), at)
             return
         self.placement[request.request_id] = move.receiver
 
@@ -319,7 +346,7 @@ class Cluster:
                 heapq.heapify(self.handoffs)
                 move = request.kv_send
                 self.fleet.unexpect(self.fleet.replicas[move.receiver], request)
-                self.transfer.cancel(move, move.receiver)  # its prefill replica frees the blocks
+                self.fleet.cancel_move(move)  # its prefill replica frees the blocks
                 request.status, request.finish_reason, request.finish_time = FINISHED, "abort", self.clock()
                 self.unreported.append(request)  # the next step reports it
                 self._observe(request, replica_id)

@@ -14,7 +14,14 @@ import heapq
 from time import perf_counter
 
 from inferlab.core.engine import EngineStats, LLMEngine, StepOutput
-from inferlab.core.protocols import CachedPrefixLookup, PrefixCacheStats, SimulatedDevice, VirtualTime
+from inferlab.core.protocols import (
+    CachedPrefixLookup,
+    KVMove,
+    KVTransfer,
+    PrefixCacheStats,
+    SimulatedDevice,
+    VirtualTime,
+)
 from inferlab.core.request import Request
 from inferlab.core.routing import RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
@@ -89,8 +96,9 @@ class LocalReplica:
 class LocalFleet:
     """The replicas of a local cluster and the order in which they step."""
 
-    def __init__(self, engines: list[LLMEngine], roles: list[str] | None = None):
+    def __init__(self, engines: list[LLMEngine], roles: list[str] | None = None, transfer: KVTransfer | None = None):
         roles = roles or [None] * len(engines)
+        self.transfer = transfer  # the kv_transfer plugin of the replicas (roles), which the cluster closes
         self.replicas = [LocalReplica(i, engine, role) for i, (engine, role) in enumerate(zip(engines, roles))]
         self.parked: list[LocalReplica] = []  # busy replicas whose last step did nothing (see the module's docstring)
         self.probed: list[LocalReplica] = []  # asked about the request being routed, through its KV manager
@@ -160,6 +168,11 @@ class LocalFleet:
         """It no longer does: it reached the replica, or ended on its prefill replica."""
         if replica.incoming.pop(request.request_id, None) is not None:
             replica.version += 1
+
+    def cancel_move(self, move: KVMove) -> None:
+        """The move's receiver will never take its blocks: told at the receiver, the transfer tells
+        the sender, which frees them."""
+        self.transfer.cancel(move, move.receiver)
 
     def forget_probes(self, request: Request, chosen: LocalReplica | None) -> None:
         """Drops what the KV managers asked about `request` keep of it, but on the chosen replica."""

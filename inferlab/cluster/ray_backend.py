@@ -7,9 +7,16 @@ Ray is an optional extra (`pip install -e ".[cluster]"`), imported only here. Th
 their engines from the installed plugins (a registry made by hand in the driver cannot travel);
 the router runs in the driver. Times come back on the driver's clock: each actor's perf_counter is
 offset by what a round trip measured when it started.
+
+Disaggregated (roles), every actor joins one torch.distributed group through kv_transfer=distributed,
+its rank its replica id, at a rendezvous address the driver chooses. A prefill actor reports each
+request it hands off (the request itself, pickled), the driver queues it on its decode actor as the
+local cluster does, and the K/V moves from actor to actor through the group.
 """
 
+import pickle
 import queue
+import socket
 import threading
 import time
 from time import perf_counter
@@ -17,10 +24,12 @@ from types import SimpleNamespace
 
 from inferlab.core.blocks import BlockPrompt
 from inferlab.core.engine import EngineStats, LLMEngine, StepOutput, as_token_ids, outside_range
-from inferlab.core.protocols import KVCacheEvents, PrefixCacheStats
+from inferlab.core.handoff import KVHandoff
+from inferlab.core.protocols import KVCacheEvents, KVMove, PrefixCacheStats
 from inferlab.core.request import Request, RequestStatus
 from inferlab.core.routing import RoutedRequest, cached_prefix_from_names
 from inferlab.core.sampling_params import SamplingParams
+from inferlab.core.scheduler import HANDOFF
 
 POLL_S = 0.01  # how long the driver waits for a report before it looks at its own inbox again
 IDLE_WAIT_S = 0.05  # how long an idle actor waits for work before it looks at its stop flag
@@ -33,6 +42,7 @@ class ReplicaActor:
 
     def __init__(self, model_path, settings: dict):
         self.engine = engine = LLMEngine(model_path, **settings)
+        self.transfer = None  # the kv_transfer plugin, once connect ran (roles)
         self.kv_events = isinstance(engine.kv_manager, KVCacheEvents)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.report = self._empty_report()
@@ -58,16 +68,54 @@ class ReplicaActor:
             "node": ray.get_runtime_context().get_node_id(),
         }
 
+    def free_address(self) -> str:
+        """host:port on this actor's machine where the KV transfer's rendezvous store can listen."""
+        import ray
+
+        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+
+    def connect(self, kv_transfer: str, options: dict, endpoint: int) -> None:
+        """Makes the engine replica `endpoint` of the KV transfer (kv_transfer=distributed: joins
+        its process group, which returns once every replica has joined)."""
+        from inferlab.core.plugins import get_registry
+
+        self.transfer = get_registry().create("kv_transfer", kv_transfer, options=options)
+        self.engine.connect_kv_transfer(self.transfer, endpoint)
+
+    def cancel_move(self, move: KVMove) -> None:
+        """The move's receiver will never take the blocks (it refused the request, died or aborted
+        it): this sender frees them."""
+        self.transfer.cancel(move, move.receiver)
+
     def clock(self) -> float:
         return perf_counter()
 
-    def add(self, request_id: int, prompt, params: SamplingParams, priority: int, metadata, arrival_time: float) -> int:
+    def add(
+        self,
+        request_id: int,
+        prompt,
+        params: SamplingParams,
+        priority: int,
+        metadata,
+        arrival_time: float,
+        kv_send: KVMove | None = None,
+    ) -> int:
         """Makes the request (every check the engine makes) and queues it for the engine's thread;
         returns the seed it samples with. Raises what make_request raises."""
         request = self.engine.make_request(prompt, params, priority, metadata, arrival_time)
         request.request_id = request_id  # the cluster's id (make_request's counter is this actor's own)
+        request.kv_send = kv_send
+        if kv_send is not None:
+            self.engine.handoff.check(request)
         self.inbox.put(("add", request))
         return request.seed
+
+    def take(self, request: Request) -> None:
+        """Queues a request another replica prefilled and handed off (its kv_receive set), its K/V
+        to come through the transfer. Raises RequestTooLargeError if this cache could never hold it."""
+        self.engine.handoff.check(request)
+        self.engine.check_fits_cache(request.num_prompt_tokens, request.params)
+        self.inbox.put(("add", request))
 
     def abort(self, request_id: int) -> None:
         self.inbox.put(("abort", request_id))
@@ -101,6 +149,9 @@ class ReplicaActor:
     def warm_up(self, prompt, params: SamplingParams) -> None:
         self.engine.generate([prompt], params, use_tqdm=False)
 
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
     def reset_stats(self) -> None:
         self.engine.stats = EngineStats()
 
@@ -112,6 +163,8 @@ class ReplicaActor:
         self.inbox.put(None)
         self.thread.join(30)
         self.engine.close()
+        if self.transfer is not None:
+            self.transfer.close()
 
     # -- the engine's thread ----------------------------------------------------------------
 
@@ -137,15 +190,18 @@ class ReplicaActor:
                 what, value = item
                 if what == "add":
                     engine.queue(value)
-                    self.sent[value.request_id] = 0
+                    self.sent[value.request_id] = len(value.token_times)  # a handed-off one's first token is known
                 elif engine.abort(value):
                     self.sent.pop(value, None)
             if engine.is_finished():
+                if engine.scheduler.sending:  # an idle prefill replica frees the blocks of sends that ended
+                    engine.poll_kv_transfer()
                 continue
             start = perf_counter()
             output = engine.step()
             end = perf_counter()
-            self._report(output, start, end)
+            if output.num_requests or output.finished or engine.handoff is None:  # not a step that only waited for K/V
+                self._report(output, start, end)
 
     def _report(self, output: StepOutput, start: float, end: float) -> None:
         engine = self.engine
@@ -162,11 +218,16 @@ class ReplicaActor:
                 request.first_scheduled_time,
                 request.num_cached_tokens,
                 request.num_preemptions,
+                request.kv_transfer_s,
+                request.kv_transfer_bytes,
             )
             self.sent[request.request_id] = known
         finished = []
         for request in output.finished:
             self.sent.pop(request.request_id, None)
+            if request.finish_reason == HANDOFF:  # the request itself, as it is now, for its decode replica
+                finished.append((request.request_id, HANDOFF, None, request.finish_time, pickle.dumps(request)))
+                continue
             finished.append(
                 (request.request_id, request.finish_reason, request.error, request.finish_time, engine.output(request))
             )
@@ -189,9 +250,9 @@ class RayReplica:
     """The driver's record of one actor (inferlab.core.routing.ReplicaState): the gauges and cached
     block hashes it last reported, and the requests it holds."""
 
-    def __init__(self, replica_id: int, actor, info: dict, offset: float):
+    def __init__(self, replica_id: int, actor, info: dict, offset: float, role: str | None = None):
         self.replica_id = replica_id
-        self.role = None  # roles run on the local backend (inferlab.conf.cluster.role_problems)
+        self.role = role  # "prefill" or "decode" in a disaggregated cluster
         self.actor = actor
         self.num_blocks = info["num_blocks"]
         self.block_size = info["block_size"]
@@ -199,12 +260,23 @@ class RayReplica:
         self.alive = True
         self.num_waiting = self.num_running = 0
         self.num_free_blocks = self.num_blocks
-        self.num_queued_prompt_tokens = self.num_outstanding_tokens = 0
+        self.reported_queued_tokens = self.reported_outstanding_tokens = 0  # as its latest poll said
+        # A decode replica's requests still being prefilled elsewhere (by id): its load to come
+        self.incoming: dict[int, Request] = {}
         self.cached: set[int] = set()  # the block hashes its prefix cache holds, as its KV events say
         self.requests: dict[int, Request] = {}  # in flight there
         self.stats = EngineStats()
         self.prefix: tuple[int, int] | None = None
         self.poll = None  # the poll in flight
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        return self.reported_queued_tokens + sum(r.num_prompt_tokens for r in self.incoming.values())
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        incoming = sum(r.num_prompt_tokens + r.params.max_tokens for r in self.incoming.values())
+        return self.reported_outstanding_tokens + incoming
 
     def cached_prefix_tokens(self, request: RoutedRequest) -> int:
         return cached_prefix_from_names(request, self.block_size, self.cached)
@@ -216,7 +288,20 @@ class RayFleet:
     virtual = False
     simulated = False
 
-    def __init__(self, model_path, settings: dict, replicas: int, gpus_per_replica: float, ray_address, registry):
+    def __init__(
+        self,
+        model_path,
+        settings: dict,
+        replicas: int,
+        gpus_per_replica: float,
+        ray_address,
+        registry,
+        roles: list[str] | None = None,
+        kv_transfer: tuple[str, dict] | None = None,
+    ):
+        """roles: each replica's, when prefill is split from decode; kv_transfer: the plugin's name
+        and options every actor builds its own from (distributed: an address of None has the driver
+        choose one; world_size is the number of replicas)."""
         try:
             import ray
         except ImportError:
@@ -228,6 +313,7 @@ class RayFleet:
         if self.started_ray:
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
         self.actors = []
+        self.kv_address = None  # the KV transfer's rendezvous address (roles)
         try:
             gpus = ray.cluster_resources().get("GPU", 0)
             if replicas * gpus_per_replica > gpus:  # the actors would wait for GPUs forever
@@ -249,7 +335,9 @@ class RayFleet:
                     before = perf_counter()
                     actor_clock = ray.get(actor.clock.remote())
                     offset = (before + perf_counter()) / 2 - actor_clock
-                self.replicas.append(RayReplica(i, actor, info, offset))
+                self.replicas.append(RayReplica(i, actor, info, offset, roles[i] if roles else None))
+            if roles is not None:
+                self._connect(infos, node, *kv_transfer)
         except BaseException:
             self._shutdown()
             raise
@@ -263,8 +351,26 @@ class RayFleet:
         self.next_request_id = 0
         self.alive_version = 0  # bumped when an actor dies
         self.outputs: dict[int, dict] = {}  # finished request id -> the result its actor made
+        # handed off by their prefill actor, not yet queued on their decode one: id -> (the actor's
+        # request, that actor's clock offset)
+        self.handed: dict[int, tuple[Request, float]] = {}
+        # requests that ended outside a poll (their actor found dead when queueing), for step to report
+        self.orphans: list[tuple[RayReplica, list[Request]]] = []
         for replica in self.replicas:
             self._poll(replica)
+
+    def _connect(self, infos: list[dict], node: str, name: str, options: dict) -> None:
+        """Joins every actor to the KV transfer, at once: each actor's join returns only when all
+        have joined."""
+        options = dict(options)
+        if options.get("address") is None:
+            if all(info["node"] == node for info in infos):  # one machine: the loopback
+                options["address"] = f"127.0.0.1:{free_port()}"
+            else:  # endpoint 0 serves the rendezvous store on its machine
+                options["address"] = self.ray.get(self.actors[0].free_address.remote())
+        self.kv_address = options["address"]
+        timeout = options.get("timeout_s", 60.0) + 60
+        self.ray.get([actor.connect.remote(name, options, i) for i, actor in enumerate(self.actors)], timeout=timeout)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -299,27 +405,60 @@ class RayFleet:
             max_model_len=config.max_model_len,
         )
 
-    def queue(self, replica: RayReplica, request: Request) -> None:
-        """Sends the request to its actor, whose engine checks it (its error raised here)."""
+    def queue(self, replica: RayReplica, request: Request, at: float | None = None) -> None:
+        """Sends the request to its actor, whose engine checks it (its error raised here). One with
+        kv_receive set goes as its prefill actor handed it off, its times moved to this actor's clock."""
         prompt = request.token_ids.prompt if hasattr(request.token_ids, "prompt") else request.token_ids
         try:
-            request.seed = self.ray.get(
-                replica.actor.add.remote(
-                    request.request_id,
-                    prompt,
-                    request.params,
-                    request.priority,
-                    request.metadata,
-                    request.arrival_time - replica.offset,
+            if request.kv_receive is not None:
+                moved, offset = self.handed.pop(request.request_id)
+                shift = offset - replica.offset
+                moved.arrival_time += shift
+                moved.token_times = [t + shift for t in moved.token_times]
+                if moved.first_scheduled_time is not None:
+                    moved.first_scheduled_time += shift
+                moved.kv_send, moved.kv_receive, moved.finish_reason, moved.finish_time = (
+                    None,
+                    request.kv_receive,
+                    None,
+                    None,
                 )
-            )
+                self.ray.get(replica.actor.take.remote(moved))
+                request.status, request.finish_reason, request.finish_time = WAITING, None, None
+            else:
+                request.seed = self.ray.get(
+                    replica.actor.add.remote(
+                        request.request_id,
+                        prompt,
+                        request.params,
+                        request.priority,
+                        request.metadata,
+                        request.arrival_time - replica.offset,
+                        request.kv_send,
+                    )
+                )
         except self.ray.exceptions.RayActorError as e:
-            self._die(replica, e)
-            raise ValueError(f"replica {replica.replica_id} died: {e}") from None
+            self.orphans.append((replica, self._die(replica, e)))
+            raise ValueError(died(replica, e)) from None
         except self.ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
         replica.requests[request.request_id] = request
         replica.num_waiting += 1
+
+    def expect(self, replica: RayReplica, request: Request) -> None:
+        """The request, routed to the replica as its decode replica, counts in its load from now."""
+        replica.incoming[request.request_id] = request
+
+    def unexpect(self, replica: RayReplica, request: Request) -> None:
+        """It no longer does: it reached the replica, or ended on its prefill replica."""
+        replica.incoming.pop(request.request_id, None)
+
+    def cancel_move(self, move: KVMove) -> None:
+        """The move's receiver will never take its blocks: its sender frees them."""
+        sender = self.replicas[move.sender]
+        self.handed.pop(move.request_id, None)
+        if sender.alive:
+            sender.actor.cancel_move.remote(move)
 
     def abort(self, replica: RayReplica, request_id: int) -> bool:
         request = replica.requests.pop(request_id, None)
@@ -328,6 +467,8 @@ class RayFleet:
         request.status, request.finish_reason, request.finish_time = FINISHED, "abort", perf_counter()
         if replica.alive:
             replica.actor.abort.remote(request_id)
+        if request.kv_receive is not None:  # its decode replica may never have asked for the blocks
+            self.cancel_move(request.kv_receive)
         return True
 
     # -- the loop -----------------------------------------------------------------------------
@@ -351,13 +492,15 @@ class RayFleet:
 
     def step(self) -> list[tuple[RayReplica, StepOutput, float, float]]:
         """What the actors reported within POLL_S: one entry per step they took."""
+        now = perf_counter()
+        steps = [(replica, StepOutput(ended, 0, 0, 0), now, now) for replica, ended in self.orphans if ended]
+        self.orphans = []
         polls = {replica.poll: replica for replica in self.replicas if replica.alive and replica.poll is not None}
         if not polls:
-            return []
+            return steps
         ready, _ = self.ray.wait(list(polls), num_returns=1, timeout=POLL_S)
         if ready:  # take whatever else is ready too
             ready, _ = self.ray.wait(list(polls), num_returns=len(polls), timeout=0)
-        steps = []
         for ref in ready:
             replica = polls[ref]
             replica.poll = None
@@ -376,10 +519,13 @@ class RayFleet:
 
     def _apply(self, replica: RayReplica, report: dict) -> list[tuple[RayReplica, StepOutput, float, float]]:
         offset = replica.offset
-        for request_id, (ids, times, first_scheduled, cached, preemptions) in report["tokens"].items():
+        for request_id, (ids, times, first_scheduled, cached, preemptions, *moved) in report["tokens"].items():
             request = replica.requests.get(request_id)
             if request is None:
                 continue
+            if request.kv_receive is not None and ids:  # decoding here: its K/V arrived
+                request.kv_receive = None
+                request.kv_transfer_s, request.kv_transfer_bytes = moved
             request.status = RUNNING
             request.token_ids += ids
             # another machine's clock, estimated, must not put a request's events before its arrival
@@ -392,18 +538,23 @@ class RayFleet:
         for request_id, reason, error, finish_time, output in report["finished"]:
             request = replica.requests.pop(request_id, None)
             if request is None:
+                if reason == HANDOFF:  # aborted here meanwhile: no decode replica will ask for its blocks
+                    replica.actor.cancel_move.remote(pickle.loads(output).kv_send)
                 continue
             request.status, request.finish_reason, request.error = FINISHED, reason, error
             request.finish_time = max(finish_time + offset, request.arrival_time)
-            self.outputs[request_id] = output
+            if reason == HANDOFF:
+                self.handed[request_id] = (pickle.loads(output), offset)
+            else:
+                self.outputs[request_id] = output
             finished.append(request)
         for name, cached in report["kv_events"].items():
             (replica.cached.add if cached else replica.cached.discard)(name)
         gauges = report["gauges"]
         replica.num_waiting, replica.num_running = gauges["num_waiting"], gauges["num_running"]
         replica.num_free_blocks = gauges["num_free_blocks"]
-        replica.num_queued_prompt_tokens = gauges["num_queued_prompt_tokens"]
-        replica.num_outstanding_tokens = gauges["num_queued_prompt_tokens"] + gauges["num_pending_output_tokens"]
+        replica.reported_queued_tokens = gauges["num_queued_prompt_tokens"]
+        replica.reported_outstanding_tokens = gauges["num_queued_prompt_tokens"] + gauges["num_pending_output_tokens"]
         replica.stats, replica.prefix = report["stats"], report["prefix"]
         steps = report["steps"] or [(perf_counter() - offset,) * 2 + (0, 0, 0)]
         out = []
@@ -423,14 +574,19 @@ class RayFleet:
         """A dead actor: its requests end with an error naming it, and the router no longer sees it."""
         replica.alive = False
         self.alive_version += 1
-        why = f"replica {replica.replica_id} died: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        why = died(replica, error)
         finished = []
         for request in replica.requests.values():
-            request.status, request.finish_reason, request.error = FINISHED, "error", why
+            move = request.kv_receive
+            message = why if move is None else KVHandoff.why(move, why)  # its K/V was still on the way
+            request.status, request.finish_reason, request.error = FINISHED, "error", message
             request.finish_time = perf_counter()
-            self.outputs[request.request_id] = LLMEngine.error_output(why)
+            self.outputs[request.request_id] = LLMEngine.error_output(message)
             finished.append(request)
+            if move is not None:
+                self.cancel_move(move)
         replica.requests.clear()
+        replica.incoming.clear()
         return finished
 
     def output(self, request: Request) -> dict:
@@ -452,6 +608,13 @@ class RayFleet:
         return [r for replica in self.replicas for r in replica.requests.values() if r.status is RUNNING]
 
     def replica_stats(self) -> list[EngineStats]:
+        """Each replica's counters, asked of the actors alive (an idle prefill actor counts its
+        sends when they end, after its last step), as last reported for the dead."""
+        for replica in self._live():
+            try:
+                replica.stats = self.ray.get(replica.actor.stats.remote())
+            except self.ray.exceptions.RayActorError:
+                pass  # found dead at its next poll
         return [replica.stats for replica in self.replicas]
 
     def reset_stats(self) -> None:
@@ -482,3 +645,17 @@ class RayFleet:
         self.actors = []
         if self.started_ray:
             ray.shutdown()
+
+
+def died(replica: RayReplica, error: Exception) -> str:
+    """Why a replica's requests failed: it died, and the first line of what Ray said."""
+    return (
+        f"replica {replica.replica_id} died: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    )
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

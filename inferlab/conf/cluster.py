@@ -66,11 +66,6 @@ def role_problems(cluster) -> list[str]:
             f"cluster.replicas={cluster.replicas} but cluster.prefill_replicas + cluster.decode_replicas = "
             f"{prefill + decode}: with roles the cluster is those replicas; leave cluster.replicas unset"
         ]
-    if cluster.backend != "local":
-        return [
-            f"prefill/decode roles run on cluster.backend=local (in this process, or a simulated fleet), not "
-            f"{cluster.backend!r}"
-        ]
     return []
 
 

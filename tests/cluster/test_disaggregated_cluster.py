@@ -90,10 +90,16 @@ def test_roles_need_a_replica_of_each_and_the_right_count():
         (dict(prefill_replicas=2, decode_replicas=0), "cluster.decode_replicas=0"),
         (dict(prefill_replicas=None, decode_replicas=3), "cluster.prefill_replicas=None"),
         (dict(prefill_replicas=2, decode_replicas=2, replicas=3), "cluster.replicas=3 but cluster.prefill_replicas"),
-        (dict(prefill_replicas=1, decode_replicas=1, backend="ray"), "roles run on cluster.backend=local"),
     ]:
         with pytest.raises(ClusterConfigError, match=message):
             Cluster(**roles, **CPU)
+    # Roles on Ray take the transfer between processes, one GPU a replica: refused before Ray starts
+    for settings, message in [
+        (dict(kv_transfer="local"), "roles on cluster.backend=ray move K/V between processes: kv_transfer=distributed"),
+        (dict(gpus_per_replica=0.5), "cluster.gpus_per_replica=0.5 shares one"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Cluster(prefill_replicas=1, decode_replicas=1, backend="ray", **settings, **CPU)
     with pytest.raises(ClusterConfigError, match="each a whole number >= 1.*leave both unset for colocated"):
         compose(["cluster.prefill_replicas=2", "cluster.decode_replicas=0"])
     with pytest.raises(Exception, match="kv_transfer.link must be one of"):

@@ -236,6 +236,11 @@ class DistributedTransfer:
         with self.lock:
             if endpoint == move.receiver:
                 self.receives.pop(move.request_id, None)  # its channel's thread still waits for it
+                # Told in the sender's process (a cluster whose decode replica refused the request,
+                # died, or dropped it before asking): no ask will come, so the send ends here now.
+                send = self.sends.pop(move.request_id, None) if self.rank == move.sender else None
+                if send is not None:
+                    self.ended.append(KVMoveEnded(move, f"replica {move.receiver} cancelled the move"))
             elif move.request_id in self.sends:
                 self.sends[move.request_id].cancelled = True
 
