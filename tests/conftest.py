@@ -4,6 +4,7 @@ thread for the whole run; and which tests `-m slow` runs beside those marked in 
 
 import json
 import os
+import re
 import types
 
 import pytest
@@ -167,3 +168,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid in SLOW or item.nodeid.split("::")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): two for the CPU tests, the two cores of the CI
+    machine; none where GPU tests are selected, since they share one card's memory."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    if re.search(r"(?<!not )\bgpu\b", config.option.markexpr or ""):
+        return 0
+    return min(2, os.cpu_count() or 1)
