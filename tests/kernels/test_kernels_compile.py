@@ -51,7 +51,8 @@ def test_every_kernel_variant_the_cpu_tests_reach_compiles_for_sm90(tmp_path):
     runs = [
         subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "kernel_variants", "-p", "no:cacheprovider", *tests]
-            + ["-m", "not gpu", "-k", "not generate"],  # the slow kernel tests too
+            + ["-m", "not gpu", "-k", "not generate"]  # the slow kernel tests too
+            + ["-n", "0"],  # launches are recorded in this process, not in xdist's workers
             env={
                 **recording,
                 "INFERLAB_KERNEL_LAUNCHES": str(tmp_path / f"tests{i}.pkl"),

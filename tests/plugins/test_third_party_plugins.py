@@ -97,7 +97,15 @@ def example_test_runs(request, site, tmp_path_factory):
     runs = {
         package: pool.submit(
             run,
-            ["pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / package / "tests")],
+            [
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-n",
+                "0",
+                str(EXAMPLES / package / "tests"),
+            ],  # runs go in parallel
             tmp_path_factory.mktemp(package),
             site,
             check=False,
