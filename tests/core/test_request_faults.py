@@ -4,11 +4,11 @@ policy and the request) while the others get their tokens; a policy that declare
 it reads refuses bad values when a request is added; a KV manager whose commit or free raises
 once costs one step's error, not a wedged request or a leaked block."""
 
-import math
 import sys
 from pathlib import Path
 
 import pytest
+from deadline_policy import Deadlines
 from engine_books import assert_books_clean, assert_kv_books
 
 from inferlab import LLM, SamplingParams
@@ -20,24 +20,6 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SETTINGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
-
-
-class Deadlines:
-    """Earliest deadline first, as examples/edf_scheduler, but declaring nothing: a deadline that
-    is not a number makes its comparisons raise."""
-
-    def key(self, view):
-        return view.metadata.get("deadline", math.inf), view.arrival_time
-
-    def admission_order(self, waiting, state):
-        return sorted(waiting, key=self.key)
-
-    def preemption_victim(self, running, state):
-        return max(running, key=self.key)
-
-    def preempts(self, request, running, state):
-        latest = max(running, key=self.key)
-        return latest if self.key(latest) > self.key(request) else None
 
 
 class Broken:

@@ -8,13 +8,13 @@ connections already open meanwhile. Slow clients are real sockets that trickle b
 
 import asyncio
 import json
-import math
 import socket
 import threading
 import time
 
 import httpx
 import pytest
+from deadline_policy import Deadlines
 
 from inferlab import LLM
 from inferlab.conf import ServeConfig
@@ -23,24 +23,6 @@ from inferlab.core.plugins import PluginRegistry
 from inferlab.server import InferenceServer, app
 
 SETTINGS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=256)
-
-
-class Deadlines:
-    """Earliest deadline first, preemptive, declaring nothing it reads (as a user's policy might):
-    a deadline that is not a number makes its comparisons raise."""
-
-    def key(self, view):
-        return view.metadata.get("deadline", math.inf), view.arrival_time
-
-    def admission_order(self, waiting, state):
-        return sorted(waiting, key=self.key)
-
-    def preemption_victim(self, running, state):
-        return max(running, key=self.key)
-
-    def preempts(self, request, running, state):
-        latest = max(running, key=self.key)
-        return latest if self.key(latest) > self.key(request) else None
 
 
 class Plugin:
