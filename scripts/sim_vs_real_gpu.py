@@ -4,7 +4,9 @@ random-weight checkpoint with Qwen3's shapes, one engine that measures its step-
 engine on that profile replaying the same workloads. Writes the comparison (throughput, TTFT and
 TPOT p50/p99, prefix-cache hit rate, preemptions, KV blocks: real, sim, % difference; each load as
 a fraction of the real capacity), the host-time diagnostics of the real runs against the profile's
-host model, and the profiles, under --out.
+host model, and the profiles, under --out; with every real run's steps and requests
+(steps-<size>-<workload>.npz, and the simulation's, sim-<size>-<workload>.npz) and their analysis
+(analysis.md: inferlab.experiment.run_diagnostics). `--analyze DIR` redoes that analysis on any host.
 
 From the repository root on the device (flash-attn is not needed: attention=triton):
 
@@ -37,7 +39,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -45,8 +46,9 @@ from inferlab import LLM
 from inferlab.conf import BenchConfig, ProfileConfig
 from inferlab.core.protocols import SimulatedDevice
 from inferlab.experiment.bench import measure
-from inferlab.experiment.profile_job import TimedSteps, host_cost_lines, run_profile
+from inferlab.experiment.profile_job import host_cost_lines, run_profile
 from inferlab.experiment.report import figure
+from inferlab.experiment.run_diagnostics import StepDiagnostics, analyze, save_simulated
 from inferlab.experiment.traces import read_trace
 from inferlab.experiment.workload import build_workload
 from inferlab.sim.profile import PROFILE_DIR, load_profile
@@ -154,9 +156,10 @@ def cell(value, key: str) -> str:
     return str(value)
 
 
-def run_workloads(llm, workloads, deadline: float, reserve_s: float, label: str, log, diagnostics=None) -> None:
+def run_workloads(llm, workloads, deadline, reserve_s, label, log, diagnostics=None, records=None) -> None:
     """Each workload once on llm (a fresh prefix cache each), its figures under results[label];
-    one that would end past deadline - reserve_s is skipped."""
+    one that would end past deadline - reserve_s is skipped. records: (out, size) to write the
+    simulation's requests and steps (diagnostics writes the real runs')."""
     for workload in workloads:
         if label == "real" and time.monotonic() + 1.3 * workload.expected_s + 5 > deadline - reserve_s:
             log(f"  skipped {workload.name}: {workload.expected_s:.0f} s would pass the budget")
@@ -171,11 +174,13 @@ def run_workloads(llm, workloads, deadline: float, reserve_s: float, label: str,
         if diagnostics is not None:
             diagnostics.start(workload.name)
         started = time.monotonic()
-        figures, _ = measure(llm, built.requests, params)
-        if diagnostics is not None:
-            diagnostics.finish()
+        figures, run = measure(llm, built.requests, params)
         figures["offered_request_rate"] = built.summary()["offered_request_rate"]
         figures["num_kvcache_blocks"] = llm.kv_manager.num_blocks
+        if diagnostics is not None:
+            diagnostics.finish(run, figures)
+        if records is not None:
+            save_simulated(*records, workload.name, run)
         workload.results[label] = figures
         log(
             f"  {label:>14} {workload.name:<16} {time.monotonic() - started:6.1f} s: "
@@ -183,73 +188,6 @@ def run_workloads(llm, workloads, deadline: float, reserve_s: float, label: str,
             f"p99 {1e3 * figures['ttft_s']['p99']:.2f} ms, TPOT p50 {1e3 * (figures['tpot_s']['p50'] or 0):.3f} ms, "
             f"hit {figures.get('prefix_cache_hit_rate') or 0:.3f}, preemptions {figures['num_preemptions']}"
         )
-
-
-class HostDiagnostics:
-    """During the real runs: each step's host launch time (and whether it rebuilt its sampling
-    settings), the engine's own host work (the step less its launch and its wait for tokens) and
-    the idle time before it, against what the profile's host model charges for the same step."""
-
-    def __init__(self, llm, profile):
-        self.llm, self.profile, self.launch_model = llm, profile, profile.host_launch_model()
-        self.steps = TimedSteps(llm, llm.runner.graph_limits())
-        self.step, llm.step = llm.step, self._step  # an instance attribute over the method, until close()
-        self.by_workload: dict[str, dict] = {}
-
-    def start(self, name: str) -> None:
-        self.name, self.rows, self.previous_end = name, [], None
-
-    def _step(self):
-        steps, launches = self.steps, len(self.steps.launches)
-        steps.launch_s = steps.wait_s = steps.overhead_s = 0.0
-        start = time.perf_counter()
-        output = self.step()
-        end = time.perf_counter()
-        if len(steps.launches) > launches:  # (StepShape, launch seconds, sampling rows rebuilt)
-            host = end - start - steps.launch_s - steps.wait_s - steps.overhead_s
-            idle = start - self.previous_end if self.previous_end is not None else 0.0
-            self.rows.append((*steps.launches[-1], host, idle))
-        self.previous_end = end
-        return output
-
-    def finish(self) -> None:
-        profile = self.profile
-        launch_same, launch_new, engine, wake = [], [], [], []
-        for shape, launch_s, rebuilt, host, idle in self.rows:
-            predicted = self.launch_model(shape) if self.launch_model else 0.0
-            if rebuilt:
-                predicted += profile.sampling_setup_seconds(rebuilt)
-            predicted *= profile.launch_in_run_factor
-            (launch_new if rebuilt else launch_same).append((launch_s, predicted))
-            modeled_host = profile.step_host_seconds(
-                shape.prefill_requests + shape.decode_requests, shape.prefill_tokens
-            )
-            engine.append((host, modeled_host))
-            if idle > 0.002:  # the host's part of waking up: its launch and own work past the model's
-                extra = launch_s + host - predicted - modeled_host
-                wake.append((max(extra, 1e-9), profile.idle_wake_seconds(idle)))
-
-        def summary(pairs):
-            if not pairs:
-                return None
-            measured, predicted = np.array(pairs)[:, 0], np.array(pairs)[:, 1]
-            return {
-                "steps": len(pairs),
-                "measured_median_us": float(1e6 * np.median(measured)),
-                "model_median_us": float(1e6 * np.median(predicted)),
-                "median_ratio": float(np.median(measured / np.maximum(predicted, 1e-9))),
-            }
-
-        self.by_workload[self.name] = {
-            "launch, same sampling rows": summary(launch_same),
-            "launch, new sampling rows": summary(launch_new),
-            "engine's own work per step": summary(engine),
-            "host's extra after > 2 ms idle (model: idle_wake)": summary(wake),
-        }
-
-    def close(self) -> None:
-        self.steps.close()
-        del self.llm.step
 
 
 def ablated(profile, path: str, what: str) -> str:
@@ -262,7 +200,7 @@ def ablated(profile, path: str, what: str) -> str:
     return path
 
 
-def simulate(model_path, engine, profile_path, workloads, deadline, log, variants, written) -> None:
+def simulate(model_path, engine, profile_path, workloads, deadline, log, variants, written, records) -> None:
     """Each variant of the simulation replays the workloads the real engine ran; written() after
     each, so that a call cut short keeps what it simulated."""
     profile = load_profile(profile_path)
@@ -275,9 +213,8 @@ def simulate(model_path, engine, profile_path, workloads, deadline, log, variant
         )
         options = {"profile": path, "noise": noise}
         with LLM(model_path, **engine, executor="simulated", executor_options=options) as sim:
-            run_workloads(
-                sim, [w for w in workloads if "skipped" not in w.results.get("real", {})], deadline, 0, label, log
-            )
+            ran = [w for w in workloads if "skipped" not in w.results.get("real", {})]
+            run_workloads(sim, ran, deadline, 0, label, log, records=records if label == "sim" else None)
         if what != "full":
             os.remove(path)
         written()
@@ -357,7 +294,7 @@ def measure_size(size: str, args, engine: dict, device_name: str, deadline: floa
         log(f"{size}: {len(profile.measurements)} compositions -> {profile_path}")
         for line in host_cost_lines(profile):
             log(f"  {line}")
-        diagnostics = HostDiagnostics(llm, profile)
+        diagnostics = StepDiagnostics(llm, profile, args.out, size, os.path.basename(profile_path), args.device_events)
         # what the simulations need afterwards: about 30 s a size on the device's host
         run_workloads(llm, workloads, deadline, 45, "real", log, diagnostics)
         diagnostics.close()
@@ -367,7 +304,7 @@ def measure_size(size: str, args, engine: dict, device_name: str, deadline: floa
         write, args.out, report, markdown, size, section, device_name, workloads, diagnostics, profile_file
     )
     written()  # the real runs, before the simulations
-    simulate(model_path, engine, profile_path, workloads, deadline, log, VARIANTS, written)
+    simulate(model_path, engine, profile_path, workloads, deadline, log, VARIANTS, written, (args.out, size))
     log(f"{size}: written sim_vs_real.md and .json")
 
 
@@ -401,7 +338,8 @@ def resimulate(args, log) -> None:
         written = functools.partial(
             write, args.out, report, markdown, size, len(markdown), earlier["device"], workloads, None, part["profile"]
         )
-        simulate(None, engine, profile_path, workloads, time.monotonic() + args.budget_s, log, VARIANTS, written)
+        deadline = time.monotonic() + args.budget_s
+        simulate(None, engine, profile_path, workloads, deadline, log, VARIANTS, written, (args.out, size))
     print("\n".join(markdown))
 
 
@@ -422,7 +360,9 @@ def main(argv=None) -> None:
     parser.add_argument("--profile-repeats", type=int, default=6)
     parser.add_argument("--tiny", action="store_true", help="the CPU, the embedded tiny model, tiny settings")
     parser.add_argument("--real-from", help="an earlier call's sim_vs_real.json: simulate alone against its real runs")
-    parser.add_argument("--profile", help="with --real-from: the profile file (default: the shipped one of its name)")
+    parser.add_argument("--profile", help="with --real-from, --analyze: the profile file (default: the call's)")
+    parser.add_argument("--analyze", help="a call's --out: its steps against the profile, its longest TTFTs")
+    parser.add_argument("--no-device-events", dest="device_events", action="store_false", help="no CUDA events")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     started = time.monotonic()
@@ -436,6 +376,8 @@ def main(argv=None) -> None:
         log_file.write(line + "\n")
         log_file.flush()
 
+    if args.analyze:
+        return print(analyze(args.analyze, args.profile))
     if args.real_from:
         return resimulate(args, log)
     args.lengths = {}
@@ -457,6 +399,11 @@ def main(argv=None) -> None:
         measure_size(size, args, engine, device_name, deadline, report, markdown, log)
     log(f"done in {time.monotonic() - started:.0f} s")
     print("\n".join(markdown))
+    try:  # what --analyze prints, at once; the records stay for it if this fails
+        with open(os.path.join(args.out, "analysis.md"), "w") as f:
+            f.write(analyze(args.out))
+    except Exception as e:
+        log(f"analysis.md not written: {e!r}")
 
 
 if __name__ == "__main__":

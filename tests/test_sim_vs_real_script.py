@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,6 +39,23 @@ def test_the_sim_vs_real_script_runs_on_the_cpu(tmp_path):
     assert profile["kind"] == "measured" and profile["launch_in_run_factor"] > 0
     table = (tmp_path / "sim_vs_real.md").read_text()
     assert "| trace x0.2 |" in table and "host time in the real runs" in table
+
+    # every real step and request kept for the offline analysis, and the simulation's requests beside them
+    for name, stem in (("trace x0.2", "trace-x0.2"), ("poisson 40/s", "poisson-40-s")):
+        real, figures = np.load(tmp_path / f"steps-0.6b-{stem}.npz"), workloads[name]["real"]
+        assert len(real["start_s"]) == figures["num_steps"] and np.all(np.diff(real["start_s"]) > 0)
+        assert real["launched"].sum() > 0 and real["prefill_tokens"].sum() == figures["num_prefill_tokens"]
+        ttft = real["request_first_token_s"] - real["request_arrival_s"]
+        assert np.quantile(ttft, 0.5) == pytest.approx(figures["ttft_s"]["p50"])
+        # the run's requests and steps on one clock: a first token comes at the end of a step
+        assert np.all(np.isclose(real["request_first_token_s"][:, None], real["end_s"][None], atol=1e-3).any(1))
+        sim = np.load(tmp_path / f"sim-0.6b-{stem}.npz")
+        assert len(sim["start_s"]) == workloads[name]["sim"]["num_steps"]
+    analysis = (tmp_path / "analysis.md").read_text()
+    assert "## 0.6b, poisson 40/s" in analysis and "| #1 |" in analysis and "| batch |" in analysis
+    done = subprocess.run([*command[:2], "--analyze", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == analysis.strip()
 
     # --real-from: the simulations alone against that call's real runs give the same figures
     again = tmp_path / "again"
