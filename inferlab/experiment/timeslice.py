@@ -85,7 +85,8 @@ def estimate(solo: list[float], both: list[list[float]]) -> dict:
     is one switch per gap (each gap of one process is a hold of the other): context_switch_s =
     (W - n·d) / gaps. A gap's excess over d is the other's hold plus two switches:
     timeslice_s = median(excess) - 2·context_switch_s, how long a context keeps the GPU while the
-    other waits. No gaps (the two ran at once): switch 0, timeslice None. This holds for kernels
+    other waits. No gaps, or more than 1.5·W of work (the two ran at once, as on a CPU's cores):
+    switch 0, timeslice None. This holds for kernels
     shorter than the timeslice: a longer one is cut more than once an interval, so its gaps
     undercount the switches (measure() reports such runs but does not use them)."""
     solo_intervals = [b - a for a, b in zip(solo, solo[1:])]
@@ -98,6 +99,8 @@ def estimate(solo: list[float], both: list[list[float]]) -> dict:
         num += len(inside) - 1  # the first one's kernel began before the window
         gaps += [b - a - d for a, b in zip(inside, inside[1:]) if b - a - d > noise]
     window = end - start
+    if num * d > 1.5 * window:  # more work than one GPU's time: they ran at once (a CPU's cores)
+        gaps = []
     switch = max(0.0, (window - num * d) / len(gaps)) if gaps else 0.0
     timeslice = statistics.median(gaps) - 2 * switch if gaps else None
     both_intervals = [b - a for ends in both for a, b in zip(ends, ends[1:])]
