@@ -129,7 +129,7 @@ def main() -> None:
         cpu_profile(profile, settings)
     elif args.profile is None:
         inferlab(["job=profile", *engine, f"profile.out={profile}", *settings["profile"]], f"{out}/profile.log")
-    runs, sim = {}, [f"executor.{k}={'null' if v is None else v!r}" for k, v in sharing.items()]
+    runs, sim = {}, [f"executor.{k}={'null' if v is None else v}" for k, v in sharing.items()]
     for router in ROUTERS:
         for kind, extra in (
             ("real", ["cluster.backend=ray"]),
