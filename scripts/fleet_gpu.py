@@ -26,45 +26,40 @@ FIGURES = (("output_tokens_per_s", "output tok/s"), ("ttft_s.p50", "TTFT p50 s")
 # Settings for the card (a 2,048-token system prompt per tenant; the same cache for both replicas,
 # real and simulated), and the tiny ones that run the same steps on a CPU in a few minutes.
 DEVICE = dict(tenants=8, system_blocks=4, query_tokens=(256, 1024), output_tokens=(64, 256), rate=12.0,
-              num_requests=360, gpus_per_replica=0.5,
+              num_requests=360, gpus_per_replica=0.5, sharing_s=1.0,
               engine=["attention=triton", "engine.max_model_len=8192", "engine.kvcache_block_size=256",
                       "engine.num_kvcache_blocks=600", "engine.gpu_memory_utilization=0.45"],
               profile=["profile.repeats=5", "profile.decode_batches=[1,2,4,8,16,32,64,128]",
                        "profile.decode_contexts=[512,1024,2048,4096]",
                        "profile.prefill_tokens=[64,256,1024,2048,4096,8192]"])  # fmt: skip
 TINY = dict(tenants=2, system_blocks=1, query_tokens=(16, 128), output_tokens=(4, 8), rate=4.0, num_requests=12,
-            gpus_per_replica=0.0,
+            gpus_per_replica=0.0, sharing_s=0.2,
             engine=["engine.device=cpu", "engine.max_model_len=1024", "engine.kvcache_block_size=16",
                     "engine.num_kvcache_blocks=256"],
             profile=dict(repeats=2, decode_batches=[1, 2, 4], decode_contexts=[16, 128, 512],
                          prefill_tokens=[16, 128, 512]))  # fmt: skip
 
 
-def ray_check(out: str, gpus: float) -> None:
-    """ray.init() and two actors of `gpus` GPUs each: what each one sees, into ray-check.json."""
+def ray_check(out: str, gpus: float, seconds: float) -> dict:
+    """ray.init() and two actors of `gpus` GPUs each: what each one sees, and how the card
+    time-slices them (inferlab.experiment.timeslice), into ray-check.json; returns the latter."""
     import ray
+
+    from inferlab.experiment.timeslice import Spinner, measure
 
     started = time.perf_counter()
     ray.init(include_dashboard=False, log_to_driver=False)
     init_s = time.perf_counter() - started
-
-    @ray.remote(num_gpus=gpus, num_cpus=0)
-    class Probe:
-        def where(self):
-            import torch
-
-            cuda = torch.cuda.is_available()
-            device = torch.cuda.get_device_name(0) if cuda else None
-            return {"pid": os.getpid(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                    "cuda": cuda, "device": device}  # fmt: skip
-
-    actors = [Probe.remote() for _ in range(2)]
+    actors = [ray.remote(num_gpus=gpus, num_cpus=0)(Spinner).remote() for _ in range(2)]
     found = {"ray_version": ray.__version__, "init_s": init_s, "resources": ray.cluster_resources()}
     found["actors"] = ray.get([a.where.remote() for a in actors], timeout=120)
+    found["sharing"] = measure(actors, seconds=seconds)
     ray.shutdown()
     with open(os.path.join(out, "ray-check.json"), "w") as f:
         json.dump(found, f, indent=2)
-    print(f"ray-check: Ray {found['ray_version']}, init {init_s:.1f} s, actors {found['actors']}", flush=True)
+    sharing = {k: found["sharing"][k] for k in ("context_switch_s", "timeslice_s")}
+    print(f"ray-check: Ray {found['ray_version']}, init {init_s:.1f} s, {found['actors']}, {sharing}", flush=True)
+    return sharing
 
 
 def write_trace(path: str, settings: dict, seed: int = 0) -> None:
@@ -121,7 +116,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     started = time.perf_counter()
 
-    ray_check(out, settings["gpus_per_replica"])
+    sharing = ray_check(out, settings["gpus_per_replica"], settings["sharing_s"])
     trace = os.path.join(out, "shared_prefix_trace.jsonl")
     write_trace(trace, settings)
     if args.tiny:
@@ -134,14 +129,15 @@ def main() -> None:
         cpu_profile(profile, settings)
     elif args.profile is None:
         inferlab(["job=profile", *engine, f"profile.out={profile}", *settings["profile"]], f"{out}/profile.log")
-    runs = {}
+    runs, sim = {}, [f"executor.{k}={'null' if v is None else v}" for k, v in sharing.items()]
     for router in ROUTERS:
         for kind, extra in (
-            ("real", ["cluster.backend=ray", f"cluster.gpus_per_replica={settings['gpus_per_replica']}"]),
-            ("sim", ["executor=simulated", f"executor.profile={profile}"]),
+            ("real", ["cluster.backend=ray"]),
+            ("sim", ["executor=simulated", f"executor.profile={profile}", *sim]),
         ):
             run_dir = os.path.join(out, f"{kind}-{router}")
-            bench = ["job=bench", "bench.arrival=trace", f"bench.trace={trace}", "cluster.replicas=2"]
+            bench = ["job=bench", "bench.arrival=trace", f"bench.trace={trace}", "cluster.replicas=2",
+                     f"cluster.gpus_per_replica={settings['gpus_per_replica']}"]  # fmt: skip
             inferlab([*bench, *engine, *extra, f"router={router}", f"hydra.run.dir={run_dir}"], f"{run_dir}.log")
             with open(os.path.join(run_dir, "result.json")) as f:
                 runs[kind, router] = json.load(f)
@@ -160,7 +156,7 @@ def main() -> None:
         overhead = rows["router_us_per_request"]
         lines.append(f"| {router} | router µs a request | {overhead['real']:.1f} | {overhead['sim']:.1f} | |")
     comparison["device"] = runs["real", ROUTERS[0]].get("device_name")
-    comparison["seconds"] = time.perf_counter() - started
+    comparison["sharing"], comparison["seconds"] = sharing, time.perf_counter() - started
     with open(os.path.join(out, "comparison.json"), "w") as f:
         json.dump(comparison, f, indent=2)
     with open(os.path.join(out, "comparison.md"), "w") as f:

@@ -24,7 +24,11 @@ def test_fleet_script_runs_end_to_end_on_this_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check = json.loads((tmp_path / "ray-check.json").read_text())
     assert len(check["actors"]) == 2
+    # the calibration ran on the CPU actors: their kernels, timed alone and together
+    assert [run["duration_s"] for run in check["sharing"]["runs"]] == [0.0002, 0.001, 0.005]
+    assert all(run["kernel_s"] > 0 and run["kernels"] > 0 for run in check["sharing"]["runs"])
     comparison = json.loads((tmp_path / "comparison.json").read_text())
+    assert set(comparison["sharing"]) == {"context_switch_s", "timeslice_s"}
     for router in ("round_robin", "kv_aware"):
         for key in ("output_tokens_per_s", "ttft_s.p50", "tpot_s.p50"):
             figures = comparison[router][key]

@@ -58,7 +58,9 @@ class Cluster:
     """Cluster(model_path, replicas=N, router="round_robin", router_options={}, backend="local",
     gpus_per_replica=1.0, ray_address=None, **engine settings): N engines, each built with the
     engine settings (as LLM takes them), behind the router. With executor="simulated" the replicas
-    run on virtual clocks, one event at a time in time order.
+    run on virtual clocks, one event at a time in time order; gpus_per_replica below 1 puts
+    floor(1 / gpus_per_replica) consecutive ones on one virtual GPU, which time-slices them
+    (inferlab.sim.shared_gpu).
 
     prefill_replicas=P, decode_replicas=D (instead of replicas) split prefill from decode: replicas
     0..P-1 prefill, P..P+D-1 decode, the K/V moving through kv_transfer ("auto": distributed on
@@ -169,7 +171,7 @@ class Cluster:
                 if self.transfer is not None:
                     self.transfer.close()
                 raise
-            self.fleet = LocalFleet(engines, self.roles, self.transfer)
+            self.fleet = LocalFleet(engines, self.roles, self.transfer, gpus_per_replica)
         front = self.fleet.front
         self.config, self.hf_config, self.tokenizer, self.model_path = (
             front.config,

@@ -11,6 +11,7 @@ clock unmoved) parks it until another replica has stepped, so that the others ru
 """
 
 import heapq
+import math
 from time import perf_counter
 
 from inferlab.core.engine import EngineStats, LLMEngine, StepOutput
@@ -19,6 +20,7 @@ from inferlab.core.protocols import (
     KVMove,
     KVTransfer,
     PrefixCacheStats,
+    SharedDevice,
     SimulatedDevice,
     VirtualTime,
 )
@@ -96,7 +98,13 @@ class LocalReplica:
 class LocalFleet:
     """The replicas of a local cluster and the order in which they step."""
 
-    def __init__(self, engines: list[LLMEngine], roles: list[str] | None = None, transfer: KVTransfer | None = None):
+    def __init__(
+        self,
+        engines: list[LLMEngine],
+        roles: list[str] | None = None,
+        transfer: KVTransfer | None = None,
+        gpus_per_replica: float = 1.0,
+    ):
         roles = roles or [None] * len(engines)
         self.transfer = transfer  # the kv_transfer plugin of the replicas (roles), which the cluster closes
         self.replicas = [LocalReplica(i, engine, role) for i, (engine, role) in enumerate(zip(engines, roles))]
@@ -112,6 +120,15 @@ class LocalFleet:
         self.simulated = all(isinstance(r, SimulatedDevice) for r in runners)
         # whether the replicas may run decode steps at once (LLMEngine.run_decodes); False: one at a time
         self.decode_runs = self.virtual and all(engine.decode_runs for engine in engines)
+        # Simulated replicas with a fraction of a GPU each: floor(1 / fraction) consecutive ones
+        # share one virtual GPU, whose timeline a run of one replica's decode steps cannot see past.
+        per_gpu = math.floor(1 / gpus_per_replica + 1e-9) if 0 < gpus_per_replica < 1 else 1
+        if per_gpu > 1 and len(runners) > 1 and all(isinstance(r, SharedDevice) for r in runners):
+            for first in range(0, len(runners), per_gpu):
+                group = runners[first : first + per_gpu]
+                if len(group) > 1:
+                    group[0].share_device(group)
+            self.decode_runs = False
         self.heap: list[tuple[float, int, int]] = []  # (when it steps next, replica_id, heap_version)
         self.now = max(engine.clock() for engine in engines) if self.virtual else 0.0
 

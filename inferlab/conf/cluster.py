@@ -14,7 +14,9 @@ class ClusterConfig:
 
     replicas: int = 1
     backend: str = "local"  # local: every replica in this process; ray: each a Ray actor
-    gpus_per_replica: float = 1.0  # ray: each actor's share of a GPU (0.5 puts two on one GPU)
+    # Each replica's share of a GPU (0.5 puts two on one GPU): a Ray actor's num_gpus; simulated
+    # replicas share virtual GPUs alike, time-sliced (executor.timeslice_s, executor.context_switch_s)
+    gpus_per_replica: float = 1.0
     ray_address: str | None = None  # ray: an existing Ray cluster ("auto", "ray://host:10001"); None starts one here
     # Prefill/decode disaggregation (docs/disaggregation.md): P replicas compute prompts and first
     # tokens, D decode; the K/V moves through the kv_transfer plugin. Unset: colocated replicas.

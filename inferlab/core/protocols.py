@@ -557,6 +557,17 @@ class BlockAligned(Protocol):
 
 
 @runtime_checkable
+class SharedDevice(Protocol):
+    """Optional Runner capability (a simulation): replicas placed on one GPU
+    (cluster.gpus_per_replica below 1) queue their steps on one device, which time-slices them as
+    a GPU does two processes."""
+
+    def share_device(self, runners: list) -> None:
+        """From now on these runners (this one among them, all of its kind) share one device: their
+        steps never overlap on it, as this runner's options say it switches between them."""
+
+
+@runtime_checkable
 class SimulatedDevice(Protocol):
     """Optional Runner capability: the runner's steps take modeled time, not measured time. A bench
     reports what stood in for the device and what the simulation cost the host."""

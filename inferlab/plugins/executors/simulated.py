@@ -46,6 +46,7 @@ from inferlab.sim.profile import (
     model_fields,
     roofline_profile,
 )
+from inferlab.sim.shared_gpu import SharedGPU
 from inferlab.tiny_model import default_model_path
 
 log = logging.getLogger("inferlab")
@@ -71,6 +72,12 @@ class SimulatedOptions:
     # Times the spread the profile measured for each step composition: each step's time is a draw
     # around its prediction (seeded by engine.seed; a bench's repeat i by bench.seed + i). 0: none.
     noise: float = 1.0
+    # Replicas sharing one GPU (cluster.gpus_per_replica < 1) time-slice it as CUDA does without
+    # MPS (inferlab.sim.shared_gpu): how long a context keeps the GPU while another waits (None: a
+    # step is never cut, steps run in launch order) and the device time a switch of context costs.
+    # Measured on a card by inferlab.experiment.timeslice (docs/cluster.md).
+    timeslice_s: float | None = None
+    context_switch_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.profile, str) or not self.profile:
@@ -93,6 +100,14 @@ class SimulatedOptions:
             raise ValueError(
                 f"executor.noise must be a finite number >= 0 (1: the profile's measured spread, 0: none), "
                 f"got {self.noise!r}"
+            )
+        if self.timeslice_s is not None and not (finite_number(self.timeslice_s, 0.0) and self.timeslice_s > 0):
+            raise ValueError(
+                f"executor.timeslice_s must be a finite number of seconds > 0, or null for none, got {self.timeslice_s!r}"
+            )
+        if not finite_number(self.context_switch_s, 0.0):
+            raise ValueError(
+                f"executor.context_switch_s must be a finite number of seconds >= 0, got {self.context_switch_s!r}"
             )
 
 
@@ -179,7 +194,8 @@ def profile_model_config(profile: Profile, config_defaults: dict[str, dict]):
 
 class SimulatedRunner:
     """The `simulated` executor's runner (inferlab.core.protocols.Runner, AdmissionCost,
-    SimulatedDevice, VirtualTime, DecodeRuns, KVBlockBytes): launch() and handles as the real runner's, no device work."""
+    SimulatedDevice, VirtualTime, DecodeRuns, KVBlockBytes, SharedDevice): launch() and handles as
+    the real runner's, no device work."""
 
     runs_ahead = True  # it stands in for a GPU engine, so it overlaps as that engine would
 
@@ -198,6 +214,10 @@ class SimulatedRunner:
         self.host_launch_model = profile.host_launch_model()
         self.noise = StepNoise(profile.measurements, options.noise, config.seed)
         self.device_free_at = 0.0  # when the virtual device finishes the steps launched so far
+        self.timeslice_s, self.context_switch_s = options.timeslice_s, options.context_switch_s
+        self.shared: SharedGPU | None = None  # the GPU it shares with other replicas' runners (share_device)
+        self.context = 0  # its number on that GPU
+        self.num_sharing = 1
         self.sampling_rows: list[int] | None = None  # the request ids the last launch sampled, as the runner keys them
         self.dtype = getattr(torch, profile.dtype)
         self.kv_cache_dtype = getattr(torch, profile.kv_cache_dtype)
@@ -323,7 +343,9 @@ class SimulatedRunner:
                 self.sampling_rows = rows
         clock.spend(host * profile.launch_in_run_factor)
         launched = clock()
-        if shape.graph:
+        if self.shared is not None:  # device_free_at is then when this runner's own steps end
+            self.device_free_at = self.shared.place(self.context, launched if shape.graph else start, seconds, launched)
+        elif shape.graph:
             self.device_free_at = max(self.device_free_at, launched) + seconds
         else:
             self.device_free_at = max(max(self.device_free_at, start) + seconds, launched)
@@ -345,7 +367,7 @@ class SimulatedRunner:
         ends_at = pending.ends_at
         if self.real_time:
             return DecodeRun(starts, ends, [], pending)
-        lines = isinstance(self.cost_model, MeasuredCostModel) and not self.noise.active
+        lines = isinstance(self.cost_model, MeasuredCostModel) and not self.noise.active and self.shared is None
         if lines and isinstance(self.clock, VirtualClock):
             return self._decode_lines(shape, rows, pending, until, max_steps)
         for _ in range(max_steps):
@@ -415,6 +437,14 @@ class SimulatedRunner:
         token = read.pop()
         return DecodeRun(starts, ends, read, SimulatedStep(num, list(range(num)), token, clock, ends_at))
 
+    def share_device(self, runners: list["SimulatedRunner"]) -> None:
+        """inferlab.core.protocols.SharedDevice: these runners (this one among them) queue their
+        steps on one GPU from now on, time-sliced with this runner's timeslice_s and
+        context_switch_s."""
+        gpu = SharedGPU(self.timeslice_s, self.context_switch_s)
+        for context, runner in enumerate(runners):
+            runner.shared, runner.context, runner.num_sharing = gpu, context, len(runners)
+
     def describe(self) -> dict:
         """What stood in for the device: the profile and the fitted cost model."""
         profile = self.profile
@@ -440,6 +470,7 @@ class SimulatedRunner:
             "idle_wake": profile.idle_wake,
             "launch_in_run_factor": profile.launch_in_run_factor,
             "noise": self.noise.describe(),
+            "shared_gpu": self.shared.describe(self.num_sharing) if self.shared is not None else None,
             "num_steps": self.num_steps,
             "real_time": self.real_time,  # on this host's clock (its wall time), not a virtual one
         }
