@@ -39,6 +39,8 @@ class LocalReplica:
         self.num_blocks = kv.num_blocks
         self.block_size = kv.block_size
         self.version = 0  # bumped whenever its queues change, for the sums below
+        # Its queues' lengths, kept here (refresh) where a router reads them at every arrival
+        self.num_waiting = self.num_running = 0
         self._sums: tuple[int, int, int] | None = None  # (version, queued prompt tokens, outstanding tokens)
         self.fleet_probes: list = []  # the fleet's list of replicas asked about the request being routed
         self.alive = True  # an in-process replica fails only with the process
@@ -47,13 +49,12 @@ class LocalReplica:
         self.heap_version = 0  # the entry of the fleet's heap that is current for it
         self.scheduled = False  # whether it has a current entry
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
+    def refresh(self) -> None:
+        """After it acted (the fleet calls this wherever its queues may have changed)."""
+        self.version += 1
+        scheduler = self.scheduler
+        self.num_waiting = len(scheduler.waiting)
+        self.num_running = len(scheduler.running)
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,7 +124,7 @@ class LocalFleet:
         """Records when the replica steps next, after it acted (stepped, queued or aborted a
         request): on virtual clocks at its clock, which queueing moves too; on the host's clock it
         keeps its place in line until it steps."""
-        replica.version += 1
+        replica.refresh()
         if not replica.busy():
             replica.heap_version += 1  # its entry, if any, is stale
             replica.scheduled = False
@@ -220,7 +221,7 @@ class LocalFleet:
         if output.num_requests or output.finished or end > start or not replica.busy():
             self.acted(replica)
         else:
-            replica.version += 1
+            replica.refresh()
             self.parked.append(replica)
         return [(replica, output, start, end)]
 
@@ -230,6 +231,8 @@ class LocalFleet:
         that ended."""
         self.unpark()
         self.schedule(replica)
+        if self.transfer is None:
+            return  # no K/V moves between replicas: none holds sends
         for other in self.replicas:
             if other.engine.scheduler.sending and not other.scheduled and other not in self.parked:
                 other.engine.poll_kv_transfer()
@@ -253,6 +256,8 @@ class LocalFleet:
     def warm_up(self, prompt, params: SamplingParams) -> None:
         for engine in self.engines:
             engine.generate([prompt], params, use_tqdm=False)
+        for replica in self.replicas:
+            replica.refresh()
         if self.virtual:
             self.now = max(self.now, *(engine.clock() for engine in self.engines))
 

@@ -11,7 +11,7 @@ manager also records which hashes enter and leave the cache, for a router in ano
 
 from collections import OrderedDict
 
-from inferlab.core.blocks import block_identity, chain_hash
+from inferlab.core.blocks import block_hashes, block_identity
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.request import Request
 
@@ -69,11 +69,11 @@ class PagedKVCache:
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """The request's chained block hashes for its first num_blocks full blocks (memoized
         until it is freed)."""
-        hashes = self.hashes.setdefault(request.request_id, [])
-        bs, tokens = self.block_size, request.token_ids
-        while len(hashes) < num_blocks:  # as inferlab.core.blocks.block_hashes names them
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, block_identity(tokens, i * bs, (i + 1) * bs)))
+        hashes = self.hashes.get(request.request_id)
+        if hashes is None:  # the prompt's, as a router may have named them already
+            hashes = self.hashes[request.request_id] = list(request.prompt_block_names(self.block_size))
+        if len(hashes) < num_blocks:
+            block_hashes(request.token_ids, self.block_size, num_blocks, hashes)
         return hashes[:num_blocks]
 
     def _prefix_hits(self, request: Request) -> list[int]:

@@ -70,6 +70,7 @@ class PrefixAwareRouter:
         self.tree: dict[int, dict[int, float]] = {}  # block name -> {replica_id: last use}
         self.owned: dict[int, OrderedDict] = {}  # replica_id -> its block names, least recently used first
         self.next_eviction = eviction_interval_s
+        self.offered: tuple = ((), frozenset())  # (the replicas last offered, their replica_ids)
 
     def route(self, request, replicas, state):
         if state.now >= self.next_eviction:
@@ -100,7 +101,10 @@ class PrefixAwareRouter:
     def longest_match(self, names, replicas):
         """(blocks matched, the replica whose tree holds the longest prefix, most recently used
         among equals), or (0, None)."""
-        candidates = {r.replica_id for r in replicas}
+        # the cluster offers one tuple until a replica dies
+        if replicas is not self.offered[0] or type(replicas) is not tuple:
+            self.offered = (replicas, frozenset(r.replica_id for r in replicas))
+        candidates = self.offered[1]
         depth, node = 0, None
         for name in names:
             tenants = self.tree.get(name)
