@@ -178,7 +178,7 @@ class Cluster:
             front.model_path,
         )
         self.simulated = self.fleet.simulated  # its replicas' runners are simulations (SimulatedDevice)
-        self.views = [ReplicaView(replica) for replica in self.fleet.replicas]
+        self.views = [replica.view for replica in self.fleet.replicas]
         self.offered: tuple[ReplicaView, ...] = ()  # the views of the replicas alive, as of offered_version
         self.offered_version = -1
         self.offered_index: tuple = ((), {})  # (a tuple of offered views, their ids -> them), for _choose

@@ -23,8 +23,29 @@ from inferlab.core.protocols import (
     VirtualTime,
 )
 from inferlab.core.request import Request
-from inferlab.core.routing import RoutedRequest
+from inferlab.core.routing import ReplicaView, RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
+
+
+class LocalReplicaView(ReplicaView):
+    """An in-process replica as a router sees it: its replica_id and queue lengths are kept in the
+    view (LocalReplica.refresh writes them whenever they may have changed), so that a router that
+    reads every replica at every arrival makes no call for them."""
+
+    __slots__ = ("replica_id", "num_waiting", "num_running")
+
+    def __init__(self, replica: "LocalReplica"):
+        object.__setattr__(self, "_replica", replica)
+        object.__setattr__(self, "replica_id", replica.replica_id)
+        object.__setattr__(self, "num_waiting", 0)
+        object.__setattr__(self, "num_running", 0)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a ReplicaView is read-only: {name!r} cannot be set")
+
+
+SET_WAITING = LocalReplicaView.num_waiting.__set__  # the replica's own writes
+SET_RUNNING = LocalReplicaView.num_running.__set__
 
 
 class LocalReplica:
@@ -48,13 +69,16 @@ class LocalReplica:
         self.incoming: dict[int, Request] = {}
         self.heap_version = 0  # the entry of the fleet's heap that is current for it
         self.scheduled = False  # whether it has a current entry
+        self.view = LocalReplicaView(self)  # what a router is given of it
 
     def refresh(self) -> None:
         """After it acted (the fleet calls this wherever its queues may have changed)."""
         self.version += 1
-        scheduler = self.scheduler
+        scheduler, view = self.scheduler, self.view
         self.num_waiting = len(scheduler.waiting)
         self.num_running = len(scheduler.running)
+        SET_WAITING(view, self.num_waiting)
+        SET_RUNNING(view, self.num_running)
 
     @property
     def num_free_blocks(self) -> int:
