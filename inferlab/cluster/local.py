@@ -222,21 +222,45 @@ class LocalFleet:
         """Steps the replica next in order: [(replica, its step's output, start, end on its clock)],
         empty when none has work. With `until` (virtual clocks: nothing reaches the replicas before
         it), the replica runs at once the decode steps before it that nothing can change, one
-        entry each."""
+        entry each; and where replicas move no K/V to each other (no roles), it goes on with every
+        step of its own that starts before `until`, one at a time or in runs: no other replica's
+        step before then can change it."""
         if self.next_step_time() == float("inf"):
             return []
         _, replica_id, _ = heapq.heappop(self.heap)
         replica = self.replicas[replica_id]
         replica.scheduled = False
         engine = replica.engine
-        if until is not None and self.decode_runs:
-            num = replica.num_running  # each step's batch (some may finish in the last)
+        if until is None or not self.decode_runs:
+            return self._step_once(replica)
+        steps: list[tuple[LocalReplica, StepOutput, float, float]] = []
+        while True:
+            num = len(engine.scheduler.running)  # each step's batch (some may finish in the last)
             spans = engine.run_decodes(until)
             if spans:
-                self.now = max(self.now, spans[-1][1])
-                self.acted(replica)
                 output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
-                return [(replica, output, start, end) for start, end in spans]
+                steps += [(replica, output, start, end) for start, end in spans]
+            else:
+                start = engine.clock()
+                output = engine.step()
+                end = engine.clock()
+                steps.append((replica, output, start, end))
+                if not (output.num_requests or output.finished or end > start):  # did nothing
+                    break
+            if self.transfer is not None or engine.clock() >= until or engine.is_finished():
+                break
+        self.now = max(self.now, steps[-1][3])
+        if len(steps) == 1 and not spans:  # one step alone: as stepping one at a time leaves it
+            output, start, end = steps[0][1:]
+            if not (output.num_requests or output.finished or end > start or not replica.busy()):
+                replica.refresh()
+                self.parked.append(replica)
+                return steps
+        self.acted(replica)
+        return steps
+
+    def _step_once(self, replica: LocalReplica) -> list[tuple[LocalReplica, StepOutput, float, float]]:
+        engine = replica.engine
         start = engine.clock()
         output = engine.step()
         end = engine.clock()

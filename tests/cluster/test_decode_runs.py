@@ -1,4 +1,5 @@
-"""A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes), and commits asked only
+"""A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes), a replica's steps up to
+the next arrival taken in one go (LocalFleet.step), and commits asked only
 of requests that filled a block (Scheduler.commit_stride), give exactly what stepping one at a
 time and committing every request every step gives: every request's token ids, token times, TTFT, TPOT, preemptions
 and cache hits, the replicas' counters and KV books, and the step records."""
