@@ -392,7 +392,12 @@ class Scheduler:
             if step.blamed and request in step.blamed:
                 i += 1
                 continue
-            num_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.budget, step)
+            if self.budgeted:
+                num_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.budget, step)
+            else:  # _num_new_tokens without a policy to ask: what is left, up to the budget
+                num_tokens = len(request.token_ids) - request.num_computed_tokens
+                if num_tokens > step.budget:
+                    num_tokens = step.budget
             if step.blamed and request in step.blamed:
                 i += 1
                 continue

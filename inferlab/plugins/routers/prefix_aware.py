@@ -124,10 +124,17 @@ class PrefixAwareRouter:
 
     def insert(self, names, replica_id: int, now: float) -> None:
         owned = self.owned.setdefault(replica_id, OrderedDict())
+        tree, touch = self.tree, owned.move_to_end
         for name in reversed(names):  # the shortest prefix touched last: the most recently used
-            self.tree.setdefault(name, {})[replica_id] = now
-            owned[name] = None
-            owned.move_to_end(name)
+            tenants = tree.get(name)
+            if tenants is None:
+                tree[name] = {replica_id: now}
+            else:
+                tenants[replica_id] = now
+            if name in owned:
+                touch(name)
+            else:
+                owned[name] = None
 
     def evict(self) -> None:
         for replica_id, owned in self.owned.items():
