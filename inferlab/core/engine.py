@@ -165,19 +165,33 @@ def rarer_young_collections(threshold: int = 100_000):
 
 
 @contextmanager
-def older_objects_frozen():
+def older_objects_frozen(refreeze: bool = False):
     """Freezes every object the garbage collector tracks for the length of the block, unfreezing
     them after. A full collection walks every tracked object (torch, Triton, compiled graphs), a
     pause long against a step, while the GPU idles, and one came every few bench runs. Inside the
     block, collections walk only what the block creates. Unfrozen after, so cyclic garbage older
-    than the block waits for its end, no longer. A caller's own freeze is theirs to manage."""
+    than the block waits for its end, no longer. A caller's own freeze is theirs to manage.
+
+    refreeze: also freeze what survives each collection of the middle generation, for a block whose
+    objects mostly live on (a simulated run's records, requests and KV books), which full
+    collections would otherwise walk again and again as they grow; its cyclic garbage waits for the
+    block's end too."""
     if gc.get_freeze_count() > FROZEN_AT_IMPORT:
         yield
         return
+
+    def freeze_survivors(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 1:
+            gc.freeze()
+
     try:  # frozen inside the try: an interrupt just after the freeze still unfreezes
         gc.freeze()
+        if refreeze:
+            gc.callbacks.append(freeze_survivors)
         yield
     finally:
+        if freeze_survivors in gc.callbacks:
+            gc.callbacks.remove(freeze_survivors)
         gc.unfreeze()
 
 
