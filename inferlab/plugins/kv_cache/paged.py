@@ -11,7 +11,7 @@ manager also records which hashes enter and leave the cache, for a router in ano
 
 from collections import OrderedDict
 
-from inferlab.core.blocks import block_hashes, block_identity
+from inferlab.core.blocks import block_hashes, block_identities, block_identity
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.request import Request
 
@@ -181,13 +181,14 @@ class PagedKVCache:
         hashes = self._hashes(request, num_full)
         table, tokens = self.tables[request.request_id], request.token_ids
         block_hash, content_id, cached, events = self.block_hash, self.block_content_id, self.cached, self.kv_events
+        identities = block_identities(tokens, bs, start, num_full)
         next_id = self.next_content_id
         try:
             for i in range(start, num_full):
                 block = table[i]
                 if block_hash[block] is None:
                     h = block_hash[block] = hashes[i]
-                    self.block_tokens[block] = block_identity(tokens, i * bs, (i + 1) * bs)
+                    self.block_tokens[block] = identities[i - start]
                     content_id[block] = next_id
                     self.block_parent_id[block] = content_id[table[i - 1]] if i else 0
                     next_id += 1
