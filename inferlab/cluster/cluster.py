@@ -180,9 +180,10 @@ class Cluster:
             front.model_path,
         )
         self.simulated = self.fleet.simulated  # its replicas' runners are simulations (SimulatedDevice)
-        self.views = [ReplicaView(replica) for replica in self.fleet.replicas]
+        self.views = [replica.view for replica in self.fleet.replicas]
         self.offered: tuple[ReplicaView, ...] = ()  # the views of the replicas alive, as of offered_version
         self.offered_version = -1
+        self.offered_index: tuple = ((), {})  # (a tuple of offered views, their ids -> them), for _choose
         self.requests: dict[int, Request] = {}  # pending, by id
         self.routed: dict[int, RoutedRequest] = {}  # routed and pending: what observe is given
         self.placement: dict[int, int] = {}  # request id -> the replica it was routed to
@@ -276,8 +277,11 @@ class Cluster:
 
     def _choose(self, answer, offered: tuple[ReplicaView, ...], method: str) -> ReplicaView:
         """The offered view the router answered, or a PolicyError naming the router."""
-        choice = next((view for view in offered if view is answer), None)
-        if choice is None:
+        index = self.offered_index
+        if index[0] is not offered:  # by identity: a view at most once, and no answer's __eq__ asked
+            index = self.offered_index = (offered, {id(view): view for view in offered})
+        choice = index[1].get(id(answer))
+        if choice is None or choice is not answer:
             raise PolicyError(
                 f"router {self.router_name!r}: {method} returned {answer!r}, which is not one of the replicas "
                 f"offered (replica_ids {[view.replica_id for view in offered]})"

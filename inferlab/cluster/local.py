@@ -25,8 +25,29 @@ from inferlab.core.protocols import (
     VirtualTime,
 )
 from inferlab.core.request import Request
-from inferlab.core.routing import RoutedRequest
+from inferlab.core.routing import ReplicaView, RoutedRequest
 from inferlab.core.sampling_params import SamplingParams
+
+
+class LocalReplicaView(ReplicaView):
+    """An in-process replica as a router sees it: its replica_id and queue lengths are kept in the
+    view (LocalReplica.refresh writes them whenever they may have changed), so that a router that
+    reads every replica at every arrival makes no call for them."""
+
+    __slots__ = ("replica_id", "num_waiting", "num_running")
+
+    def __init__(self, replica: "LocalReplica"):
+        object.__setattr__(self, "_replica", replica)
+        object.__setattr__(self, "replica_id", replica.replica_id)
+        object.__setattr__(self, "num_waiting", 0)
+        object.__setattr__(self, "num_running", 0)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a ReplicaView is read-only: {name!r} cannot be set")
+
+
+SET_WAITING = LocalReplicaView.num_waiting.__set__  # the replica's own writes
+SET_RUNNING = LocalReplicaView.num_running.__set__
 
 
 class LocalReplica:
@@ -41,6 +62,8 @@ class LocalReplica:
         self.num_blocks = kv.num_blocks
         self.block_size = kv.block_size
         self.version = 0  # bumped whenever its queues change, for the sums below
+        # Its queues' lengths, kept here (refresh) where a router reads them at every arrival
+        self.num_waiting = self.num_running = 0
         self._sums: tuple[int, int, int] | None = None  # (version, queued prompt tokens, outstanding tokens)
         self.fleet_probes: list = []  # the fleet's list of replicas asked about the request being routed
         self.alive = True  # an in-process replica fails only with the process
@@ -48,14 +71,16 @@ class LocalReplica:
         self.incoming: dict[int, Request] = {}
         self.heap_version = 0  # the entry of the fleet's heap that is current for it
         self.scheduled = False  # whether it has a current entry
+        self.view = LocalReplicaView(self)  # what a router is given of it
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
+    def refresh(self) -> None:
+        """After it acted (the fleet calls this wherever its queues may have changed)."""
+        self.version += 1
+        scheduler, view = self.scheduler, self.view
+        self.num_waiting = len(scheduler.waiting)
+        self.num_running = len(scheduler.running)
+        SET_WAITING(view, self.num_waiting)
+        SET_RUNNING(view, self.num_running)
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,7 +165,7 @@ class LocalFleet:
         """Records when the replica steps next, after it acted (stepped, queued or aborted a
         request): on virtual clocks at its clock, which queueing moves too; on the host's clock it
         keeps its place in line until it steps."""
-        replica.version += 1
+        replica.refresh()
         if not replica.busy():
             replica.heap_version += 1  # its entry, if any, is stale
             replica.scheduled = False
@@ -214,21 +239,45 @@ class LocalFleet:
         """Steps the replica next in order: [(replica, its step's output, start, end on its clock)],
         empty when none has work. With `until` (virtual clocks: nothing reaches the replicas before
         it), the replica runs at once the decode steps before it that nothing can change, one
-        entry each."""
+        entry each; and where replicas move no K/V to each other (no roles), it goes on with every
+        step of its own that starts before `until`, one at a time or in runs: no other replica's
+        step before then can change it."""
         if self.next_step_time() == float("inf"):
             return []
         _, replica_id, _ = heapq.heappop(self.heap)
         replica = self.replicas[replica_id]
         replica.scheduled = False
         engine = replica.engine
-        if until is not None and self.decode_runs:
-            num = replica.num_running  # each step's batch (some may finish in the last)
+        if until is None or not self.decode_runs:
+            return self._step_once(replica)
+        steps: list[tuple[LocalReplica, StepOutput, float, float]] = []
+        while True:
+            num = len(engine.scheduler.running)  # each step's batch (some may finish in the last)
             spans = engine.run_decodes(until)
             if spans:
-                self.now = max(self.now, spans[-1][1])
-                self.acted(replica)
                 output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
-                return [(replica, output, start, end) for start, end in spans]
+                steps += [(replica, output, start, end) for start, end in spans]
+            else:
+                start = engine.clock()
+                output = engine.step()
+                end = engine.clock()
+                steps.append((replica, output, start, end))
+                if not (output.num_requests or output.finished or end > start):  # did nothing
+                    break
+            if self.transfer is not None or engine.clock() >= until or engine.is_finished():
+                break
+        self.now = max(self.now, steps[-1][3])
+        if len(steps) == 1 and not spans:  # one step alone: as stepping one at a time leaves it
+            output, start, end = steps[0][1:]
+            if not (output.num_requests or output.finished or end > start or not replica.busy()):
+                replica.refresh()
+                self.parked.append(replica)
+                return steps
+        self.acted(replica)
+        return steps
+
+    def _step_once(self, replica: LocalReplica) -> list[tuple[LocalReplica, StepOutput, float, float]]:
+        engine = replica.engine
         start = engine.clock()
         output = engine.step()
         end = engine.clock()
@@ -237,7 +286,7 @@ class LocalFleet:
         if output.num_requests or output.finished or end > start or not replica.busy():
             self.acted(replica)
         else:
-            replica.version += 1
+            replica.refresh()
             self.parked.append(replica)
         return [(replica, output, start, end)]
 
@@ -247,6 +296,8 @@ class LocalFleet:
         that ended."""
         self.unpark()
         self.schedule(replica)
+        if self.transfer is None:
+            return  # no K/V moves between replicas: none holds sends
         for other in self.replicas:
             if other.engine.scheduler.sending and not other.scheduled and other not in self.parked:
                 other.engine.poll_kv_transfer()
@@ -270,6 +321,8 @@ class LocalFleet:
     def warm_up(self, prompt, params: SamplingParams) -> None:
         for engine in self.engines:
             engine.generate([prompt], params, use_tqdm=False)
+        for replica in self.replicas:
+            replica.refresh()
         if self.virtual:
             self.now = max(self.now, *(engine.clock() for engine in self.engines))
 

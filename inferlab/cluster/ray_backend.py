@@ -27,7 +27,7 @@ from inferlab.core.engine import EngineStats, LLMEngine, StepOutput, as_token_id
 from inferlab.core.handoff import KVHandoff
 from inferlab.core.protocols import KVCacheEvents, KVMove, PrefixCacheStats
 from inferlab.core.request import Request, RequestStatus
-from inferlab.core.routing import RoutedRequest, cached_prefix_from_names
+from inferlab.core.routing import ReplicaView, RoutedRequest, cached_prefix_from_names
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import HANDOFF
 
@@ -252,6 +252,7 @@ class RayReplica:
 
     def __init__(self, replica_id: int, actor, info: dict, offset: float, role: str | None = None):
         self.replica_id = replica_id
+        self.view = ReplicaView(self)  # what a router is given of it
         self.role = role  # "prefill" or "decode" in a disaggregated cluster
         self.actor = actor
         self.num_blocks = info["num_blocks"]

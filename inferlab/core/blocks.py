@@ -201,20 +201,41 @@ def block_identity(token_ids: Sequence[int], start: int, end: int) -> Hashable:
     return tuple(token_ids[start:end])
 
 
+def block_identities(token_ids: Sequence[int], block_size: int, first: int, last: int) -> list[Hashable]:
+    """block_identity of blocks first..last-1 of block_size tokens (the same values), in one call:
+    a keyed prompt's blocks that lie within one of its keyed blocks without a call each."""
+    if type(token_ids) is not KeyedTokens:
+        return [block_identity(token_ids, b * block_size, (b + 1) * block_size) for b in range(first, last)]
+    prompt = token_ids.prompt
+    length, keyed, namespace, keys = prompt.block_len, prompt.keyed_len, prompt.namespace, prompt.keys
+    identities: list[Hashable] = []
+    for b in range(first, last):
+        start = b * block_size
+        end = start + block_size
+        i = start // length
+        if end <= keyed and end <= (i + 1) * length:  # BlockPrompt.identity's common case
+            identities.append((namespace, keys[i], start - i * length, end - i * length))
+        else:
+            identities.append(block_identity(token_ids, start, end))
+    return identities
+
+
 def block_hashes(
     token_ids: Sequence[int], block_size: int, num_blocks: int, hashes: list[int] | None = None
 ) -> list[int]:
     """The chained names of the first num_blocks full blocks of token_ids: hashes extended in
     place (pass the list of an earlier call on the same tokens to continue it) and returned."""
     hashes = [] if hashes is None else hashes
-    plain = type(token_ids) is list
-    while len(hashes) < num_blocks:
-        i = len(hashes)
-        start = i * block_size
-        identity = (
-            tuple(token_ids[start : start + block_size])
-            if plain
-            else block_identity(token_ids, start, start + block_size)
-        )
-        hashes.append(hash((hashes[-1] if i else 0, identity)))  # chain_hash, inline
+    first = len(hashes)
+    if first >= num_blocks:
+        return hashes
+    parent = hashes[-1] if first else 0
+    if type(token_ids) is list:
+        for i in range(first, num_blocks):
+            parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))  # chain_hash, inline
+            hashes.append(parent)
+    else:
+        for identity in block_identities(token_ids, block_size, first, num_blocks):
+            parent = hash((parent, identity))
+            hashes.append(parent)
     return hashes

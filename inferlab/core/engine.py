@@ -165,19 +165,33 @@ def rarer_young_collections(threshold: int = 100_000):
 
 
 @contextmanager
-def older_objects_frozen():
+def older_objects_frozen(refreeze: bool = False):
     """Freezes every object the garbage collector tracks for the length of the block, unfreezing
     them after. A full collection walks every tracked object (torch, Triton, compiled graphs), a
     pause long against a step, while the GPU idles, and one came every few bench runs. Inside the
     block, collections walk only what the block creates. Unfrozen after, so cyclic garbage older
-    than the block waits for its end, no longer. A caller's own freeze is theirs to manage."""
+    than the block waits for its end, no longer. A caller's own freeze is theirs to manage.
+
+    refreeze: also freeze what survives each collection of the middle generation, for a block whose
+    objects mostly live on (a simulated run's records, requests and KV books), which full
+    collections would otherwise walk again and again as they grow; its cyclic garbage waits for the
+    block's end too."""
     if gc.get_freeze_count() > FROZEN_AT_IMPORT:
         yield
         return
+
+    def freeze_survivors(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 1:
+            gc.freeze()
+
     try:  # frozen inside the try: an interrupt just after the freeze still unfreezes
         gc.freeze()
+        if refreeze:
+            gc.callbacks.append(freeze_survivors)
         yield
     finally:
+        if freeze_survivors in gc.callbacks:
+            gc.callbacks.remove(freeze_survivors)
         gc.unfreeze()
 
 
@@ -705,10 +719,12 @@ class LLMEngine:
         read, times, bs = run.read_tokens, run.ends, kv.block_size
         computed = [request.num_computed_tokens for request in running]
         # The KV books at the steps that touch them, in the order stepping would: each step
-        # allocates (scheduling) before it commits (advancing), request by request; every request
-        # commits after the first step (whatever it had left uncommitted).
+        # allocates (scheduling) before it commits (advancing), request by request. Everything up
+        # to c was committed by the step before (BlockAligned: a commit that fills no block changes
+        # nothing), so a request commits where its steps fill a block.
         events = []
         finishing = []  # rows that reach max_tokens or max_model_len in the last step
+        first, rest, end = read[0], read[1:], num_steps + 1
         for row, (request, c) in enumerate(zip(running, computed)):
             held = len(kv.block_table(request))
             num_tokens = len(request.token_ids) + num_steps
@@ -716,15 +732,15 @@ class LLMEngine:
                 request.max_model_len is not None and num_tokens >= request.max_model_len
             ):
                 finishing.append(row)
-            events.extend((n, 0, row) for n in range(held * bs - c + 1, num_steps + 1, bs))
-            first_full = bs - c % bs
-            events.extend((n, 1, row) for n in range(first_full, num_steps + 1, bs) if n != 1)
-            events.append((1, 1, row))
+            for n in range(held * bs - c + 1, end, bs):
+                events.append((n, 0, row))
+            for n in range(bs - c % bs, end, bs):
+                events.append((n, 1, row))
             token_ids = request.token_ids
-            token_ids[-1] = read[0]  # the pending step's placeholder
-            token_ids.extend(read[1:])
+            token_ids[-1] = first  # the pending step's placeholder
+            token_ids += rest
             token_ids.append(-(row + 1))  # the last step's placeholder, as advance appends it
-            request.token_times.extend(times)
+            request.token_times += times
         events.sort()
         if finishing:  # they finish in the last step's advance, before it commits
             last = set(finishing)

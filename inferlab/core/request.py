@@ -4,7 +4,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from inferlab.core.blocks import BlockPrompt
+from inferlab.core.blocks import BlockPrompt, block_hashes
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.text import TextStream
 
@@ -65,6 +65,7 @@ class Request:
         "kv_receive",
         "kv_transfer_s",
         "kv_transfer_bytes",
+        "block_names",
     )
 
     def __init__(
@@ -117,6 +118,20 @@ class Request:
         self.kv_receive: KVMove | None = None  # the prompt's K/V comes from kv_receive.sender
         self.kv_transfer_s: float | None = None  # how long its K/V took to move here (disaggregated)
         self.kv_transfer_bytes = 0
+        self.block_names: dict[int, tuple[int, ...]] | None = None  # prompt_block_names' memo, by block size
+
+    def prompt_block_names(self, block_size: int) -> tuple[int, ...]:
+        """The chained names (inferlab.core.blocks) of the prompt's full blocks of block_size tokens,
+        computed once per block size: a router and the KV manager read the same."""
+        memo = self.block_names
+        if memo is None:
+            memo = self.block_names = {}
+        names = memo.get(block_size)
+        if names is None:
+            names = memo[block_size] = tuple(
+                block_hashes(self.token_ids, block_size, self.num_prompt_tokens // block_size)
+            )
+        return names
 
     def __getstate__(self) -> dict:
         # a request travels to another process (a disaggregated replica) without its view, which

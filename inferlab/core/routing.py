@@ -4,19 +4,14 @@ that the cluster keeps current (the router Protocol is inferlab.core.protocols.R
 from collections.abc import Container
 from typing import Protocol
 
-from inferlab.core.blocks import block_hashes
-from inferlab.core.request import ReadOnlyRequest, Request
+from inferlab.core.request import ReadOnlyRequest
 
 
 class RoutedRequest(ReadOnlyRequest):
     """A request as a router sees it, in route() (before any replica holds it) and in observe()
     (once it finished on its replica)."""
 
-    __slots__ = ("_hashes",)
-
-    def __init__(self, request: Request):
-        super().__init__(request)
-        self._hashes: dict[int, tuple[int, ...]] = {}
+    __slots__ = ()
 
     def __repr__(self):
         r = self._request
@@ -42,12 +37,7 @@ class RoutedRequest(ReadOnlyRequest):
         """The chained names (inferlab.core.blocks) of the prompt's full blocks of block_size
         tokens: two prompts share their first k names exactly when they share their first k
         blocks. Computed once per block size."""
-        hashes = self._hashes.get(block_size)
-        if hashes is None:
-            request = self._request
-            names = block_hashes(request.token_ids, block_size, request.num_prompt_tokens // block_size)
-            hashes = self._hashes[block_size] = tuple(names)
-        return hashes
+        return self._request.prompt_block_names(block_size)
 
 
 def cached_prefix_from_names(request: RoutedRequest, block_size: int, cached: Container[int]) -> int:

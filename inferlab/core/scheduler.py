@@ -33,6 +33,7 @@ from typing import TypeVar
 
 from inferlab.core.batch import ScheduledBatch
 from inferlab.core.protocols import (
+    BlockAligned,
     BudgetPolicy,
     KVCacheManager,
     ObservingPolicy,
@@ -81,6 +82,8 @@ class Scheduler:
     ):
         """clock: the engine's time in seconds; decode: token ids to text, for stop strings."""
         self.kv = kv
+        # BlockAligned: a step's commit of a request matters only when it filled a block (0: always asked)
+        self.commit_stride = kv.block_size if isinstance(kv, BlockAligned) and kv.block_aligned else 0
         self.policy = policy
         self.policy_name = policy_name
         self.clock = clock
@@ -389,7 +392,12 @@ class Scheduler:
             if step.blamed and request in step.blamed:
                 i += 1
                 continue
-            num_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.budget, step)
+            if self.budgeted:
+                num_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.budget, step)
+            else:  # _num_new_tokens without a policy to ask: what is left, up to the budget
+                num_tokens = len(request.token_ids) - request.num_computed_tokens
+                if num_tokens > step.budget:
+                    num_tokens = step.budget
             if step.blamed and request in step.blamed:
                 i += 1
                 continue
@@ -610,8 +618,10 @@ class Scheduler:
         """Tells the KV manager what each request of the step computed; one that raises for a
         request does not keep the others from theirs, and the first error is raised after."""
         error = None
-        commit = self.kv.commit
-        for request in batch.requests:
+        commit, stride = self.kv.commit, self.commit_stride
+        for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens):
+            if stride and request.num_computed_tokens // stride == (request.num_computed_tokens - num_tokens) // stride:
+                continue  # no block filled in this step: its commit would change nothing
             if request.status is RUNNING or request.request_id in self.sending:
                 try:
                     commit(request)

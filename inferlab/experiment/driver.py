@@ -114,7 +114,10 @@ def run_workload(
     in_flight: dict[int, tuple[int, Request]] = {}  # engine request id -> (workload index, request)
     steps: list[StepRecord] = []
     step, is_finished, pending = llm.step, llm.is_finished, llm.requests
-    with older_objects_frozen(), rarer_young_collections() if simulated else nullcontext():
+    # a simulation allocates what lives on (records, requests, block books) and little else: its
+    # young objects are collected rarely, and what survives is frozen out of later collections
+    young = rarer_young_collections(1_000_000) if simulated else nullcontext()
+    with older_objects_frozen(refreeze=simulated), young:
         start = clock()
         due = (arrivals + start).tolist()  # arrivals on the engine's clock
         next_index = 0

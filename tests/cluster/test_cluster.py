@@ -144,6 +144,38 @@ def test_routers_see_each_replica_as_of_its_latest_step():
     assert sorted(Recording.ended) == [(a, 0, "length"), (b, 1, "length")]
 
 
+class Checking:
+    """Routes to the least loaded replica, checking at every arrival that each view's queue
+    lengths (kept in the view, LocalReplicaView) are its engine's now, and that views refuse writes."""
+
+    checked = 0
+
+    def route(self, request, replicas, state):
+        for view in replicas:
+            scheduler = view._replica.engine.scheduler
+            assert (view.num_waiting, view.num_running) == (len(scheduler.waiting), len(scheduler.running))
+            with pytest.raises(AttributeError, match="read-only"):
+                view.num_waiting = 0
+        Checking.checked += 1
+        return min(replicas, key=lambda r: (r.num_waiting + r.num_running, r.replica_id))
+
+
+def test_in_process_views_hold_the_queues_as_of_every_arrival():
+    Checking.checked = 0
+    registry = registry_with(checking=Checking)
+    with Cluster(replicas=3, router="checking", registry=registry, **SIM) as cluster:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        for i in range(12):  # arrivals while others wait, run and finish
+            cluster.add_request(list(range(3, 40 + i)), params, arrival_time=0.01 * (i // 3))
+        while not cluster.is_finished():
+            cluster.step(until=1.0)
+        assert cluster.clock() < 1.0  # all idle again, before the time step(until=1.0) promised
+        cluster.add_request(list(range(3, 30)), params, arrival_time=1.0)
+        while not cluster.is_finished():
+            cluster.step()
+    assert Checking.checked == 13
+
+
 def test_abort_before_and_after_routing_and_observe_sees_aborts():
     Recording.seen, Recording.ended = [], []
     with Cluster(replicas=2, router="recording", registry=registry_with(recording=Recording), **SIM) as cluster:

@@ -1,5 +1,7 @@
-"""A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes) give exactly what
-stepping one at a time gives: every request's token ids, token times, TTFT, TPOT, preemptions
+"""A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes), a replica's steps up to
+the next arrival taken in one go (LocalFleet.step), and commits asked only
+of requests that filled a block (Scheduler.commit_stride), give exactly what stepping one at a
+time and committing every request every step gives: every request's token ids, token times, TTFT, TPOT, preemptions
 and cache hits, the replicas' counters and KV books, and the step records."""
 
 import dataclasses
@@ -51,6 +53,9 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
     with Cluster(router=router, **replicas, **settings) as cluster:
         workload = build_workload(bench, cluster.hf_config.vocab_size, cluster.config.max_model_len)
         cluster.fleet.decode_runs = decode_runs
+        if not decode_runs:  # the slow path throughout: every step's commit asked of every request too
+            for engine in cluster.fleet.engines:
+                engine.scheduler.commit_stride = 0
         calls = []
         for engine in cluster.fleet.engines:
             run_decodes = engine.run_decodes

@@ -289,6 +289,22 @@ def test_what_the_interpreter_keeps_frozen_is_not_a_callers_freeze(monkeypatch):
     assert id(startup) in tracked_ids()
 
 
+def test_refreeze_freezes_what_survives_a_middle_collection_and_unfreezes_all_after():
+    """A simulated run's long-lived objects leave the collector's walks after the next collection
+    of the middle generation; nothing stays frozen, and no callback stays, after the block."""
+    callbacks = list(gc.callbacks)
+    with engine.older_objects_frozen(refreeze=True):
+        survivor = [[]]
+        assert id(survivor) in tracked_ids()
+        gc.collect(1)
+        assert id(survivor) not in tracked_ids()
+        later = [[]]
+        gc.collect(0)  # a young collection freezes nothing
+        assert id(later) in tracked_ids()
+    assert id(survivor) in tracked_ids() and id(later) in tracked_ids()
+    assert gc.callbacks == callbacks and gc.get_freeze_count() == engine.FROZEN_AT_IMPORT
+
+
 def test_rarer_young_collections_restores_the_thresholds_even_on_error():
     before = gc.get_threshold()
     with pytest.raises(RuntimeError):

@@ -2,6 +2,7 @@
 
 from itertools import count
 
+from colliding_names import collide_block_names
 from engine_books import assert_kv_books
 
 from inferlab.core.config import EngineConfig
@@ -142,9 +143,7 @@ def test_decode_growth_allocates_one_block_at_a_boundary():
 
 
 def test_collision_is_confirmed_against_tokens(monkeypatch):
-    import inferlab.plugins.kv_cache.paged as paged
-
-    monkeypatch.setattr(paged, "chain_hash", lambda parent, tokens: 42)  # every block collides
+    collide_block_names(monkeypatch, lambda parent, tokens: 42)  # every block collides
     kv = make()
     compute_all(kv, seq_of(range(17)))
     assert kv.num_cached_prefix_tokens(seq_of(range(100, 117))) == 0

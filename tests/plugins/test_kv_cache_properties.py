@@ -5,6 +5,7 @@ labels), also when the chain hash is forced to collide."""
 from collections import Counter
 
 import pytest
+from colliding_names import collide_block_names
 from engine_books import assert_kv_books
 from hypothesis import settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
@@ -53,7 +54,7 @@ class PagedMachine(KVCacheMachine):
 @pytest.mark.parametrize("hash_kind", ["chained", "colliding"])
 def test_paged_kv_cache_state_machine(hash_kind, examples, monkeypatch):
     if hash_kind == "colliding":
-        monkeypatch.setattr(paged, "chain_hash", weak_chain_hash)
+        collide_block_names(monkeypatch, weak_chain_hash)
     PagedMachine.seen.clear()
     run_state_machine_as_test(PagedMachine, settings=settings(max_examples=examples))
     assert PagedMachine.seen["prefix hit"] > 0 and PagedMachine.seen["refused allocate"] > 0
@@ -61,7 +62,7 @@ def test_paged_kv_cache_state_machine(hash_kind, examples, monkeypatch):
 
 def test_colliding_hash_never_serves_another_prefix(monkeypatch):
     """A block equal in tokens but computed after another prefix must not be served."""
-    monkeypatch.setattr(paged, "chain_hash", weak_chain_hash)
+    collide_block_names(monkeypatch, weak_chain_hash)
     kv = paged.PagedKVCache(EngineConfig(kvcache_block_size=2), 8)
     first = Request(0, [1, 1, 0, 0, 1], SamplingParams())
     assert kv.allocate(first, 5)

@@ -11,7 +11,7 @@ manager also records which hashes enter and leave the cache, for a router in ano
 
 from collections import OrderedDict
 
-from inferlab.core.blocks import block_identity, chain_hash
+from inferlab.core.blocks import block_hashes, block_identities, block_identity
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.request import Request
 
@@ -69,11 +69,11 @@ class PagedKVCache:
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """The request's chained block hashes for its first num_blocks full blocks (memoized
         until it is freed)."""
-        hashes = self.hashes.setdefault(request.request_id, [])
-        bs, tokens = self.block_size, request.token_ids
-        while len(hashes) < num_blocks:  # as inferlab.core.blocks.block_hashes names them
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, block_identity(tokens, i * bs, (i + 1) * bs)))
+        hashes = self.hashes.get(request.request_id)
+        if hashes is None:  # the prompt's, as a router may have named them already
+            hashes = self.hashes[request.request_id] = list(request.prompt_block_names(self.block_size))
+        if len(hashes) < num_blocks:
+            block_hashes(request.token_ids, self.block_size, num_blocks, hashes)
         return hashes[:num_blocks]
 
     def _prefix_hits(self, request: Request) -> list[int]:
@@ -123,8 +123,7 @@ class PagedKVCache:
             blocks_needed = -(-num_tokens // bs) - len(table)
             if blocks_needed > self.num_free_blocks:
                 return False
-            for _ in range(blocks_needed):
-                table.append(self._take_free_block())
+            self._take_free_blocks(blocks_needed, table)
             return True
         hits = self._prefix_hits(request)[: num_cached_tokens // bs] if num_cached_tokens else []
         if len(hits) * bs != num_cached_tokens:
@@ -141,19 +140,23 @@ class PagedKVCache:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
         table = list(hits)
-        for _ in range(blocks_needed):
-            table.append(self._take_free_block())
+        self._take_free_blocks(blocks_needed, table)
         self.tables[request.request_id] = table
         self.num_committed[request.request_id] = len(hits)
         self.num_hit_tokens += num_cached_tokens
         self.num_queried_tokens += len(request.token_ids)
         return True
 
-    def _take_free_block(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
-        self._evict(block)
-        self.ref_counts[block] = 1
-        return block
+    def _take_free_blocks(self, num: int, table: list[int]) -> None:
+        """Appends num blocks from the front of the free queue to table, their cached content
+        forgotten (a prompt takes dozens at once)."""
+        take, ref_counts, block_hash = self.free_queue.popitem, self.ref_counts, self.block_hash
+        for _ in range(num):
+            block, _ = take(last=False)
+            if block_hash[block] is not None:
+                self._evict(block)
+            ref_counts[block] = 1
+            table.append(block)
 
     def _evict(self, block: int) -> None:
         """Forgets the cached content of an unreferenced block."""
@@ -177,19 +180,25 @@ class PagedKVCache:
             return
         hashes = self._hashes(request, num_full)
         table, tokens = self.tables[request.request_id], request.token_ids
-        for i in range(start, num_full):
-            block = table[i]
-            if self.block_hash[block] is None:
-                self.block_hash[block] = hashes[i]
-                self.block_tokens[block] = block_identity(tokens, i * bs, (i + 1) * bs)
-                self.block_content_id[block] = self.next_content_id
-                self.block_parent_id[block] = self.block_content_id[table[i - 1]] if i else 0
-                self.next_content_id += 1
-                if hashes[i] not in self.cached:
-                    self.cached[hashes[i]] = block
-                    if self.kv_events is not None:
-                        self.kv_events[hashes[i]] = True
-                self.cache_version += 1
+        block_hash, content_id, cached, events = self.block_hash, self.block_content_id, self.cached, self.kv_events
+        identities = block_identities(tokens, bs, start, num_full)
+        next_id = self.next_content_id
+        try:
+            for i in range(start, num_full):
+                block = table[i]
+                if block_hash[block] is None:
+                    h = block_hash[block] = hashes[i]
+                    self.block_tokens[block] = identities[i - start]
+                    content_id[block] = next_id
+                    self.block_parent_id[block] = content_id[table[i - 1]] if i else 0
+                    next_id += 1
+                    if h not in cached:
+                        cached[h] = block
+                        if events is not None:
+                            events[h] = True
+                    self.cache_version += 1
+        finally:
+            self.next_content_id = next_id
         self.num_committed[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:

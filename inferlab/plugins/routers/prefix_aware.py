@@ -70,6 +70,7 @@ class PrefixAwareRouter:
         self.tree: dict[int, dict[int, float]] = {}  # block name -> {replica_id: last use}
         self.owned: dict[int, OrderedDict] = {}  # replica_id -> its block names, least recently used first
         self.next_eviction = eviction_interval_s
+        self.offered: tuple = ((), [], frozenset())  # (the replicas last offered, their replica_ids, as a set)
 
     def route(self, request, replicas, state):
         if state.now >= self.next_eviction:
@@ -87,7 +88,7 @@ class PrefixAwareRouter:
                 choice = best
             else:
                 owned = self.owned  # the smallest tree, the lowest replica_id among equals (replicas come in its order)
-                sizes = [len(owned.get(r.replica_id, ())) for r in replicas]
+                sizes = [len(owned.get(replica_id, ())) for replica_id in self.offered_ids(replicas)[0]]
                 choice = replicas[sizes.index(min(sizes))]
         self.insert(names, choice.replica_id, state.now)
         return choice
@@ -100,7 +101,7 @@ class PrefixAwareRouter:
     def longest_match(self, names, replicas):
         """(blocks matched, the replica whose tree holds the longest prefix, most recently used
         among equals), or (0, None)."""
-        candidates = {r.replica_id for r in replicas}
+        candidates = self.offered_ids(replicas)[1]
         depth, node = 0, None
         for name in names:
             tenants = self.tree.get(name)
@@ -113,12 +114,27 @@ class PrefixAwareRouter:
         best = max(candidates, key=lambda replica_id: (node[replica_id], -replica_id))
         return depth, next(r for r in replicas if r.replica_id == best)
 
+    def offered_ids(self, replicas) -> tuple[list[int], frozenset[int]]:
+        """The replicas' replica_ids, in order and as a set: read again only when the cluster offers
+        another tuple (it offers one until a replica dies)."""
+        if replicas is not self.offered[0] or type(replicas) is not tuple:
+            ids = [r.replica_id for r in replicas]
+            self.offered = (replicas, ids, frozenset(ids))
+        return self.offered[1], self.offered[2]
+
     def insert(self, names, replica_id: int, now: float) -> None:
         owned = self.owned.setdefault(replica_id, OrderedDict())
+        tree, touch = self.tree, owned.move_to_end
         for name in reversed(names):  # the shortest prefix touched last: the most recently used
-            self.tree.setdefault(name, {})[replica_id] = now
-            owned[name] = None
-            owned.move_to_end(name)
+            tenants = tree.get(name)
+            if tenants is None:
+                tree[name] = {replica_id: now}
+            else:
+                tenants[replica_id] = now
+            if name in owned:
+                touch(name)
+            else:
+                owned[name] = None
 
     def evict(self) -> None:
         for replica_id, owned in self.owned.items():
