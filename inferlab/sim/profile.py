@@ -21,6 +21,9 @@ from inferlab.sim.cost_model import HostLaunchModel, MeasuredCostModel, Roofline
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 FORMAT = 1
+# Fitted measured models by their measurements' text: a fleet's replicas load one profile each, and
+# a fitted model is never changed after its fit.
+_FITTED: dict[tuple[str, str], Any] = {}
 # Devices a roofline profile can be made for without measuring: the middle of the measured machines'
 # rates (BENCHMARKS.md, "The floor") and the card's memory.
 KNOWN_DEVICES = {
@@ -242,11 +245,11 @@ class Profile:
         estimate, or a profile older than host_seconds, whose steps launch in no time)."""
         if self.kind != "measured" or not any(m.get("host_seconds") for m in self.measurements):
             return None
-        return HostLaunchModel(self.measurements)
+        return fitted(HostLaunchModel, self.measurements)
 
     def cost_model(self):
         if self.kind == "measured":
-            return MeasuredCostModel(self.measurements)
+            return fitted(MeasuredCostModel, self.measurements)
         import torch
 
         cost = model_cost(
@@ -295,6 +298,15 @@ def finite_number(value, least: float) -> bool:
 
 def shipped_profiles() -> list[str]:
     return sorted(name[: -len(".json")] for name in os.listdir(PROFILE_DIR) if name.endswith(".json"))
+
+
+def fitted(model, measurements: list[dict]):
+    """model(measurements), fitted once for equal measurements (the key is their text, so a
+    profile whose measurements were changed is fitted again)."""
+    key = (model.__name__, repr(measurements))
+    if key not in _FITTED:
+        _FITTED[key] = model(measurements)
+    return _FITTED[key]
 
 
 def load_profile(name_or_path: str) -> Profile:

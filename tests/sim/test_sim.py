@@ -799,3 +799,17 @@ def test_a_simulated_request_arriving_mid_step_waits_as_on_the_device(overlap):
     # still runs until 40 ms, so its prefill ends at 50 ms, else at 40 ms
     assert second.first_token_s == pytest.approx(0.05 if overlap else 0.04)
     assert second.token_times_s == pytest.approx([second.first_token_s + 0.01 * k for k in range(3)])
+
+
+def test_a_profiles_fits_are_made_once_for_equal_measurements():
+    """A fleet's replicas each load the profile: the fitted models are shared, never fitted again,
+    and measurements that changed are fitted anew."""
+    first, second = load_profile("h200-qwen3-8b-triton"), load_profile("h200-qwen3-8b-triton")
+    assert first is not second
+    assert first.cost_model() is second.cost_model()
+    assert first.host_launch_model() is second.host_launch_model()
+    changed = load_profile("h200-qwen3-8b-triton")
+    changed.measurements = [dict(m, seconds=m["seconds"] * 2) for m in changed.measurements]
+    assert changed.cost_model() is not first.cost_model()
+    shape = StepShape(prefill_tokens=512, prefill_pairs=512 * 513 // 2, prefill_requests=1)
+    assert changed.cost_model()(shape) > first.cost_model()(shape)

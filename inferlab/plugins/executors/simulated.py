@@ -169,7 +169,7 @@ def simulated_checkpoint(
     if model_path is None and options.profile != "roofline":
         profile = load_profile(options.profile)
         config_defaults = registry.model_config_defaults()
-        _, tokenizer = load_checkpoint_files(default_model_path(announce=False), config_defaults)
+        tokenizer = embedded_tokenizer(config_defaults)
         hf_config = profile_model_config(profile, config_defaults)
         fit_model_len(config, hf_config)
         # the "path" a server names the model by: the profiled model's name (older profiles lack one)
@@ -177,6 +177,17 @@ def simulated_checkpoint(
         return profile, Checkpoint(name, hf_config, tokenizer)
     checkpoint = open_checkpoint(config, model_path, registry)
     return load_simulated_profile(options, checkpoint.hf_config, config), checkpoint
+
+
+# The embedded model's tokenizer, read once: a fleet's simulated replicas each take it, and no engine
+# changes its tokenizer.
+_EMBEDDED_TOKENIZER: list = []
+
+
+def embedded_tokenizer(config_defaults: dict[str, dict]):
+    if not _EMBEDDED_TOKENIZER:
+        _EMBEDDED_TOKENIZER.append(load_checkpoint_files(default_model_path(announce=False), config_defaults)[1])
+    return _EMBEDDED_TOKENIZER[0]
 
 
 def profile_model_config(profile: Profile, config_defaults: dict[str, dict]):
