@@ -288,7 +288,9 @@ class Scheduler:
         return SchedulerState(
             now=now,
             step=self.num_steps,
-            running=tuple(r.view for r in self.running if r not in left_out),
+            running=tuple(r.view for r in self.running if r not in left_out)
+            if left_out
+            else tuple(map(VIEW_OF, self.running)),
             num_waiting=len(self.waiting),
             num_free_blocks=self.kv.num_free_blocks,
             num_blocks=self.kv.num_blocks,
@@ -317,8 +319,7 @@ class Scheduler:
         except BaseException:
             self.settle()
             raise
-        kv = self.kv
-        return ScheduledBatch(step.requests, step.counts, [kv.block_table(r) for r in step.requests])
+        return ScheduledBatch(step.requests, step.counts, list(map(self.kv.block_table, step.requests)))
 
     def _token_budget(self, step: "_Step") -> int:
         budget = self._ask("token_budget", self.running, lambda out: self.policy.token_budget(step.state(out)), step)

@@ -58,19 +58,31 @@ class StepShape:
     def of(cls, batch, graphs: GraphLimits | None = None) -> "StepShape":
         """The shape of a ScheduledBatch, read before the step advances its requests; graphs: which
         steps replay CUDA graphs (None: none)."""
+        return cls.sampling(batch, graphs)[0]
+
+    @classmethod
+    def sampling(cls, batch, graphs: GraphLimits | None = None) -> tuple["StepShape", list[int]]:
+        """of()'s shape, and the rows that sample a token in the step (those whose scheduled
+        tokens reach the end of what they hold), in one pass over the batch."""
         graphs = graphs or GraphLimits()
         prefill_tokens = prefill_pairs = prefill_requests = decode_requests = decode_context = 0
         longest_decode = 0
-        for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens):
+        sample_rows = []
+        for row, (request, num_tokens) in enumerate(zip(batch.requests, batch.num_scheduled_tokens)):
             context = request.num_computed_tokens
-            if num_tokens == 1 and context == len(request.token_ids) - 1:
+            remaining = len(request.token_ids) - context
+            if num_tokens == 1 and remaining == 1:
                 decode_requests += 1
                 decode_context += context + 1
-                longest_decode = max(longest_decode, context + 1)
+                if context >= longest_decode:
+                    longest_decode = context + 1
+                sample_rows.append(row)
             else:
                 prefill_requests += 1
                 prefill_tokens += num_tokens
                 prefill_pairs += num_tokens * context + num_tokens * (num_tokens + 1) // 2
+                if num_tokens == remaining:
+                    sample_rows.append(row)
         graph_tokens = 0
         if prefill_tokens:
             tokens = prefill_tokens + decode_requests
@@ -80,9 +92,10 @@ class StepShape:
             graph_tokens = prefill_graph_capacity(tokens, graphs.prefill_tokens) if graph else 0
         else:
             graph = 0 < decode_requests <= graphs.decode_batch
-        return cls(
+        shape = cls(
             prefill_tokens, prefill_pairs, prefill_requests, decode_requests, decode_context, graph, graph_tokens
         )
+        return shape, sample_rows
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

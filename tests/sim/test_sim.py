@@ -232,6 +232,11 @@ def test_which_steps_replay_graphs():
     assert StepShape.of(batch((0, 60, 100), (20, 1, 21)), limits).graph_tokens == 64
     assert StepShape.of(batch((0, 2100, 3000)), GraphLimits(prefill_tokens=8192)).graph_tokens == 2304
     assert StepShape.of(batch((0, 64, 100), (20, 1, 21)), limits).graph_tokens == 0  # eager
+    # the rows that sample: decodes, and the chunks that reach the end of what their request holds
+    mixed = batch((10, 1, 11), (0, 30, 100), (70, 30, 100), (999, 1, 1000), (0, 1, 2))
+    shape, sample_rows = StepShape.sampling(mixed, limits)
+    assert shape == StepShape.of(mixed, limits)
+    assert (shape.decode_requests, shape.prefill_requests, sample_rows) == (2, 3, [0, 2, 3])
 
 
 def test_nonnegative_least_squares_drops_negative_costs():

@@ -322,13 +322,8 @@ class SimulatedRunner:
         eager step's kernels run as they are launched, so it starts at once but ends no earlier
         than its launch. Back to back, a device step longer than the next launch hides that
         launch; a step onto an idle device waits for its own."""
-        shape = StepShape.of(batch, self.graph_limits)
+        shape, sample_rows = StepShape.sampling(batch, self.graph_limits)
         requests = batch.requests
-        sample_rows = [
-            row
-            for row, (request, num_tokens) in enumerate(zip(requests, batch.num_scheduled_tokens))
-            if request.num_computed_tokens + num_tokens == len(request.token_ids)
-        ]
         rows = [requests[row].request_id for row in sample_rows]
         token = self._launched(shape, len(requests), rows)
         return SimulatedStep(len(requests), sample_rows, token, self.clock, self.device_free_at)

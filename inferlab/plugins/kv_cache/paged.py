@@ -153,8 +153,15 @@ class PagedKVCache:
         take, ref_counts, block_hash = self.free_queue.popitem, self.ref_counts, self.block_hash
         for _ in range(num):
             block, _ = take(last=False)
-            if block_hash[block] is not None:
-                self._evict(block)
+            h = block_hash[block]
+            if h is not None:  # _evict(block), inlined: most blocks a prompt takes hold cached content
+                self.cache_version += 1
+                if self.cached.get(h) == block:
+                    del self.cached[h]
+                    if self.kv_events is not None:
+                        self.kv_events[h] = False
+                block_hash[block] = self.block_tokens[block] = None
+                self.block_content_id[block] = self.block_parent_id[block] = 0
             ref_counts[block] = 1
             table.append(block)
 
