@@ -256,7 +256,9 @@ class LocalFleet:
             spans = engine.run_decodes(until)
             if spans:
                 output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
-                steps += [(replica, output, start, end) for start, end in spans]
+                finished = engine.take_finished()  # the first step read their last tokens
+                steps.append((replica, StepOutput(finished, 0, num, num) if finished else output, *spans[0]))
+                steps += [(replica, output, start, end) for start, end in spans[1:]]
             else:
                 start = engine.clock()
                 output = engine.step()

@@ -626,8 +626,9 @@ class LLMEngine:
 
         Nothing can change a step when: the runner times decode runs (DecodeRuns) on a virtual
         clock and the KV manager is BlockAligned; the steps overlap and the step launched last
-        computed the running requests' last tokens, in order; nothing waits, and nothing is left to
-        report or free, and no K/V moves to or from it (disaggregated); the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
+        computed the running requests' last tokens, in order (and those of requests it finished at
+        their length, which the run's first step reads and reports: take_finished); nothing
+        waits, and nothing is left to report or free, and no K/V moves to or from it (disaggregated); the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
         no request reads logprobs, has a constraint, stop strings or stop ids, or could sample EOS
         without ignoring it; and none reaches max_tokens or max_model_len, nor needs more blocks
         than are free, within the run. The caller promises that no request is queued before
@@ -663,28 +664,42 @@ class LLMEngine:
         ):
             return 0
         running, (appended, _) = scheduler.running, pending
-        if not running or len(running) > scheduler.max_num_batched_tokens or len(appended) != len(running):
+        num_running = len(running)
+        if not running or num_running > scheduler.max_num_batched_tokens or len(appended) < num_running:
             return 0
         sampled = self.runner.sampled_token_ids
         kv = self.kv_manager
         bs, free = kv.block_size, kv.num_free_blocks
         steps = math.inf
         books = []  # (tokens computed, blocks held) of each request
-        for row, request in enumerate(running):
+        # The pending step's tokens: one for each running request, in order, and one for each
+        # request that step finished at its length (the run's first step reports those).
+        row = 0
+        for i, entry in enumerate(appended):
+            request = entry[0]
             num_tokens = len(request.token_ids)
-            entry = appended[row]
             params = request.params
             if (
-                entry[0] is not request
-                or entry[1] != row
+                entry[1] != i
                 or entry[2] != num_tokens - 1
-                or request.status is not RequestStatus.RUNNING
-                or request.num_computed_tokens != num_tokens - 1
                 or request.error is not None
                 or params.stop
                 or params.stop_token_ids
                 or (not params.ignore_eos and request.eos_token_id in sampled)
             ):
+                return 0
+            if row < num_running and request is running[row]:
+                if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != num_tokens - 1:
+                    return 0
+                row += 1
+            elif (
+                request.status is RequestStatus.FINISHED
+                and request.finish_reason == "length"
+                and not request.reported
+                and len(request.token_times) == num_tokens - 1 - request.num_prompt_tokens
+            ):
+                continue
+            else:
                 return 0
             # step n appends the request's (num_tokens + n)th token; the step that reaches a limit
             # finishes it, and ends the run (the next step reports it)
@@ -692,7 +707,7 @@ class LLMEngine:
             if request.max_model_len is not None:
                 steps = min(steps, request.max_model_len - num_tokens)
             books.append((request.num_computed_tokens, len(kv.block_table(request))))
-        if steps <= 0:
+        if steps <= 0 or row != num_running:
             return 0
 
         def blocks_needed(n: int) -> int:  # step n computes token c + n - 1 of each request, in block (c + n - 1) // bs
@@ -742,6 +757,15 @@ class LLMEngine:
             token_ids.append(-(row + 1))  # the last step's placeholder, as advance appends it
             request.token_times += times
         events.sort()
+        if len(self.pending[0]) != len(
+            running
+        ):  # the pending step finished some: the first step resolves and reports them
+            ended = [entry[0] for entry in self.pending[0] if entry[0].status is RequestStatus.FINISHED]
+            for request in ended:
+                request.token_ids[-1] = first
+                request.reported = True
+                request.token_times.append(times[0])
+            self.unreported = ended
         if finishing:  # they finish in the last step's advance, before it commits
             last = set(finishing)
             events = [e for e in events if not (e[1] and e[0] == num_steps and e[2] in last)]
@@ -876,6 +900,12 @@ class LLMEngine:
                 self.scheduler.finish(request, done)
             elif done == "error" or request.finish_reason == "length":
                 request.finish_reason = done  # finished at max_tokens by the token that completes it
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since a step last reported them: those whose last token the first
+        step of a run_decodes read (a step would have reported them)."""
+        with self.lock:
+            return self._take_finished()
 
     def _take_finished(self) -> list[Request]:
         """The requests finished since they were last reported, which stop being pending; those

@@ -1,6 +1,7 @@
 """A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes), a replica's steps up to
-the next arrival taken in one go (LocalFleet.step), and commits asked only
-of requests that filled a block (Scheduler.commit_stride), give exactly what stepping one at a
+the next arrival taken in one go (LocalFleet.step), commits asked only
+of requests that filled a block (Scheduler.commit_stride), and runs that read and report the
+requests the step before them finished at their length, give exactly what stepping one at a
 time and committing every request every step gives: every request's token ids, token times, TTFT, TPOT, preemptions
 and cache hits, the replicas' counters and KV books, and the step records."""
 
@@ -56,10 +57,11 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
         if not decode_runs:  # the slow path throughout: every step's commit asked of every request too
             for engine in cluster.fleet.engines:
                 engine.scheduler.commit_stride = 0
-        calls = []
+        calls, reported = [], []  # each run's steps; the requests a run's first step reported
         for engine in cluster.fleet.engines:
-            run_decodes = engine.run_decodes
+            run_decodes, take_finished = engine.run_decodes, engine.take_finished
             engine.run_decodes = lambda until, f=run_decodes: calls.append(f(until)) or calls[-1]
+            engine.take_finished = lambda f=take_finished: counted(f(), reported)
         run = run_workload(cluster, workload.requests, workload.sampling_params(bench))
         kv = [
             (dict(e.kv_manager.cached), list(e.kv_manager.free_queue), e.kv_manager.prefix_cache_stats())
@@ -68,7 +70,14 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
         stats = [dataclasses.replace(s, wait_seconds=0.0) for s in cluster.fleet.replica_stats()]
         runners = [(e.runner.num_steps, e.runner.simulated_seconds) for e in cluster.fleet.engines]
         fast_steps = sum(len(spans) for spans in calls)
+    if decode_runs and not split:  # requests a step finished at their length: the run after it reported them
+        assert reported
     return run, kv, stats, runners, fast_steps
+
+
+def counted(finished: list, reported: list) -> list:
+    reported += finished
+    return finished
 
 
 @pytest.mark.parametrize(
