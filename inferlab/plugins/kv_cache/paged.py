@@ -151,19 +151,25 @@ class PagedKVCache:
         """Appends num blocks from the front of the free queue to table, their cached content
         forgotten (a prompt takes dozens at once)."""
         take, ref_counts, block_hash = self.free_queue.popitem, self.ref_counts, self.block_hash
-        for _ in range(num):
-            block, _ = take(last=False)
-            h = block_hash[block]
-            if h is not None:  # _evict(block), inlined: most blocks a prompt takes hold cached content
-                self.cache_version += 1
-                if self.cached.get(h) == block:
-                    del self.cached[h]
-                    if self.kv_events is not None:
-                        self.kv_events[h] = False
-                block_hash[block] = self.block_tokens[block] = None
-                self.block_content_id[block] = self.block_parent_id[block] = 0
-            ref_counts[block] = 1
-            table.append(block)
+        cached, events, block_tokens = self.cached, self.kv_events, self.block_tokens
+        content_id, parent_id = self.block_content_id, self.block_parent_id
+        forgotten = 0
+        try:
+            for _ in range(num):
+                block, _ = take(last=False)
+                h = block_hash[block]
+                if h is not None:  # _evict(block), inlined: most blocks a prompt takes hold cached content
+                    forgotten += 1
+                    if cached.get(h) == block:
+                        del cached[h]
+                        if events is not None:
+                            events[h] = False
+                    block_hash[block] = block_tokens[block] = None
+                    content_id[block] = parent_id[block] = 0
+                ref_counts[block] = 1
+                table.append(block)
+        finally:
+            self.cache_version += forgotten
 
     def _evict(self, block: int) -> None:
         """Forgets the cached content of an unreferenced block."""
