@@ -95,6 +95,7 @@ def register_executors(register):
     and bounds a workload by), SimulatedDevice (modeled step times: what stood in for the device), VirtualTime (its clock is a
     simulation's own, so that a cluster runs such replicas in the order of their clocks),
     DecodeRuns (times a run of decode steps of one batch at once, for a simulated fleet),
+    SharedDevice (replicas placed on one GPU queue their steps on one time-sliced device),
     SamplesLogits (its sampler, whose capabilities decide what requests may ask beyond plain
     sampling; its launch then returns a LogprobsStepHandle, whose logprobs() the engine reads),
     KVBlockStore (its KV blocks read and written as data: kv_transfer=local and distributed move
