@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from colliding_names import collide_block_names
 from hypothesis import settings
 from hypothesis_profiles import QUICK_EXAMPLES
 
@@ -158,9 +159,7 @@ class TestFCFSWithCollidingHashes(SchedulerPolicySuite):
 
     @pytest.fixture(autouse=True)
     def colliding_hashes(self, monkeypatch):
-        from inferlab.plugins.kv_cache import paged
-
-        monkeypatch.setattr(paged, "chain_hash", lambda parent, tokens: sum(tokens) % 3)
+        collide_block_names(monkeypatch, lambda parent, identity: hash(identity) % 3)
 
     def test_serves_an_engine(self):
         """The engine run is the same as TestFCFS's."""
