@@ -365,6 +365,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-device-events", dest="device_events", action="store_false", help="no CUDA events")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
+    if args.analyze:  # reads a call's files and writes nothing
+        return print(analyze(args.analyze, args.profile))
     started = time.monotonic()
     deadline = started + args.budget_s
     os.makedirs(args.out, exist_ok=True)
@@ -376,8 +378,6 @@ def main(argv=None) -> None:
         log_file.write(line + "\n")
         log_file.flush()
 
-    if args.analyze:
-        return print(analyze(args.analyze, args.profile))
     if args.real_from:
         return resimulate(args, log)
     args.lengths = {}

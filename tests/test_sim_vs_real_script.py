@@ -53,9 +53,18 @@ def test_the_sim_vs_real_script_runs_on_the_cpu(tmp_path):
         assert len(sim["start_s"]) == workloads[name]["sim"]["num_steps"]
     analysis = (tmp_path / "analysis.md").read_text()
     assert "## 0.6b, poisson 40/s" in analysis and "| #1 |" in analysis and "| batch |" in analysis
-    done = subprocess.run([*command[:2], "--analyze", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    done = subprocess.run(
+        [command[0], os.path.abspath(command[1]), "--analyze", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=elsewhere,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == analysis.strip()
+    assert list(elsewhere.iterdir()) == []  # --analyze writes nothing (it made ./sim-vs-real/ once)
 
     # --real-from: the simulations alone against that call's real runs give the same figures
     again = tmp_path / "again"
