@@ -39,6 +39,16 @@ def descendants() -> set[int]:
     return mine
 
 
+def assert_closed_leaving_nothing(cluster, before: set[int]) -> None:
+    """close() shuts Ray down, and within a minute no process it started (beyond `before`) lives."""
+    cluster.close()
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 60
+    while descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not descendants() - before, "processes Ray started are still alive after close()"
+
+
 def test_close_shuts_ray_down_and_leaves_no_process():
     """Run first in this file: the cluster starts Ray itself, so close() stops it."""
     assert not ray.is_initialized()
@@ -47,12 +57,7 @@ def test_close_shuts_ray_down_and_leaves_no_process():
     assert ray.is_initialized() and descendants() - before
     outputs = cluster.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False)
     assert [len(o["token_ids"]) for o in outputs] == [4, 4]
-    cluster.close()
-    assert not ray.is_initialized()
-    deadline = time.monotonic() + 60
-    while descendants() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not descendants() - before, "processes Ray started are still alive after close()"
+    assert_closed_leaving_nothing(cluster, before)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from inferlab import LLM, Cluster, SamplingParams
 from inferlab.conf import compose
 from inferlab.experiment.bench import run_bench
-from tests.cluster.test_cluster_ray import descendants
+from tests.cluster.test_cluster_ray import assert_closed_leaving_nothing, descendants
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -63,12 +63,7 @@ def test_one_prefill_and_one_decode_actor_equal_one_engine_and_close_leaves_no_p
     assert all_blocks_free(cluster, 0) and all_blocks_free(cluster, 1)
     stats = cluster.stats
     assert stats.kv_bytes_sent == stats.kv_bytes_received > 0 and stats.num_failed_kv_transfers == 0
-    cluster.close()
-    assert not ray.is_initialized()
-    deadline = time.monotonic() + 60
-    while descendants() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not descendants() - before, "processes Ray started are still alive after close()"
+    assert_closed_leaving_nothing(cluster, before)
 
 
 def test_a_decode_actor_killed_mid_move_fails_its_request_naming_both_and_the_others_go_on():
