@@ -551,8 +551,10 @@ class BlockAligned(Protocol):
     """Optional KV manager capability: with block_aligned True, allocate for tokens that fit in the
     blocks a request holds changes nothing (and returns True), and commit changes something only
     when request.num_computed_tokens has reached a multiple of block_size since the last commit, so
-    that a run of decode steps (DecodeRuns) calls them only at block boundaries, and the core
-    scheduler commits after a step only the requests whose step filled a block."""
+    that a run of decode steps (DecodeRuns) calls them only at block boundaries, the core
+    scheduler allocates for a running request only when its new tokens go past the block of its
+    last computed token (which it holds), and commits after a step only the requests whose step
+    filled a block."""
 
     block_aligned: bool
 

@@ -387,6 +387,9 @@ class Scheduler:
         # The hot loop of every decode step: one pass over the running requests, in admission order.
         running, allocate = self.running, self.kv.allocate
         requests, counts = step.requests, step.counts
+        # BlockAligned: tokens that stay inside the block holding the request's last computed one
+        # need no allocate call (it would change nothing): most decode rows
+        stride = self.commit_stride
         i = 0
         while i < len(running) and step.budget > 0:
             request = running[i]
@@ -402,6 +405,14 @@ class Scheduler:
             if step.blamed and request in step.blamed:
                 i += 1
                 continue
+            if stride:
+                offset = request.num_computed_tokens % stride
+                if offset and offset + num_tokens <= stride:
+                    requests.append(request)
+                    counts.append(num_tokens)
+                    step.budget -= num_tokens
+                    i += 1
+                    continue
             while not allocate(request, num_tokens):
                 victim = self._victim(step)
                 if victim is None or request in step.blamed:
@@ -590,40 +601,47 @@ class Scheduler:
         `appended` when given, filled as the tokens are appended (so that a caller holding it
         can resolve what was appended before an exception)."""
         appended = [] if appended is None else appended
+        # BlockAligned: a request's commit changes something only when its step filled a block
+        stride = self.commit_stride
+        filled = []  # the step's requests whose commit is asked, in row order
         try:
             for row, (request, num_tokens, token) in enumerate(
                 zip(batch.requests, batch.num_scheduled_tokens, sampled)
             ):
                 if request.status is not RUNNING:  # finished (aborted, a stop) while its step ran
+                    if not stride or request.num_computed_tokens % stride < num_tokens:
+                        filled.append(request)
                     continue
-                request.num_computed_tokens += num_tokens
+                computed = request.num_computed_tokens = request.num_computed_tokens + num_tokens
+                if not stride or computed % stride < num_tokens:
+                    filled.append(request)
                 if token is None:
                     continue
                 token_ids = request.token_ids
                 appended.append((request, row, len(token_ids)))
                 token_ids.append(token)
-                if len(token_ids) - request.num_prompt_tokens >= request.params.max_tokens or (
-                    request.max_model_len is not None and len(token_ids) >= request.max_model_len
+                length = len(token_ids)
+                if length - request.num_prompt_tokens >= request.params.max_tokens or (
+                    request.max_model_len is not None and length >= request.max_model_len
                 ):
                     self._finish(request, "length")  # reported by resolve, once its token is known
                 elif request.kv_send is not None:
                     self._hold_for_sending(request)
-            self._commit(batch)
+            self._commit(filled)
             self.release()
         except BaseException:
             self.settle()
             raise
         return appended
 
-    def _commit(self, batch: ScheduledBatch) -> None:
-        """Tells the KV manager what each request of the step computed; one that raises for a
-        request does not keep the others from theirs, and the first error is raised after."""
+    def _commit(self, filled: list[Request]) -> None:
+        """Tells the KV manager what each request of the step whose commit is asked computed (those
+        still running or sending, as they stand after advancing); one that raises for a request
+        does not keep the others from theirs, and the first error is raised after."""
         error = None
-        commit, stride = self.kv.commit, self.commit_stride
-        for request, num_tokens in zip(batch.requests, batch.num_scheduled_tokens):
-            if stride and request.num_computed_tokens // stride == (request.num_computed_tokens - num_tokens) // stride:
-                continue  # no block filled in this step: its commit would change nothing
-            if request.status is RUNNING or request.request_id in self.sending:
+        commit, sending = self.kv.commit, self.sending
+        for request in filled:
+            if request.status is RUNNING or request.request_id in sending:
                 try:
                     commit(request)
                 except Exception as e:

@@ -1,8 +1,9 @@
 """A simulated fleet's runs of decode steps at once (LLMEngine.run_decodes), a replica's steps up to
 the next arrival taken in one go (LocalFleet.step), commits asked only
-of requests that filled a block (Scheduler.commit_stride), and runs that read and report the
+of requests that filled a block and allocations only of those going past their last computed
+token's block (Scheduler.commit_stride), and runs that read and report the
 requests the step before them finished at their length, give exactly what stepping one at a
-time and committing every request every step gives: every request's token ids, token times, TTFT, TPOT, preemptions
+time, allocating and committing every request every step gives: every request's token ids, token times, TTFT, TPOT, preemptions
 and cache hits, the replicas' counters and KV books, and the step records."""
 
 import dataclasses
@@ -54,7 +55,7 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
     with Cluster(router=router, **replicas, **settings) as cluster:
         workload = build_workload(bench, cluster.hf_config.vocab_size, cluster.config.max_model_len)
         cluster.fleet.decode_runs = decode_runs
-        if not decode_runs:  # the slow path throughout: every step's commit asked of every request too
+        if not decode_runs:  # the slow path throughout: every step's allocate and commit asked of every request too
             for engine in cluster.fleet.engines:
                 engine.scheduler.commit_stride = 0
         calls, reported = [], []  # each run's steps; the requests a run's first step reported

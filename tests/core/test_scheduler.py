@@ -278,3 +278,41 @@ def test_views_are_read_only():
         view.priority = 0
     with pytest.raises(TypeError):
         view.metadata["tenant"] = "b"
+
+
+def test_a_block_aligned_manager_is_asked_to_allocate_and_commit_only_where_a_row_leaves_or_fills_a_block():
+    """With a BlockAligned KV manager, a running request whose new tokens stay in the block of its
+    last computed token is not asked to allocate (the call would change nothing), and a commit is
+    asked only of a request whose step filled a block; the books are those of asking every time."""
+    books = []
+    for stride in (BS, 0):  # 0: every request asked every step
+        scheduler, kv, _ = make(num_blocks=16)
+        scheduler.commit_stride = stride
+        calls = {"allocate": [], "commit": []}
+        kv.allocate, kv.commit = counted(kv.allocate, calls["allocate"]), counted(kv.commit, calls["commit"])
+        requests = [request(i, range(n), max_tokens=40, ignore_eos=True) for i, n in ((0, 20), (1, 30))]
+        for r in requests:
+            scheduler.add(r)
+        for _ in range(30):
+            step(scheduler)
+        books.append(([(r.token_ids, r.num_computed_tokens) for r in requests], dict(kv.tables), dict(kv.cached)))
+        # the prompts (20 and 30 tokens) are computed in the first step, then each step computes one token a
+        # request: the one at c computed goes past its block where c is a multiple of BS, fills one where c + 1 is
+        decodes = [(i, c) for k in range(29) for i, c in ((0, 20 + k), (1, 30 + k))]
+        if stride:
+            assert calls["allocate"] == [(0, 0), (1, 0)] + [(i, c) for i, c in decodes if c % BS == 0]
+            assert calls["commit"] == [(0, 20), (1, 30)] + [(i, c + 1) for i, c in decodes if (c + 1) % BS == 0]
+        else:
+            assert calls["allocate"] == [(0, 0), (1, 0), *decodes]
+            assert calls["commit"] == [(0, 20), (1, 30)] + [(i, c + 1) for i, c in decodes]
+    assert books[0] == books[1]
+
+
+def counted(method, calls: list):
+    """method, listing (request id, tokens computed) of each call's request first."""
+
+    def call(request, *args):
+        calls.append((request.request_id, request.num_computed_tokens))
+        return method(request, *args)
+
+    return call

@@ -514,13 +514,19 @@ class SimulatedStep:
     def tokens(self) -> list[int | None]:
         """The step's tokens, once the virtual device has run it."""
         self.clock.advance_to(self.ends_at)
-        out: list[int | None] = [None] * self.num_rows
-        for row in self.sample_rows:
+        num_rows, sample_rows = self.num_rows, self.sample_rows
+        if len(sample_rows) == num_rows:  # every row samples (the rows are distinct, in order)
+            return [self.token] * num_rows
+        out: list[int | None] = [None] * num_rows
+        for row in sample_rows:
             out[row] = self.token
         return out
 
     def placeholders(self) -> list[int | None]:
-        out: list[int | None] = [None] * self.num_rows
-        for k, row in enumerate(self.sample_rows):
+        num_rows, sample_rows = self.num_rows, self.sample_rows
+        if len(sample_rows) == num_rows:
+            return list(range(-1, -num_rows - 1, -1))
+        out: list[int | None] = [None] * num_rows
+        for k, row in enumerate(sample_rows):
             out[row] = -(k + 1)
         return out
