@@ -26,7 +26,7 @@ class Spinner:
 
         self.torch = torch
         self.cuda = torch.cuda.is_available()
-        self.cycles_per_s = self._cycles_per_second() if self.cuda else None
+        self.matrices: dict[float, tuple] = {}  # kernel length -> (a, out): a @ a of about that length
 
     def where(self) -> dict:
         """What this actor sees: its process, the GPUs Ray gave it, and the device."""
@@ -34,16 +34,32 @@ class Spinner:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         return {"pid": os.getpid(), "CUDA_VISIBLE_DEVICES": visible, "cuda": self.cuda, "device": device}
 
-    def _cycles_per_second(self) -> float:
-        """The rate at which torch.cuda._sleep spins, timed alone (the second try, warm)."""
-        torch = self.torch
-        for _ in range(2):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-        return 10_000_000 / (start.elapsed_time(end) / 1000)
+    def _matrix(self, duration_s: float) -> tuple:
+        """A square bf16 matrix whose product with itself takes about duration_s alone, and the
+        product's buffer. A kernel of fixed work, unlike torch.cuda._sleep, which spins on the SM
+        clock: that clock runs on while its context is switched out, so a sliced sleep kernel still
+        ends on time and slicing of kernels longer than a slice goes unseen."""
+        if duration_s not in self.matrices:
+            torch = self.torch
+            n, pair = 256, None
+            while n <= 16384:
+                a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty_like(a)
+                torch.mm(a, a, out=out)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(5):
+                    torch.mm(a, a, out=out)
+                end.record()
+                end.synchronize()
+                pair = (a, out)
+                # work grows as n**3: the size that lands on duration_s, rounded to 128
+                seconds = start.elapsed_time(end) / 1000 / 5
+                if seconds >= duration_s or n == 16384:
+                    break
+                n = min(16384, max(n + 128, int((duration_s / seconds) ** (1 / 3) * n) // 128 * 128))
+            self.matrices[duration_s] = pair
+        return self.matrices[duration_s]
 
     def spin(self, duration_s: float, seconds: float, start_at: float) -> list[float]:
         """Kernels of duration_s back to back for about `seconds` from start_at (perf_counter's
@@ -60,14 +76,14 @@ class Spinner:
                 ends.append(perf_counter())
             return ends
         torch = self.torch
-        cycles = int(duration_s * self.cycles_per_s)
+        a, out = self._matrix(duration_s)
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
         origin.synchronize()
         at = perf_counter()
         events = []
         for _ in range(num):
-            torch.cuda._sleep(cycles)
+            torch.mm(a, a, out=out)
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
         torch.cuda.synchronize()
