@@ -627,8 +627,12 @@ class LLMEngine:
         Nothing can change a step when: the runner times decode runs (DecodeRuns) on a virtual
         clock and the KV manager is BlockAligned; the steps overlap and the step launched last
         computed the running requests' last tokens, in order (and those of requests it finished at
-        their length, which the run's first step reads and reports: take_finished); nothing
-        waits, and nothing is left to report or free, and no K/V moves to or from it (disaggregated); the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
+        their length, which the run's first step reads and reports: take_finished); no step could
+        admit a waiting request (none waits; or every sequence slot is taken, or the decodes take
+        the whole token budget; or the policy is a PureAdmissionOrder and not a PreemptivePolicy,
+        and no waiting request fits in the free blocks, see _steps_admitting_nothing); nothing is
+        left to report or free, and no K/V moves to or from it (disaggregated); the policy is asked
+        nothing else each step (no BudgetPolicy, ObservingPolicy);
         no request reads logprobs, has a constraint, stop strings or stop ids, or could sample EOS
         without ignoring it; and none reaches max_tokens or max_model_len, nor needs more blocks
         than are free, within the run. The caller promises that no request is queued before
@@ -647,10 +651,10 @@ class LLMEngine:
     def _decode_run_length(self) -> int:
         """How many decode steps of the running requests nothing can change (0: not such a step)."""
         scheduler, pending = self.scheduler, self.pending
+        waiting = scheduler.waiting
         if (
             pending is None
             or not self.overlap
-            or scheduler.waiting
             or scheduler.receiving  # a move that ends mid-run would change the running requests
             or scheduler.sending
             or scheduler.to_free
@@ -666,6 +670,15 @@ class LLMEngine:
         running, (appended, _) = scheduler.running, pending
         num_running = len(running)
         if not running or num_running > scheduler.max_num_batched_tokens or len(appended) < num_running:
+            return 0
+        # whether each step of the run would ask the policy to admit a waiting request (as schedule
+        # does: room left in the token budget, and a free sequence slot or a policy that preempts)
+        asks = (
+            waiting
+            and num_running < scheduler.max_num_batched_tokens
+            and (num_running < scheduler.max_num_seqs or scheduler.preemptive)
+        )
+        if asks and (scheduler.preemptive or not scheduler.pure_admission_order):
             return 0
         sampled = self.runner.sampled_token_ids
         kv = self.kv_manager
@@ -709,6 +722,10 @@ class LLMEngine:
             books.append((request.num_computed_tokens, len(kv.block_table(request))))
         if steps <= 0 or row != num_running:
             return 0
+        if asks:
+            steps = self._steps_admitting_nothing(steps)
+            if steps <= 0:
+                return 0
 
         def blocks_needed(n: int) -> int:  # step n computes token c + n - 1 of each request, in block (c + n - 1) // bs
             return sum(max(0, -(-(c + n) // bs) - held) for c, held in books)
@@ -722,6 +739,42 @@ class LLMEngine:
                 else:
                     high = middle - 1
             steps = low
+        return steps
+
+    def _steps_admitting_nothing(self, steps: int) -> int:
+        """How many of a run's first `steps` steps admit no waiting request, whatever order a
+        PureAdmissionOrder policy gives them in (0: one might be admitted now).
+
+        A waiting request holds no blocks; admitted with c tokens cached (a multiple of the block
+        size), it takes the free blocks past them that its first chunk (at most the budget the
+        decodes leave; kv_receive: its whole prompt) fills, and more for cached blocks nobody holds.
+        Through the run the free blocks only dwindle (the decodes take some, and nothing finishes
+        before its last step), and the blocks they take can only evict a cached prefix, which
+        leaves more to take. Only a block the decodes commit can make a cached prefix longer: where
+        that could let a request fit, the run ends with the first step that commits a block (the
+        next run asks again)."""
+        scheduler, kv = self.scheduler, self.kv_manager
+        bs, free = kv.block_size, kv.num_free_blocks
+        budget = scheduler.max_num_batched_tokens - len(scheduler.running)
+        cached_longer_fits = False
+        for request in scheduler.waiting:
+            num_tokens = len(request.token_ids)
+            if request.prompt_logprobs is None:
+                cached = kv.num_cached_prefix_tokens(request)
+                most = (num_tokens - 1) // bs * bs  # the most the cache could ever serve of it
+            else:  # every prompt token's logits are computed: nothing comes from the cache
+                cached = most = 0
+            if request.kv_receive is not None:
+                end = -(-request.num_prompt_tokens // bs)
+                if end - cached // bs <= free:
+                    return 0
+                cached_longer_fits = cached_longer_fits or end - most // bs <= free
+            else:
+                if -(-min(num_tokens, cached + budget) // bs) - cached // bs <= free:
+                    return 0
+                cached_longer_fits = cached_longer_fits or -(-min(num_tokens, most + budget) // bs) - most // bs <= free
+        if cached_longer_fits:  # step n commits the block a request fills with its (c + n)th token
+            steps = min(steps, min(bs - request.num_computed_tokens % bs for request in scheduler.running))
         return steps
 
     def _run_decodes(self, until: float, max_steps: int) -> list[tuple[float, float]]:

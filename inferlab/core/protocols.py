@@ -148,6 +148,18 @@ class ObservingPolicy(Protocol):
 
 
 @runtime_checkable
+class PureAdmissionOrder(Protocol):
+    """Optional policy capability: with admission_order_is_pure True, admission_order only reads its
+    arguments, changes nothing (it keeps no state that its calls change) and raises for no input, so
+    that a simulation may skip asking it in steps where no order it could return admits anything: a
+    replica of a simulated fleet then runs decode steps at once while requests wait that its KV cache
+    cannot take (LLMEngine.run_decodes). Without it, the policy is asked in every step it would be
+    asked in, and such steps run one at a time."""
+
+    admission_order_is_pure: bool
+
+
+@runtime_checkable
 class ReadsMetadata(Protocol):
     """Optional policy capability: the request metadata fields the policy reads, each with the
     type (or tuple of types) its value must have, e.g. `metadata_fields = {"deadline": (int,

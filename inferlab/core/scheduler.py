@@ -38,6 +38,7 @@ from inferlab.core.protocols import (
     KVCacheManager,
     ObservingPolicy,
     PreemptivePolicy,
+    PureAdmissionOrder,
     ReadsMetadata,
     SchedulerPolicy,
     SchedulerState,
@@ -93,6 +94,8 @@ class Scheduler:
         self.preemptive = isinstance(policy, PreemptivePolicy)
         self.budgeted = isinstance(policy, BudgetPolicy)
         self.observing = isinstance(policy, ObservingPolicy)
+        # whether a step may go unscheduled where admission_order could admit nothing (a run of decode steps)
+        self.pure_admission_order = isinstance(policy, PureAdmissionOrder) and bool(policy.admission_order_is_pure)
         self.metadata_fields = declared_metadata_fields(policy, policy_name)
         self.waiting: deque[Request] = deque()  # arrival order, preempted requests in front
         # The waiting requests' views as the policy is given them, kept while the queue does not

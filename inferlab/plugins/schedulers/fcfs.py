@@ -6,6 +6,8 @@ from inferlab.core.hookspecs import hookimpl
 
 
 class FCFSPolicy:
+    admission_order_is_pure = True  # inferlab.core.protocols.PureAdmissionOrder: it reads its arguments only
+
     def admission_order(self, waiting, state):
         return waiting
 

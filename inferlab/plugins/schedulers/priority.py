@@ -11,6 +11,8 @@ def rank(view):
 
 
 class PriorityPolicy:
+    admission_order_is_pure = True  # inferlab.core.protocols.PureAdmissionOrder: it reads its arguments only
+
     def admission_order(self, waiting, state):
         return sorted(waiting, key=rank)
 
