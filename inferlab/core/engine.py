@@ -630,7 +630,7 @@ class LLMEngine:
         their length, which the run's first step reads and reports: take_finished); no step could
         admit a waiting request (none waits; or every sequence slot is taken, or the decodes take
         the whole token budget; or the policy is a PureAdmissionOrder and not a PreemptivePolicy,
-        and no waiting request fits in the free blocks, see _steps_admitting_nothing); nothing is
+        and no waiting request fits in the free blocks, see _admits_nothing); nothing is
         left to report or free, and no K/V moves to or from it (disaggregated); the policy is asked
         nothing else each step (no BudgetPolicy, ObservingPolicy);
         no request reads logprobs, has a constraint, stop strings or stop ids, or could sample EOS
@@ -722,10 +722,8 @@ class LLMEngine:
             books.append((request.num_computed_tokens, len(kv.block_table(request))))
         if steps <= 0 or row != num_running:
             return 0
-        if asks:
-            steps = self._steps_admitting_nothing(steps)
-            if steps <= 0:
-                return 0
+        if asks and not self._admits_nothing():
+            return 0
 
         def blocks_needed(n: int) -> int:  # step n computes token c + n - 1 of each request, in block (c + n - 1) // bs
             return sum(max(0, -(-(c + n) // bs) - held) for c, held in books)
@@ -741,41 +739,40 @@ class LLMEngine:
             steps = low
         return steps
 
-    def _steps_admitting_nothing(self, steps: int) -> int:
-        """How many of a run's first `steps` steps admit no waiting request, whatever order a
-        PureAdmissionOrder policy gives them in (0: one might be admitted now).
+    def _admits_nothing(self) -> bool:
+        """Whether no step of a run of decode steps starting now could admit a waiting request,
+        whatever order a PureAdmissionOrder policy gives them in.
 
         A waiting request holds no blocks; admitted with c tokens cached (a multiple of the block
-        size), it takes the free blocks past them that its first chunk (at most the budget the
-        decodes leave; kv_receive: its whole prompt) fills, and more for cached blocks nobody holds.
-        Through the run the free blocks only dwindle (the decodes take some, and nothing finishes
-        before its last step), and the blocks they take can only evict a cached prefix, which
-        leaves more to take. Only a block the decodes commit can make a cached prefix longer: where
-        that could let a request fit, the run ends with the first step that commits a block (the
-        next run asks again)."""
+        size), it takes at least the free blocks past c that its first chunk fills (at most the
+        budget the decodes leave; kv_receive: its whole prompt), which are fewer the more is
+        cached. Through the run the free blocks only dwindle (nothing finishes before its last
+        step), and the blocks the decodes take can only evict a cached prefix. A block a decode
+        commits may lengthen a cached prefix, by one block (BlockAligned), but the request that
+        filled it takes a free block for its next token in the step after, before anything is
+        admitted: so a request that does not fit now fits in no step of the run."""
         scheduler, kv = self.scheduler, self.kv_manager
         bs, free = kv.block_size, kv.num_free_blocks
         budget = scheduler.max_num_batched_tokens - len(scheduler.running)
-        cached_longer_fits = False
-        for request in scheduler.waiting:
-            num_tokens = len(request.token_ids)
-            if request.prompt_logprobs is None:
-                cached = kv.num_cached_prefix_tokens(request)
-                most = (num_tokens - 1) // bs * bs  # the most the cache could ever serve of it
-            else:  # every prompt token's logits are computed: nothing comes from the cache
-                cached = most = 0
+        waiting = scheduler.waiting
+        # first without asking the cache: a request that fits with nothing cached fits with anything
+        for request in waiting:
             if request.kv_receive is not None:
-                end = -(-request.num_prompt_tokens // bs)
-                if end - cached // bs <= free:
-                    return 0
-                cached_longer_fits = cached_longer_fits or end - most // bs <= free
-            else:
-                if -(-min(num_tokens, cached + budget) // bs) - cached // bs <= free:
-                    return 0
-                cached_longer_fits = cached_longer_fits or -(-min(num_tokens, most + budget) // bs) - most // bs <= free
-        if cached_longer_fits:  # step n commits the block a request fills with its (c + n)th token
-            steps = min(steps, min(bs - request.num_computed_tokens % bs for request in scheduler.running))
-        return steps
+                if -(-request.num_prompt_tokens // bs) <= free:
+                    return False
+            elif -(-min(len(request.token_ids), budget) // bs) <= free:
+                return False
+        for request in waiting:
+            # prompt logprobs need every prompt token's logits: nothing comes from the cache
+            cached = kv.num_cached_prefix_tokens(request) if request.prompt_logprobs is None else 0
+            if not cached:
+                continue  # the pass above
+            if request.kv_receive is not None:
+                if -(-request.num_prompt_tokens // bs) - cached // bs <= free:
+                    return False
+            elif -(-min(len(request.token_ids), cached + budget) // bs) - cached // bs <= free:
+                return False
+        return True
 
     def _run_decodes(self, until: float, max_steps: int) -> list[tuple[float, float]]:
         scheduler, kv = self.scheduler, self.kv_manager

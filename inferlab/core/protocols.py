@@ -564,7 +564,11 @@ class BlockAligned(Protocol):
     blocks a request holds changes nothing (and returns True), and commit changes something only
     when request.num_computed_tokens has reached a multiple of block_size since the last commit, so
     that a run of decode steps (DecodeRuns) calls them only at block boundaries, and the core
-    scheduler commits after a step only the requests whose step filled a block."""
+    scheduler commits after a step only the requests whose step filled a block. It also keeps a
+    paged cache's accounting, which a run while requests wait relies on (PureAdmissionOrder): a
+    request holding no blocks whose num_cached_prefix_tokens is c (a multiple of block_size)
+    allocates only if at least the blocks past c that its new tokens fill are free, and only a
+    commit makes a request's cached prefix longer, by at most one block for each block it fills."""
 
     block_aligned: bool
 
