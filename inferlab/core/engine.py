@@ -741,7 +741,8 @@ class LLMEngine:
 
     def _admits_nothing(self) -> bool:
         """Whether no step of a run of decode steps starting now could admit a waiting request,
-        whatever order a PureAdmissionOrder policy gives them in.
+        whatever order a PureAdmissionOrder policy gives them in (with a FixedAdmissionOrder, the
+        order it gives now: the core stops at the first request that does not fit).
 
         A waiting request holds no blocks; admitted with c tokens cached (a multiple of the block
         size), it takes at least the free blocks past c that its first chunk fills (at most the
@@ -755,6 +756,12 @@ class LLMEngine:
         bs, free = kv.block_size, kv.num_free_blocks
         budget = scheduler.max_num_batched_tokens - len(scheduler.running)
         waiting = scheduler.waiting
+        if scheduler.fixed_admission_order:  # the same order each step: only its first can be admitted
+            try:
+                first = scheduler.first_to_admit()
+            except Exception:
+                return False  # a step asks again, and deals with the fault
+            waiting = () if first is None else (first,)
         # first without asking the cache: a request that fits with nothing cached fits with anything
         for request in waiting:
             if request.kv_receive is not None:

@@ -160,6 +160,18 @@ class PureAdmissionOrder(Protocol):
 
 
 @runtime_checkable
+class FixedAdmissionOrder(Protocol):
+    """Optional policy capability, with PureAdmissionOrder: with admission_order_is_fixed True, the
+    order admission_order gives the same waiting requests depends on nothing else: not on the state,
+    nor on what changes while they wait (a waiting request's num_cached_prefix_tokens), only on what
+    a waiting request keeps (arrival, priority, tokens, metadata). A simulation may then ask it once
+    for a run of decode steps in which the same requests wait, and run while the request it puts
+    first cannot be admitted (the core stops admitting there)."""
+
+    admission_order_is_fixed: bool
+
+
+@runtime_checkable
 class ReadsMetadata(Protocol):
     """Optional policy capability: the request metadata fields the policy reads, each with the
     type (or tuple of types) its value must have, e.g. `metadata_fields = {"deadline": (int,

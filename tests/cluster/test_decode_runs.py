@@ -242,3 +242,41 @@ def test_a_policy_without_pure_admission_order_is_asked_in_every_step_it_was_ask
     fcfs_waits = Counter()
     replay(noisy_profile, True, "least_load", 100, 50.0, 0.0, waits=fcfs_waits, scheduler="fcfs", max_num_seqs=4)
     assert fcfs_waits["in runs"] > fast_waits["in runs"] + 500
+
+
+class PureFCFS:
+    """FCFS declared a PureAdmissionOrder but not a FixedAdmissionOrder."""
+
+    admission_order_is_pure = True
+
+    def admission_order(self, waiting, state):
+        return waiting
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+
+def test_a_fixed_admission_order_lets_runs_go_on_while_its_first_request_does_not_fit(noisy_profile, plugin_module):
+    """fcfs (a FixedAdmissionOrder) runs decode steps at once while the request first in its queue
+    does not fit, though others would; the same policy declared only pure runs them only while no
+    waiting request fits. Both give the records of one step at a time."""
+    registry = PluginRegistry()
+    registry.register(plugin_module("pure_fcfs", register_schedulers=lambda register: register("pure_fcfs", PureFCFS)))
+    one = replay(noisy_profile, False, "least_load", 60, 50.0, 0.0, scheduler="fcfs")
+    waits = {}
+    for scheduler in ("fcfs", "pure_fcfs"):
+        waits[scheduler] = Counter()
+        fast = replay(
+            noisy_profile,
+            True,
+            "least_load",
+            60,
+            50.0,
+            0.0,
+            waits=waits[scheduler],
+            scheduler=scheduler,
+            registry=registry,
+        )
+        assert fast[0].requests == one[0].requests
+        assert fast[1:4] == one[1:4]  # the KV books, the replicas' counters, the runners
+    assert waits["fcfs"]["in runs"] > waits["pure_fcfs"]["in runs"] + 500 > 1000
