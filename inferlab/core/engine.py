@@ -678,7 +678,7 @@ class LLMEngine:
             and num_running < scheduler.max_num_batched_tokens
             and (num_running < scheduler.max_num_seqs or scheduler.preemptive)
         )
-        if asks and (scheduler.preemptive or not scheduler.pure_admission_order):
+        if asks and (scheduler.preemptive or not scheduler.pure_admission_order or not self._admits_nothing()):
             return 0
         sampled = self.runner.sampled_token_ids
         kv = self.kv_manager
@@ -721,8 +721,6 @@ class LLMEngine:
                 steps = min(steps, request.max_model_len - num_tokens)
             books.append((request.num_computed_tokens, len(kv.block_table(request))))
         if steps <= 0 or row != num_running:
-            return 0
-        if asks and not self._admits_nothing():
             return 0
 
         def blocks_needed(n: int) -> int:  # step n computes token c + n - 1 of each request, in block (c + n - 1) // bs
