@@ -95,9 +95,9 @@ class Scheduler:
         self.preemptive = isinstance(policy, PreemptivePolicy)
         self.budgeted = isinstance(policy, BudgetPolicy)
         self.observing = isinstance(policy, ObservingPolicy)
-        # whether a step may go unscheduled where admission_order could admit nothing (a run of decode steps)
+        # whether a run of decode steps may skip asking admission_order where it could admit nothing
         self.pure_admission_order = isinstance(policy, PureAdmissionOrder) and bool(policy.admission_order_is_pure)
-        # and whether one call tells what it would put first in each such step
+        # and whether one call tells what it would put first in each of them
         self.fixed_admission_order = (
             self.pure_admission_order
             and isinstance(policy, FixedAdmissionOrder)
