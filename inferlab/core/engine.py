@@ -627,8 +627,12 @@ class LLMEngine:
         Nothing can change a step when: the runner times decode runs (DecodeRuns) on a virtual
         clock and the KV manager is BlockAligned; the steps overlap and the step launched last
         computed the running requests' last tokens, in order (and those of requests it finished at
-        their length, which the run's first step reads and reports: take_finished); nothing
-        waits, and nothing is left to report or free, and no K/V moves to or from it (disaggregated); the policy is asked nothing each step (no BudgetPolicy, ObservingPolicy);
+        their length, which the run's first step reads and reports: take_finished); no step could
+        admit a waiting request (none waits; or every sequence slot is taken, or the decodes take
+        the whole token budget; or the policy is a PureAdmissionOrder and not a PreemptivePolicy,
+        and no waiting request fits in the free blocks, see _admits_nothing); nothing is
+        left to report or free, and no K/V moves to or from it (disaggregated); the policy is asked
+        nothing else each step (no BudgetPolicy, ObservingPolicy);
         no request reads logprobs, has a constraint, stop strings or stop ids, or could sample EOS
         without ignoring it; and none reaches max_tokens or max_model_len, nor needs more blocks
         than are free, within the run. The caller promises that no request is queued before
@@ -647,10 +651,10 @@ class LLMEngine:
     def _decode_run_length(self) -> int:
         """How many decode steps of the running requests nothing can change (0: not such a step)."""
         scheduler, pending = self.scheduler, self.pending
+        waiting = scheduler.waiting
         if (
             pending is None
             or not self.overlap
-            or scheduler.waiting
             or scheduler.receiving  # a move that ends mid-run would change the running requests
             or scheduler.sending
             or scheduler.to_free
@@ -666,6 +670,15 @@ class LLMEngine:
         running, (appended, _) = scheduler.running, pending
         num_running = len(running)
         if not running or num_running > scheduler.max_num_batched_tokens or len(appended) < num_running:
+            return 0
+        # whether each step of the run would ask the policy to admit a waiting request (as schedule
+        # does: room left in the token budget, and a free sequence slot or a policy that preempts)
+        asks = (
+            waiting
+            and num_running < scheduler.max_num_batched_tokens
+            and (num_running < scheduler.max_num_seqs or scheduler.preemptive)
+        )
+        if asks and (scheduler.preemptive or not scheduler.pure_admission_order or not self._admits_nothing()):
             return 0
         sampled = self.runner.sampled_token_ids
         kv = self.kv_manager
@@ -723,6 +736,48 @@ class LLMEngine:
                     high = middle - 1
             steps = low
         return steps
+
+    def _admits_nothing(self) -> bool:
+        """Whether no step of a run of decode steps starting now could admit a waiting request,
+        whatever order a PureAdmissionOrder policy gives them in (with a FixedAdmissionOrder, the
+        order it gives now: the core stops at the first request that does not fit).
+
+        A waiting request holds no blocks; admitted with c tokens cached (a multiple of the block
+        size), it takes at least the free blocks past c that its first chunk fills (at most the
+        budget the decodes leave; kv_receive: its whole prompt), which are fewer the more is
+        cached. Through the run the free blocks only dwindle (nothing finishes before its last
+        step), and the blocks the decodes take can only evict a cached prefix. A block a decode
+        commits may lengthen a cached prefix, by one block (BlockAligned), but the request that
+        filled it takes a free block for its next token in the step after, before anything is
+        admitted: so a request that does not fit now fits in no step of the run."""
+        scheduler, kv = self.scheduler, self.kv_manager
+        bs, free = kv.block_size, kv.num_free_blocks
+        budget = scheduler.max_num_batched_tokens - len(scheduler.running)
+        waiting = scheduler.waiting
+        if scheduler.fixed_admission_order:  # the same order each step: only its first can be admitted
+            try:
+                first = scheduler.first_to_admit()
+            except Exception:
+                return False  # a step asks again, and deals with the fault
+            waiting = () if first is None else (first,)
+        # first without asking the cache: a request that fits with nothing cached fits with anything
+        for request in waiting:
+            if request.kv_receive is not None:
+                if -(-request.num_prompt_tokens // bs) <= free:
+                    return False
+            elif -(-min(len(request.token_ids), budget) // bs) <= free:
+                return False
+        for request in waiting:
+            # prompt logprobs need every prompt token's logits: nothing comes from the cache
+            cached = kv.num_cached_prefix_tokens(request) if request.prompt_logprobs is None else 0
+            if not cached:
+                continue  # the pass above
+            if request.kv_receive is not None:
+                if -(-request.num_prompt_tokens // bs) - cached // bs <= free:
+                    return False
+            elif -(-min(len(request.token_ids), cached + budget) // bs) - cached // bs <= free:
+                return False
+        return True
 
     def _run_decodes(self, until: float, max_steps: int) -> list[tuple[float, float]]:
         scheduler, kv = self.scheduler, self.kv_manager

@@ -35,7 +35,9 @@ def register_schedulers(register):
     Optional capabilities of the policy: PreemptivePolicy (a waiting request displaces a
     running one), BudgetPolicy (the step's token budget and chunk sizes), ObservingPolicy (sees each
     step's work), ReadsMetadata (the metadata fields it reads, with their types, checked when a
-    request is added)."""
+    request is added), PureAdmissionOrder (admission_order has no side effects, so a simulation may
+    skip asking it where nothing could be admitted), FixedAdmissionOrder (its order depends on the
+    waiting requests alone, so a simulation may ask it once for a run of steps)."""
 
 
 @hookspec

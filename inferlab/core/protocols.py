@@ -148,6 +148,30 @@ class ObservingPolicy(Protocol):
 
 
 @runtime_checkable
+class PureAdmissionOrder(Protocol):
+    """Optional policy capability: with admission_order_is_pure True, admission_order only reads its
+    arguments, changes nothing (it keeps no state that its calls change) and raises for no input, so
+    that a simulation may skip asking it in steps where no order it could return admits anything: a
+    replica of a simulated fleet then runs decode steps at once while requests wait that its KV cache
+    cannot take (LLMEngine.run_decodes). Without it, the policy is asked in every step it would be
+    asked in, and such steps run one at a time."""
+
+    admission_order_is_pure: bool
+
+
+@runtime_checkable
+class FixedAdmissionOrder(Protocol):
+    """Optional policy capability, with PureAdmissionOrder: with admission_order_is_fixed True, the
+    order admission_order gives the same waiting requests depends on nothing else: not on the state,
+    nor on what changes while they wait (a waiting request's num_cached_prefix_tokens), only on what
+    a waiting request keeps (arrival, priority, tokens, metadata). A simulation may then ask it once
+    for a run of decode steps in which the same requests wait, and run while the request it puts
+    first cannot be admitted (the core stops admitting there)."""
+
+    admission_order_is_fixed: bool
+
+
+@runtime_checkable
 class ReadsMetadata(Protocol):
     """Optional policy capability: the request metadata fields the policy reads, each with the
     type (or tuple of types) its value must have, e.g. `metadata_fields = {"deadline": (int,
@@ -554,7 +578,11 @@ class BlockAligned(Protocol):
     that a run of decode steps (DecodeRuns) calls them only at block boundaries, the core
     scheduler allocates for a running request only when its new tokens go past the block of its
     last computed token (which it holds), and commits after a step only the requests whose step
-    filled a block."""
+    filled a block. It also keeps a paged cache's accounting, which a run while requests wait
+    relies on (PureAdmissionOrder): a request holding no blocks whose num_cached_prefix_tokens is c
+    (a multiple of block_size) allocates only if at least the blocks past c that its new tokens
+    fill are free, and only a commit makes a request's cached prefix longer, by at most one block
+    for each block it fills."""
 
     block_aligned: bool
 

@@ -35,9 +35,11 @@ from inferlab.core.batch import ScheduledBatch
 from inferlab.core.protocols import (
     BlockAligned,
     BudgetPolicy,
+    FixedAdmissionOrder,
     KVCacheManager,
     ObservingPolicy,
     PreemptivePolicy,
+    PureAdmissionOrder,
     ReadsMetadata,
     SchedulerPolicy,
     SchedulerState,
@@ -93,6 +95,14 @@ class Scheduler:
         self.preemptive = isinstance(policy, PreemptivePolicy)
         self.budgeted = isinstance(policy, BudgetPolicy)
         self.observing = isinstance(policy, ObservingPolicy)
+        # whether a run of decode steps may skip asking admission_order where it could admit nothing
+        self.pure_admission_order = isinstance(policy, PureAdmissionOrder) and bool(policy.admission_order_is_pure)
+        # and whether one call tells what it would put first in each of them
+        self.fixed_admission_order = (
+            self.pure_admission_order
+            and isinstance(policy, FixedAdmissionOrder)
+            and bool(policy.admission_order_is_fixed)
+        )
         self.metadata_fields = declared_metadata_fields(policy, policy_name)
         self.waiting: deque[Request] = deque()  # arrival order, preempted requests in front
         # The waiting requests' views as the policy is given them, kept while the queue does not
@@ -453,6 +463,15 @@ class Scheduler:
                 ) from None
 
         return self._ask("admission_order", self.waiting, admission_order, step)
+
+    def first_to_admit(self) -> Request | None:
+        """The waiting request a FixedAdmissionOrder policy puts first now (None: it lists none),
+        asked outside a step, which its call leaves unchanged. An error the call raises goes up
+        (PolicyError where it names no waiting request): the caller leaves it to a step."""
+        if self._waiting_views is None:
+            self._waiting_views = tuple(map(VIEW_OF, self.waiting))
+        view = next(iter(self.policy.admission_order(self._waiting_views, self.state(self.clock()))), None)
+        return None if view is None else self._own(view, WAITING, "admission_order")
 
     def _admit(self, step: "_Step") -> None:
         order = self._admission_order(step)

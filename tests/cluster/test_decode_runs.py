@@ -8,11 +8,13 @@ and cache hits, the replicas' counters and KV books, and the step records."""
 
 import dataclasses
 import math
+from collections import Counter
 
 import pytest
 
 from inferlab import Cluster
 from inferlab.conf import compose
+from inferlab.core.plugins import PluginRegistry
 from inferlab.experiment.driver import run_workload
 from inferlab.experiment.latency import latency_figures
 from inferlab.experiment.workload import build_workload
@@ -30,10 +32,22 @@ def noisy_profile(tmp_path_factory) -> str:
     return str(path)
 
 
-def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: float, noise: float, split=False):
+def replay(
+    profile: str,
+    decode_runs: bool,
+    router: str,
+    num_blocks: int,
+    rate: float,
+    noise: float,
+    split=False,
+    waits: Counter | None = None,
+    **engine,
+):
     """60 requests of up to 400 prompt and output tokens, arriving at `rate` a second, each behind
     one of 3 shared prefixes, on 3 replicas with small caches of 16-token blocks (split: one
-    prefill and two decode replicas, their K/V moving through kv_transfer=simulated)."""
+    prefill and two decode replicas, their K/V moving through kv_transfer=simulated). waits counts
+    the decode steps taken while requests waited: "one at a time", "in runs", and "admitting after
+    a run" (steps right after such a run that admitted one); engine: more engine settings."""
     bench = compose(
         [
             "bench.arrival=poisson",
@@ -50,6 +64,7 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
         kvcache_block_size=16,
         num_kvcache_blocks=num_blocks,
         max_model_len=2048,
+        **engine,
     )
     replicas = dict(prefill_replicas=1, decode_replicas=2) if split else dict(replicas=3)
     with Cluster(router=router, **replicas, **settings) as cluster:
@@ -63,6 +78,8 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
             run_decodes, take_finished = engine.run_decodes, engine.take_finished
             engine.run_decodes = lambda until, f=run_decodes: calls.append(f(until)) or calls[-1]
             engine.take_finished = lambda f=take_finished: counted(f(), reported)
+            if waits is not None:
+                count_waiting_steps(engine, waits)
         run = run_workload(cluster, workload.requests, workload.sampling_params(bench))
         kv = [
             (dict(e.kv_manager.cached), list(e.kv_manager.free_queue), e.kv_manager.prefix_cache_stats())
@@ -79,6 +96,31 @@ def replay(profile: str, decode_runs: bool, router: str, num_blocks: int, rate: 
 def counted(finished: list, reported: list) -> list:
     reported += finished
     return finished
+
+
+def count_waiting_steps(engine, waits: Counter) -> None:
+    after_run = []  # whether the engine's last call was a run of decode steps while requests waited
+    run_decodes, step = engine.run_decodes, engine.step
+
+    def counting_run_decodes(until):
+        waiting = bool(engine.scheduler.waiting)
+        spans = run_decodes(until)
+        if spans:  # else step() runs the next step
+            waits["in runs"] += len(spans) if waiting else 0
+            after_run[:] = [waiting]
+        return spans
+
+    def counting_step():
+        waiting = bool(engine.scheduler.waiting)
+        output = step()
+        if waiting and output.num_decode_tokens and not output.num_prefill_tokens:
+            waits["one at a time"] += 1
+        if after_run and after_run[0] and output.num_prefill_tokens:  # no prefill runs during such a run
+            waits["admitting after a run"] += 1
+        after_run.clear()
+        return output
+
+    engine.run_decodes, engine.step = counting_run_decodes, counting_step
 
 
 @pytest.mark.parametrize(
@@ -118,3 +160,124 @@ def test_a_disaggregated_fleets_decode_runs_end_before_any_handoff_could_reach_t
     assert sorted(map(dataclasses.astuple, fast.steps)) == sorted(map(dataclasses.astuple, one.steps))
     assert fast.wall_time_s == one.wall_time_s
     assert stats_fast == stats_one and kv_fast == kv_one and runners_fast == runners_one
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "lpm"])
+def test_decode_steps_run_at_once_while_requests_wait_that_no_step_could_admit(noisy_profile, scheduler):
+    """Requests waiting behind a full KV cache that no step of a run could admit, in whatever order
+    the policy (a PureAdmissionOrder) would give them, do not keep the run from going: the records
+    equal one step at a time, requests admitted right after such a run (its last step freed
+    blocks) included, and every decode step taken while requests waited is taken either way."""
+    one_waits, fast_waits = Counter(), Counter()
+    one, kv_one, stats_one, runners_one, _ = replay(
+        noisy_profile, False, "kv_aware", 100, 50.0, 0.0, waits=one_waits, scheduler=scheduler
+    )
+    fast, kv_fast, stats_fast, runners_fast, _ = replay(
+        noisy_profile, True, "kv_aware", 100, 50.0, 0.0, waits=fast_waits, scheduler=scheduler
+    )
+    assert fast.requests == one.requests
+    assert sorted(map(dataclasses.astuple, fast.steps)) == sorted(map(dataclasses.astuple, one.steps))
+    assert stats_fast == stats_one and kv_fast == kv_one and runners_fast == runners_one
+    assert one_waits["in runs"] == 0 and fast_waits["in runs"] > 100
+    assert fast_waits["in runs"] + fast_waits["one at a time"] == one_waits["one at a time"]
+    assert fast_waits["admitting after a run"] > 0
+
+
+class CountingFCFS:
+    """FCFS that notes each time it is asked to order the waiting requests: a side effect, so it is
+    no PureAdmissionOrder."""
+
+    def __init__(self):
+        self.asked = []
+
+    def admission_order(self, waiting, state):
+        self.asked.append((state.step, state.now, len(waiting)))
+        return waiting
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+
+def replay_counting_fcfs(profile: str, decode_runs: bool, plugin_module):
+    """replay() of 100-block replicas taking 4 requests each, under CountingFCFS: what each
+    replica's policy was asked, replay()'s results, and the decode steps taken while requests
+    waited."""
+    policies = []
+
+    def counting_fcfs():
+        policies.append(CountingFCFS())
+        return policies[-1]
+
+    registry = PluginRegistry()
+    registry.register(
+        plugin_module("counting", register_schedulers=lambda register: register("counting_fcfs", counting_fcfs))
+    )
+    waits = Counter()
+    run = replay(
+        profile,
+        decode_runs,
+        "least_load",
+        100,
+        50.0,
+        0.0,
+        waits=waits,
+        scheduler="counting_fcfs",
+        registry=registry,
+        max_num_seqs=4,
+    )
+    return [policy.asked for policy in policies], run, waits
+
+
+def test_a_policy_without_pure_admission_order_is_asked_in_every_step_it_was_asked_in(noisy_profile, plugin_module):
+    """A policy that is no PureAdmissionOrder is asked in every step that one at a time asks it in,
+    though the requests waiting fit nowhere (fcfs, the same policy declared pure, runs more of
+    those steps at once); decode steps still run at once while requests wait where the scheduler
+    asks no policy: every sequence slot is taken (max_num_seqs)."""
+    asked_one, one, one_waits = replay_counting_fcfs(noisy_profile, False, plugin_module)
+    asked_fast, fast, fast_waits = replay_counting_fcfs(noisy_profile, True, plugin_module)
+    assert asked_fast == asked_one and sum(map(len, asked_one)) > 1000
+    assert fast[0].requests == one[0].requests
+    assert fast[1:4] == one[1:4]  # the KV books, the replicas' counters, the runners
+    assert one_waits["in runs"] == 0 and fast_waits["in runs"] > 100
+    assert fast_waits["in runs"] + fast_waits["one at a time"] == one_waits["one at a time"]
+    fcfs_waits = Counter()
+    replay(noisy_profile, True, "least_load", 100, 50.0, 0.0, waits=fcfs_waits, scheduler="fcfs", max_num_seqs=4)
+    assert fcfs_waits["in runs"] > fast_waits["in runs"] + 500
+
+
+class PureFCFS:
+    """FCFS declared a PureAdmissionOrder but not a FixedAdmissionOrder."""
+
+    admission_order_is_pure = True
+
+    def admission_order(self, waiting, state):
+        return waiting
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+
+def test_a_fixed_admission_order_lets_runs_go_on_while_its_first_request_does_not_fit(noisy_profile, plugin_module):
+    """fcfs (a FixedAdmissionOrder) runs decode steps at once while the request first in its queue
+    does not fit, though others would; the same policy declared only pure runs them only while no
+    waiting request fits. Both give the records of one step at a time."""
+    registry = PluginRegistry()
+    registry.register(plugin_module("pure_fcfs", register_schedulers=lambda register: register("pure_fcfs", PureFCFS)))
+    one = replay(noisy_profile, False, "least_load", 60, 50.0, 0.0, scheduler="fcfs")
+    waits = {}
+    for scheduler in ("fcfs", "pure_fcfs"):
+        waits[scheduler] = Counter()
+        fast = replay(
+            noisy_profile,
+            True,
+            "least_load",
+            60,
+            50.0,
+            0.0,
+            waits=waits[scheduler],
+            scheduler=scheduler,
+            registry=registry,
+        )
+        assert fast[0].requests == one[0].requests
+        assert fast[1:4] == one[1:4]  # the KV books, the replicas' counters, the runners
+    assert waits["fcfs"]["in runs"] > waits["pure_fcfs"]["in runs"] + 500 > 1000

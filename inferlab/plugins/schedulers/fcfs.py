@@ -6,6 +6,9 @@ from inferlab.core.hookspecs import hookimpl
 
 
 class FCFSPolicy:
+    admission_order_is_pure = True  # inferlab.core.protocols.PureAdmissionOrder: it reads its arguments only
+    admission_order_is_fixed = True  # inferlab.core.protocols.FixedAdmissionOrder: it keeps the queue's order
+
     def admission_order(self, waiting, state):
         return waiting
 

@@ -24,6 +24,8 @@ class LPMOptions:
 
 
 class LPMPolicy:
+    admission_order_is_pure = True  # inferlab.core.protocols.PureAdmissionOrder: it reads its arguments only
+
     def __init__(self, max_sort_waiting: int = LPMOptions.max_sort_waiting):
         self.max_sort_waiting = max_sort_waiting
 

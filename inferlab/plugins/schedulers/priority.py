@@ -11,6 +11,9 @@ def rank(view):
 
 
 class PriorityPolicy:
+    admission_order_is_pure = True  # inferlab.core.protocols.PureAdmissionOrder: it reads its arguments only
+    admission_order_is_fixed = True  # inferlab.core.protocols.FixedAdmissionOrder: it reads arrival and priority only
+
     def admission_order(self, waiting, state):
         return sorted(waiting, key=rank)
 
