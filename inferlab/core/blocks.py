@@ -208,7 +208,15 @@ def block_identities(token_ids: Sequence[int], block_size: int, first: int, last
         return [block_identity(token_ids, b * block_size, (b + 1) * block_size) for b in range(first, last)]
     prompt = token_ids.prompt
     length, keyed, namespace, keys = prompt.block_len, prompt.keyed_len, prompt.namespace, prompt.keys
-    identities: list[Hashable] = []
+    if length % block_size == 0:  # every block before the keyed part's end lies within one keyed block
+        within = max(first, min(last, keyed // block_size))
+        identities: list[Hashable] = [
+            (namespace, keys[start // length], start % length, start % length + block_size)
+            for start in range(first * block_size, within * block_size, block_size)
+        ]
+        first = within
+    else:
+        identities = []
     for b in range(first, last):
         start = b * block_size
         end = start + block_size
