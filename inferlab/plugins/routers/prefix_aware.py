@@ -24,8 +24,8 @@ prompt's blocks are recorded with a few whole-prompt dict operations, and a matc
 import math
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice, repeat
-from operator import or_
+from itertools import compress, islice, repeat
+from operator import is_
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.routing import decode_replica_by_room
@@ -143,14 +143,22 @@ class PrefixAwareRouter:
             owned = self.owned[replica_id] = {}
         # the names it holds leave their places and all come back last, the shortest prefix
         # last: the most recently used (as touching the blocks from the prompt's last one would)
-        deque(map(owned.pop, names, repeat(None)), maxlen=0)
+        last_uses = list(map(owned.pop, names, repeat(None)))
         size = len(owned)
         owned.update(zip(reversed(names), repeat(now)))
         if len(owned) - size != len(names):  # a name repeats (a hash collision): its first place in the prompt counts
             deque(map(owned.pop, names, repeat(None)), maxlen=0)
             owned.update(zip(reversed(dict.fromkeys(names)), repeat(now)))
-        tree = self.tree
-        tree.update(zip(names, map(or_, map(tree.get, names, repeat(0)), repeat(1 << replica_id))))
+        # the names it did not hold get its bit: most are new to every tree, so one setdefault each
+        tree, bit = self.tree, 1 << replica_id
+        fresh = (
+            names if last_uses.count(None) == len(names) else list(compress(names, map(is_, last_uses, repeat(None))))
+        )
+        holders = list(map(tree.setdefault, fresh, repeat(bit)))
+        if holders.count(bit) != len(holders):  # some were held by other replicas
+            for name, others in zip(fresh, holders):
+                if others != bit:
+                    tree[name] = others | bit
 
     def evict(self) -> None:
         tree = self.tree
