@@ -208,7 +208,15 @@ def block_identities(token_ids: Sequence[int], block_size: int, first: int, last
         return [block_identity(token_ids, b * block_size, (b + 1) * block_size) for b in range(first, last)]
     prompt = token_ids.prompt
     length, keyed, namespace, keys = prompt.block_len, prompt.keyed_len, prompt.namespace, prompt.keys
-    identities: list[Hashable] = []
+    if length % block_size == 0:  # every block before the keyed part's end lies within one keyed block
+        within = max(first, min(last, keyed // block_size))
+        identities: list[Hashable] = [
+            (namespace, keys[start // length], start % length, start % length + block_size)
+            for start in range(first * block_size, within * block_size, block_size)
+        ]
+        first = within
+    else:
+        identities = []
     for b in range(first, last):
         start = b * block_size
         end = start + block_size
@@ -221,21 +229,27 @@ def block_identities(token_ids: Sequence[int], block_size: int, first: int, last
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, num_blocks: int, hashes: list[int] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    hashes: list[int] | None = None,
+    identities: list[Hashable] | None = None,
 ) -> list[int]:
     """The chained names of the first num_blocks full blocks of token_ids: hashes extended in
-    place (pass the list of an earlier call on the same tokens to continue it) and returned."""
+    place (pass the list of an earlier call on the same tokens to continue it) and returned;
+    identities, when given, is extended with the identities of the blocks named (block_identity)."""
     hashes = [] if hashes is None else hashes
     first = len(hashes)
     if first >= num_blocks:
         return hashes
     parent = hashes[-1] if first else 0
     if type(token_ids) is list:
-        for i in range(first, num_blocks):
-            parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))  # chain_hash, inline
-            hashes.append(parent)
+        named = [tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(first, num_blocks)]
     else:
-        for identity in block_identities(token_ids, block_size, first, num_blocks):
-            parent = hash((parent, identity))
-            hashes.append(parent)
+        named = block_identities(token_ids, block_size, first, num_blocks)
+    for identity in named:
+        parent = hash((parent, identity))  # chain_hash, inline
+        hashes.append(parent)
+    if identities is not None:
+        identities += named
     return hashes

@@ -4,7 +4,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from inferlab.core.blocks import BlockPrompt, block_hashes
+from inferlab.core.blocks import BlockPrompt, block_hashes, block_identities
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.text import TextStream
 
@@ -66,6 +66,7 @@ class Request:
         "kv_transfer_s",
         "kv_transfer_bytes",
         "block_names",
+        "block_identities",
     )
 
     def __init__(
@@ -119,6 +120,7 @@ class Request:
         self.kv_transfer_s: float | None = None  # how long its K/V took to move here (disaggregated)
         self.kv_transfer_bytes = 0
         self.block_names: dict[int, tuple[int, ...]] | None = None  # prompt_block_names' memo, by block size
+        self.block_identities: dict[int, list] | None = None  # prompt_block_identities' memo, by block size
 
     def prompt_block_names(self, block_size: int) -> tuple[int, ...]:
         """The chained names (inferlab.core.blocks) of the prompt's full blocks of block_size tokens,
@@ -128,19 +130,44 @@ class Request:
             memo = self.block_names = {}
         names = memo.get(block_size)
         if names is None:
+            identities: list = []
             names = memo[block_size] = tuple(
-                block_hashes(self.token_ids, block_size, self.num_prompt_tokens // block_size)
+                block_hashes(self.token_ids, block_size, self.num_prompt_tokens // block_size, None, identities)
             )
+            if self.block_identities is None:
+                self.block_identities = {}
+            self.block_identities[block_size] = identities
         return names
+
+    def prompt_block_identities(self, block_size: int) -> list:
+        """The identities (inferlab.core.blocks.block_identity) of the blocks prompt_block_names
+        names, made with their names: the KV manager confirms and records hits by them."""
+        memo = self.block_identities
+        identities = memo.get(block_size) if memo is not None else None
+        if identities is None:
+            if self.block_names is None or block_size not in self.block_names:
+                self.prompt_block_names(block_size)
+                return self.block_identities[block_size]
+            # named in another process: a request travels without its identities
+            identities = block_identities(self.token_ids, block_size, 0, len(self.block_names[block_size]))
+            if memo is None:
+                memo = self.block_identities = {}
+            memo[block_size] = identities
+        return identities
 
     def __getstate__(self) -> dict:
         # a request travels to another process (a disaggregated replica) without its view, which
         # holds this process's KV manager, and its stop-string stream, which holds its tokenizer:
         # the scheduler that queues it makes a new view, and its stream is rebuilt when first read
-        return {name: getattr(self, name) for name in self.__slots__ if name not in ("view", "stop_text")}
+        # the identities, which a plain prompt's are a copy of, are made again where needed
+        return {
+            name: getattr(self, name)
+            for name in self.__slots__
+            if name not in ("view", "stop_text", "block_identities")
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.view = self.stop_text = None
+        self.view = self.stop_text = self.block_identities = None
         for name, value in state.items():
             setattr(self, name, value)
 

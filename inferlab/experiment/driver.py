@@ -47,7 +47,7 @@ def request_record(
     if not token_times and len(times) > 2:
         times = [times[0], times[-1]]
     all_token_times = len(times) == len(request.token_times)
-    token_times_s = (np.asarray(times, dtype=np.float64) - start).tolist()
+    token_times_s = [float(t - start) for t in times]  # the float64 differences an array would give, without one
     finish = request.finish_time - start
     if token_times_s and token_times_s[-1] > finish:
         finish = token_times_s[-1]

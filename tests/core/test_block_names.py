@@ -39,3 +39,25 @@ def test_names_in_one_call_are_those_block_by_block(block_size):
     plain_names, plain_identities = one_by_one(plain, block_size, num_blocks)
     assert block_identities(plain, block_size, 0, num_blocks) == plain_identities
     assert block_hashes(plain, block_size, num_blocks) == plain_names
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_requests_prompt_identities_come_with_its_names(keyed):
+    """Request.prompt_block_identities: the identities of the blocks prompt_block_names names, made
+    in the same call (the KV manager records and confirms hits by them), also for a request
+    unpickled in another process, which comes with its names but without its identities."""
+    import pickle
+
+    from inferlab.core.request import Request
+    from inferlab.core.sampling_params import SamplingParams
+
+    prompt = BlockPrompt("ns", [3, 1, 4, 1, 5], 8, 45, own_key=9, source=Source(), id_bound=101)
+    request = Request(0, prompt if keyed else list(prompt), SamplingParams())
+    names, identities = one_by_one(request.token_ids, 4, 45 // 4)
+    assert request.prompt_block_names(4) == tuple(names)
+    assert request.block_identities == {4: identities}  # made with the names, not again
+    assert request.prompt_block_identities(4) == identities
+    assert request.prompt_block_identities(8) == one_by_one(request.token_ids, 8, 45 // 8)[1]
+    moved = pickle.loads(pickle.dumps(request))
+    assert moved.block_identities is None and moved.block_names == request.block_names
+    assert moved.prompt_block_identities(4) == identities

@@ -6,13 +6,14 @@ from inferlab.core.blocks import block_identity
 
 
 def collide_block_names(monkeypatch, chain) -> None:
-    def names(token_ids, block_size, num_blocks, hashes=None):
+    def names(token_ids, block_size, num_blocks, hashes=None, identities=None):
         hashes = [] if hashes is None else hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(
-                chain(hashes[-1] if i else 0, block_identity(token_ids, i * block_size, (i + 1) * block_size))
-            )
+            identity = block_identity(token_ids, i * block_size, (i + 1) * block_size)
+            hashes.append(chain(hashes[-1] if i else 0, identity))
+            if identities is not None:
+                identities.append(identity)
         return hashes
 
     import inferlab.core.request

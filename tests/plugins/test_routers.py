@@ -238,3 +238,86 @@ def test_bad_cluster_settings_fail_when_composed():
         compose(["cluster.backend=slurm"])
     with pytest.raises(ClusterConfigError, match="cluster.ray_address applies to cluster.backend=ray"):
         compose(["cluster.ray_address=auto"])
+
+
+class _NamedPrompt:
+    """What prefix_aware reads of a request: its blocks' names (any ints, repeats included) and length."""
+
+    def __init__(self, names, block_size):
+        self.names, self.num_prompt_tokens = tuple(names), len(names) * block_size + 1
+
+    def prompt_block_hashes(self, block_size):
+        return self.names
+
+
+class _ReferenceCacheAware:
+    """cache_aware as documented, written the plain way: a list per replica in recency order, each
+    prompt's blocks touched from its last to its first, eviction from the list's front."""
+
+    def __init__(self, options):
+        self.options, self.lru, self.last_use = options, {}, {}  # replica_id -> [names]; (replica_id, name) -> now
+        self.next_eviction = options["eviction_interval_s"]
+
+    def route(self, names, num_tokens, loads, ids, now, block_size):
+        o = self.options
+        if now >= self.next_eviction:
+            for order in self.lru.values():
+                del order[: max(0, len(order) - o["max_tree_size"])]
+            self.next_eviction = now + o["eviction_interval_s"]
+        if (
+            max(loads) - min(loads) > o["balance_abs_threshold"]
+            and max(loads) > min(loads) * o["balance_rel_threshold"]
+        ):
+            choice = ids[loads.index(min(loads))]
+        else:
+            holders, depth = set(ids), 0
+            for name in names:
+                common = {r for r in holders if name in self.lru.get(r, ())}
+                if not common:
+                    break
+                holders, depth = common, depth + 1
+            if depth and depth * block_size > o["cache_threshold"] * num_tokens:
+                choice = max(holders, key=lambda r: (self.last_use[r, names[depth - 1]], -r))
+            else:
+                sizes = [len(self.lru.get(r, ())) for r in ids]
+                choice = ids[sizes.index(min(sizes))]
+        order = self.lru.setdefault(choice, [])
+        for name in reversed(names):
+            if name in order:
+                order.remove(name)
+            order.append(name)
+            self.last_use[choice, name] = now
+        return choice
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_aware_routes_and_evicts_as_a_plain_lru_does(seed):
+    """The router's trees (a dict of replica bits, per replica a dict in recency order, updated a
+    prompt at a time) route and evict exactly as lists touched block by block: random prompts that
+    share prefixes, repeat names (hash collisions), arrive at equal times and meet uneven loads."""
+    import random
+
+    rng = random.Random(seed)
+    options = dict(
+        cache_threshold=rng.choice([0.0, 0.3, 0.6]),
+        balance_abs_threshold=3,
+        balance_rel_threshold=1.5,
+        max_tree_size=rng.choice([3, 8, 20]),
+        eviction_interval_s=5.0,
+    )
+    router, reference = make("prefix_aware", **options), _ReferenceCacheAware(options)
+    stems = [[rng.randrange(30) for _ in range(rng.randrange(1, 8))] for _ in range(6)]
+    now = 0.0
+    for step in range(400):
+        names = rng.choice(stems)[: rng.randrange(1, 9)] + [rng.randrange(30) for _ in range(rng.randrange(0, 4))]
+        now += rng.choice([0.0, 0.0, 0.5, 1.0])  # equal times: ties by last use go to the lowest replica_id
+        offered = views(4, block_size=4, num_waiting=[rng.randrange(5) for _ in range(4)])
+        if step % 50 > 40:
+            offered = offered[1:]  # replica 0 not offered for a while
+        offered = tuple(offered)
+        loads = [r.num_waiting + r.num_running for r in offered]
+        ids = [r.replica_id for r in offered]
+        prompt = _NamedPrompt(names, 4)
+        want = reference.route(prompt.names, prompt.num_prompt_tokens, loads, ids, now, 4)
+        assert router.route(prompt, offered, state(now=now)).replica_id == want, step
+        assert {r: list(o) for r, o in router.owned.items()} == reference.lru, step

@@ -85,12 +85,14 @@ class PagedKVCache:
             return self.last_lookup[3]
         # Leave the last token uncached so that it is computed and yields logits.
         hits, parent_id = [], 0
+        identities = request.prompt_block_identities(bs)
         for i, h in enumerate(self._hashes(request, (len(tokens) - 1) // bs)):
             block = self.cached.get(h)
             if (
                 block is None
                 or self.block_parent_id[block] != parent_id
-                or self.block_tokens[block] != block_identity(tokens, i * bs, (i + 1) * bs)
+                or self.block_tokens[block]
+                != (identities[i] if i < len(identities) else block_identity(tokens, i * bs, (i + 1) * bs))
             ):
                 break
             hits.append(block)
@@ -194,7 +196,9 @@ class PagedKVCache:
         hashes = self._hashes(request, num_full)
         table, tokens = self.tables[request.request_id], request.token_ids
         block_hash, content_id, cached, events = self.block_hash, self.block_content_id, self.cached, self.kv_events
-        identities = block_identities(tokens, bs, start, num_full)
+        identities = request.prompt_block_identities(bs)[start:num_full]  # the prompt's, named with it
+        if len(identities) < num_full - start:
+            identities += block_identities(tokens, bs, start + len(identities), num_full)
         next_id = self.next_content_id
         try:
             for i in range(start, num_full):

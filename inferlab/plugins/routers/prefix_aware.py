@@ -15,11 +15,17 @@ The prompt is then recorded under the chosen replica. Every eviction_interval_s 
 clock) each replica's tree is cut back to max_tree_size blocks, least recently used first; a
 prefix is used whenever a longer prompt under it is, so leaves go before their ancestors. Ties go
 to the lowest replica_id.
+
+The tree is kept as one dict from a block's name to the replicas holding it (a bit per replica_id),
+and per replica a dict of the names it holds with their last use, least recently used first: a
+prompt's blocks are recorded with a few whole-prompt dict operations, and a match walks the bits.
 """
 
 import math
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass
+from itertools import compress, islice, repeat
+from operator import is_
 
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.routing import decode_replica_by_room
@@ -67,10 +73,11 @@ class PrefixAwareRouter:
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_size = max_tree_size
         self.eviction_interval_s = eviction_interval_s
-        self.tree: dict[int, dict[int, float]] = {}  # block name -> {replica_id: last use}
-        self.owned: dict[int, OrderedDict] = {}  # replica_id -> its block names, least recently used first
+        self.tree: dict[int, int] = {}  # block name -> the replicas holding it, bit replica_id set for each
+        self.owned: dict[int, dict[int, float]] = {}  # replica_id -> {block name: last use}, least recently used first
         self.next_eviction = eviction_interval_s
-        self.offered: tuple = ((), [], frozenset())  # (the replicas last offered, their replica_ids, as a set)
+        # (the replicas last offered, their replica_ids, the bits of those ids)
+        self.offered: tuple = ((), [], 0)
 
     def route(self, request, replicas, state):
         if state.now >= self.next_eviction:
@@ -83,9 +90,9 @@ class PrefixAwareRouter:
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
             choice = replicas[loads.index(low)]
         else:
-            matched, best = self.longest_match(names, replicas)
-            if best is not None and matched * block_size > self.cache_threshold * request.num_prompt_tokens:
-                choice = best
+            matched, holders = self.longest_match(names, replicas)
+            if matched and matched * block_size > self.cache_threshold * request.num_prompt_tokens:
+                choice = self.most_recent(holders, names[matched - 1], replicas)
             else:
                 owned = self.owned  # the smallest tree, the lowest replica_id among equals (replicas come in its order)
                 sizes = [len(owned.get(replica_id, ())) for replica_id in self.offered_ids(replicas)[0]]
@@ -98,52 +105,74 @@ class PrefixAwareRouter:
         load (inferlab.core.routing.decode_replica_by_room)."""
         return self.route(request, prefill, state), decode_replica_by_room(request, decode)
 
-    def longest_match(self, names, replicas):
-        """(blocks matched, the replica whose tree holds the longest prefix, most recently used
-        among equals), or (0, None)."""
-        candidates = self.offered_ids(replicas)[1]
-        depth, node = 0, None
+    def longest_match(self, names, replicas) -> tuple[int, int]:
+        """(blocks matched, the bits of the offered replicas whose trees hold that prefix), or (0, 0)."""
+        tree, holders = self.tree, self.offered_ids(replicas)[1]
+        depth = 0
         for name in names:
-            tenants = self.tree.get(name)
-            common = candidates & tenants.keys() if tenants else None
+            common = holders & tree.get(name, 0)
             if not common:
                 break
-            candidates, node, depth = common, tenants, depth + 1
-        if node is None:
-            return 0, None
-        best = max(candidates, key=lambda replica_id: (node[replica_id], -replica_id))
-        return depth, next(r for r in replicas if r.replica_id == best)
+            holders, depth = common, depth + 1
+        return depth, holders if depth else 0
 
-    def offered_ids(self, replicas) -> tuple[list[int], frozenset[int]]:
-        """The replicas' replica_ids, in order and as a set: read again only when the cluster offers
-        another tuple (it offers one until a replica dies)."""
+    def most_recent(self, holders: int, name: int, replicas):
+        """Of the replicas whose bits are set in holders, the one that used block `name` last
+        (the lowest replica_id among equals)."""
+        best, best_key = None, None
+        while holders:
+            bit = holders & -holders
+            holders ^= bit
+            replica_id = bit.bit_length() - 1
+            key = (self.owned[replica_id][name], -replica_id)
+            if best_key is None or key > best_key:
+                best, best_key = replica_id, key
+        return next(r for r in replicas if r.replica_id == best)
+
+    def offered_ids(self, replicas) -> tuple[list[int], int]:
+        """The replicas' replica_ids, in order, and their bits: read again only when the cluster
+        offers another tuple (it offers one until a replica dies)."""
         if replicas is not self.offered[0] or type(replicas) is not tuple:
             ids = [r.replica_id for r in replicas]
-            self.offered = (replicas, ids, frozenset(ids))
+            self.offered = (replicas, ids, sum(1 << replica_id for replica_id in set(ids)))
         return self.offered[1], self.offered[2]
 
     def insert(self, names, replica_id: int, now: float) -> None:
-        owned = self.owned.setdefault(replica_id, OrderedDict())
-        tree, touch = self.tree, owned.move_to_end
-        for name in reversed(names):  # the shortest prefix touched last: the most recently used
-            tenants = tree.get(name)
-            if tenants is None:
-                tree[name] = {replica_id: now}
-            else:
-                tenants[replica_id] = now
-            if name in owned:
-                touch(name)
-            else:
-                owned[name] = None
+        owned = self.owned.get(replica_id)
+        if owned is None:
+            owned = self.owned[replica_id] = {}
+        # the names it holds leave their places and all come back last, the shortest prefix
+        # last: the most recently used (as touching the blocks from the prompt's last one would)
+        last_uses = list(map(owned.pop, names, repeat(None)))
+        size = len(owned)
+        owned.update(zip(reversed(names), repeat(now)))
+        if len(owned) - size != len(names):  # a name repeats (a hash collision): its first place in the prompt counts
+            deque(map(owned.pop, names, repeat(None)), maxlen=0)
+            owned.update(zip(reversed(dict.fromkeys(names)), repeat(now)))
+        # the names it did not hold get its bit: most are new to every tree, so one setdefault each
+        tree, bit = self.tree, 1 << replica_id
+        fresh = (
+            names if last_uses.count(None) == len(names) else list(compress(names, map(is_, last_uses, repeat(None))))
+        )
+        holders = list(map(tree.setdefault, fresh, repeat(bit)))
+        if holders.count(bit) != len(holders):  # some were held by other replicas
+            for name, others in zip(fresh, holders):
+                if others != bit:
+                    tree[name] = others | bit
 
     def evict(self) -> None:
+        tree = self.tree
         for replica_id, owned in self.owned.items():
-            while len(owned) > self.max_tree_size:
-                name, _ = owned.popitem(last=False)
-                tenants = self.tree[name]
-                del tenants[replica_id]
-                if not tenants:
-                    del self.tree[name]
+            excess = len(owned) - self.max_tree_size
+            if excess > 0:
+                keep = ~(1 << replica_id)
+                for name in list(islice(owned, excess)):
+                    del owned[name]
+                    holders = tree[name] & keep
+                    if holders:
+                        tree[name] = holders
+                    else:
+                        del tree[name]
 
 
 @hookimpl
