@@ -431,12 +431,15 @@ class Cluster:
             finished, self.unreported = self.unreported, []
             for request in finished:
                 self.requests.pop(request.request_id, None)
-            output = ClusterStepOutput(finished, 0, 0, 0, [])
+            replica_steps: list[tuple[int, float, float, StepOutput]] = []
+            num_prefill = num_decode = num_requests = 0
             for replica, step, start, end in fleet.step() if horizon is None else fleet.step(horizon):
-                output.num_prefill_tokens += step.num_prefill_tokens
-                output.num_decode_tokens += step.num_decode_tokens
-                output.num_requests += step.num_requests
-                output.replica_steps.append((replica.replica_id, start, end, step))
+                num_prefill += step.num_prefill_tokens
+                num_decode += step.num_decode_tokens
+                num_requests += step.num_requests
+                replica_steps.append((replica.replica_id, start, end, step))
+                if not step.finished:  # most steps of a run: nothing more to do
+                    continue
                 if replica.role == "prefill":
                     handed = [r for r in step.finished if r.finish_reason == "handoff"]
                     if handed:
@@ -456,7 +459,7 @@ class Cluster:
                     # freed at once instead of by the collector (a third of a simulated fleet's memory)
                     request.view = None
                 finished += step.finished
-            return output
+            return ClusterStepOutput(finished, num_prefill, num_decode, num_requests, replica_steps)
 
     def output(self, request: Request) -> dict:
         """A finished request's result, as LLM.output gives it."""

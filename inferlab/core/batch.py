@@ -28,10 +28,13 @@ class ScheduledBatch:
     @property
     def num_decode_tokens(self) -> int:
         """Requests computing exactly their last token (decoding); the rest of the tokens are prefill."""
-        return sum(
-            1
-            for r, n in zip(self.requests, self.num_scheduled_tokens)
-            if n == 1 and r.num_computed_tokens == len(r.token_ids) - 1
+        # a list's length rather than a generator's sum: read every step, and no generator resumes a row
+        return len(
+            [
+                n
+                for r, n in zip(self.requests, self.num_scheduled_tokens)
+                if n == 1 and r.num_computed_tokens == len(r.token_ids) - 1
+            ]
         )
 
 

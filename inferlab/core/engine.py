@@ -783,35 +783,41 @@ class LLMEngine:
         scheduler, kv = self.scheduler, self.kv_manager
         running = list(scheduler.running)
         run = self.runner.launch_decodes(running, self.pending[1], until, max_steps)
-        num_steps = len(run.starts)
+        starts, times = run.starts, run.ends
+        num_steps = len(starts)
         if not num_steps:
             return []
-        read, times, bs = run.read_tokens, run.ends, kv.block_size
-        computed = [request.num_computed_tokens for request in running]
+        read, bs, block_table = run.read_tokens, kv.block_size, kv.block_table
         # The KV books at the steps that touch them, in the order stepping would: each step
         # allocates (scheduling) before it commits (advancing), request by request. Everything up
         # to c was committed by the step before (BlockAligned: a commit that fills no block changes
         # nothing), so a request commits where its steps fill a block.
-        events = []
+        events = []  # (step, commit, row, tokens computed before the run)
         finishing = []  # rows that reach max_tokens or max_model_len in the last step
+        pending = []  # the last step's entries, as advance appends them
         first, rest, end = read[0], read[1:], num_steps + 1
-        for row, (request, c) in enumerate(zip(running, computed)):
-            held = len(kv.block_table(request))
-            num_tokens = len(request.token_ids) + num_steps
+        for row, request in enumerate(running):
+            c = request.num_computed_tokens
+            token_ids = request.token_ids
+            num_tokens = len(token_ids) + num_steps
             if num_tokens - request.num_prompt_tokens >= request.params.max_tokens or (
                 request.max_model_len is not None and num_tokens >= request.max_model_len
             ):
                 finishing.append(row)
-            for n in range(held * bs - c + 1, end, bs):
-                events.append((n, 0, row))
-            for n in range(bs - c % bs, end, bs):
-                events.append((n, 1, row))
-            token_ids = request.token_ids
+            n = len(block_table(request)) * bs - c + 1
+            while n < end:
+                events.append((n, 0, row, c))
+                n += bs
+            n = bs - c % bs
+            while n < end:
+                events.append((n, 1, row, c))
+                n += bs
             token_ids[-1] = first  # the pending step's placeholder
             token_ids += rest
             token_ids.append(-(row + 1))  # the last step's placeholder, as advance appends it
             request.token_times += times
-        events.sort()
+            request.num_computed_tokens = c + num_steps  # the events below set theirs on the way
+            pending.append((request, row, num_tokens - 1))
         if len(self.pending[0]) != len(
             running
         ):  # the pending step finished some: the first step resolves and reports them
@@ -821,32 +827,34 @@ class LLMEngine:
                 request.reported = True
                 request.token_times.append(times[0])
             self.unreported = ended
-        if finishing:  # they finish in the last step's advance, before it commits
-            last = set(finishing)
-            events = [e for e in events if not (e[1] and e[0] == num_steps and e[2] in last)]
-        for n, commit, row in events:
-            request = running[row]
-            if commit:
-                request.num_computed_tokens = computed[row] + n
-                kv.commit(request)
-            else:
-                request.num_computed_tokens = computed[row] + n - 1
-                if not kv.allocate(request, 1):
-                    raise RuntimeError(f"request {request.request_id}: a decode run found no free block")
-        for request, c in zip(running, computed):
-            request.num_computed_tokens = c + num_steps
+        if events:
+            events.sort()
+            if finishing:  # they finish in the last step's advance, before it commits
+                last = set(finishing)
+                events = [e for e in events if not (e[1] and e[0] == num_steps and e[2] in last)]
+            for n, commit, row, c in events:
+                request = running[row]
+                if commit:
+                    request.num_computed_tokens = c + n
+                    kv.commit(request)
+                else:
+                    request.num_computed_tokens = c + n - 1
+                    if not kv.allocate(request, 1):
+                        raise RuntimeError(f"request {request.request_id}: a decode run found no free block")
+            for _, _, row, c in events:
+                running[row].num_computed_tokens = c + num_steps
         if finishing:  # as advance finishes them: out of the running queue, their blocks freed
             for row in finishing:
                 scheduler._finish(running[row], "length")
             scheduler.release()
-        self.pending = ([(request, row, len(request.token_ids) - 1) for row, request in enumerate(running)], run.handle)
+        self.pending = (pending, run.handle)
         scheduler.num_steps += num_steps
         stats = self.stats
         stats.num_steps += num_steps
         stats.num_decode_tokens += num_steps * len(running)
-        for start, end in zip(run.starts, times):
+        for start, end in zip(starts, times):
             stats.decode_seconds += end - start
-        return list(zip(run.starts, times))
+        return list(zip(starts, times))
 
     def _step(self) -> StepOutput:
         scheduler, handoff = self.scheduler, self.handoff

@@ -29,8 +29,8 @@ from time import perf_counter
 
 import torch
 
-from inferlab.core.batch import ScheduledBatch
 from inferlab.core.checkpoint import Checkpoint, fit_model_len, load_checkpoint_files, open_checkpoint
+from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
@@ -364,7 +364,10 @@ class SimulatedRunner:
         steps of these requests, each followed by the wait for the step before's tokens, with no
         work per request (a step's context grows by one token a request)."""
         num = len(requests)
-        shape = StepShape.of(ScheduledBatch(requests, [1] * num, []), self.graph_limits)
+        # StepShape.of's shape of a decode-only batch, without its pass over the rows for prefill
+        context = num + sum([request.num_computed_tokens for request in requests])
+        graph = 0 < num <= (self.graph_limits or GraphLimits()).decode_batch
+        shape = StepShape(0, 0, 0, num, context, graph, 0)
         rows = [request.request_id for request in requests]
         clock = self.clock
         starts: list[float] = []
@@ -411,14 +414,17 @@ class SimulatedRunner:
         ends: list[float] = []
         read = [pending.token]
         ends_at = pending.ends_at
+        num_tokens = len(tokens)
+        # max(a, b) written `b if b > a else a`, which picks the same float without a call
         for _ in range(max_steps):
             if now >= until:
                 break
             starts.append(now)
             seconds = fixed + per_token * context
-            idle = now - free_at
-            if idle > 0 and wake:
-                now += profile.idle_wake_seconds(idle)
+            if wake:
+                idle = now - free_at
+                if idle > 0:
+                    now += profile.idle_wake_seconds(idle)
             now += step_host
             start = now
             host = launch_fixed + launch_per_token * context if hosted else 0.0
@@ -427,13 +433,15 @@ class SimulatedRunner:
                 setup = None
             now += host * factor
             if graph:
-                free_at = max(free_at, now) + seconds
+                free_at = (now if now > free_at else free_at) + seconds
             else:
-                free_at = max(max(free_at, start) + seconds, now)
+                began = (start if start > free_at else free_at) + seconds
+                free_at = now if now > began else began
             simulated += seconds
             num_steps += 1
-            read.append(tokens[num_steps % len(tokens)])
-            now = max(now, ends_at)  # the step before's tokens
+            read.append(tokens[num_steps % num_tokens])
+            if ends_at > now:  # the step before's tokens
+                now = ends_at
             ends_at = free_at
             ends.append(now)
             context += num
