@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
-from inferlab.core.protocols import BudgetPolicy
-from inferlab.core.request import Request, RequestStatus
+from inferlab.core.protocols import BudgetPolicy, FixedAdmissionOrder, PureAdmissionOrder, SchedulerState
+from inferlab.core.request import Request, RequestStatus, RequestView
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import Scheduler
 from inferlab.testing.common import assert_blocks_accounted, assert_own_prefixes, ceil_div, run_machine
@@ -237,6 +237,40 @@ class SchedulerPolicySuite:
             self.machine, self.hypothesis_settings, scheduler=self.scheduler, scheduler_options=self.scheduler_options
         )
         assert seen["preemption"] > 0 and seen["interrupted"] > 0 and seen["overlap"] > 0
+
+    def test_admission_order_keeps_its_declarations(self):
+        """A PureAdmissionOrder policy gives the same order when asked again with the same
+        arguments (a simulated run skips calls on that promise), and a FixedAdmissionOrder one the
+        same order whatever the state (a run asks it once): checked on random waiting queues."""
+        registry = get_registry()
+        policy = registry.create("scheduler", self.scheduler, options=self.scheduler_options)
+        config = EngineConfig(kvcache_block_size=16, max_model_len=MAX_MODEL_LEN)
+        kv = registry.create("kv_cache", "paged", config, 64)
+        pure = isinstance(policy, PureAdmissionOrder) and policy.admission_order_is_pure
+        fixed = pure and isinstance(policy, FixedAdmissionOrder) and policy.admission_order_is_fixed
+        if not pure:
+            import pytest
+
+            pytest.skip(f"scheduler {self.scheduler!r} does not declare PureAdmissionOrder")
+        rng = random.Random(3)
+        for trial in range(50):
+            waiting = []
+            for i in range(rng.randrange(1, 12)):
+                params = SamplingParams(max_tokens=rng.randrange(1, 8), ignore_eos=True)
+                request = Request(i, [rng.randrange(1, 4) for _ in range(rng.randrange(1, 40))], params)
+                request.arrival_time = rng.uniform(0.0, 5.0)
+                request.priority = rng.randrange(-2, 3)
+                request.metadata = request_metadata(rng, request.arrival_time)
+                waiting.append(request)
+            views = tuple(RequestView(request, kv) for request in waiting)
+            states = [SchedulerState(6.0, trial, (), len(views), 32, 64, 16, 8, 256)] * 2
+            if fixed:
+                states.append(
+                    SchedulerState(rng.uniform(6, 60), trial + 7, (), len(views), rng.randrange(64), 64, 16, 8, 256)
+                )
+            first, *others = ([view.request_id for view in policy.admission_order(views, st)] for st in states)
+            assert others[0] == first, "admission_order is declared pure but changed its answer"
+            assert others[1:] in ([], [first]), "admission_order is declared fixed but its order followed the state"
 
     def test_serves_an_engine(self):
         """The policy in an engine on the embedded model, with a KV cache small enough to preempt:

@@ -17,7 +17,8 @@ from hypothesis_profiles import QUICK_EXAMPLES
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from inferlab.core.plugins import get_registry  # noqa: E402
+from inferlab.core.hookspecs import hookimpl  # noqa: E402
+from inferlab.core.plugins import PluginRegistry, get_registry  # noqa: E402
 from inferlab.testing import (  # noqa: E402
     AttentionBackendSuite,
     KVCacheManagerSuite,
@@ -163,3 +164,45 @@ class TestFCFSWithCollidingHashes(SchedulerPolicySuite):
 
     def test_serves_an_engine(self):
         """The engine run is the same as TestFCFS's."""
+
+
+class _ClockOrder:
+    """Declares an order fixed and pure that follows the clock and rotates with each call."""
+
+    admission_order_is_pure = True
+    admission_order_is_fixed = True
+
+    def __init__(self, rotates: bool):
+        self.rotates, self.calls = rotates, 0
+
+    def admission_order(self, waiting, state):
+        self.calls += 1
+        if self.rotates:
+            return waiting[self.calls % len(waiting) :] + waiting[: self.calls % len(waiting)]
+        return waiting if int(state.now) % 2 == 0 else waiting[::-1]
+
+    def preemption_victim(self, running, state):
+        return running[-1]
+
+
+class _ClockOrderPlugin:
+    @staticmethod
+    @hookimpl
+    def register_schedulers(register):
+        register("clock_order", lambda: _ClockOrder(rotates=False))
+        register("rotating_order", lambda: _ClockOrder(rotates=True))
+
+
+@pytest.mark.parametrize(("name", "broken"), [("clock_order", "declared fixed"), ("rotating_order", "declared pure")])
+def test_the_suite_catches_an_admission_order_that_breaks_its_declaration(monkeypatch, name, broken):
+    import inferlab.testing.scheduler as suite_module
+
+    registry = PluginRegistry()
+    registry.register(_ClockOrderPlugin, "clock_order_plugin")
+    monkeypatch.setattr(suite_module, "get_registry", lambda: registry)
+
+    class Suite(SchedulerPolicySuite):
+        scheduler = name
+
+    with pytest.raises(AssertionError, match=broken):
+        Suite().test_admission_order_keeps_its_declarations()
