@@ -760,22 +760,23 @@ class LLMEngine:
             except Exception:
                 return False  # a step asks again, and deals with the fault
             waiting = () if first is None else (first,)
+
+        def blocks_past(request: Request, cached: int) -> int:
+            """The free blocks the request takes at least, admitted with `cached` tokens cached."""
+            end = (
+                request.num_prompt_tokens
+                if request.kv_receive is not None
+                else min(len(request.token_ids), cached + budget)
+            )
+            return -(-end // bs) - cached // bs
+
         # first without asking the cache: a request that fits with nothing cached fits with anything
-        for request in waiting:
-            if request.kv_receive is not None:
-                if -(-request.num_prompt_tokens // bs) <= free:
-                    return False
-            elif -(-min(len(request.token_ids), budget) // bs) <= free:
-                return False
+        if any(blocks_past(request, 0) <= free for request in waiting):
+            return False
         for request in waiting:
             # prompt logprobs need every prompt token's logits: nothing comes from the cache
             cached = kv.num_cached_prefix_tokens(request) if request.prompt_logprobs is None else 0
-            if not cached:
-                continue  # the pass above
-            if request.kv_receive is not None:
-                if -(-request.num_prompt_tokens // bs) - cached // bs <= free:
-                    return False
-            elif -(-min(len(request.token_ids), cached + budget) // bs) - cached // bs <= free:
+            if cached and blocks_past(request, cached) <= free:  # (uncached: the pass above)
                 return False
         return True
 
