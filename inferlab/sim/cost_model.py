@@ -83,19 +83,23 @@ class StepShape:
                 prefill_pairs += num_tokens * context + num_tokens * (num_tokens + 1) // 2
                 if num_tokens == remaining:
                     sample_rows.append(row)
-        graph_tokens = 0
-        if prefill_tokens:
-            tokens = prefill_tokens + decode_requests
-            graph = tokens <= graphs.prefill_tokens and (
-                not graphs.decode_context or longest_decode < graphs.decode_context
-            )
-            graph_tokens = prefill_graph_capacity(tokens, graphs.prefill_tokens) if graph else 0
-        else:
-            graph = 0 < decode_requests <= graphs.decode_batch
+        if not prefill_tokens:
+            return cls.decodes(decode_requests, decode_context, graphs), sample_rows
+        tokens = prefill_tokens + decode_requests
+        graph = tokens <= graphs.prefill_tokens and (
+            not graphs.decode_context or longest_decode < graphs.decode_context
+        )
+        graph_tokens = prefill_graph_capacity(tokens, graphs.prefill_tokens) if graph else 0
         shape = cls(
             prefill_tokens, prefill_pairs, prefill_requests, decode_requests, decode_context, graph, graph_tokens
         )
         return shape, sample_rows
+
+    @classmethod
+    def decodes(cls, num: int, context: int, graphs: GraphLimits | None = None) -> "StepShape":
+        """The shape of a decode-only step of num requests whose contexts (the new token included)
+        sum to context."""
+        return cls(0, 0, 0, num, context, 0 < num <= (graphs or GraphLimits()).decode_batch, 0)
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -30,7 +30,6 @@ from time import perf_counter
 import torch
 
 from inferlab.core.checkpoint import Checkpoint, fit_model_len, load_checkpoint_files, open_checkpoint
-from inferlab.core.cuda_graphs import GraphLimits
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.kv_cache_dtype import resolve_kv_cache_dtype
 from inferlab.core.model_config import native_model_config
@@ -365,9 +364,9 @@ class SimulatedRunner:
         work per request (a step's context grows by one token a request)."""
         num = len(requests)
         # StepShape.of's shape of a decode-only batch, without its pass over the rows for prefill
-        context = num + sum([request.num_computed_tokens for request in requests])
-        graph = 0 < num <= (self.graph_limits or GraphLimits()).decode_batch
-        shape = StepShape(0, 0, 0, num, context, graph, 0)
+        shape = StepShape.decodes(
+            num, num + sum([request.num_computed_tokens for request in requests]), self.graph_limits
+        )
         rows = [request.request_id for request in requests]
         clock = self.clock
         starts: list[float] = []
