@@ -56,8 +56,8 @@ def synchronize(device: torch.device) -> None:
 class StepTimer:
     """Builds steps of a given composition on an engine's own KV cache and times them."""
 
-    def __init__(self, llm, repeats: int, seed: int = 0):
-        self.llm, self.repeats = llm, repeats
+    def __init__(self, llm, repeats: int, seed: int = 0, fresh_prompts: bool = True):
+        self.llm, self.repeats, self.fresh_prompts = llm, repeats, fresh_prompts
         self.rng = np.random.default_rng(seed)
         self.next_id = 10**9  # far from the engine's own request ids
         self.params = SamplingParams(temperature=0.6, max_tokens=1 << 20, ignore_eos=True, seed=0)
@@ -82,24 +82,32 @@ class StepTimer:
         if not self.fits(parts):
             return None
         llm, runner = self.llm, self.llm.runner
-        requests = [self._request(c, n) for c, n in parts]
-        batch = ScheduledBatch(requests, [n for _, n in parts], [llm.kv_manager.block_table(r) for r in requests])
+        # A step that carries a prompt meets its rows for the first time in a run, so such steps
+        # alternate between two sets of requests (as the KV cache allows): each launch brings rows
+        # the previous one did not have, as the engine's would, instead of relaunching one batch.
+        sets = 2 if self.fresh_prompts and any(n > 1 for _, n in parts) and self.fits(parts * 2) else 1
+        requests, batches = [], []
+        for _ in range(sets):
+            rows = [self._request(c, n) for c, n in parts]
+            requests += rows
+            batches.append(ScheduledBatch(rows, [n for _, n in parts], [llm.kv_manager.block_table(r) for r in rows]))
+        batch = batches[0]
         saved = runner.decode_graphs, runner.prefill_graphs
         if not graphs:
             runner.decode_graphs = runner.prefill_graphs = None
         limits = runner.graph_limits()
         try:
-            for _ in range(3):
-                runner.launch(batch).tokens()
+            for i in range(3):
+                runner.launch(batches[i % sets]).tokens()
             synchronize(runner.device)
             # The step's time is the steady interval between reading one step's tokens and the
             # next's, each read after the next launch as the engine does: the device's step or the
             # host's launch, whichever is longer, without the first launch onto the idle device
             # (which the simulator puts on its clock itself).
             previous, launching, read = None, 0.0, []
-            for _ in range(self.repeats + 1):
+            for i in range(self.repeats + 1):
                 launched = time.perf_counter()
-                handle = runner.launch(batch)
+                handle = runner.launch(batches[i % sets])
                 launching += time.perf_counter() - launched
                 if previous is not None:
                     previous.tokens()
@@ -109,7 +117,7 @@ class StepTimer:
             synchronize(runner.device)
             seconds = (read[-1] - read[0]) / (len(read) - 1)
             intervals = np.diff(read)
-            device_seconds = self._device_seconds(batch, seconds) if runner.device.type == "cuda" else None
+            device_seconds = self._device_seconds(batches, seconds) if runner.device.type == "cuda" else None
         finally:
             runner.decode_graphs, runner.prefill_graphs = saved
             for request in requests:
@@ -127,7 +135,7 @@ class StepTimer:
             measurement["device_seconds"] = device_seconds
         return measurement
 
-    def _device_seconds(self, batch: ScheduledBatch, step_seconds: float) -> float:
+    def _device_seconds(self, batches: list[ScheduledBatch], step_seconds: float) -> float:
         """The device's own time for a step: the launches are queued behind a spin kernel that
         outlasts the host's work on them, so the events around them bracket device work alone
         (kernels and the gaps between them), not the host's launch and scheduling time."""
@@ -137,7 +145,7 @@ class StepTimer:
         # at most a quarter second (no step's host work comes near that)
         torch.cuda._sleep(int(2e9 * min(0.25, 2 * step_seconds * self.repeats + 0.01)))
         start.record()
-        handles = [runner.launch(batch) for _ in range(self.repeats)]
+        handles = [runner.launch(batches[i % len(batches)]) for i in range(self.repeats)]
         end.record()
         handles[-1].tokens()
         synchronize(runner.device)
