@@ -1,10 +1,12 @@
 """The paged block manager's books: reference counts, the free queue, prefix reuse and eviction."""
 
+import random
 from itertools import count
 
 from colliding_names import collide_block_names
 from engine_books import assert_kv_books
 
+from inferlab.core.blocks import block_identity
 from inferlab.core.config import EngineConfig
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
@@ -160,3 +162,89 @@ def test_reset_prefix_cache_keeps_referenced_blocks():
     assert kv.num_cached_prefix_tokens(seq_of(range(200, 233))) == 0
     assert kv.num_cached_prefix_tokens(seq_of(range(33))) == 32
     assert_kv_books(kv, [held])
+
+
+class NamedFromTokens(PagedKVCache):
+    """The paged manager with each committed block's identity made from its tokens when committed
+    (block_identity), as it was before commits read the identities memoized with the names: the
+    reference they must match book for book."""
+
+    def commit(self, request):
+        num_full = request.num_computed_tokens // self.block_size
+        start = self.num_committed.get(request.request_id, 0)
+        hashes = self._names(request, num_full)[0]
+        table = self.tables[request.request_id]
+        for i in range(start, num_full):
+            block = table[i]
+            if self.block_hash[block] is None:  # named from its tokens, as block_identity does
+                h = self.block_hash[block] = hashes[i]
+                self.block_tokens[block] = block_identity(request.token_ids, i * BS, (i + 1) * BS)
+                self.block_content_id[block], self.next_content_id = self.next_content_id, self.next_content_id + 1
+                self.block_parent_id[block] = self.block_content_id[table[i - 1]] if i else 0
+                if h not in self.cached:
+                    self.cached[h] = block
+                    if self.kv_events is not None:
+                        self.kv_events[h] = True
+                self.cache_version += 1
+        self.num_committed[request.request_id] = max(start, num_full)
+
+
+def books(kv) -> tuple:
+    return (
+        list(kv.free_queue),
+        list(kv.cached.items()),
+        kv.block_hash,
+        kv.block_tokens,
+        kv.block_content_id,
+        kv.block_parent_id,
+        kv.ref_counts,
+        kv.cache_version,
+        dict(kv.tables),
+        kv.kv_events,
+    )
+
+
+def test_commits_reading_memoized_identities_keep_the_books_of_identities_made_at_commit():
+    """Prompts behind shared prefixes, decoding past their prompts (blocks named from outputs
+    too), freed in a shuffled order on a small cache: hits, evictions and revivals along the way."""
+
+    rng = random.Random(7)
+    config = EngineConfig(kvcache_block_size=BS, enable_prefix_caching=True)
+    fast, slow = PagedKVCache(config, 40), NamedFromTokens(config, 40)
+    fast.take_kv_events(), slow.take_kv_events()  # record events too
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([16, 40, 64]))] for _ in range(4)]
+    live: list[tuple[Request, Request]] = []
+    seen = {"evictions": 0, "hits": 0}
+    for step in range(400):
+        if live and (rng.random() < 0.35 or len(live) > 5):
+            pair = live.pop(rng.randrange(len(live)))
+            fast.free(pair[0]), slow.free(pair[1])
+        elif live and rng.random() < 0.5:  # decode a few tokens past the prompt, committing each step
+            a, b = live[rng.randrange(len(live))]
+            for _ in range(rng.randrange(1, 20)):
+                grew = [fast.allocate(a, 1), slow.allocate(b, 1)]
+                assert grew[0] == grew[1]
+                if not grew[0]:
+                    break
+                for r in (a, b):
+                    r.token_ids.append(step % 97)
+                    r.num_computed_tokens += 1
+                fast.commit(a), slow.commit(b)
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 50))]
+            a, b = seq_of(tokens), seq_of(tokens)
+            b.request_id = a.request_id
+            version = fast.cache_version
+            if admit(fast, a) != admit(slow, b):
+                raise AssertionError(f"step {step}: the two managers admitted differently")
+            if fast.block_table(a):
+                seen["hits"] += a.num_cached_tokens > 0
+                for r, kv in ((a, fast), (b, slow)):
+                    r.num_computed_tokens = r.num_tokens
+                    kv.commit(r)
+                live.append((a, b))
+                seen["evictions"] += fast.cache_version - version > fast.num_committed[a.request_id] - len(
+                    fast.block_table(a)[: a.num_cached_tokens // BS]
+                )
+        assert books(fast) == books(slow), f"step {step}"
+    assert seen["evictions"] > 10 and seen["hits"] > 10

@@ -10,8 +10,9 @@ manager also records which hashes enter and leave the cache, for a router in ano
 """
 
 from collections import OrderedDict
+from itertools import islice
 
-from inferlab.core.blocks import block_hashes, block_identities, block_identity
+from inferlab.core.blocks import block_hashes, block_identity
 from inferlab.core.hookspecs import hookimpl
 from inferlab.core.request import Request
 
@@ -66,15 +67,17 @@ class PagedKVCache:
         events, self.kv_events = self.kv_events, {}
         return events
 
-    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The request's chained block hashes for its first num_blocks full blocks (memoized
-        until it is freed)."""
-        hashes = self.hashes.get(request.request_id)
-        if hashes is None:  # the prompt's, as a router may have named them already
-            hashes = self.hashes[request.request_id] = list(request.prompt_block_names(self.block_size))
+    def _names(self, request: Request, num_blocks: int) -> tuple[list[int], list]:
+        """The request's chained block hashes, at least its first num_blocks full blocks' (as far
+        as its tokens go), and the identities of those past its prompt's names (block i's at i -
+        the number of prompt names), memoized until it is freed: a commit reads both, made once."""
+        memo = self.hashes.get(request.request_id)
+        if memo is None:  # the prompt's, as a router may have named them already
+            memo = self.hashes[request.request_id] = (list(request.prompt_block_names(self.block_size)), [])
+        hashes, extra = memo
         if len(hashes) < num_blocks:
-            block_hashes(request.token_ids, self.block_size, num_blocks, hashes)
-        return hashes[:num_blocks]
+            block_hashes(request.token_ids, self.block_size, num_blocks, hashes, extra)
+        return memo
 
     def _prefix_hits(self, request: Request) -> list[int]:
         if not self.enable_prefix_caching:
@@ -86,7 +89,7 @@ class PagedKVCache:
         # Leave the last token uncached so that it is computed and yields logits.
         hits, parent_id = [], 0
         identities = request.prompt_block_identities(bs)
-        for i, h in enumerate(self._hashes(request, (len(tokens) - 1) // bs)):
+        for i, h in enumerate(islice(self._names(request, (len(tokens) - 1) // bs)[0], (len(tokens) - 1) // bs)):
             block = self.cached.get(h)
             if (
                 block is None
@@ -193,19 +196,18 @@ class PagedKVCache:
         start = self.num_committed.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._hashes(request, num_full)
-        table, tokens = self.tables[request.request_id], request.token_ids
+        hashes, extra = self._names(request, num_full)
+        table = self.tables[request.request_id]
         block_hash, content_id, cached, events = self.block_hash, self.block_content_id, self.cached, self.kv_events
-        identities = request.prompt_block_identities(bs)[start:num_full]  # the prompt's, named with it
-        if len(identities) < num_full - start:
-            identities += block_identities(tokens, bs, start + len(identities), num_full)
+        identities = request.prompt_block_identities(bs)  # the prompt's, named with it; then those past it
+        num_named = len(hashes) - len(extra)
         next_id = self.next_content_id
         try:
             for i in range(start, num_full):
                 block = table[i]
                 if block_hash[block] is None:
                     h = block_hash[block] = hashes[i]
-                    self.block_tokens[block] = identities[i - start]
+                    self.block_tokens[block] = identities[i] if i < num_named else extra[i - num_named]
                     content_id[block] = next_id
                     self.block_parent_id[block] = content_id[table[i - 1]] if i else 0
                     next_id += 1
