@@ -682,9 +682,9 @@ class LLMEngine:
             return 0
         sampled = self.runner.sampled_token_ids
         kv = self.kv_manager
-        bs, free = kv.block_size, kv.num_free_blocks
+        bs, free, block_table = kv.block_size, kv.num_free_blocks, kv.block_table
         steps = math.inf
-        books = []  # (tokens computed, blocks held) of each request
+        firsts = []  # of each request, the first step whose token lies past the blocks it holds
         # The pending step's tokens: one for each running request, in order, and one for each
         # request that step finished at its length (the run's first step reports those).
         row = 0
@@ -716,26 +716,17 @@ class LLMEngine:
                 return 0
             # step n appends the request's (num_tokens + n)th token; the step that reaches a limit
             # finishes it, and ends the run (the next step reports it)
-            steps = min(steps, params.max_tokens - (num_tokens - request.num_prompt_tokens))
-            if request.max_model_len is not None:
-                steps = min(steps, request.max_model_len - num_tokens)
-            books.append((request.num_computed_tokens, len(kv.block_table(request))))
+            limit = params.max_tokens - (num_tokens - request.num_prompt_tokens)
+            if limit < steps:
+                steps = limit
+            if request.max_model_len is not None and request.max_model_len - num_tokens < steps:
+                steps = request.max_model_len - num_tokens
+            # step n computes token c + n - 1, in block (c + n - 1) // bs: past the held ones from
+            # n = held * bs - c + 1 on, and into a further one every bs steps after
+            firsts.append(len(block_table(request)) * bs - request.num_computed_tokens + 1)
         if steps <= 0 or row != num_running:
             return 0
-
-        def blocks_needed(n: int) -> int:  # step n computes token c + n - 1 of each request, in block (c + n - 1) // bs
-            return sum(max(0, -(-(c + n) // bs) - held) for c, held in books)
-
-        if blocks_needed(steps) > free:  # the longest run whose blocks are free: no step preempts
-            low, high = 0, steps
-            while low < high:
-                middle = (low + high + 1) // 2
-                if blocks_needed(middle) <= free:
-                    low = middle
-                else:
-                    high = middle - 1
-            steps = low
-        return steps
+        return steps_in_free_blocks(firsts, steps, bs, free)
 
     def _admits_nothing(self) -> bool:
         """Whether no step of a run of decode steps starting now could admit a waiting request,
@@ -1167,6 +1158,18 @@ class LLMEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def steps_in_free_blocks(firsts: list[int], steps: int, block_size: int, free: int) -> int:
+    """The longest run of decode steps, at most `steps`, whose blocks are free (no step preempts):
+    each request takes a block at step firsts[i] (its first token past the blocks it holds) and
+    every block_size steps after, so the run ends before the step that would take one block more
+    than are free. One pass over the steps that take blocks, not a search over run lengths."""
+    needs = [n for first in firsts for n in range(first, steps + 1, block_size)]
+    if len(needs) <= free:
+        return steps
+    needs.sort()
+    return max(needs[free] - 1, 0)
 
 
 def record_logprobs(appended: list, step_logprobs) -> None:

@@ -8,12 +8,14 @@ and cache hits, the replicas' counters and KV books, and the step records."""
 
 import dataclasses
 import math
+import random
 from collections import Counter
 
 import pytest
 
 from inferlab import Cluster
 from inferlab.conf import compose
+from inferlab.core.engine import steps_in_free_blocks
 from inferlab.core.plugins import PluginRegistry
 from inferlab.experiment.driver import run_workload
 from inferlab.experiment.latency import latency_figures
@@ -281,3 +283,28 @@ def test_a_fixed_admission_order_lets_runs_go_on_while_its_first_request_does_no
         assert fast[0].requests == one[0].requests
         assert fast[1:4] == one[1:4]  # the KV books, the replicas' counters, the runners
     assert waits["fcfs"]["in runs"] > waits["pure_fcfs"]["in runs"] + 500 > 1000
+
+
+def blocks_needed(books: list[tuple[int, int]], bs: int, n: int) -> int:
+    return sum(max(0, -(-(c + n) // bs) - held) for c, held in books)
+
+
+def test_a_runs_length_in_free_blocks_is_the_longest_a_search_over_lengths_finds():
+    """steps_in_free_blocks against the search it replaced: the longest n <= steps whose blocks
+    (each request holding `held` blocks with c tokens computed takes ceil((c + n) / bs) - held by
+    step n) fit in the free ones."""
+    rng = random.Random(3)
+    cut = 0
+    for _ in range(3000):
+        bs = rng.choice([1, 4, 16, 256])
+        books = []
+        for _ in range(rng.randrange(1, 12)):
+            c = rng.randrange(1, 3000)
+            books.append((c, -(-c // bs) + rng.choice([0, 0, 1])))  # its blocks hold c tokens, maybe one more
+        steps, free = rng.randrange(1, 600), rng.randrange(0, 40)
+
+        longest = max(n for n in range(steps + 1) if blocks_needed(books, bs, n) <= free)
+        firsts = [held * bs - c + 1 for c, held in books]
+        assert steps_in_free_blocks(firsts, steps, bs, free) == longest
+        cut += longest < steps
+    assert cut > 500  # the free blocks cut many runs short
