@@ -137,6 +137,11 @@ class RequestRecord:
         return self.e2e_s / self.num_output_tokens if self.num_output_tokens else None
 
 
+# A requests.jsonl line's fields of the record, in its order, and their values read in one call
+LINE_FIELDS = tuple(f.name for f in fields(RequestRecord) if f.name not in LINE_SKIPS)
+LINE_VALUES = operator.attrgetter(*LINE_FIELDS)
+
+
 @dataclass(slots=True)
 class StepRecord:
     """One engine step: when it ran and what its batch held."""
@@ -410,7 +415,7 @@ def request_line(record: RequestRecord, repeat: int) -> dict:
     """One line of requests.jsonl: the record less its token times, plus its latencies; replica_id
     only for a cluster's requests, its KV move's time and bytes only when it moved (disaggregated)."""
     # Field by field, not asdict: asdict deep-copies every token time only for them to be dropped.
-    line = {"repeat": repeat, **{f.name: getattr(record, f.name) for f in fields(record) if f.name not in LINE_SKIPS}}
+    line = {"repeat": repeat, **dict(zip(LINE_FIELDS, LINE_VALUES(record)))}
     if record.replica_id is not None:
         line["replica_id"] = record.replica_id
     if record.kv_transfer_s is not None:
@@ -422,7 +427,7 @@ def request_line(record: RequestRecord, repeat: int) -> dict:
 def write_requests_jsonl(path: str, records_per_repeat: Sequence[Sequence[RequestRecord]]) -> None:
     """requests.jsonl: one JSON object per request per repeat (request_line). Metadata values that
     JSON cannot hold are written as their str()."""
+    encode = json.JSONEncoder(default=str).encode  # json.dumps(line, default=str), its encoder made once
     with open(path, "w") as f:
         for repeat, records in enumerate(records_per_repeat):
-            for record in records:
-                f.write(json.dumps(request_line(record, repeat), default=str) + "\n")
+            f.writelines(encode(request_line(record, repeat)) + "\n" for record in records)
