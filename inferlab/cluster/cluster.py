@@ -49,9 +49,20 @@ FINISHED = RequestStatus.FINISHED
 @dataclass(slots=True)
 class ClusterStepOutput(StepOutput):
     """A cluster step: the engine's StepOutput summed over the replicas that stepped, and each of
-    their steps: (replica_id, start, end on its clock, its StepOutput)."""
+    their steps (replica_steps)."""
 
-    replica_steps: list[tuple[int, float, float, StepOutput]]
+    # (replica_id, the first step's output, each later step's output, [(start, end) of each step]):
+    # a run of a replica's decode steps kept as one entry, made into one a step only when asked
+    runs: list[tuple[int, StepOutput, StepOutput, list[tuple[float, float]]]]
+
+    @property
+    def replica_steps(self) -> list[tuple[int, float, float, StepOutput]]:
+        """Each step of each replica that stepped: (replica_id, start, end on its clock, its StepOutput)."""
+        return [
+            (replica_id, start, end, first if i == 0 else rest)
+            for replica_id, first, rest, spans in self.runs
+            for i, (start, end) in enumerate(spans)
+        ]
 
 
 class Cluster:
@@ -431,15 +442,17 @@ class Cluster:
             finished, self.unreported = self.unreported, []
             for request in finished:
                 self.requests.pop(request.request_id, None)
-            replica_steps: list[tuple[int, float, float, StepOutput]] = []
+            runs: list[tuple[int, StepOutput, StepOutput, list[tuple[float, float]]]] = []
             num_prefill = num_decode = num_requests = 0
-            for replica, step, start, end in fleet.step() if horizon is None else fleet.step(horizon):
-                num_prefill += step.num_prefill_tokens
-                num_decode += step.num_decode_tokens
-                num_requests += step.num_requests
-                replica_steps.append((replica.replica_id, start, end, step))
-                if not step.finished:  # most steps of a run: nothing more to do
+            for replica, step, rest, spans in fleet.step() if horizon is None else fleet.step(horizon):
+                later = len(spans) - 1  # a run's steps after its first, each alike
+                num_prefill += step.num_prefill_tokens + later * rest.num_prefill_tokens
+                num_decode += step.num_decode_tokens + later * rest.num_decode_tokens
+                num_requests += step.num_requests + later * rest.num_requests
+                runs.append((replica.replica_id, step, rest, spans))
+                if not step.finished:  # most runs: nothing more to do (only a run's first step reports)
                     continue
+                end = spans[0][1]
                 if replica.role == "prefill":
                     handed = [r for r in step.finished if r.finish_reason == "handoff"]
                     if handed:
@@ -459,7 +472,7 @@ class Cluster:
                     # freed at once instead of by the collector (a third of a simulated fleet's memory)
                     request.view = None
                 finished += step.finished
-            return ClusterStepOutput(finished, num_prefill, num_decode, num_requests, replica_steps)
+            return ClusterStepOutput(finished, num_prefill, num_decode, num_requests, runs)
 
     def output(self, request: Request) -> dict:
         """A finished request's result, as LLM.output gives it."""

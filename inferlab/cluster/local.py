@@ -235,13 +235,14 @@ class LocalFleet:
         else:
             self.front.wait_until(t)
 
-    def step(self, until: float | None = None) -> list[tuple[LocalReplica, StepOutput, float, float]]:
-        """Steps the replica next in order: [(replica, its step's output, start, end on its clock)],
-        empty when none has work. With `until` (virtual clocks: nothing reaches the replicas before
-        it), the replica runs at once the decode steps before it that nothing can change, one
-        entry each; and where replicas move no K/V to each other (no roles), it goes on with every
-        step of its own that starts before `until`, one at a time or in runs: no other replica's
-        step before then can change it."""
+    def step(self, until: float | None = None) -> list[tuple[LocalReplica, StepOutput, StepOutput, list]]:
+        """Steps the replica next in order: its steps as runs [(replica, the first step's output,
+        each later step's output, [(start, end) on its clock of each step])], a step alone being a
+        run of one; empty when none has work. With `until` (virtual clocks: nothing reaches the
+        replicas before it), the replica runs at once the decode steps before it that nothing can
+        change, one run; and where replicas move no K/V to each other (no roles), it goes on with
+        every step of its own that starts before `until`, one at a time or in runs: no other
+        replica's step before then can change it."""
         if self.next_step_time() == float("inf"):
             return []
         _, replica_id, _ = heapq.heappop(self.heap)
@@ -250,35 +251,35 @@ class LocalFleet:
         engine = replica.engine
         if until is None or not self.decode_runs:
             return self._step_once(replica)
-        steps: list[tuple[LocalReplica, StepOutput, float, float]] = []
+        runs: list[tuple[LocalReplica, StepOutput, StepOutput, list]] = []
         while True:
             num = len(engine.scheduler.running)  # each step's batch (some may finish in the last)
             spans = engine.run_decodes(until)
             if spans:
                 output = StepOutput([], 0, num, num)  # each step's: no prefill, one token a request
                 finished = engine.take_finished()  # the first step read their last tokens
-                steps.append((replica, StepOutput(finished, 0, num, num) if finished else output, *spans[0]))
-                steps += [(replica, output, start, end) for start, end in spans[1:]]
+                runs.append((replica, StepOutput(finished, 0, num, num) if finished else output, output, spans))
             else:
                 start = engine.clock()
                 output = engine.step()
                 end = engine.clock()
-                steps.append((replica, output, start, end))
+                runs.append((replica, output, output, [(start, end)]))
                 if not (output.num_requests or output.finished or end > start):  # did nothing
                     break
             if self.transfer is not None or engine.clock() >= until or engine.is_finished():
                 break
-        self.now = max(self.now, steps[-1][3])
-        if len(steps) == 1 and not spans:  # one step alone: as stepping one at a time leaves it
-            output, start, end = steps[0][1:]
+        self.now = max(self.now, runs[-1][3][-1][1])
+        if len(runs) == 1 and not spans:  # one step alone: as stepping one at a time leaves it
+            output = runs[0][1]
+            start, end = runs[0][3][0]
             if not (output.num_requests or output.finished or end > start or not replica.busy()):
                 replica.refresh()
                 self.parked.append(replica)
-                return steps
+                return runs
         self.acted(replica)
-        return steps
+        return runs
 
-    def _step_once(self, replica: LocalReplica) -> list[tuple[LocalReplica, StepOutput, float, float]]:
+    def _step_once(self, replica: LocalReplica) -> list[tuple[LocalReplica, StepOutput, StepOutput, list]]:
         engine = replica.engine
         start = engine.clock()
         output = engine.step()
@@ -290,7 +291,7 @@ class LocalFleet:
         else:
             replica.refresh()
             self.parked.append(replica)
-        return [(replica, output, start, end)]
+        return [(replica, output, output, [(start, end)])]
 
     def acted(self, replica: LocalReplica) -> None:
         """After a replica's step (or run of decode steps) did something: the parked replicas try

@@ -491,8 +491,12 @@ class RayFleet:
     def idle(self) -> bool:
         return not any(replica.requests for replica in self.replicas)
 
-    def step(self) -> list[tuple[RayReplica, StepOutput, float, float]]:
-        """What the actors reported within POLL_S: one entry per step they took."""
+    def step(self) -> list[tuple[RayReplica, StepOutput, StepOutput, list]]:
+        """What the actors reported within POLL_S, as LocalFleet.step gives its runs: a run of one
+        for each step they took."""
+        return [(replica, output, output, [(start, end)]) for replica, output, start, end in self._steps()]
+
+    def _steps(self) -> list[tuple[RayReplica, StepOutput, float, float]]:
         now = perf_counter()
         steps = [(replica, StepOutput(ended, 0, 0, 0), now, now) for replica, ended in self.orphans if ended]
         self.orphans = []
