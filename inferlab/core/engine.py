@@ -35,6 +35,7 @@ from inferlab.core.protocols import (
     SamplesLogits,
     StructuredOutputSampler,
     TokenConstraint,
+    UnheldPrefixBlocks,
 )
 from inferlab.core.request import Request, RequestStatus
 from inferlab.core.sampling_params import SEED_LIMIT, SamplingParams
@@ -280,6 +281,8 @@ class LLMEngine:
         kv = self.kv_manager
         # Runs of decode steps at once (run_decodes): a simulation's, over block-aligned books
         self.decode_runs = isinstance(runner, DecodeRuns) and isinstance(kv, BlockAligned) and kv.block_aligned
+        # a waiting request's cached blocks that nobody holds, which admitting it takes from the free ones
+        self.unheld_prefix_blocks = kv.num_unheld_prefix_blocks if isinstance(kv, UnheldPrefixBlocks) else None
         self.handoff: KVHandoff | None = None  # prefill/decode disaggregation, once connect_kv_transfer ran
         log.info("engine ready in %.1f s", perf_counter() - started)
 
@@ -740,7 +743,13 @@ class LLMEngine:
         step), and the blocks the decodes take can only evict a cached prefix. A block a decode
         commits may lengthen a cached prefix, by one block (BlockAligned), but the request that
         filled it takes a free block for its next token in the step after, before anything is
-        admitted: so a request that does not fit now fits in no step of the run."""
+        admitted: so a request that does not fit now fits in no step of the run.
+
+        With UnheldPrefixBlocks, the cached blocks that nobody holds count too (admitting takes them
+        from the free ones). A decode's take that evicts one costs a free block and ends the cached
+        prefix there, and the request computes into at least as many blocks more as it revives
+        fewer; where its first chunk is cut by the budget, the blocks past its cache do not depend
+        on how much is cached, and the pass without the cache found they do not fit."""
         scheduler, kv = self.scheduler, self.kv_manager
         bs, free = kv.block_size, kv.num_free_blocks
         budget = scheduler.max_num_batched_tokens - len(scheduler.running)
@@ -764,11 +773,12 @@ class LLMEngine:
         # first without asking the cache: a request that fits with nothing cached fits with anything
         if any(blocks_past(request, 0) <= free for request in waiting):
             return False
+        unheld = self.unheld_prefix_blocks
         for request in waiting:
             # prompt logprobs need every prompt token's logits: nothing comes from the cache
             cached = kv.num_cached_prefix_tokens(request) if request.prompt_logprobs is None else 0
-            if cached and blocks_past(request, cached) <= free:  # (uncached: the pass above)
-                return False
+            if cached and blocks_past(request, cached) + (unheld(request, cached) if unheld else 0) <= free:
+                return False  # (uncached: the pass above)
         return True
 
     def _run_decodes(self, until: float, max_steps: int) -> list[tuple[float, float]]:

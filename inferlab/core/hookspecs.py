@@ -49,7 +49,8 @@ def register_kv_caches(register):
     CachedPrefixLookup (a router's question about a cached prefix, from the prompt's block names),
     KVCacheEvents (which block names enter and leave the cache, for a router in another process),
     BlockAligned (its decode books change only at block boundaries, so a simulation may run decode
-    steps at once)."""
+    steps at once), UnheldPrefixBlocks (how many of a waiting request's cached blocks nobody holds,
+    so that such runs go on while it could not be admitted)."""
 
 
 @hookspec

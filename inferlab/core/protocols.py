@@ -206,6 +206,18 @@ class CachedPrefixLookup(Protocol):
         in 64 bits would be counted alike (admission, which confirms every hit, never is)."""
 
 
+@runtime_checkable
+class UnheldPrefixBlocks(Protocol):
+    """Optional KV manager capability: how many blocks of a request's cached prefix no request holds
+    now. Admitting the request takes those out of the free blocks too, so it fits only where the
+    free blocks cover them besides the blocks it computes into: the engine counts them to tell that
+    no step of a run of decode steps could admit a waiting request (LLMEngine.run_decodes)."""
+
+    def num_unheld_prefix_blocks(self, request: Request, num_cached_tokens: int) -> int:
+        """Of the blocks holding the request's first num_cached_tokens tokens (a multiple of the
+        block size, at most num_cached_prefix_tokens(request) now), how many no request holds."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterState:
     """What a router may consult besides the request and the replicas it is offered."""

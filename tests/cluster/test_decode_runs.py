@@ -43,13 +43,15 @@ def replay(
     noise: float,
     split=False,
     waits: Counter | None = None,
+    unheld: bool = True,
     **engine,
 ):
     """60 requests of up to 400 prompt and output tokens, arriving at `rate` a second, each behind
     one of 3 shared prefixes, on 3 replicas with small caches of 16-token blocks (split: one
     prefill and two decode replicas, their K/V moving through kv_transfer=simulated). waits counts
     the decode steps taken while requests waited: "one at a time", "in runs", and "admitting after
-    a run" (steps right after such a run that admitted one); engine: more engine settings."""
+    a run" (steps right after such a run that admitted one); unheld=False: runs that do not count
+    a waiting request's cached blocks that nobody holds; engine: more engine settings."""
     bench = compose(
         [
             "bench.arrival=poisson",
@@ -77,6 +79,8 @@ def replay(
                 engine.scheduler.commit_stride = 0
         calls, reported = [], []  # each run's steps; the requests a run's first step reported
         for engine in cluster.fleet.engines:
+            if not unheld:  # as without the KV manager's UnheldPrefixBlocks
+                engine.unheld_prefix_blocks = None
             run_decodes, take_finished = engine.run_decodes, engine.take_finished
             engine.run_decodes = lambda until, f=run_decodes: calls.append(f(until)) or calls[-1]
             engine.take_finished = lambda f=take_finished: counted(f(), reported)
@@ -183,6 +187,30 @@ def test_decode_steps_run_at_once_while_requests_wait_that_no_step_could_admit(n
     assert one_waits["in runs"] == 0 and fast_waits["in runs"] > 100
     assert fast_waits["in runs"] + fast_waits["one at a time"] == one_waits["one at a time"]
     assert fast_waits["admitting after a run"] > 0
+
+
+def test_cached_blocks_nobody_holds_count_against_a_waiting_request(noisy_profile):
+    """A waiting request that would fit only if the cached blocks of its prefix that nobody holds
+    were not taken from the free ones when it is admitted (UnheldPrefixBlocks) keeps no run from
+    going: fewer decode steps run one at a time while requests wait than where they are not
+    counted, and the records equal one step at a time either way."""
+    one_waits, blind_waits, fast_waits = Counter(), Counter(), Counter()
+    one, kv_one, stats_one, runners_one, _ = replay(noisy_profile, False, "kv_aware", 100, 50.0, 0.0, waits=one_waits)
+    blind, kv_blind, stats_blind, runners_blind, _ = replay(
+        noisy_profile, True, "kv_aware", 100, 50.0, 0.0, waits=blind_waits, unheld=False
+    )
+    fast, kv_fast, stats_fast, runners_fast, _ = replay(
+        noisy_profile, True, "kv_aware", 100, 50.0, 0.0, waits=fast_waits
+    )
+    for run, kv, stats, runners in (
+        (blind, kv_blind, stats_blind, runners_blind),
+        (fast, kv_fast, stats_fast, runners_fast),
+    ):
+        assert run.requests == one.requests
+        assert sorted(map(dataclasses.astuple, run.steps)) == sorted(map(dataclasses.astuple, one.steps))
+        assert stats == stats_one and kv == kv_one and runners == runners_one
+    assert fast_waits["one at a time"] < blind_waits["one at a time"]
+    assert fast_waits["in runs"] + fast_waits["one at a time"] == one_waits["one at a time"]
 
 
 class CountingFCFS:

@@ -118,6 +118,10 @@ class PagedKVCache:
     def num_cached_prefix_tokens(self, request: Request) -> int:
         return len(self._prefix_hits(request)) * self.block_size
 
+    def num_unheld_prefix_blocks(self, request: Request, num_cached_tokens: int) -> int:
+        ref_counts = self.ref_counts
+        return sum(1 for b in self._prefix_hits(request)[: num_cached_tokens // self.block_size] if ref_counts[b] == 0)
+
     def allocate(self, request: Request, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         bs = self.block_size
         table = self.tables.get(request.request_id)
