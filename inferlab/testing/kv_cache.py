@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from inferlab.core.config import EngineConfig
 from inferlab.core.plugins import get_registry
+from inferlab.core.protocols import UnheldPrefixBlocks
 from inferlab.core.request import Request
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.testing.common import assert_blocks_accounted, assert_own_prefixes, ceil_div, run_machine
@@ -85,10 +86,21 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert public_snapshot(kv, self.live()) == before, "num_cached_prefix_tokens changed the manager"
         assert 0 <= num_cached <= request.num_tokens - 1, "a cached prefix must leave the last token to compute"
         num_new = data.draw(st.integers(1, request.num_tokens - num_cached), label="prefill chunk")
+        # UnheldPrefixBlocks: admitting takes the unheld cached blocks from the free ones too, so a
+        # request needing more than are free is refused (a run of decode steps relies on it)
+        unheld = kv.num_unheld_prefix_blocks(request, num_cached) if isinstance(kv, UnheldPrefixBlocks) else None
+        if unheld is not None:
+            assert public_snapshot(kv, self.live()) == before, "num_unheld_prefix_blocks changed the manager"
+            assert 0 <= unheld <= num_cached // self.bs, f"{unheld} unheld blocks of {num_cached // self.bs} cached"
+        needed = ceil_div(num_cached + num_new, self.bs) - num_cached // self.bs + (unheld or 0)
+        free_before = kv.num_free_blocks
         if not kv.allocate(request, num_new, num_cached):
             assert public_snapshot(kv, self.live()) == before, "a refused allocate changed the manager"
             self.seen["refused allocate"] += 1
             return
+        assert unheld is None or needed <= free_before, (
+            f"allocate took {needed} blocks (its unheld cached ones included) with {free_before} free"
+        )
         self.pending.remove(request)
         self.running.append(request)
         request.num_computed_tokens = request.num_cached_tokens = num_cached
