@@ -188,3 +188,28 @@ def test_bad_gpus_per_replica_is_refused_naming_it(value):
 def test_bad_sharing_options_are_refused_naming_them(options, name):
     with pytest.raises(PluginError, match=name):
         Cluster(replicas=2, executor="simulated", executor_options={**PROFILE, **options}, gpus_per_replica=0.5)
+
+
+def test_a_request_that_arrives_during_a_step_on_a_shared_gpu_waits_for_it():
+    """A replica on a shared GPU steps at the end of the step it reads, its step having begun at
+    its clock: a request that reaches it in between is taken once that step returns, as an engine
+    takes what arrives mid-step, not by a step that had begun before it arrived."""
+    cluster = Cluster(
+        replicas=2,
+        executor="simulated",
+        executor_options={**PROFILE, "timeslice_s": 0.002, "context_switch_s": 0.0001},
+        gpus_per_replica=0.5,
+        num_kvcache_blocks=200,
+        router="round_robin",
+    )
+    steps = []
+    with cluster:
+        for i in range(2):  # one long prompt on each replica
+            cluster.add_request([1 + i] * 3000, arrival_time=0.0)
+        late = cluster.add_request([7] * 40, arrival_time=0.01)  # to replica 0, while its step reads the prompt
+        request = cluster.requests[late]
+        while not cluster.is_finished():
+            steps += cluster.step().replica_steps
+    spanning = [(start, end) for replica, start, end, _ in steps if replica == 0 and start < 0.01 < end]
+    assert spanning, "the late request arrived between two steps of replica 0; the test needs one during a step"
+    assert request.first_scheduled_time >= spanning[0][1]
