@@ -266,7 +266,8 @@ class LocalFleet:
         it), the replica runs at once the decode steps before it that nothing can change, one
         entry each; and where replicas move no K/V to each other (no roles), it goes on with every
         step of its own that starts before `until`, one at a time or in runs: no other replica's
-        step before then can change it."""
+        step before then can change it. On the host's clock `until` changes nothing: a step here
+        never waits for an arrival."""
         if self.next_step_time() == float("inf"):
             return []
         _, replica_id, _ = heapq.heappop(self.heap)
