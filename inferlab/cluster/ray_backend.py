@@ -321,11 +321,6 @@ class RayReplica:
         self.poll = None  # the poll in flight
         self.num_messages = 0  # add, take and abort calls sent to its actor: the next one's number
 
-    def message_number(self) -> int:
-        """The number of the next add, take or abort sent to the actor, which runs them in this order."""
-        self.num_messages += 1
-        return self.num_messages - 1
-
     @property
     def num_queued_prompt_tokens(self) -> int:
         return self.reported_queued_tokens + sum(r.num_prompt_tokens for r in self.incoming.values())
@@ -486,11 +481,12 @@ class RayFleet:
                     None,
                     None,
                 )
-                self.ray.get(replica.actor.take.remote(replica.message_number(), moved))
+                self.ray.get(self._send(replica, replica.actor.take, moved))
                 request.status, request.finish_reason, request.finish_time = WAITING, None, None
             else:
-                replica.actor.add.remote(
-                    replica.message_number(),
+                self._send(
+                    replica,
+                    replica.actor.add,
                     request.request_id,
                     prompt,
                     request.params,
@@ -507,6 +503,17 @@ class RayFleet:
             raise e.as_instanceof_cause() from None
         replica.requests[request.request_id] = request
         replica.num_waiting += 1
+
+    def _send(self, replica: RayReplica, method, *args):
+        """Calls the actor's method with the next number of the messages it passes to its engine in
+        order; one that could not be sent (its arguments would not pickle) gives its number back."""
+        number = replica.num_messages
+        replica.num_messages += 1
+        try:
+            return method.remote(number, *args)
+        except BaseException:
+            replica.num_messages = number  # the actor must not wait for a message never sent
+            raise
 
     def expect(self, replica: RayReplica, request: Request) -> None:
         """The request, routed to the replica as its decode replica, counts in its load from now."""
@@ -529,7 +536,7 @@ class RayFleet:
             return False
         request.status, request.finish_reason, request.finish_time = FINISHED, "abort", perf_counter()
         if replica.alive:
-            replica.actor.abort.remote(replica.message_number(), request_id)
+            self._send(replica, replica.actor.abort, request_id)
         if request.kv_receive is not None:  # its decode replica may never have asked for the blocks
             self.cancel_move(request.kv_receive)
         return True
