@@ -415,7 +415,9 @@ class Cluster:
         until: the caller's promise that it adds no request arriving before that time (a driver
         that knows its workload). On virtual clocks the replica then runs at once the decode steps
         that start before it and before the next arrival it was given, where nothing can change
-        them (LLMEngine.run_decodes): the same steps, without their work per request."""
+        them (LLMEngine.run_decodes): the same steps, without their work per request. On the
+        host's clock a fleet that waits for its replicas (Ray) waits no later than it, so that the
+        caller adds that arrival on time."""
         self.refuse_closed("step")
         with self.lock:
             fleet = self.fleet
@@ -433,7 +435,7 @@ class Cluster:
                     self._route(request)
                 except (ValueError, TypeError) as e:  # a replica whose cache is smaller than the first's
                     self._fail(request, str(e), request.arrival_time)
-            horizon = None
+            horizon = until  # the host's clock: how long a fleet may wait for its replicas' reports
             if until is not None and fleet.virtual:
                 horizon = min(until, self.arrivals[0][0]) if self.arrivals else until
                 if self.roles is not None:  # a handoff reaches a decode replica like an arrival
@@ -444,7 +446,7 @@ class Cluster:
                 self.requests.pop(request.request_id, None)
             runs: list[tuple[int, StepOutput, StepOutput, list[tuple[float, float]]]] = []
             num_prefill = num_decode = num_requests = 0
-            for replica, step, rest, spans in fleet.step() if horizon is None else fleet.step(horizon):
+            for replica, step, rest, spans in fleet.step(horizon):
                 later = len(spans) - 1  # a run's steps after its first, each alike
                 num_prefill += step.num_prefill_tokens + later * rest.num_prefill_tokens
                 num_decode += step.num_decode_tokens + later * rest.num_decode_tokens

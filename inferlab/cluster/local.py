@@ -3,7 +3,9 @@
 On the host's clock the busy replica that stepped least recently steps next, so replicas take
 turns. On virtual clocks (a simulated fleet) each replica's clock is its own and the one whose
 next step starts earliest steps next: a heap of (start time, replica), in which only replicas with
-work have an entry. A step is one event at its start.
+work have an entry. A step is one event at its start; a replica on a GPU shared with others
+(simulated) steps at the end of the step whose tokens it reads next, where that is later
+(inferlab.sim.shared_gpu), and what reaches it between its clock and then waits for the step.
 
 Disaggregated (roles), a replica can have work it cannot do yet: a prefill replica whose blocks are
 held by sends that no decode replica has taken yet. A step of it that did nothing (no tokens, its
@@ -72,12 +74,17 @@ class LocalReplica:
         self.heap_version = 0  # the entry of the fleet's heap that is current for it
         self.scheduled = False  # whether it has a current entry
         self.view = LocalReplicaView(self)  # what a router is given of it
+        # The replicas on its GPU (itself among them) when it shares one with others (simulated)
+        self.sharing: list[LocalReplica] = []
+        # Requests that reached it while its next step, begun on its clock, waits on the shared
+        # GPU: its engine takes them after that step, as an engine takes what arrives mid-step
+        self.inbox: list[Request] = []
 
     def refresh(self) -> None:
         """After it acted (the fleet calls this wherever its queues may have changed)."""
         self.version += 1
         scheduler, view = self.scheduler, self.view
-        self.num_waiting = len(scheduler.waiting)
+        self.num_waiting = len(scheduler.waiting) + len(self.inbox)
         self.num_running = len(scheduler.running)
         SET_WAITING(view, self.num_waiting)
         SET_RUNNING(view, self.num_running)
@@ -96,6 +103,9 @@ class LocalReplica:
             if self.incoming:
                 queued += sum(r.num_prompt_tokens for r in self.incoming.values())
                 outputs += sum(r.params.max_tokens for r in self.incoming.values())
+            if self.inbox:
+                queued += sum(r.num_prompt_tokens for r in self.inbox)
+                outputs += sum(r.params.max_tokens for r in self.inbox)
             self._sums = (self.version, queued, queued + outputs)
         return self._sums[1], self._sums[2]
 
@@ -150,16 +160,27 @@ class LocalFleet:
         per_gpu = math.floor(1 / gpus_per_replica + 1e-9) if 0 < gpus_per_replica < 1 else 1
         if per_gpu > 1 and len(runners) > 1 and all(isinstance(r, SharedDevice) for r in runners):
             for first in range(0, len(runners), per_gpu):
-                group = runners[first : first + per_gpu]
+                group = self.replicas[first : first + per_gpu]
                 if len(group) > 1:
-                    group[0].share_device(group)
+                    group[0].engine.runner.share_device([replica.engine.runner for replica in group])
+                    for replica in group:
+                        replica.sharing = group
             self.decode_runs = False
         self.heap: list[tuple[float, int, int]] = []  # (when it steps next, replica_id, heap_version)
         self.now = max(engine.clock() for engine in engines) if self.virtual else 0.0
 
     def ready_at(self, replica: LocalReplica) -> float:
-        """When the replica steps next: its clock (virtual), or when it last acted (host clock)."""
-        return replica.engine.clock() if self.virtual else perf_counter()
+        """When the replica steps next: its clock (virtual), or when it last acted (host clock). On
+        a shared GPU, no earlier than the end of the step whose tokens it reads next: that end
+        waits for the steps the others launch before it, and the step's own launch can run only
+        after it, so nothing earlier depends on it."""
+        if not self.virtual:
+            return perf_counter()
+        clock = replica.engine.clock()
+        if replica.sharing:
+            end = replica.engine.runner.pending_end()
+            return end if end > clock else clock
+        return clock
 
     def schedule(self, replica: LocalReplica) -> None:
         """Records when the replica steps next, after it acted (stepped, queued or aborted a
@@ -195,6 +216,10 @@ class LocalFleet:
         engine = replica.engine
         at = request.arrival_time if at is None else at
         if self.virtual and engine.clock() < at:
+            if replica.sharing and replica.busy():  # its step begun before `at` has not run yet
+                replica.inbox.append(request)
+                self.schedule(replica)
+                return
             engine.wait_until(at)
         engine.queue(request)
         if replica in self.parked:
@@ -242,7 +267,8 @@ class LocalFleet:
         replicas before it), the replica runs at once the decode steps before it that nothing can
         change, one run; and where replicas move no K/V to each other (no roles), it goes on with
         every step of its own that starts before `until`, one at a time or in runs: no other
-        replica's step before then can change it."""
+        replica's step before then can change it. On the host's clock `until` changes nothing: a
+        step here never waits for an arrival."""
         if self.next_step_time() == float("inf"):
             return []
         _, replica_id, _ = heapq.heappop(self.heap)
@@ -284,6 +310,10 @@ class LocalFleet:
         start = engine.clock()
         output = engine.step()
         end = engine.clock()
+        if replica.inbox:  # what reached it during the step, for the next
+            inbox, replica.inbox = replica.inbox, []
+            for request in inbox:
+                engine.queue(request)
         if self.virtual:
             self.now = max(self.now, end)
         if output.num_requests or output.finished or end > start or not replica.busy():
@@ -295,10 +325,14 @@ class LocalFleet:
 
     def acted(self, replica: LocalReplica) -> None:
         """After a replica's step (or run of decode steps) did something: the parked replicas try
-        again, it steps next at its clock, and an idle prefill replica frees the blocks of sends
-        that ended."""
+        again, it steps next at its clock (the others on its GPU, whose steps its launch may delay,
+        at theirs), and an idle prefill replica frees the
+        blocks of sends that ended."""
         self.unpark()
         self.schedule(replica)
+        for other in replica.sharing:
+            if other is not replica and other.scheduled:
+                self.schedule(other)
         if self.transfer is None:
             return  # no K/V moves between replicas: none holds sends
         for other in self.replicas:
@@ -314,6 +348,11 @@ class LocalFleet:
         return self.front.output(request)
 
     def abort(self, replica: LocalReplica, request_id: int) -> bool:
+        for request in replica.inbox:
+            if request.request_id == request_id:  # its engine aborts it as it does one it holds
+                replica.inbox.remove(request)
+                replica.engine.queue(request)
+                break
         aborted = replica.engine.abort(request_id)
         self.schedule(replica)
         return aborted

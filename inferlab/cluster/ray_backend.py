@@ -8,6 +8,13 @@ their engines from the installed plugins (a registry made by hand in the driver 
 the router runs in the driver. Times come back on the driver's clock: each actor's perf_counter is
 offset by what a round trip measured when it started.
 
+The driver never waits on an actor to queue a request: it draws the request's seed itself (one
+stream from the engine seed, as the local cluster's front engine draws them) and sends it without
+waiting for an answer; an actor whose engine refuses it reports the refusal with its next poll,
+and the driver fails that request then. Ray runs a threaded actor's calls in no set order, so the
+driver numbers what it sends each actor (add, take, abort) and the actor hands them to its engine
+in that order.
+
 Disaggregated (roles), every actor joins one torch.distributed group through kv_transfer=distributed,
 its rank its replica id, at a rendezvous address the driver chooses. A prefill actor reports each
 request it hands off (the request itself, pickled), the driver queues it on its decode actor as the
@@ -16,6 +23,7 @@ local cluster does, and the K/V moves from actor to actor through the group.
 
 import pickle
 import queue
+import random
 import socket
 import threading
 import time
@@ -23,7 +31,14 @@ from time import perf_counter
 from types import SimpleNamespace
 
 from inferlab.core.blocks import BlockPrompt
-from inferlab.core.engine import EngineStats, LLMEngine, StepOutput, as_token_ids, outside_range
+from inferlab.core.engine import (
+    EngineStats,
+    LLMEngine,
+    StepOutput,
+    as_token_ids,
+    check_request_arguments,
+    outside_range,
+)
 from inferlab.core.handoff import KVHandoff
 from inferlab.core.protocols import KVCacheEvents, KVMove, PrefixCacheStats
 from inferlab.core.request import Request, RequestStatus
@@ -45,6 +60,9 @@ class ReplicaActor:
         self.transfer = None  # the kv_transfer plugin, once connect ran (roles)
         self.kv_events = isinstance(engine.kv_manager, KVCacheEvents)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.order = threading.Lock()
+        self.next_message = 0  # the number of the driver's next message for the engine's thread
+        self.early: dict[int, tuple | None] = {}  # messages that came before an earlier-numbered one
         self.report = self._empty_report()
         self.reported = threading.Condition()
         self.sent: dict[int, int] = {}  # request id -> output tokens already reported
@@ -92,38 +110,66 @@ class ReplicaActor:
 
     def add(
         self,
+        number: int,
         request_id: int,
         prompt,
         params: SamplingParams,
         priority: int,
         metadata,
         arrival_time: float,
-        kv_send: KVMove | None = None,
-    ) -> int:
-        """Makes the request (every check the engine makes) and queues it for the engine's thread;
-        returns the seed it samples with. Raises what make_request raises."""
-        request = self.engine.make_request(prompt, params, priority, metadata, arrival_time)
-        request.request_id = request_id  # the cluster's id (make_request's counter is this actor's own)
-        request.kv_send = kv_send
-        if kv_send is not None:
-            self.engine.handoff.check(request)
-        self.inbox.put(("add", request))
-        return request.seed
+        kv_send: KVMove | None,
+        seed: int,
+    ) -> None:
+        """Makes the request (every check the engine makes), with the seed the driver drew, and
+        queues it for the engine's thread as the driver's message `number`. A request the engine
+        refuses is reported refused (with what make_request raised) in the next poll."""
+        try:
+            request = self.engine.make_request(prompt, params, priority, metadata, arrival_time)
+            request.request_id = request_id  # the cluster's id (make_request's counter is this actor's own)
+            request.seed = seed
+            request.kv_send = kv_send
+            if kv_send is not None:
+                self.engine.handoff.check(request)
+        except Exception as e:
+            self._refuse(request_id, e)
+            self._deliver(number, None)
+            return
+        self._deliver(number, ("add", request))
 
-    def take(self, request: Request) -> None:
+    def take(self, number: int, request: Request) -> None:
         """Queues a request another replica prefilled and handed off (its kv_receive set), its K/V
-        to come through the transfer. Raises RequestTooLargeError if this cache could never hold it."""
-        self.engine.handoff.check(request)
-        self.engine.check_fits_cache(request.num_prompt_tokens, request.params)
-        self.inbox.put(("add", request))
+        to come through the transfer, as the driver's message `number`. Raises
+        RequestTooLargeError if this cache could never hold it."""
+        try:
+            self.engine.handoff.check(request)
+            self.engine.check_fits_cache(request.num_prompt_tokens, request.params)
+        except BaseException:
+            self._deliver(number, None)
+            raise
+        self._deliver(number, ("add", request))
 
-    def abort(self, request_id: int) -> None:
-        self.inbox.put(("abort", request_id))
+    def abort(self, number: int, request_id: int) -> None:
+        self._deliver(number, ("abort", request_id))
+
+    def _deliver(self, number: int, message: tuple | None) -> None:
+        """Passes the driver's messages to the engine's thread in the order the driver numbered them."""
+        with self.order:
+            self.early[number] = message
+            while self.next_message in self.early:
+                message = self.early.pop(self.next_message)
+                self.next_message += 1
+                if message is not None:
+                    self.inbox.put(message)
+
+    def _refuse(self, request_id: int, error: Exception) -> None:
+        with self.reported:
+            self.report["refused"].append((request_id, str(error), perf_counter()))
+            self.reported.notify_all()
 
     def poll(self, timeout: float) -> dict:
         """What the engine's steps did since the previous poll (waits up to timeout for a step)."""
         with self.reported:
-            if not self.report["steps"] and not self.report["finished"]:
+            if not (self.report["steps"] or self.report["finished"] or self.report["refused"]):
                 self.reported.wait(timeout)
             report, self.report = self.report, self._empty_report()
         engine = self.engine
@@ -170,7 +216,7 @@ class ReplicaActor:
 
     @staticmethod
     def _empty_report() -> dict:
-        return {"steps": [], "tokens": {}, "finished": [], "kv_events": {}}
+        return {"steps": [], "tokens": {}, "finished": [], "refused": [], "kv_events": {}}
 
     def _loop(self) -> None:
         engine = self.engine
@@ -189,7 +235,11 @@ class ReplicaActor:
                     continue
                 what, value = item
                 if what == "add":
-                    engine.queue(value)
+                    try:
+                        engine.queue(value)
+                    except Exception as e:  # the request alone fails, not the engine's thread
+                        self._refuse(value.request_id, e)
+                        continue
                     self.sent[value.request_id] = len(value.token_times)  # a handed-off one's first token is known
                 elif engine.abort(value):
                     self.sent.pop(value, None)
@@ -269,6 +319,7 @@ class RayReplica:
         self.stats = EngineStats()
         self.prefix: tuple[int, int] | None = None
         self.poll = None  # the poll in flight
+        self.num_messages = 0  # add, take and abort calls sent to its actor: the next one's number
 
     @property
     def num_queued_prompt_tokens(self) -> int:
@@ -350,6 +401,9 @@ class RayFleet:
             model_path=front["model_path"],
         )
         self.next_request_id = 0
+        # every request's seed, drawn here as one engine draws them (the actors' own streams would
+        # make a request's seed depend on where it was routed, and reading it back cost a round trip)
+        self.seed_rng = random.Random(self.front.config.seed)
         self.alive_version = 0  # bumped when an actor dies
         self.outputs: dict[int, dict] = {}  # finished request id -> the result its actor made
         # handed off by their prefill actor, not yet queued on their decode one: id -> (the actor's
@@ -378,8 +432,7 @@ class RayFleet:
     def make_request(self, prompt, params: SamplingParams, priority: int, metadata, arrival_time: float) -> Request:
         """The driver's copy of a request: its token ids (which the router reads) and settings. The
         replica's engine checks it in full when it is queued there."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        check_request_arguments(params, priority, metadata, arrival_time)
         config, vocab = self.front.config, self.front.hf_config.vocab_size
         if isinstance(prompt, str):
             token_ids = self.front.tokenizer.encode(prompt)
@@ -395,6 +448,7 @@ class RayFleet:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={config.max_model_len}")
         request_id = self.next_request_id
         self.next_request_id += 1
+        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(32)
         return Request(
             request_id,
             token_ids,
@@ -404,11 +458,14 @@ class RayFleet:
             metadata=metadata,
             eos_token_id=self.front.tokenizer.eos_token_id,
             max_model_len=config.max_model_len,
+            seed=seed,
         )
 
     def queue(self, replica: RayReplica, request: Request, at: float | None = None) -> None:
-        """Sends the request to its actor, whose engine checks it (its error raised here). One with
-        kv_receive set goes as its prefill actor handed it off, its times moved to this actor's clock."""
+        """Sends the request to its actor without waiting: what its engine refuses comes back with
+        the actor's next poll and fails the request then; a dead actor fails it at that poll too.
+        One with kv_receive set goes as its prefill actor handed it off, its times moved to this
+        actor's clock, and waits for the actor's checks (their error raised here)."""
         prompt = request.token_ids.prompt if hasattr(request.token_ids, "prompt") else request.token_ids
         try:
             if request.kv_receive is not None:
@@ -424,19 +481,20 @@ class RayFleet:
                     None,
                     None,
                 )
-                self.ray.get(replica.actor.take.remote(moved))
+                self.ray.get(self._send(replica, replica.actor.take, moved))
                 request.status, request.finish_reason, request.finish_time = WAITING, None, None
             else:
-                request.seed = self.ray.get(
-                    replica.actor.add.remote(
-                        request.request_id,
-                        prompt,
-                        request.params,
-                        request.priority,
-                        request.metadata,
-                        request.arrival_time - replica.offset,
-                        request.kv_send,
-                    )
+                self._send(
+                    replica,
+                    replica.actor.add,
+                    request.request_id,
+                    prompt,
+                    request.params,
+                    request.priority,
+                    request.metadata,
+                    request.arrival_time - replica.offset,
+                    request.kv_send,
+                    request.seed,
                 )
         except self.ray.exceptions.RayActorError as e:
             self.orphans.append((replica, self._die(replica, e)))
@@ -445,6 +503,17 @@ class RayFleet:
             raise e.as_instanceof_cause() from None
         replica.requests[request.request_id] = request
         replica.num_waiting += 1
+
+    def _send(self, replica: RayReplica, method, *args):
+        """Calls the actor's method with the next number of the messages it passes to its engine in
+        order; one that could not be sent (its arguments would not pickle) gives its number back."""
+        number = replica.num_messages
+        replica.num_messages += 1
+        try:
+            return method.remote(number, *args)
+        except BaseException:
+            replica.num_messages = number  # the actor must not wait for a message never sent
+            raise
 
     def expect(self, replica: RayReplica, request: Request) -> None:
         """The request, routed to the replica as its decode replica, counts in its load from now."""
@@ -467,7 +536,7 @@ class RayFleet:
             return False
         request.status, request.finish_reason, request.finish_time = FINISHED, "abort", perf_counter()
         if replica.alive:
-            replica.actor.abort.remote(request_id)
+            self._send(replica, replica.actor.abort, request_id)
         if request.kv_receive is not None:  # its decode replica may never have asked for the blocks
             self.cancel_move(request.kv_receive)
         return True
@@ -491,19 +560,21 @@ class RayFleet:
     def idle(self) -> bool:
         return not any(replica.requests for replica in self.replicas)
 
-    def step(self) -> list[tuple[RayReplica, StepOutput, StepOutput, list]]:
-        """What the actors reported within POLL_S, as LocalFleet.step gives its runs: a run of one
-        for each step they took."""
-        return [(replica, output, output, [(start, end)]) for replica, output, start, end in self._steps()]
+    def step(self, until: float | None = None) -> list[tuple[RayReplica, StepOutput, StepOutput, list]]:
+        """What the actors reported within POLL_S, or by `until` if sooner (the caller's next
+        arrival, to be routed on time), as LocalFleet.step gives its runs: a run of one for each
+        step they took."""
+        return [(replica, output, output, [(start, end)]) for replica, output, start, end in self._steps(until)]
 
-    def _steps(self) -> list[tuple[RayReplica, StepOutput, float, float]]:
+    def _steps(self, until: float | None) -> list[tuple[RayReplica, StepOutput, float, float]]:
         now = perf_counter()
         steps = [(replica, StepOutput(ended, 0, 0, 0), now, now) for replica, ended in self.orphans if ended]
         self.orphans = []
         polls = {replica.poll: replica for replica in self.replicas if replica.alive and replica.poll is not None}
         if not polls:
             return steps
-        ready, _ = self.ray.wait(list(polls), num_returns=1, timeout=POLL_S)
+        timeout = POLL_S if until is None else min(POLL_S, max(0.0, until - perf_counter()))
+        ready, _ = self.ray.wait(list(polls), num_returns=1, timeout=timeout)
         if ready:  # take whatever else is ready too
             ready, _ = self.ray.wait(list(polls), num_returns=len(polls), timeout=0)
         for ref in ready:
@@ -552,6 +623,21 @@ class RayFleet:
                 self.handed[request_id] = (pickle.loads(output), offset)
             else:
                 self.outputs[request_id] = output
+            finished.append(request)
+        for request_id, why, refused_time in report["refused"]:
+            request = replica.requests.pop(request_id, None)
+            if request is None:  # aborted meanwhile
+                continue
+            move = request.kv_receive
+            if move is None:
+                why = f"replica {replica.replica_id} refused the request: {why}"
+            else:  # a handed-off one: its prefill replica holds its blocks still
+                why = KVHandoff.why(move, f"decode replica {replica.replica_id} refused the request: {why}")
+                request.kv_receive = None
+                self.cancel_move(move)
+            request.status, request.finish_reason, request.error = FINISHED, "error", why
+            request.finish_time = max(refused_time + offset, request.arrival_time)
+            self.outputs[request_id] = LLMEngine.error_output(why)
             finished.append(request)
         for name, cached in report["kv_events"].items():
             (replica.cached.add if cached else replica.cached.discard)(name)

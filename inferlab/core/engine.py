@@ -207,6 +207,23 @@ class StepOutput:
     num_requests: int  # in the launched batch
 
 
+def check_request_arguments(params, priority, metadata, arrival_time) -> None:
+    """The checks of make_request's arguments that need no engine (a Ray cluster's driver makes
+    them before it sends a request): TypeError naming the argument."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an integer (lower is served first), got {priority!r}")
+    if metadata is not None and type(metadata) is not dict and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict (or None), got {type(metadata).__name__}")
+    # policies compare arrival times every step: one that is not a number would fail them all
+    if arrival_time is not None and (
+        (type(arrival_time) is not float and (not isinstance(arrival_time, Real) or isinstance(arrival_time, bool)))
+        or not math.isfinite(arrival_time)
+    ):
+        raise TypeError(f"arrival_time must be a finite number of seconds on the engine's clock, got {arrival_time!r}")
+
+
 class LLMEngine:
     """LLM(model_path, **settings): nano-vllm's settings, plus device, dtype and plugin names
     (scheduler, kv_cache, attention, model, sampler) with their `<kind>_options`. Without a path,
@@ -298,22 +315,9 @@ class LLMEngine:
     ) -> Request:
         """Tokenizes and validates one request; of the engine's state it touches only the seed
         generator (a request without a seed draws one) and the request id counter."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an integer (lower is served first), got {priority!r}")
-        if metadata is not None and type(metadata) is not dict and not isinstance(metadata, Mapping):
-            raise TypeError(f"metadata must be a dict (or None), got {type(metadata).__name__}")
+        check_request_arguments(params, priority, metadata, arrival_time)
         if metadata:
             self.scheduler.check_metadata(metadata)  # the fields the policy declares it reads, and their types
-        # policies compare arrival times every step: one that is not a number would fail them all
-        if arrival_time is not None and (
-            (type(arrival_time) is not float and (not isinstance(arrival_time, Real) or isinstance(arrival_time, bool)))
-            or not math.isfinite(arrival_time)
-        ):
-            raise TypeError(
-                f"arrival_time must be a finite number of seconds on the engine's clock, got {arrival_time!r}"
-            )
         if isinstance(prompt, str):
             try:
                 token_ids = self.tokenizer.encode(prompt)

@@ -609,6 +609,12 @@ class SharedDevice(Protocol):
         """From now on these runners (this one among them, all of its kind) share one device: their
         steps never overlap on it, as this runner's options say it switches between them."""
 
+    def pending_end(self) -> float:
+        """When the step it launched last ends, given the steps the runners sharing its device have
+        launched so far (a later launch of theirs may delay it). A fleet steps a replica no earlier
+        than this: its next step reads that step's tokens, and then every launch that could delay
+        it must have been made."""
+
 
 @runtime_checkable
 class SimulatedDevice(Protocol):

@@ -19,10 +19,12 @@ finishing), the runner's rebuild of per-row sampling settings when a batch's sam
 launches in a short run against the grid's relaunches of one batch (`measure_launch_in_run`).
 """
 
+import itertools
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -91,23 +93,23 @@ class StepTimer:
             rows = [self._request(c, n) for c, n in parts]
             requests += rows
             batches.append(ScheduledBatch(rows, [n for _, n in parts], [llm.kv_manager.block_table(r) for r in rows]))
-        batch = batches[0]
+        batch, turns = batches[0], itertools.cycle(batches)
         saved = runner.decode_graphs, runner.prefill_graphs
         if not graphs:
             runner.decode_graphs = runner.prefill_graphs = None
         limits = runner.graph_limits()
         try:
-            for i in range(3):
-                runner.launch(batches[i % sets]).tokens()
+            for _ in range(3):
+                runner.launch(next(turns)).tokens()
             synchronize(runner.device)
             # The step's time is the steady interval between reading one step's tokens and the
             # next's, each read after the next launch as the engine does: the device's step or the
             # host's launch, whichever is longer, without the first launch onto the idle device
             # (which the simulator puts on its clock itself).
             previous, launching, read = None, 0.0, []
-            for i in range(self.repeats + 1):
+            for _ in range(self.repeats + 1):
                 launched = time.perf_counter()
-                handle = runner.launch(batches[i % sets])
+                handle = runner.launch(next(turns))
                 launching += time.perf_counter() - launched
                 if previous is not None:
                     previous.tokens()
@@ -117,7 +119,7 @@ class StepTimer:
             synchronize(runner.device)
             seconds = (read[-1] - read[0]) / (len(read) - 1)
             intervals = np.diff(read)
-            device_seconds = self._device_seconds(batches, seconds) if runner.device.type == "cuda" else None
+            device_seconds = self._device_seconds(turns, seconds) if runner.device.type == "cuda" else None
         finally:
             runner.decode_graphs, runner.prefill_graphs = saved
             for request in requests:
@@ -135,7 +137,7 @@ class StepTimer:
             measurement["device_seconds"] = device_seconds
         return measurement
 
-    def _device_seconds(self, batches: list[ScheduledBatch], step_seconds: float) -> float:
+    def _device_seconds(self, turns: Iterator[ScheduledBatch], step_seconds: float) -> float:
         """The device's own time for a step: the launches are queued behind a spin kernel that
         outlasts the host's work on them, so the events around them bracket device work alone
         (kernels and the gaps between them), not the host's launch and scheduling time."""
@@ -145,7 +147,7 @@ class StepTimer:
         # at most a quarter second (no step's host work comes near that)
         torch.cuda._sleep(int(2e9 * min(0.25, 2 * step_seconds * self.repeats + 0.01)))
         start.record()
-        handles = [runner.launch(batches[i % len(batches)]) for i in range(self.repeats)]
+        handles = [runner.launch(next(turns)) for _ in range(self.repeats)]
         end.record()
         handles[-1].tokens()
         synchronize(runner.device)

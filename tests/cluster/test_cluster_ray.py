@@ -113,3 +113,66 @@ def test_a_killed_replica_fails_its_requests_alone_and_is_offered_no_more(local_
         more = cluster.generate([[1, 2], [3, 4], [5, 6]], GREEDY, use_tqdm=False)
         assert all(len(o["token_ids"]) == 4 for o in more)
         assert all(cluster.replica_of(i) == 0 for i in range(4, 7))
+
+
+class ByLength:
+    """Sends prompts longer than 64 tokens to replica 0, the others to replica 1."""
+
+    def route(self, request, replicas, state):
+        return replicas[0] if request.num_prompt_tokens > 64 else replicas[1]
+
+
+def test_a_request_arriving_while_the_driver_waits_reaches_its_actor_on_time(local_ray):
+    """Replica 0 runs a prefill that takes the host a long time (a simulated engine on the host's
+    clock), so it reports nothing meanwhile; requests arriving then for the idle replica 1 are sent
+    when they arrive (the driver's wait ends at the next arrival it was promised, and sending waits
+    for no round trip) and scheduled there soon after, on the actor's own clock."""
+    from inferlab.experiment.driver import run_workload
+    from inferlab.experiment.workload import WorkloadRequest
+
+    simulated = dict(executor="simulated", executor_options={"profile": "h200-qwen3-8b-triton", "real_time": True})
+    with Cluster(replicas=2, backend="ray", gpus_per_replica=0, **simulated) as cluster:
+        cluster.router = ByLength()
+        sent: dict[int, float] = {}
+        queue = cluster.fleet.queue
+
+        def timed_queue(replica, request, at=None):
+            queue(replica, request, at)
+            sent[request.request_id] = time.perf_counter() - request.arrival_time
+
+        cluster.fleet.queue = timed_queue
+        short = [WorkloadRequest(i + 1, 0.02 + 0.009 * i, [7, 8, 9, i], 1) for i in range(9)]
+        workload = [WorkloadRequest(0, 0.0, list(range(1, 4001)), 1), *short]
+        params = [SamplingParams(max_tokens=1, ignore_eos=True)] * len(workload)
+        run = run_workload(cluster, workload, params)
+        assert all(r.finish_reason == "length" for r in run.requests)
+        assert [cluster.replica_of(i) for i in range(len(workload))] == [0] + [1] * len(short)
+        first_end = run.requests[0].finish_s
+        assert first_end > short[-1].arrival_s  # the short ones arrived while replica 0 was silent
+        late = sorted(sent[i] for i in range(1, len(workload)))
+        queued = sorted(r.first_scheduled_s - r.arrival_s for r in run.requests[1:])
+        # the driver used to wait up to POLL_S for a report and then a round trip for each add
+        assert late[len(late) // 2] < 0.002, late
+        assert queued[len(queued) // 2] < 0.005, queued
+
+
+def test_a_request_its_replica_refuses_fails_alone_with_the_reason(local_ray):
+    """The driver sends a request without waiting for its actor: one the replica's engine refuses
+    (it would never fit its KV cache) ends with an error naming the replica and the reason, and the
+    requests around it are served."""
+    small = dict(TINY, num_kvcache_blocks=4)  # 64 tokens
+    with Cluster(replicas=2, backend="ray", gpus_per_replica=0, router="round_robin", **small) as cluster:
+        ids = [
+            cluster.add_request([5, 6, 7], GREEDY),
+            cluster.add_request(list(range(1, 41)), SamplingParams(max_tokens=60)),
+        ]
+        ids += [cluster.add_request([8, 9], GREEDY), cluster.add_request([1, 2, 3], GREEDY)]
+        outputs = {}
+        while not cluster.is_finished():
+            for request in cluster.step().finished:
+                outputs[request.request_id] = cluster.output(request)
+        refused = outputs[ids[1]]
+        assert refused["finish_reason"] == "error"
+        assert refused["error"].startswith("replica 1 refused the request: the request needs up to 7 KV blocks of 16")
+        assert all(len(outputs[i]["token_ids"]) == 4 for i in ids[:1] + ids[2:])
+        assert [cluster.replica_of(i) for i in ids] == [0, 1, 0, 1]

@@ -1,7 +1,9 @@
 """Replicas sharing one virtual GPU (cluster.gpus_per_replica < 1, inferlab.sim.shared_gpu): steps
-of different replicas never overlap, a switch of context costs its time, a step longer than a
-timeslice is cut for another replica's ready step, and gpus_per_replica=1 times every step as a
-GPU of one's own did."""
+of different replicas never overlap, a switch of context costs its time, a context holds the device
+for up to a timeslice while it has work and yields at once when it has none, any step is cut at a
+timeslice boundary for another context's work and resumes in its next timeslice, the ends replicas
+read take every launch into account, and gpus_per_replica=1 times every step as a GPU of one's own
+did."""
 
 import math
 
@@ -15,33 +17,86 @@ from inferlab.sim.shared_gpu import SharedGPU
 PROFILE = {"profile": "h100-qwen3-0.6b-triton", "noise": 0.0}
 
 
+def ends(gpu: SharedGPU, steps) -> list[float]:
+    return [gpu.end(step) for step in steps]
+
+
 def test_steps_of_two_contexts_queue_and_pay_a_switch():
     gpu = SharedGPU(timeslice_s=None, context_switch_s=0.1)
-    assert gpu.place(0, ready=0.0, seconds=1.0, not_before=0.0) == 1.0
-    assert gpu.place(1, ready=0.5, seconds=1.0, not_before=0.5) == 2.1  # after 0's step and a switch
-    assert gpu.place(1, ready=1.0, seconds=1.0, not_before=1.0) == 3.1  # same context: no switch
-    assert gpu.place(0, ready=5.0, seconds=1.0, not_before=5.0) == 6.1  # idle, yet another context
-    assert gpu.num_switches == 2 and gpu.num_preemptions == 0
+    a = gpu.place(0, ready=0.0, seconds=1.0, not_before=0.0)
+    b = gpu.place(1, ready=0.5, seconds=1.0, not_before=0.5)
+    c = gpu.place(1, ready=1.0, seconds=1.0, not_before=1.0)
+    d = gpu.place(0, ready=5.0, seconds=1.0, not_before=5.0)
+    # b after a and a switch; c right after b (same context); d on an idle device, yet another context
+    assert ends(gpu, [a, b, c, d]) == [1.0, 2.1, 3.1, 6.1]
+    assert gpu.drained().num_switches == 2 and gpu.drained().num_preemptions == 0
 
 
-def test_a_step_longer_than_a_timeslice_is_cut_for_a_ready_one():
+def test_a_step_is_cut_at_a_timeslice_boundary_and_resumes_in_its_next_timeslice():
     gpu = SharedGPU(timeslice_s=2.0, context_switch_s=0.1)
-    assert gpu.place(0, ready=0.0, seconds=10.0, not_before=0.0) == 10.0
-    # ready at 0.5: runs at the boundary 2.0 after a switch; context 0 resumes after another
-    assert gpu.place(1, ready=0.5, seconds=1.0, not_before=0.5) == pytest.approx(3.1)
-    assert gpu.free_at == pytest.approx(10.0 + 1.0 + 0.2)
-    # the next step of 1 waits for 0's next timeslice, which began when it resumed (3.2)
-    assert gpu.place(1, ready=3.2, seconds=1.0, not_before=3.2) == pytest.approx(5.2 + 0.1 + 1.0)
-    assert gpu.num_preemptions == 2 and gpu.num_switches == 4
-    # work the holder finishes before the boundary is not cut
-    short = SharedGPU(timeslice_s=2.0, context_switch_s=0.0)
-    short.place(0, 0.0, 1.5, 0.0)
-    assert short.place(1, 0.5, 1.0, 0.5) == 2.5 and short.num_preemptions == 0
+    a = gpu.place(0, ready=0.0, seconds=10.0, not_before=0.0)
+    b = gpu.place(1, ready=0.5, seconds=1.0, not_before=0.5)
+    # a is cut at 2.0; b runs from 2.1 to 3.1 and yields; a's 8.0 left runs from 3.2, nobody waiting
+    assert gpu.pending_end(a) == pytest.approx(11.2)
+    # b's context launches again at 3.2, before a ends: a is cut again at the end of the timeslice
+    # it began at 3.2 (5.2), c runs 5.3-6.3, and a's 6.0 left runs from 6.4
+    c = gpu.place(1, ready=3.2, seconds=1.0, not_before=3.2)
+    assert ends(gpu, [b, c, a]) == pytest.approx([3.1, 6.3, 12.4])
+    timeline = gpu.drained()
+    assert timeline.num_preemptions == 2 and timeline.num_switches == 4
 
 
-def test_eager_steps_end_no_earlier_than_their_launch():
+def test_a_prompt_step_shared_with_decodes_is_cut_each_timeslice():
+    """A long step (a prompt) against a context that keeps launching short ones: each of its
+    timeslices ends in a cut while the other has work, and the short ones run between."""
+    gpu = SharedGPU(timeslice_s=1.0, context_switch_s=0.0)
+    prompt = gpu.place(0, ready=0.0, seconds=2.5, not_before=0.0)
+    decodes = [gpu.place(1, ready=0.0, seconds=0.25, not_before=0.0) for _ in range(3)]
+    # the prompt runs 0-1 and is cut; the decodes 1-1.75, then their context yields; the prompt's
+    # 1.5 left runs 1.75-3.25, nobody waiting
+    assert ends(gpu, decodes) == [1.25, 1.5, 1.75]
+    assert gpu.end(prompt) == 3.25
+    assert gpu.drained().num_preemptions == 1
+
+
+def test_work_a_context_queues_during_its_timeslice_keeps_it_there():
+    """Overlap scheduling: a context that launches its next step before the one running ends
+    keeps the device for the whole timeslice; the other's step runs at its end."""
+    gpu = SharedGPU(timeslice_s=2.0, context_switch_s=0.0)
+    a1 = gpu.place(0, ready=0.0, seconds=0.75, not_before=0.0)
+    b1 = gpu.place(1, ready=0.1, seconds=0.75, not_before=0.1)
+    a2 = gpu.place(0, ready=0.5, seconds=0.75, not_before=0.5)
+    a3 = gpu.place(0, ready=1.0, seconds=0.75, not_before=1.0)
+    # a1 0-0.75, a2 0.75-1.5, a3 from 1.5 cut at 2.0 (0.25 left), b1 2.0-2.75, a3 2.75-3.0
+    assert ends(gpu, [a1, a2, b1, a3]) == [0.75, 1.5, 2.75, 3.0]
+
+
+def test_a_context_that_runs_out_of_work_yields_at_once():
+    gpu = SharedGPU(timeslice_s=2.0, context_switch_s=0.1)
+    a1 = gpu.place(0, ready=0.0, seconds=0.5, not_before=0.0)
+    b1 = gpu.place(1, ready=0.1, seconds=1.0, not_before=0.1)
+    a2 = gpu.place(0, ready=1.0, seconds=0.5, not_before=1.0)  # launched after a1 ended: a's queue ran dry
+    # a yields at 0.5, well inside its timeslice; b runs 0.6-1.6 and yields; a2 runs 1.7-2.2
+    assert ends(gpu, [a1, b1, a2]) == pytest.approx([0.5, 1.6, 2.2])
+    assert gpu.drained().num_switches == 2 and gpu.drained().num_preemptions == 0
+
+
+def test_an_eager_step_ends_no_earlier_than_its_launch_and_leaves_the_device_meanwhile():
     gpu = SharedGPU(timeslice_s=None, context_switch_s=0.0)
-    assert gpu.place(0, ready=0.0, seconds=1.0, not_before=3.0) == 3.0
+    a = gpu.place(0, ready=0.0, seconds=1.0, not_before=3.0)
+    b = gpu.place(1, ready=0.5, seconds=1.0, not_before=0.5)
+    # a's work is done at 1.0, its kernels' launches go on to 3.0: b runs in between
+    assert ends(gpu, [a, b]) == [3.0, 2.0]
+
+
+def test_an_end_once_read_stays():
+    """A step's end is read once the launches that could delay it have been placed: it is
+    committed, and a launch placed later that could start only after it changes nothing of it."""
+    gpu = SharedGPU(timeslice_s=1.0, context_switch_s=0.0)
+    a = gpu.place(0, ready=0.0, seconds=3.0, not_before=0.0)
+    assert gpu.end(a) == 3.0
+    b = gpu.place(1, ready=3.0, seconds=1.0, not_before=3.0)
+    assert gpu.end(a) == 3.0 and gpu.end(b) == 4.0
 
 
 def replay(gpus_per_replica: float, **options) -> tuple[list, Cluster]:
@@ -75,7 +130,23 @@ def test_two_replicas_on_one_gpu_take_turns_and_the_switches_cost():
     )
     # one timeline: it holds both replicas' device time and every switch, none of it overlapping
     busy = sum(r.simulated_seconds for r in runners) + 0.001 * described["num_switches"]
-    assert runners[0].shared.free_at >= busy
+    assert runners[0].shared.drained().now >= busy
+
+
+def test_the_ends_replicas_read_are_those_of_every_launch_they_made():
+    """The fleet steps a replica on a shared GPU at the end of the step it reads next, so that by
+    then the other replica has launched every step that could delay it: each end a replica read is
+    the one the timeline of all the launches gives (a replica stepped at its clock instead would
+    read ends that the other's later launches move)."""
+    _, cluster = replay(0.5, timeslice_s=0.002, context_switch_s=0.0001)
+    gpu = cluster.fleet.engines[0].runner.shared
+    again = SharedGPU(0.002, 0.0001, len(gpu.queues))
+    for context, queue in enumerate(gpu.queues):
+        for step in queue:
+            again.place(context, step.ready, step.seconds, step.not_before)
+    read = [(step.context, step.index, step.end) for queue in gpu.queues for step in queue if step.end is not None]
+    assert len(read) > 50 and again.drained().num_preemptions > 0
+    assert read == [(c, i, again.end(again.queues[c][i])) for c, i, _ in read]
 
 
 def test_one_gpu_each_times_steps_as_before_to_the_bit():
@@ -117,3 +188,28 @@ def test_bad_gpus_per_replica_is_refused_naming_it(value):
 def test_bad_sharing_options_are_refused_naming_them(options, name):
     with pytest.raises(PluginError, match=name):
         Cluster(replicas=2, executor="simulated", executor_options={**PROFILE, **options}, gpus_per_replica=0.5)
+
+
+def test_a_request_that_arrives_during_a_step_on_a_shared_gpu_waits_for_it():
+    """A replica on a shared GPU steps at the end of the step it reads, its step having begun at
+    its clock: a request that reaches it in between is taken once that step returns, as an engine
+    takes what arrives mid-step, not by a step that had begun before it arrived."""
+    cluster = Cluster(
+        replicas=2,
+        executor="simulated",
+        executor_options={**PROFILE, "timeslice_s": 0.002, "context_switch_s": 0.0001},
+        gpus_per_replica=0.5,
+        num_kvcache_blocks=200,
+        router="round_robin",
+    )
+    steps = []
+    with cluster:
+        for i in range(2):  # one long prompt on each replica
+            cluster.add_request([1 + i] * 3000, arrival_time=0.0)
+        late = cluster.add_request([7] * 40, arrival_time=0.01)  # to replica 0, while its step reads the prompt
+        request = cluster.requests[late]
+        while not cluster.is_finished():
+            steps += cluster.step().replica_steps
+    spanning = [(start, end) for replica, start, end, _ in steps if replica == 0 and start < 0.01 < end]
+    assert spanning, "the late request arrived between two steps of replica 0; the test needs one during a step"
+    assert request.first_scheduled_time >= spanning[0][1]

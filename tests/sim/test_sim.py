@@ -696,6 +696,35 @@ def test_a_profiled_step_takes_its_device_time_or_its_launch_whichever_is_longer
         ProfileConfig(repeats=1)
 
 
+def test_a_step_with_a_prompt_is_timed_on_fresh_requests_each_launch():
+    """Relaunching one batch meets the same rows again; a run's prompt steps meet new ones, so
+    prompt-bearing compositions alternate two sets of requests, decode-only ones keep one."""
+    from inferlab.experiment import profile_job as profiling
+
+    with LLM(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        launch, launched = llm.runner.launch, []
+
+        def recording(batch, *args, **kwargs):
+            launched.append(tuple(r.request_id for r in batch.requests))
+            return launch(batch, *args, **kwargs)
+
+        llm.runner.launch = recording
+        timer = profiling.StepTimer(llm, repeats=3)
+        for parts, fresh, sets in (
+            ([(0, 24), (16, 1)], True, 2),
+            ([(16, 1)] * 2, True, 1),
+            ([(0, 24), (16, 1)], False, 1),
+            ([(0, 250)] * 3, True, 1),  # two sets would not fit the cache: one, relaunched
+        ):
+            launched.clear()
+            timer.fresh_prompts = fresh
+            assert timer.time(parts) is not None
+            assert len(set(launched)) == sets
+            assert all(a != b for a, b in zip(launched, launched[1:])) == (sets == 2)
+        assert llm.kv_manager.num_free_blocks == 64  # every set's blocks went back
+        del llm.runner.launch
+
+
 class ReplayCost:
     """A cost model that returns measured step times, in order."""
 

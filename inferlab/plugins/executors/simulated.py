@@ -227,6 +227,7 @@ class SimulatedRunner:
         self.timeslice_s, self.context_switch_s = options.timeslice_s, options.context_switch_s
         self.shared: SharedGPU | None = None  # the GPU it shares with other replicas' runners (share_device)
         self.context = 0  # its number on that GPU
+        self.gpu_step = None  # its step launched last on that GPU (inferlab.sim.shared_gpu.GPUStep)
         self.num_sharing = 1
         self.sampling_rows: list[int] | None = None  # the request ids the last launch sampled, as the runner keys them
         self.dtype = getattr(torch, profile.dtype)
@@ -325,6 +326,8 @@ class SimulatedRunner:
         requests = batch.requests
         rows = [requests[row].request_id for row in sample_rows]
         token = self._launched(shape, len(requests), rows)
+        if self.gpu_step is not None:
+            return SharedStep(len(requests), sample_rows, token, self.clock, self.shared, self.gpu_step)
         return SimulatedStep(len(requests), sample_rows, token, self.clock, self.device_free_at)
 
     def _launched(self, shape: StepShape, num_requests: int, rows: list[int]) -> int:
@@ -335,6 +338,8 @@ class SimulatedRunner:
         if self.noise.active:
             seconds = self.noise(shape, seconds)
         clock, profile = self.clock, self.profile
+        if self.gpu_step is not None:  # the step before's end: the tokens this launch is before (overlap) were read
+            self.device_free_at = self.shared.end(self.gpu_step)
         idle = clock() - self.device_free_at
         if idle > 0 and profile.idle_wake:
             clock.spend(profile.idle_wake_seconds(idle))
@@ -348,8 +353,8 @@ class SimulatedRunner:
                 self.sampling_rows = rows
         clock.spend(host * profile.launch_in_run_factor)
         launched = clock()
-        if self.shared is not None:  # device_free_at is then when this runner's own steps end
-            self.device_free_at = self.shared.place(self.context, launched if shape.graph else start, seconds, launched)
+        if self.shared is not None:  # its end is the shared timeline's to tell, when it is read
+            self.gpu_step = self.shared.place(self.context, launched if shape.graph else start, seconds, launched)
         elif shape.graph:
             self.device_free_at = max(self.device_free_at, launched) + seconds
         else:
@@ -373,9 +378,9 @@ class SimulatedRunner:
         ends: list[float] = []
         read = [pending.token]
         ends_at = pending.ends_at
-        if self.real_time:
+        if self.real_time or self.shared is not None:  # a shared GPU's ends wait for the other replicas' steps
             return DecodeRun(starts, ends, [], pending)
-        lines = isinstance(self.cost_model, MeasuredCostModel) and not self.noise.active and self.shared is None
+        lines = isinstance(self.cost_model, MeasuredCostModel) and not self.noise.active
         if lines and isinstance(self.clock, VirtualClock):
             return self._decode_lines(shape, rows, pending, until, max_steps)
         for _ in range(max_steps):
@@ -454,9 +459,14 @@ class SimulatedRunner:
         """inferlab.core.protocols.SharedDevice: these runners (this one among them) queue their
         steps on one GPU from now on, time-sliced with this runner's timeslice_s and
         context_switch_s."""
-        gpu = SharedGPU(self.timeslice_s, self.context_switch_s)
+        gpu = SharedGPU(self.timeslice_s, self.context_switch_s, len(runners))
         for context, runner in enumerate(runners):
             runner.shared, runner.context, runner.num_sharing = gpu, context, len(runners)
+
+    def pending_end(self) -> float:
+        """inferlab.core.protocols.SharedDevice: when the step it launched last ends, given the
+        steps queued on its GPU so far (its clock's start, 0.0, before any)."""
+        return 0.0 if self.gpu_step is None else self.shared.pending_end(self.gpu_step)
 
     def describe(self) -> dict:
         """What stood in for the device: the profile and the fitted cost model."""
@@ -483,9 +493,22 @@ class SimulatedRunner:
             "idle_wake": profile.idle_wake,
             "launch_in_run_factor": profile.launch_in_run_factor,
             "noise": self.noise.describe(),
-            "shared_gpu": self.shared.describe(self.num_sharing) if self.shared is not None else None,
+            "shared_gpu": self._shared_described(),
             "num_steps": self.num_steps,
             "real_time": self.real_time,  # on this host's clock (its wall time), not a virtual one
+        }
+
+    def _shared_described(self) -> dict | None:
+        """The GPU it shares: its options, and the switches and cuts of the steps queued on it so far."""
+        if self.shared is None:
+            return None
+        timeline = self.shared.drained()
+        return {
+            "replicas": self.num_sharing,
+            "timeslice_s": self.timeslice_s,
+            "context_switch_s": self.context_switch_s,
+            "num_switches": timeline.num_switches,
+            "num_preemptions": timeline.num_preemptions,
         }
 
     def close(self) -> None:
@@ -537,3 +560,16 @@ class SimulatedStep:
         for k, row in enumerate(sample_rows):
             out[row] = -(k + 1)
         return out
+
+
+class SharedStep(SimulatedStep):
+    """A step on a GPU shared with other replicas: when it ends is asked of the shared timeline as
+    its tokens are read, once the steps of the others that could delay it have been queued."""
+
+    def __init__(self, num_rows: int, sample_rows: list[int], token: int, clock, gpu: SharedGPU, step):
+        self.num_rows, self.sample_rows, self.token = num_rows, sample_rows, token
+        self.clock, self.gpu, self.step = clock, gpu, step
+
+    @property
+    def ends_at(self) -> float:
+        return self.gpu.end(self.step)
