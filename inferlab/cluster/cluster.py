@@ -404,6 +404,12 @@ class Cluster:
         nothing is pending)."""
         self.fleet.wait_until(t)
 
+    def wake(self) -> None:
+        """inferlab.core.protocols.WakeableStep: ends a step's wait for the replicas' reports (on
+        Ray) now, or the next step's if none waits, so that a request the caller has just been
+        given is added and routed without waiting it out. Safe from any thread: it takes no lock."""
+        self.fleet.wake()
+
     def is_finished(self) -> bool:
         self.refuse_closed("is_finished")
         return not self.arrivals and not self.handoffs and not self.unreported and self.fleet.idle()
@@ -548,7 +554,8 @@ class Cluster:
             "num_waiting": sum(r.num_waiting for r in replicas) + len(self.arrivals),
             "num_free_blocks": sum(r.num_free_blocks for r in replicas),
             "num_blocks": sum(r.num_blocks for r in replicas),
-            "num_preemptions": sum(stats.num_preemptions for stats in self.fleet.replica_stats()),
+            # as last reported (the server reads this after every step: asking each actor would delay its inbox)
+            "num_preemptions": sum(r.num_preemptions for r in self.fleet.replicas),
             "prefix_hit_tokens": hits,
             "prefix_queried_tokens": queried,
         }

@@ -90,6 +90,10 @@ class LocalReplica:
         SET_RUNNING(view, self.num_running)
 
     @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
     def num_free_blocks(self) -> int:
         return self.engine.kv_manager.num_free_blocks
 
@@ -253,6 +257,9 @@ class LocalFleet:
 
     def clock(self) -> float:
         return self.front.clock()
+
+    def wake(self) -> None:
+        """Nothing to wake: a local step never waits for anything but its own replicas' work."""
 
     def wait_until(self, t: float) -> None:
         if self.virtual:

@@ -46,7 +46,7 @@ from inferlab.core.routing import ReplicaView, RoutedRequest, cached_prefix_from
 from inferlab.core.sampling_params import SamplingParams
 from inferlab.core.scheduler import HANDOFF
 
-POLL_S = 0.01  # how long the driver waits for a report before it looks at its own inbox again
+POLL_S = 0.01  # how long a step waits for a report (unless woken) before its caller looks at its own inbox
 IDLE_WAIT_S = 0.05  # how long an idle actor waits for work before it looks at its stop flag
 WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
@@ -178,6 +178,7 @@ class ReplicaActor:
             "num_waiting": len(scheduler.waiting),
             "num_running": len(scheduler.running),
             "num_free_blocks": kv.num_free_blocks,
+            "num_preemptions": scheduler.num_preemptions,
             "num_queued_prompt_tokens": sum(len(r.token_ids) - r.num_computed_tokens for r in scheduler.waiting)
             + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running),
             "num_pending_output_tokens": sum(
@@ -311,6 +312,7 @@ class RayReplica:
         self.alive = True
         self.num_waiting = self.num_running = 0
         self.num_free_blocks = self.num_blocks
+        self.num_preemptions = 0  # as its latest poll said
         self.reported_queued_tokens = self.reported_outstanding_tokens = 0  # as its latest poll said
         # A decode replica's requests still being prefilled elsewhere (by id): its load to come
         self.incoming: dict[int, Request] = {}
@@ -318,7 +320,7 @@ class RayReplica:
         self.requests: dict[int, Request] = {}  # in flight there
         self.stats = EngineStats()
         self.prefix: tuple[int, int] | None = None
-        self.poll = None  # the poll in flight
+        self.poll = None  # the poll in flight: a concurrent.futures.Future of its report
         self.num_messages = 0  # add, take and abort calls sent to its actor: the next one's number
 
     @property
@@ -411,6 +413,8 @@ class RayFleet:
         self.handed: dict[int, tuple[Request, float]] = {}
         # requests that ended outside a poll (their actor found dead when queueing), for step to report
         self.orphans: list[tuple[RayReplica, list[Request]]] = []
+        # replicas whose poll came back (put by Ray's thread as it does), and None for each wake()
+        self.reports: queue.SimpleQueue = queue.SimpleQueue()
         for replica in self.replicas:
             self._poll(replica)
 
@@ -562,26 +566,30 @@ class RayFleet:
 
     def step(self, until: float | None = None) -> list[tuple[RayReplica, StepOutput, StepOutput, list]]:
         """What the actors reported within POLL_S, or by `until` if sooner (the caller's next
-        arrival, to be routed on time), as LocalFleet.step gives its runs: a run of one for each
-        step they took."""
+        arrival, to be routed on time), or before wake() (a request the caller was just given), as
+        LocalFleet.step gives its runs: a run of one for each step they took."""
         return [(replica, output, output, [(start, end)]) for replica, output, start, end in self._steps(until)]
 
     def _steps(self, until: float | None) -> list[tuple[RayReplica, StepOutput, float, float]]:
         now = perf_counter()
         steps = [(replica, StepOutput(ended, 0, 0, 0), now, now) for replica, ended in self.orphans if ended]
         self.orphans = []
-        polls = {replica.poll: replica for replica in self.replicas if replica.alive and replica.poll is not None}
-        if not polls:
+        if not any(replica.alive and replica.poll is not None for replica in self.replicas):
             return steps
-        timeout = POLL_S if until is None else min(POLL_S, max(0.0, until - perf_counter()))
-        ready, _ = self.ray.wait(list(polls), num_returns=1, timeout=timeout)
-        if ready:  # take whatever else is ready too
-            ready, _ = self.ray.wait(list(polls), num_returns=len(polls), timeout=0)
-        for ref in ready:
-            replica = polls[ref]
-            replica.poll = None
+        timeout = POLL_S if until is None else min(POLL_S, until - perf_counter())
+        ready = []
+        try:  # the first report (or a wake), then whatever else is ready too
+            ready.append(self.reports.get(timeout=timeout) if timeout > 0 else self.reports.get_nowait())
+            while True:
+                ready.append(self.reports.get_nowait())
+        except queue.Empty:
+            pass
+        for replica in ready:
+            if replica is None or not replica.alive or replica.poll is None:  # a wake, or found dead meanwhile
+                continue
+            poll, replica.poll = replica.poll, None
             try:
-                report = self.ray.get(ref)
+                report = poll.result()
             except self.ray.exceptions.RayActorError as e:
                 finished = self._die(replica, e)
                 steps.append((replica, StepOutput(finished, 0, 0, 0), perf_counter(), perf_counter()))
@@ -590,8 +598,16 @@ class RayFleet:
             self._poll(replica)
         return steps
 
+    def wake(self) -> None:
+        """Ends a step's wait for reports now, or the next step's if none is waiting (any thread)."""
+        self.reports.put(None)
+
     def _poll(self, replica: RayReplica) -> None:
-        replica.poll = replica.actor.poll.remote(POLL_S)
+        """Asks the actor for its next report; Ray's thread queues the replica in self.reports when
+        it comes, so that a step waits for reports and wakes alike (ray.wait waits for Ray objects
+        alone)."""
+        poll = replica.poll = replica.actor.poll.remote(POLL_S).future()
+        poll.add_done_callback(lambda _, replica=replica: self.reports.put(replica))
 
     def _apply(self, replica: RayReplica, report: dict) -> list[tuple[RayReplica, StepOutput, float, float]]:
         offset = replica.offset
@@ -643,7 +659,7 @@ class RayFleet:
             (replica.cached.add if cached else replica.cached.discard)(name)
         gauges = report["gauges"]
         replica.num_waiting, replica.num_running = gauges["num_waiting"], gauges["num_running"]
-        replica.num_free_blocks = gauges["num_free_blocks"]
+        replica.num_free_blocks, replica.num_preemptions = gauges["num_free_blocks"], gauges["num_preemptions"]
         replica.reported_queued_tokens = gauges["num_queued_prompt_tokens"]
         replica.reported_outstanding_tokens = gauges["num_queued_prompt_tokens"] + gauges["num_pending_output_tokens"]
         replica.stats, replica.prefix = report["stats"], report["prefix"]

@@ -228,6 +228,18 @@ class ClusterState:
 
 
 @runtime_checkable
+class WakeableStep(Protocol):
+    """Optional capability of an engine that a server's loop drives (inferlab.cluster.Cluster has
+    it): its step may wait for others (a Ray cluster's for its actors' reports) while the loop's
+    inbox fills. The loop calls wake() with each thing it is given, so that a request that comes
+    during that wait is added and routed when it comes, not when the wait ends."""
+
+    def wake(self) -> None:
+        """Ends the wait of the step in progress now, or of the next step if none waits; safe from
+        any thread."""
+
+
+@runtime_checkable
 class Router(Protocol):
     """A router plugin: which replica of a cluster serves each request, over read-only views (see
     inferlab.core.routing). The cluster carries the choice out: the chosen replica's engine

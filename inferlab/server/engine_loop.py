@@ -2,7 +2,8 @@
 
 HTTP handlers never call the engine. They put what they want (add these prompts, abort that
 stream) into the loop's inbox, a thread-safe queue; one thread takes it between steps, calls
-`engine.step()` while requests are pending, and after each step sends every followed request's
+`engine.step()` while requests are pending (waking a step that waits, such as a Ray cluster's
+for its actors' reports, when something is put in the inbox), and after each step sends every followed request's
 newly known tokens to its stream: one hand-over to the event loop carries the updates of all
 streams (call_soon_threadsafe, at most once a step), so that the engine's per-step cost of
 streaming is a pass over the requests that ran.
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from inferlab.core.engine import older_objects_frozen
-from inferlab.core.protocols import PrefixCacheStats
+from inferlab.core.protocols import PrefixCacheStats, WakeableStep
 from inferlab.core.request import Request, RequestStatus
 from inferlab.core.sampling_params import SamplingParams
 
@@ -113,6 +114,8 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics  # a ServerMetrics, or None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # what ends the engine's wait in a step, so that the inbox is read at once (None: it never waits)
+        self.wake = engine.wake if isinstance(engine, WakeableStep) else None
         self.follows: dict[int, _Follow] = {}  # engine request id -> its stream
         self.stream_requests: dict[RequestStream, list[int]] = {}
         self.snapshot = self.gauges()
@@ -136,13 +139,13 @@ class EngineLoop:
         """Queues the prompts of one stream; it receives ACCEPTED or Refused, then tokens."""
         with self.unread_lock:
             self.num_unread_adds += len(prompts)
-        self.inbox.put((stream, prompts))
+        self._put((stream, prompts))
 
     def abort(self, stream: RequestStream, index: int | None = None, reason: str = "abort") -> None:
         """Aborts the stream's unfinished requests (only choice `index` when given), freeing
         their KV blocks; no further updates for them. reason: how the metrics count them ("stop"
         when a stop string ended the text)."""
-        self.inbox.put((stream, (index, reason)))
+        self._put((stream, (index, reason)))
 
     def num_queued(self) -> int:
         """Requests waiting for admission: in the inbox, or in the scheduler's waiting queue."""
@@ -157,14 +160,20 @@ class EngineLoop:
         a final "abort")."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         self.abort_deadline = deadline if self.abort_deadline is None else min(self.abort_deadline, deadline)
-        self.inbox.put(None)  # wakes an idle loop
+        self._put(None)  # wakes an idle loop
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Ends the loop: what is still in flight is aborted with a final event."""
         self.stopping = True
-        self.inbox.put(None)
+        self._put(None)
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout_s)
+
+    def _put(self, item) -> None:
+        """Puts item in the inbox and ends the engine's wait in a step, if it waits."""
+        self.inbox.put(item)
+        if self.wake is not None:
+            self.wake()
 
     # -- on the loop's thread ---------------------------------------------------------------
 
