@@ -151,9 +151,10 @@ def test_a_request_arriving_while_the_driver_waits_reaches_its_actor_on_time(loc
         assert first_end > short[-1].arrival_s  # the short ones arrived while replica 0 was silent
         late = sorted(sent[i] for i in range(1, len(workload)))
         queued = sorted(r.first_scheduled_s - r.arrival_s for r in run.requests[1:])
-        # the driver used to wait up to POLL_S for a report and then a round trip for each add
-        assert late[len(late) // 2] < 0.002, late
-        assert queued[len(queued) // 2] < 0.005, queued
+        # the driver used to wait up to POLL_S for a report and then a round trip for each add (a
+        # median of 19 ms sent); the bounds leave room for Ray's own call on a loaded 2-core machine
+        assert late[len(late) // 2] < 0.005, late
+        assert queued[len(queued) // 2] < 0.008, queued
 
 
 def test_a_request_its_replica_refuses_fails_alone_with_the_reason(local_ray):
