@@ -25,10 +25,15 @@ def test_every_hook_is_documented():
         assert getattr(hookspecs, hook_name).__doc__.strip()
 
 
+# Capabilities of the engine a server's loop drives (an LLMEngine or a Cluster), not of a plugin:
+# docs/serving.md documents them instead of a hook
+ENGINE_CAPABILITIES = {protocols.WakeableStep}
+
+
 def capability_protocols() -> list[str]:
-    """The optional capabilities: the runtime Protocols of core/protocols.py other than the kinds'
-    own and the handle a Runner's launch returns."""
-    kinds = {protocol for _, protocol in KINDS.values()} | {protocols.StepHandle}
+    """The optional capabilities of plugins: the runtime Protocols of core/protocols.py other than
+    the kinds' own, the handle a Runner's launch returns and the engine's own capabilities."""
+    kinds = {protocol for _, protocol in KINDS.values()} | {protocols.StepHandle} | ENGINE_CAPABILITIES
     return sorted(
         name
         for name, obj in vars(protocols).items()
@@ -37,6 +42,12 @@ def capability_protocols() -> list[str]:
         and getattr(obj, "_is_runtime_protocol", False)
         and obj not in kinds
     )
+
+
+def test_the_engines_own_capabilities_are_documented_for_servers():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    for protocol in ENGINE_CAPABILITIES:
+        assert f"`{protocol.__name__}`" in docs, f"{protocol.__name__} is not in docs/serving.md"
 
 
 def test_each_capability_is_listed_by_its_hook_and_documented():
