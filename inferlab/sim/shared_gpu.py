@@ -30,6 +30,10 @@ launches it is given. Measured on the card with inferlab.experiment.timeslice (d
 
 import math
 
+# Steps that have run are dropped from a context's queue once this many have gathered (a step's end,
+# once read, is kept by the step itself), so that a long simulation's queues do not grow with it.
+FORGET_AFTER = 1024
+
 
 class GPUStep:
     """A step queued on the shared GPU: its context, when it can start, its device time, and the
@@ -74,13 +78,14 @@ class SharedGPU:
         self.timeslice = math.inf if timeslice_s is None else timeslice_s
         self.switch = context_switch_s
         self.queues: list[list[GPUStep]] = [[] for _ in range(num_contexts)]
+        self.dropped = [0] * num_contexts  # steps that ran and left the front of each queue
         self.timeline = Timeline(num_contexts)  # committed: no launch placed later starts before its now
 
     def place(self, context: int, ready: float, seconds: float, not_before: float) -> GPUStep:
         """Queues a step of `seconds` of device time of `context` that can start at `ready` and ends
         no earlier than `not_before` (an eager step's kernels run as they are launched)."""
         queue = self.queues[context]
-        step = GPUStep(context, len(queue), ready, seconds, not_before)
+        step = GPUStep(context, self.dropped[context] + len(queue), ready, seconds, not_before)
         queue.append(step)
         return step
 
@@ -89,7 +94,17 @@ class SharedGPU:
         what it decided (the launches that could change it have been placed)."""
         if step.end is None:
             self._run(self.timeline, step, True)
+            self._forget()
         return step.end
+
+    def _forget(self) -> None:
+        """Drops the steps that have run from the front of the queues, where enough have gathered:
+        no timeline, committed or a copy of it, runs them again."""
+        for context, queue in enumerate(self.queues):
+            done = self.timeline.next[context] - self.dropped[context]
+            if done >= FORGET_AFTER:
+                del queue[:done]
+                self.dropped[context] += done
 
     def pending_end(self, step: GPUStep) -> float:
         """When the step would end given the launches placed so far; nothing is committed."""
@@ -106,7 +121,7 @@ class SharedGPU:
 
     def _available(self, timeline: Timeline, context: int) -> float:
         """When the context's next step can run (inf: it has none)."""
-        queue, index = self.queues[context], timeline.next[context]
+        queue, index = self.queues[context], timeline.next[context] - self.dropped[context]
         if index >= len(queue):
             return math.inf
         ready, free = queue[index].ready, timeline.free[context]
@@ -156,7 +171,7 @@ class SharedGPU:
             # the holder runs its next step: to its end, or to the end of its timeslice where
             # another context has work ready by then
             index = timeline.next[holder]
-            step = queues[holder][index]
+            step = queues[holder][index - self.dropped[holder]]
             left = timeline.left[holder]
             finish = now + (step.seconds if left is None else left)
             since = timeline.held_since

@@ -12,7 +12,7 @@ import pytest
 from inferlab import Cluster
 from inferlab.conf.cluster import ClusterConfig, ClusterConfigError, validate_cluster
 from inferlab.core.plugins import PluginError
-from inferlab.sim.shared_gpu import SharedGPU
+from inferlab.sim.shared_gpu import FORGET_AFTER, SharedGPU
 
 PROFILE = {"profile": "h100-qwen3-0.6b-triton", "noise": 0.0}
 
@@ -133,20 +133,48 @@ def test_two_replicas_on_one_gpu_take_turns_and_the_switches_cost():
     assert runners[0].shared.drained().now >= busy
 
 
-def test_the_ends_replicas_read_are_those_of_every_launch_they_made():
+def test_the_ends_replicas_read_are_those_of_every_launch_they_made(monkeypatch):
     """The fleet steps a replica on a shared GPU at the end of the step it reads next, so that by
     then the other replica has launched every step that could delay it: each end a replica read is
     the one the timeline of all the launches gives (a replica stepped at its clock instead would
     read ends that the other's later launches move)."""
+    placed, place = [], SharedGPU.place
+
+    def recording(gpu, *args):
+        placed.append(place(gpu, *args))
+        return placed[-1]
+
+    monkeypatch.setattr(SharedGPU, "place", recording)
     _, cluster = replay(0.5, timeslice_s=0.002, context_switch_s=0.0001)
-    gpu = cluster.fleet.engines[0].runner.shared
-    again = SharedGPU(0.002, 0.0001, len(gpu.queues))
-    for context, queue in enumerate(gpu.queues):
-        for step in queue:
-            again.place(context, step.ready, step.seconds, step.not_before)
-    read = [(step.context, step.index, step.end) for queue in gpu.queues for step in queue if step.end is not None]
+    monkeypatch.undo()
+    again = SharedGPU(0.002, 0.0001, len(cluster.fleet.engines))
+    steps = {
+        (step.context, step.index): again.place(step.context, step.ready, step.seconds, step.not_before)
+        for step in placed
+    }
+    read = [(step.context, step.index, step.end) for step in placed if step.end is not None]
     assert len(read) > 50 and again.drained().num_preemptions > 0
-    assert read == [(c, i, again.end(again.queues[c][i])) for c, i, _ in read]
+    assert read == [(c, i, again.end(steps[c, i])) for c, i, _ in read]
+
+
+def test_steps_that_ran_leave_the_queues():
+    """A long run's queues hold the steps not yet run and fewer than FORGET_AFTER run ones, each
+    step's end staying what it read."""
+    gpu = SharedGPU(timeslice_s=1.0, context_switch_s=0.01)
+    ends_read = []
+    for i in range(5 * FORGET_AFTER):
+        a = gpu.place(0, ready=i * 0.5, seconds=0.3, not_before=i * 0.5)
+        b = gpu.place(1, ready=i * 0.5, seconds=0.1, not_before=i * 0.5)
+        ends_read += [gpu.end(a), gpu.end(b)]
+        assert all(len(queue) <= FORGET_AFTER for queue in gpu.queues)
+    assert a.index == b.index == 5 * FORGET_AFTER - 1 and gpu.drained().now == max(ends_read[-2:])
+    # the same launches on a GPU that forgets nothing give the same ends
+    again = SharedGPU(timeslice_s=1.0, context_switch_s=0.01)
+    again._forget = lambda: None
+    steps = []
+    for i in range(5 * FORGET_AFTER):
+        steps += [again.place(0, i * 0.5, 0.3, i * 0.5), again.place(1, i * 0.5, 0.1, i * 0.5)]
+    assert [again.end(step) for step in steps] == ends_read
 
 
 def test_one_gpu_each_times_steps_as_before_to_the_bit():
