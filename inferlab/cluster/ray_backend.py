@@ -37,6 +37,7 @@ from inferlab.core.engine import (
     StepOutput,
     as_token_ids,
     check_request_arguments,
+    draw_seed,
     outside_range,
 )
 from inferlab.core.handoff import KVHandoff
@@ -452,7 +453,7 @@ class RayFleet:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={config.max_model_len}")
         request_id = self.next_request_id
         self.next_request_id += 1
-        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(32)
+        seed = draw_seed(params, self.seed_rng)
         return Request(
             request_id,
             token_ids,

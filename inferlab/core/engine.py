@@ -224,6 +224,12 @@ def check_request_arguments(params, priority, metadata, arrival_time) -> None:
         raise TypeError(f"arrival_time must be a finite number of seconds on the engine's clock, got {arrival_time!r}")
 
 
+def draw_seed(params: SamplingParams, rng: random.Random) -> int:
+    """A request's seed: its own, or the next draw of the engine's stream (a Ray cluster's driver
+    draws from one such stream for every replica)."""
+    return params.seed if params.seed is not None else rng.getrandbits(32)
+
+
 class LLMEngine:
     """LLM(model_path, **settings): nano-vllm's settings, plus device, dtype and plugin names
     (scheduler, kv_cache, attention, model, sampler) with their `<kind>_options`. Without a path,
@@ -343,7 +349,7 @@ class LLMEngine:
         if len(token_ids) > max_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}")
         # Drawn before the cache check, so other requests' seeds do not depend on the cache size.
-        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(32)
+        seed = draw_seed(params, self.seed_rng)
         self.check_fits_cache(len(token_ids), params)
         new_constraint = self.constraint_factory(params)
         arrival_time = self.clock() if arrival_time is None else arrival_time
