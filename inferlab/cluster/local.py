@@ -333,8 +333,7 @@ class LocalFleet:
     def acted(self, replica: LocalReplica) -> None:
         """After a replica's step (or run of decode steps) did something: the parked replicas try
         again, it steps next at its clock (the others on its GPU, whose steps its launch may delay,
-        at theirs), and an idle prefill replica frees the
-        blocks of sends that ended."""
+        at theirs), and an idle prefill replica frees the blocks of sends that ended."""
         self.unpark()
         self.schedule(replica)
         for other in replica.sharing:
